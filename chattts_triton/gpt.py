@@ -1,0 +1,221 @@
+"""The ChatTTS acoustic model (Embed + 20-layer Llama + heads) with a slot-indexed static KV cache.
+
+TorchScript-able (`torch.jit.script`). The engine owns the cache tensors and passes them in; every
+request lives in one cache slot and its positions start at 0, so no left padding is ever needed and
+a request computes the same numbers whichever batch it shares.
+
+Cache layout: k_cache / v_cache [layers, slots, context, kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .assets import AssetError, load_json, load_safetensors
+from .config import Arch, GPTDims
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d: GPTDims):
+        super().__init__()
+        self.heads = d.heads
+        self.kv_heads = d.kv_heads
+        self.head_dim = d.head_dim
+        self.input_layernorm = RMSNorm(d.hidden, d.rms_eps)
+        self.post_attention_layernorm = RMSNorm(d.hidden, d.rms_eps)
+        self.q_proj = nn.Linear(d.hidden, d.heads * d.head_dim, bias=False)
+        self.k_proj = nn.Linear(d.hidden, d.kv_heads * d.head_dim, bias=False)
+        self.v_proj = nn.Linear(d.hidden, d.kv_heads * d.head_dim, bias=False)
+        self.o_proj = nn.Linear(d.heads * d.head_dim, d.hidden, bias=False)
+        self.gate_proj = nn.Linear(d.hidden, d.intermediate, bias=False)
+        self.up_proj = nn.Linear(d.hidden, d.intermediate, bias=False)
+        self.down_proj = nn.Linear(d.intermediate, d.hidden, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        write_index: Tensor,
+        slots: Tensor,
+        attn_len: int,
+        mask: Tensor,
+    ) -> Tensor:
+        b, t, _ = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim)
+        v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        # write this step's keys/values into each request's slot, then attend over the slot
+        s, c = k_cache.shape[0], k_cache.shape[1]
+        flat_k = k_cache.view(s * c, self.kv_heads, self.head_dim)
+        flat_v = v_cache.view(s * c, self.kv_heads, self.head_dim)
+        flat_k.index_copy_(0, write_index, k.reshape(b * t, self.kv_heads, self.head_dim).to(k_cache.dtype))
+        flat_v.index_copy_(0, write_index, v.reshape(b * t, self.kv_heads, self.head_dim).to(v_cache.dtype))
+        keys = k_cache.narrow(1, 0, attn_len).index_select(0, slots).to(q.dtype)
+        values = v_cache.narrow(1, 0, attn_len).index_select(0, slots).to(q.dtype)
+        rep = self.heads // self.kv_heads
+        if rep > 1:
+            keys = keys.repeat_interleave(rep, dim=2)
+            values = values.repeat_interleave(rep, dim=2)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
+        )
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class ChatTTSGPT(nn.Module):
+    """Embeddings, transformer with slot KV cache, text head and code heads (weight norm folded)."""
+
+    def __init__(self, arch: Arch):
+        super().__init__()
+        d = arch.gpt
+        self.hidden = d.hidden
+        self.num_vq = arch.num_vq
+        self.num_audio_tokens = arch.num_audio_tokens
+        self.layers_n = d.layers
+        self.kv_heads = d.kv_heads
+        self.head_dim = d.head_dim
+        self.emb_text = nn.Embedding(arch.num_text_tokens, d.hidden)
+        self.emb_code = nn.Parameter(torch.zeros(arch.num_vq, arch.num_audio_tokens, d.hidden))
+        self.layers = nn.ModuleList([DecoderLayer(d) for _ in range(d.layers)])
+        self.norm = RMSNorm(d.hidden, d.rms_eps)
+        self.head_text = nn.Parameter(torch.zeros(arch.num_text_tokens, d.hidden))
+        self.head_code = nn.Parameter(torch.zeros(arch.num_vq, arch.num_audio_tokens, d.hidden))
+        inv_freq = 1.0 / (d.rope_theta ** (torch.arange(0, d.head_dim, 2, dtype=torch.int64).float() / d.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # offsets to index the flattened [codebook, token] code embedding table
+        self.register_buffer(
+            "code_offsets", torch.arange(arch.num_vq, dtype=torch.int64) * arch.num_audio_tokens, persistent=False
+        )
+
+    @torch.jit.export
+    def embed_text(self, ids: Tensor) -> Tensor:
+        """ids [...] → [..., hidden]"""
+        return self.emb_text(ids)
+
+    @torch.jit.export
+    def embed_code(self, codes: Tensor) -> Tensor:
+        """codes [..., num_vq] → sum of the per-codebook embeddings [..., hidden]"""
+        table = self.emb_code.view(self.num_vq * self.num_audio_tokens, self.hidden)
+        return F.embedding(codes + self.code_offsets, table).sum(-2)
+
+    @torch.jit.export
+    def logits_code(self, h: Tensor) -> Tensor:
+        """h [B, hidden] → float logits [B, num_vq, num_audio_tokens]"""
+        return torch.einsum("bh,qah->bqa", h, self.head_code.to(h.dtype)).float()
+
+    @torch.jit.export
+    def logits_text(self, h: Tensor) -> Tensor:
+        """h [B, hidden] → float logits [B, num_text_tokens]"""
+        return F.linear(h, self.head_text.to(h.dtype)).float()
+
+    def forward(self, x: Tensor, positions: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor, attn_len: int) -> Tensor:
+        """One prefill or decode step.
+
+        x [B, T, hidden]; positions [B, T] int64 (absolute, -1 = padding: written to a scratch
+        place and never attended); slots [B] int64 cache slot of each row; attn_len = 1 + the
+        largest position in the step. Returns the final-norm hidden states [B, T, hidden].
+        """
+        b, t, _ = x.shape
+        context = k_cache.shape[2]
+        valid = positions >= 0
+        pos = torch.where(valid, positions, torch.zeros_like(positions))
+        # padding goes to the slot's last place: it is rewritten before it can ever be attended
+        place = torch.where(valid, pos, torch.full_like(pos, context - 1))
+        write_index = (slots.unsqueeze(1) * context + place).reshape(b * t)
+        freqs = pos.unsqueeze(-1).float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(x.dtype).unsqueeze(2)
+        sin = emb.sin().to(x.dtype).unsqueeze(2)
+        key_pos = torch.arange(attn_len, device=x.device)
+        allowed = key_pos.view(1, 1, attn_len) <= pos.unsqueeze(-1)  # [B, T, attn_len]
+        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
+        mask = mask.masked_fill(~allowed, float("-inf")).unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], write_index, slots, attn_len, mask)
+        return self.norm(x)
+
+    @torch.jit.export
+    def new_cache(self, slots: int, context: int, dtype: torch.dtype, device: torch.device) -> List[Tensor]:
+        shape = [self.layers_n, slots, context, self.kv_heads, self.head_dim]
+        return [torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)]
+
+
+def _fold_weight_norm(sd: Dict[str, Tensor], prefix: str) -> Tensor:
+    """weight_norm(dim=0): W = g * v / ||v|| with the norm over each output row."""
+    g = sd[f"{prefix}.parametrizations.weight.original0"]
+    v = sd[f"{prefix}.parametrizations.weight.original1"]
+    return torch._weight_norm(v, g, 0)
+
+
+def load_gpt(folder: Path, arch: Arch) -> ChatTTSGPT:
+    """Build ChatTTSGPT from `gpt/model.safetensors` and `Embed.safetensors` of an asset folder."""
+    folder = Path(folder)
+    model = ChatTTSGPT(arch)
+    llama = load_safetensors(folder / "gpt/model.safetensors")
+    llama = {k[len("model."):] if k.startswith("model.") else k: v for k, v in llama.items()}
+    emb = load_safetensors(folder / "Embed.safetensors")
+    sd: Dict[str, Tensor] = {
+        "emb_text.weight": emb["emb_text.weight"],
+        "emb_code": torch.stack([emb[f"emb_code.{i}.weight"] for i in range(arch.num_vq)]),
+        "head_text": _fold_weight_norm(emb, "head_text"),
+        "head_code": torch.stack([_fold_weight_norm(emb, f"head_code.{i}") for i in range(arch.num_vq)]),
+        "norm.weight": llama["norm.weight"],
+    }
+    names = {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight": "q_proj.weight",
+        "self_attn.k_proj.weight": "k_proj.weight",
+        "self_attn.v_proj.weight": "v_proj.weight",
+        "self_attn.o_proj.weight": "o_proj.weight",
+        "mlp.gate_proj.weight": "gate_proj.weight",
+        "mlp.up_proj.weight": "up_proj.weight",
+        "mlp.down_proj.weight": "down_proj.weight",
+    }
+    for i in range(arch.gpt.layers):
+        for src, dst in names.items():
+            key = f"layers.{i}.{src}"
+            if key not in llama:
+                raise AssetError(f"gpt/model.safetensors: tensor {key!r} is missing")
+            sd[f"layers.{i}.{dst}"] = llama[key]
+    expected = model.state_dict()
+    for k, v in sd.items():
+        if tuple(v.shape) != tuple(expected[k].shape):
+            raise AssetError(f"{k}: shape {tuple(v.shape)} does not match the architecture {tuple(expected[k].shape)}")
+    model.load_state_dict(sd, strict=True)
+    return model.eval()
+
+
+def gpt_config(folder: Path) -> dict:
+    return load_json(Path(folder) / "gpt/config.json")

@@ -1,0 +1,117 @@
+"""Upstream ChatTTS sampling, batched over rows that each carry their own parameters.
+
+Order as upstream `GPT.generate`: logits / temperature → repetition penalty over the last 16
+generated tokens → top-P → top-K (both keep at least 3 tokens) → EOS masked while fewer than
+`min_new_token` tokens exist → softmax → draw. All rows are processed together on the device;
+nothing here syncs with the host.
+
+The draw uses a counter-based generator: the uniform number of a row depends only on
+(seed, step, row-within-request, attempt), so a request samples the same tokens whatever batch it
+shares and on whichever device it runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .config import MIN_TOKENS_TO_KEEP, REPETITION_WINDOW
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (lowbias32-style) on int64 tensors holding values < 2**32."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def uniform(seed: Tensor, step: Tensor, row: Tensor, attempt: Tensor) -> Tensor:
+    """Deterministic U[0, 1) per row from int64 tensors of equal shape."""
+    h = _mix32(seed & _MASK32)
+    h = _mix32(h ^ ((seed >> 32) & _MASK32))
+    h = _mix32(h ^ (step & _MASK32))
+    h = _mix32(h ^ (row & _MASK32))
+    h = _mix32(h ^ (attempt & _MASK32))
+    return (h.double() / 4294967296.0).float()
+
+
+def repetition_penalty(logits: Tensor, history: Tensor, history_len: Tensor, penalty: Tensor) -> Tensor:
+    """Upstream CustomRepetitionPenaltyLogitsProcessorRepeat, one window per row.
+
+    history [R, W] holds each row's last W generated tokens (left part unused when fewer exist);
+    history_len [R] how many of them are real; penalty [R].
+    """
+    r, w = history.shape
+    v = logits.shape[1]
+    used = torch.arange(w, device=logits.device).unsqueeze(0) >= (w - history_len.clamp(max=w)).unsqueeze(1)
+    freq = torch.zeros(r, v, device=logits.device, dtype=logits.dtype)
+    freq.scatter_add_(1, history, used.to(logits.dtype))
+    alpha = torch.pow(penalty.unsqueeze(1), freq)
+    return torch.where(logits < 0, logits * alpha, logits / alpha)
+
+
+def top_p_filter(logits: Tensor, top_p: Tensor) -> Tensor:
+    """transformers TopPLogitsWarper(top_p, min_tokens_to_keep=3) with a top_p per row."""
+    sorted_logits, sorted_idx = torch.sort(logits, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = cum <= (1 - top_p).unsqueeze(1)
+    remove[..., -MIN_TOKENS_TO_KEEP:] = False
+    remove = remove.scatter(1, sorted_idx, remove)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def top_k_filter(logits: Tensor, top_k: Tensor) -> Tensor:
+    """transformers TopKLogitsWarper(top_k, min_tokens_to_keep=3) with a top_k per row."""
+    v = logits.shape[1]
+    k = top_k.clamp(min=MIN_TOKENS_TO_KEEP, max=v)
+    sorted_desc = torch.sort(logits, dim=-1, descending=True).values
+    kth = sorted_desc.gather(1, (k - 1).unsqueeze(1))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def process_logits(
+    logits: Tensor,
+    temperature: Tensor,
+    penalty: Tensor,
+    top_p: Tensor,
+    top_k: Tensor,
+    history: Tensor,
+    history_len: Tensor,
+    forbid_eos: Tensor,
+    eos: int,
+) -> Tensor:
+    """Everything upstream does to the logits before the softmax. All parameters are per row;
+    top_p ≥ 1 and top_k ≤ 0 switch that filter off for the row (upstream `None`)."""
+    logits = logits / temperature.unsqueeze(1)
+    apply_pen = penalty != 1.0
+    penalised = repetition_penalty(logits, history, history_len, penalty)
+    logits = torch.where(apply_pen.unsqueeze(1), penalised, logits)
+    logits = torch.where((top_p < 1.0).unsqueeze(1), top_p_filter(logits, top_p.clamp(max=1.0)), logits)
+    logits = torch.where((top_k > 0).unsqueeze(1), top_k_filter(logits, top_k), logits)
+    eos_col = logits[:, eos].masked_fill(forbid_eos, float("-inf"))
+    logits[:, eos] = eos_col
+    return logits
+
+
+def draw(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF draw of one token per row from probabilities [R, V] with uniforms [R]."""
+    cdf = probs.cumsum(dim=-1)
+    target = u.unsqueeze(1) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return idx.clamp(max=probs.shape[1] - 1)
+
+
+def sample(logits: Tensor, u: Tensor) -> Tensor:
+    return draw(torch.softmax(logits, dim=-1), u)
+
+
+def window(tokens: Tensor, n: int = REPETITION_WINDOW) -> Tensor:
+    """Last n tokens of [R, T] as [R, n], left-filled with zeros when T < n."""
+    r, t = tokens.shape
+    if t >= n:
+        return tokens[:, t - n :]
+    out = torch.zeros(r, n, dtype=tokens.dtype, device=tokens.device)
+    out[:, n - t :] = tokens
+    return out

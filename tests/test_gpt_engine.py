@@ -1,0 +1,236 @@
+"""GPT + engine against upstream ChatTTS `GPT` (HF LlamaModel with its cache) on the same weights."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from chattts_triton import sampling
+from chattts_triton.assets import infer_arch
+from chattts_triton.engine import Engine, GenRequest, SamplingParams
+from chattts_triton.gpt import load_gpt
+
+
+def upstream_gpt(folder):
+    from ChatTTS.model import GPT, Embed
+
+    arch = infer_arch(folder)
+    emb = Embed(arch.gpt.hidden, arch.num_audio_tokens, arch.num_text_tokens, arch.num_vq)
+    emb.load_pretrained(f"{folder}/Embed.safetensors", torch.device("cpu"))
+    cfg = dict(
+        hidden_size=arch.gpt.hidden,
+        intermediate_size=arch.gpt.intermediate,
+        num_attention_heads=arch.gpt.heads,
+        num_hidden_layers=arch.gpt.layers,
+        use_cache=False,
+        max_position_embeddings=arch.gpt.max_positions,
+        spk_emb_dim=192,
+        spk_KL=False,
+        num_audio_tokens=arch.num_audio_tokens,
+        num_text_tokens=arch.num_text_tokens,
+        num_vq=arch.num_vq,
+    )
+    g = GPT(cfg, emb, logger=logging.getLogger("upstream")).eval()
+    g.load_pretrained(f"{folder}/gpt", f"{folder}/Embed.safetensors")
+    return arch, emb, g
+
+
+def upstream_generate(emb, g, ids, n_new, min_new, infer_text=False, eos=625, top_p=0.7, top_k=20, pen=1.05):
+    from ChatTTS.model import gen_logits
+
+    input_ids = ids.view(1, -1, 1).expand(-1, -1, 4).clone()
+    mask = torch.ones(1, ids.numel(), dtype=torch.bool)
+    e = emb(input_ids, mask)
+    warp, proc = gen_logits(eos if not infer_text else 21178, top_p, top_k, pen)
+    temp = torch.tensor([1e-5] * (1 if infer_text else 4))
+    res = next(
+        g.generate(
+            e, input_ids, temperature=temp, eos_token=eos, attention_mask=mask, max_new_token=n_new,
+            min_new_token=min_new, logits_processors=(*proc, *warp), infer_text=infer_text,
+            return_hidden=True, show_tqdm=False,
+        )
+    )
+    return res.ids[0], (res.hiddens[0] if len(res.hiddens) else None)
+
+
+def greedy(n, min_new, seed=0):
+    return SamplingParams(1e-5, 0.7, 20, 1.05, n, min_new, seed=seed)
+
+
+def make_engine(model, arch, **kw):
+    kw.setdefault("max_slots", 4)
+    kw.setdefault("max_context", 512)
+    kw.setdefault("max_new_tokens", 160)
+    return Engine(model, hidden=arch.gpt.hidden, num_vq=arch.num_vq, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_assets):
+    arch, emb, g = upstream_gpt(tiny_assets)
+    return arch, emb, g, load_gpt(tiny_assets, arch)
+
+
+def test_prefill_and_cached_decode_match_llama_with_its_cache(tiny):
+    from transformers import DynamicCache
+
+    arch, emb, g, ours = tiny
+    torch.manual_seed(0)
+    ids = torch.randint(0, arch.num_text_tokens, (1, 17))
+    kc, vc = ours.new_cache(3, 64, torch.float32, torch.device("cpu"))
+    slot = torch.tensor([2])
+    with torch.no_grad():
+        out = g.gpt(inputs_embeds=emb.emb_text(ids), use_cache=True, past_key_values=DynamicCache())
+        h = ours(ours.embed_text(ids), torch.arange(17).unsqueeze(0), slot, kc, vc, 17)
+        assert (out.last_hidden_state - h).abs().max() <= 1e-4
+        up_text = emb.head_text(out.last_hidden_state[:, -1])
+        assert (up_text - ours.logits_text(h[:, -1])).abs().max() <= 1e-4
+        pkv = out.past_key_values
+        for step in range(20):
+            codes = torch.randint(0, 626, (1, 1, 4))
+            e_up = torch.stack([emb.emb_code[i](codes[:, :, i]) for i in range(4)], 3).sum(3)
+            o = g.gpt(inputs_embeds=e_up, past_key_values=pkv, use_cache=True, position_ids=torch.tensor([[17 + step]]))
+            pkv = o.past_key_values
+            hm = ours(ours.embed_code(codes), torch.tensor([[17 + step]]), slot, kc, vc, 18 + step)
+            assert (o.last_hidden_state - hm).abs().max() <= 1e-4
+            up_codes = torch.stack([emb.head_code[i](o.last_hidden_state[:, -1]) for i in range(4)], 1)
+            assert (up_codes - ours.logits_code(hm[:, -1])).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("scripted", [False, True])
+def test_engine_greedy_codes_and_hiddens_equal_upstream_generate(tiny, scripted):
+    arch, emb, g, ours = tiny
+    model = torch.jit.script(ours) if scripted else ours
+    eng = make_engine(model, arch)
+    try:
+        for seed, (n, min_new) in enumerate([(120, 60), (40, 0), (1, 0)]):
+            torch.manual_seed(seed)
+            ids = torch.randint(0, 21000, (1 + 9 * seed,))
+            up_ids, up_h = upstream_generate(emb, g, ids, n, min_new)
+            r = eng.generate(GenRequest(text_ids=ids, params=greedy(n, min_new), on_done=None))
+            assert torch.equal(r.tokens, up_ids)
+            assert r.hiddens.shape == up_h.shape and (r.hiddens - up_h).abs().max() <= 1e-4
+    finally:
+        eng.stop()
+
+
+def test_engine_refine_text_mode_equals_upstream(tiny):
+    arch, emb, g, ours = tiny
+    eng = make_engine(ours, arch)
+    try:
+        ids = torch.randint(0, 21000, (12,))
+        up_ids, _ = upstream_generate(emb, g, ids, 30, 0, infer_text=True, eos=21140, pen=1.0)
+        r = eng.generate(
+            GenRequest(text_ids=ids, params=SamplingParams(1e-5, 0.7, 20, 1.0, 30, 0, seed=1), on_done=None,
+                       mode="text", eos_id=21140, want_hidden=False)
+        )
+        assert torch.equal(r.tokens, up_ids)
+    finally:
+        eng.stop()
+
+
+def test_request_output_does_not_depend_on_batchmates(tiny):
+    """Real sampling (temperature 0.3): alone vs joined mid-flight by others, same tokens."""
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, max_slots=8)
+    prompts = [torch.randint(0, 21000, (5 + 7 * i,)) for i in range(6)]
+    params = [SamplingParams(0.3, 0.7, 20, 1.05, 30 + 10 * i, 10, seed=100 + i) for i in range(6)]
+    try:
+        alone = [eng.generate(GenRequest(text_ids=p, params=sp, on_done=None)) for p, sp in zip(prompts, params)]
+        results = [None] * 6
+        done = threading.Barrier(7)
+
+        def run(i):
+            results[i] = eng.generate(GenRequest(text_ids=prompts[i], params=params[i], on_done=None))
+            done.wait()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        done.wait(timeout=120)
+        for a, b in zip(alone, results):
+            assert torch.equal(a.tokens, b.tokens)
+            assert torch.allclose(a.hiddens, b.hiddens, atol=1e-5)
+        assert len({tuple(r.tokens.flatten().tolist()) for r in results}) == 6  # seeds matter
+    finally:
+        eng.stop()
+
+
+def test_min_new_tokens_forbids_eos_and_max_new_tokens_stops(tiny):
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch)
+    try:
+        p = SamplingParams(5.0, None, None, 1.0, 25, 25, seed=3)  # hot sampling: EOS would be likely
+        r = eng.generate(GenRequest(text_ids=torch.arange(1, 9), params=p, on_done=None))
+        assert r.tokens.shape == (25, 4) and r.finish_reason == "max_tokens"
+        assert not (r.tokens == 625).any()
+    finally:
+        eng.stop()
+
+
+def test_context_overflow_and_cancel(tiny):
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, max_context=64, max_new_tokens=60)
+    try:
+        with pytest.raises(ValueError, match="exceeds the context"):
+            eng.submit(GenRequest(text_ids=torch.arange(1, 20), params=greedy(60, 0), on_done=lambda r: None))
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            eng.submit(GenRequest(text_ids=torch.arange(1, 5), params=greedy(61, 0), on_done=lambda r: None))
+        got = []
+        ev = threading.Event()
+        req = GenRequest(text_ids=torch.arange(1, 5), params=greedy(55, 55), on_done=lambda r: (got.append(r), ev.set()))
+        eng.submit(req)
+        req.cancel()
+        assert ev.wait(30)
+        assert got[0].finish_reason == "cancelled" and got[0].tokens is None
+        assert eng.active == 0 and len(eng.free) == 4
+    finally:
+        eng.stop()
+
+
+def test_sampling_filters_equal_transformers_warpers():
+    from transformers.generation import TopKLogitsWarper, TopPLogitsWarper
+
+    from ChatTTS.model.processors import CustomRepetitionPenaltyLogitsProcessorRepeat
+
+    torch.manual_seed(0)
+    logits = torch.randn(8, 626) * 3
+    for p in (0.1, 0.7, 0.95):
+        ref = TopPLogitsWarper(p, min_tokens_to_keep=3)(None, logits)
+        assert torch.equal(sampling.top_p_filter(logits, torch.full((8,), p)), ref)
+    for k in (1, 3, 20, 700):
+        ref = TopKLogitsWarper(k, min_tokens_to_keep=3)(None, logits)
+        assert torch.equal(sampling.top_k_filter(logits, torch.full((8,), k)), ref)
+    hist = torch.randint(0, 626, (8, 30))
+    ref = CustomRepetitionPenaltyLogitsProcessorRepeat(1.3, 625, 16)(hist, logits)
+    ours = sampling.repetition_penalty(logits, sampling.window(hist), torch.full((8,), 30), torch.full((8,), 1.3))
+    assert torch.allclose(ours, ref)
+
+
+def test_counter_based_draw_is_deterministic_and_uniform():
+    seed = torch.tensor([1, 1, 2, (1 << 40) + 1])
+    u1 = sampling.uniform(seed, torch.tensor([0, 1, 0, 0]), torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+    u2 = sampling.uniform(seed, torch.tensor([0, 1, 0, 0]), torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+    assert torch.equal(u1, u2) and len(set(u1.tolist())) == 4
+    many = sampling.uniform(torch.arange(20000), torch.zeros(20000, dtype=torch.long), torch.zeros(20000, dtype=torch.long), torch.zeros(20000, dtype=torch.long))
+    assert 0 <= many.min() and many.max() < 1 and abs(many.mean().item() - 0.5) < 0.01
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75]])
+    draws = [sampling.draw(probs, torch.tensor([u])).item() for u in (0.0, 0.2, 0.26, 0.99)]
+    assert draws == [1, 1, 3, 3]
+
+
+@pytest.mark.slow
+def test_full_size_engine_greedy_equals_upstream(full_assets):
+    arch, emb, g = upstream_gpt(full_assets)
+    ours = torch.jit.script(load_gpt(full_assets, arch))
+    eng = make_engine(ours, arch)
+    try:
+        ids = torch.randint(0, 21000, (30,))
+        up_ids, up_h = upstream_generate(emb, g, ids, 24, 12)
+        r = eng.generate(GenRequest(text_ids=ids, params=greedy(24, 12), on_done=None))
+        assert torch.equal(r.tokens, up_ids)
+        assert (r.hiddens - up_h).abs().max() <= 1e-4
+    finally:
+        eng.stop()
