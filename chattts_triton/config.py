@@ -195,7 +195,8 @@ ENSEMBLE_INPUTS = {
     "USE_DECODER": ("TYPE_BOOL", [1], False),
     "NORMALIZE_TEXT": ("TYPE_BOOL", [1], False),
     "SPEAKER_AUDIO": ("TYPE_FP32", [-1], False),  # 24 kHz mono reference audio (spk_smp)
-    "SPEAKER_TEXT": ("TYPE_STRING", [1], False),  # transcript of SPEAKER_AUDIO (txt_smp)
+    "SPEAKER_TEXT": ("TYPE_STRING", [1], False),  # transcript of the reference speaker (txt_smp)
+    "SPEAKER_SAMPLE": ("TYPE_STRING", [1], False),  # spk_smp string, as Chat.sample_audio_speaker returns
 }
 ENSEMBLE_OUTPUTS = {"AUDIO": ("TYPE_FP32", [-1])}
 

@@ -47,7 +47,8 @@ def repetition_penalty(logits: Tensor, history: Tensor, history_len: Tensor, pen
     v = logits.shape[1]
     used = torch.arange(w, device=logits.device).unsqueeze(0) >= (w - history_len.clamp(max=w)).unsqueeze(1)
     freq = torch.zeros(r, v, device=logits.device, dtype=logits.dtype)
-    freq.scatter_add_(1, history, used.to(logits.dtype))
+    # unused places may hold stale ids of another vocabulary: point them at 0 (they add nothing)
+    freq.scatter_add_(1, torch.where(used, history, torch.zeros_like(history)), used.to(logits.dtype))
     alpha = torch.pow(penalty.unsqueeze(1), freq)
     return torch.where(logits < 0, logits * alpha, logits / alpha)
 

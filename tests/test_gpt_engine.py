@@ -234,3 +234,17 @@ def test_full_size_engine_greedy_equals_upstream(full_assets):
         assert (r.hiddens - up_h).abs().max() <= 1e-4
     finally:
         eng.stop()
+
+
+def test_slot_reused_after_refine_text_request(tiny):
+    """A slot that held text-vocabulary tokens serves an audio-code request next."""
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, max_slots=1)
+    try:
+        text = eng.generate(GenRequest(text_ids=torch.arange(1, 9), params=SamplingParams(1.0, None, None, 1.0, 20, 20, seed=5),
+                                       on_done=None, mode="text", eos_id=21140, want_hidden=False))
+        assert text.tokens.max() >= 626  # text ids beyond the audio vocabulary were left in the slot
+        code = eng.generate(GenRequest(text_ids=torch.arange(1, 9), params=greedy(10, 10), on_done=None))
+        assert code.finish_reason == "max_tokens" and code.tokens.shape == (10, 4)
+    finally:
+        eng.stop()

@@ -1,0 +1,219 @@
+"""Model configurations of the repository, built as `model_config_pb2.ModelConfig` protos.
+
+The single place where model names, tensor names/shapes, batching and instance groups are decided;
+`python -m chattts_triton.repo_config --repo DIR --gpus 0,1 --instances 2` rewrites them in place
+(`make configure`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from .config import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, LIMITS, NUM_VQ, Arch
+
+ENSEMBLE = "chattts"
+PREPROCESS = "chattts_preprocess"
+GPT = "chattts_gpt"
+VOCODER = "chattts_vocoder"
+MODELS = (PREPROCESS, GPT, VOCODER)
+MANIFEST = "manifest.json"
+
+# Contract inputs each composing model takes from the ensemble.
+PREPROCESS_FROM_ENSEMBLE = (
+    "TEXT", "SPEAKER", "SEED", "PROMPT", "REFINE_TEXT", "REFINE_PROMPT", "REFINE_TEMPERATURE", "REFINE_TOP_P",
+    "REFINE_TOP_K", "REFINE_REPETITION_PENALTY", "REFINE_MAX_NEW_TOKENS", "NORMALIZE_TEXT", "SPEAKER_AUDIO",
+    "SPEAKER_TEXT", "SPEAKER_SAMPLE",
+)
+GPT_FROM_ENSEMBLE = (
+    "SEED", "TEMPERATURE", "TOP_P", "TOP_K", "REPETITION_PENALTY", "MAX_NEW_TOKENS", "MIN_NEW_TOKENS", "USE_DECODER",
+)
+VOCODER_FROM_ENSEMBLE = ("USE_DECODER",)
+
+# Tensors between the composing models: name -> (dtype, dims); "H" stands for the GPT hidden size.
+PROMPT_TENSORS = {
+    "TEXT_IDS": ("TYPE_INT64", [-1]),
+    "SPK_EMB": ("TYPE_FP32", [-1]),  # [hidden] or [0] for no speaker embedding
+    "AUDIO_PROMPT": ("TYPE_INT64", [-1, NUM_VQ]),  # reference-speaker codes, [0, 4] when none
+}
+GPT_EXTRA_INPUTS = {"REFINE": ("TYPE_BOOL", [1])}  # text-head generation (refine text, via BLS)
+GPT_OUTPUTS = {"CODES": ("TYPE_INT64", [-1, NUM_VQ]), "HIDDENS": ("TYPE_FP32", [-1, "H"])}
+VOCODER_OUTPUTS = ENSEMBLE_OUTPUTS
+
+
+@dataclass
+class Deployment:
+    """What `make configure` changes: where instances run and how many."""
+
+    gpus: List[int] = field(default_factory=list)  # empty: KIND_CPU
+    instances: int = 1  # per GPU (or on CPU) for the batching python models
+    max_batch_size: int = LIMITS.max_batch_size
+    max_queue_size: int = 256
+    queue_timeout_us: int = 0  # 0: no timeout
+    max_queue_delay_us: int = 2000
+    gpt_slots: Optional[int] = None  # engine slots per GPT instance (None: by device)
+    gpt_context: int = 3072
+    dtype: str = "fp32"
+    artifact_format: str = "torchscript"  # torchscript | onnx (decoder/vocoder/DVAE)
+
+    @property
+    def kind(self) -> str:
+        return "KIND_GPU" if self.gpus else "KIND_CPU"
+
+    def slots(self) -> int:
+        if self.gpt_slots is not None:
+            return self.gpt_slots
+        return LIMITS.max_batch_size * 4 if self.gpus else 8
+
+
+def _dims(dims, hidden: int) -> List[int]:
+    return [hidden if d == "H" else d for d in dims]
+
+
+def _io(msg_list, specs: Dict[str, tuple], hidden: int, optional: Tuple[str, ...] = (), output=False):
+    for name, spec in specs.items():
+        t = msg_list.add()
+        t.name = name
+        t.data_type = mc.DataType.Value(spec[0])
+        t.dims.extend(_dims(spec[1], hidden))
+        if not output and name in optional:
+            t.optional = True
+
+
+def _contract(names) -> Dict[str, tuple]:
+    return {n: ENSEMBLE_INPUTS[n][:2] for n in names}
+
+
+def _param(cfg, key: str, value) -> None:
+    cfg.parameters[key].string_value = str(value)
+
+
+def _python_model(name: str, dep: Deployment, instances: int, gpu: bool) -> mc.ModelConfig:
+    cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=dep.max_batch_size)
+    db = cfg.dynamic_batching
+    db.max_queue_delay_microseconds = dep.max_queue_delay_us
+    db.default_queue_policy.max_queue_size = dep.max_queue_size
+    if dep.queue_timeout_us:
+        db.default_queue_policy.timeout_action = mc.ModelQueuePolicy.REJECT
+        db.default_queue_policy.default_timeout_microseconds = dep.queue_timeout_us
+    g = cfg.instance_group.add()
+    g.count = instances
+    if gpu and dep.gpus:
+        g.kind = mc.ModelInstanceGroup.KIND_GPU
+        g.gpus.extend(dep.gpus)
+    else:
+        g.kind = mc.ModelInstanceGroup.KIND_CPU
+    return cfg
+
+
+def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
+    h = arch.gpt.hidden
+    optional_contract = tuple(n for n, spec in ENSEMBLE_INPUTS.items() if not spec[2])
+
+    pre = _python_model(PREPROCESS, dep, max(1, dep.instances) * max(1, len(dep.gpus) or 1), gpu=True)
+    _io(pre.input, _contract(PREPROCESS_FROM_ENSEMBLE), h, optional_contract)
+    _io(pre.output, PROMPT_TENSORS, h, output=True)
+    _param(pre, "gpt_model", GPT)
+    _param(pre, "artifact_format", dep.artifact_format)
+
+    gpt = _python_model(GPT, dep, 1, gpu=True)  # one engine per device: it batches in flight itself
+    _io(gpt.input, PROMPT_TENSORS, h, optional=("SPK_EMB", "AUDIO_PROMPT"))
+    _io(gpt.input, _contract(GPT_FROM_ENSEMBLE), h, optional_contract)
+    _io(gpt.input, GPT_EXTRA_INPUTS, h, optional=tuple(GPT_EXTRA_INPUTS))
+    _io(gpt.output, GPT_OUTPUTS, h, output=True)
+    _param(gpt, "max_slots", dep.slots())
+    _param(gpt, "max_context", dep.gpt_context)
+    _param(gpt, "max_new_tokens", LIMITS.max_new_tokens)
+    _param(gpt, "dtype", dep.dtype)
+
+    voc = _python_model(VOCODER, dep, max(1, dep.instances), gpu=True)
+    _io(voc.input, {"CODES": GPT_OUTPUTS["CODES"], "HIDDENS": GPT_OUTPUTS["HIDDENS"]}, h)
+    _io(voc.input, _contract(VOCODER_FROM_ENSEMBLE), h, optional_contract)
+    _io(voc.output, VOCODER_OUTPUTS, h, output=True)
+    _param(voc, "artifact_format", dep.artifact_format)
+    _param(voc, "dtype", dep.dtype)
+
+    ens = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=dep.max_batch_size)
+    _io(ens.input, {n: s[:2] for n, s in ENSEMBLE_INPUTS.items()}, h, optional_contract)
+    _io(ens.output, ENSEMBLE_OUTPUTS, h, output=True)
+
+    def step(model: str, from_ensemble, from_prev: Dict[str, str], outputs: Dict[str, str]):
+        s = ens.ensemble_scheduling.step.add()
+        s.model_name = model
+        s.model_version = -1
+        for n in from_ensemble:
+            s.input_map[n] = n
+        for k, v in from_prev.items():
+            s.input_map[k] = v
+        for k, v in outputs.items():
+            s.output_map[k] = v
+
+    prompt = {n: f"_{n}" for n in PROMPT_TENSORS}
+    step(PREPROCESS, PREPROCESS_FROM_ENSEMBLE, {}, prompt)
+    step(GPT, GPT_FROM_ENSEMBLE, prompt, {n: f"_{n}" for n in GPT_OUTPUTS})
+    step(VOCODER, VOCODER_FROM_ENSEMBLE, {n: f"_{n}" for n in GPT_OUTPUTS}, {"AUDIO": "AUDIO"})
+    return {ENSEMBLE: ens, PREPROCESS: pre, GPT: gpt, VOCODER: voc}
+
+
+def to_pbtxt(cfg: mc.ModelConfig) -> str:
+    return "# Generated by chattts_triton.repo_config; edit with `make configure`, not by hand.\n" + text_format.MessageToString(cfg)
+
+
+def parse_pbtxt(text: str) -> mc.ModelConfig:
+    return text_format.Parse(text, mc.ModelConfig())
+
+
+def write_configs(repo: Path, arch: Arch, dep: Deployment) -> None:
+    repo = Path(repo)
+    for name, cfg in build_configs(arch, dep).items():
+        d = repo / name
+        (d / "1").mkdir(parents=True, exist_ok=True)
+        (d / "config.pbtxt").write_text(to_pbtxt(cfg), encoding="utf-8")
+
+
+def read_manifest(repo: Path) -> dict:
+    p = Path(repo) / MANIFEST
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} not found: export a repository first (make export)")
+    return json.loads(p.read_text(encoding="utf-8"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m chattts_triton.repo_config", description="Rewrite instance groups and batching of an exported repository.")
+    ap.add_argument("--repo", type=Path, required=True)
+    ap.add_argument("--gpus", default="", help="comma-separated GPU ids; empty = CPU")
+    ap.add_argument("--instances", type=int, default=1)
+    ap.add_argument("--max-batch-size", type=int)
+    ap.add_argument("--max-queue-size", type=int)
+    ap.add_argument("--queue-timeout-us", type=int)
+    ap.add_argument("--gpt-slots", type=int)
+    ap.add_argument("--gpt-context", type=int)
+    a = ap.parse_args(argv)
+    from .config import Arch
+
+    man = read_manifest(a.repo)
+    dep = Deployment(**man["deployment"])
+    dep.gpus = [int(g) for g in a.gpus.split(",") if g.strip() != ""]
+    if a.instances < 1:
+        ap.error("--instances must be ≥ 1")
+    dep.instances = a.instances
+    for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "gpt_slots", "gpt_context"):
+        v = getattr(a, k)
+        if v is not None:
+            setattr(dep, k, v)
+    write_configs(a.repo, Arch.from_json(man["arch"]), dep)
+    man["deployment"] = asdict(dep)
+    (a.repo / MANIFEST).write_text(json.dumps(man, indent=2, ensure_ascii=False), encoding="utf-8")
+    print(f"configured {a.repo}: {dep.kind} gpus={dep.gpus or '-'} instances={dep.instances}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,398 @@
+"""What each Triton model does, without Triton.
+
+A service gets a batch of calls; each call carries its request's inputs (numpy arrays, BYTES as
+object arrays, shaped with the leading batch dimension of 1) and a `reply` to call exactly once
+with a dict of outputs or an exception. `chattts_triton.backend` adapts this to the python backend;
+tests drive the services directly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import speaker as spk
+from . import text as txt
+from .config import (
+    AUDIO_EOS,
+    LIMITS,
+    NORMALIZE_TEXT_DEFAULT,
+    NUM_VQ,
+    REFINE_TEXT_DEFAULT,
+    SAMPLE_RATE,
+    USE_DECODER_DEFAULT,
+    Arch,
+    InferCodeParams,
+    RefineTextParams,
+    samples_for_codes,
+)
+from .engine import Engine, GenRequest, GenResult, SamplingParams
+from .text import InputError
+
+log = logging.getLogger(__name__)
+
+Outputs = Dict[str, np.ndarray]
+Reply = Callable[[Any], None]
+
+
+@dataclass
+class Call:
+    inputs: Dict[str, Any]
+    reply: Reply
+
+
+# --- input helpers -----------------------------------------------------------------------------
+def _one(inputs: Dict[str, Any], name: str):
+    """The single value of a [1, 1] input, or None when the request omitted it."""
+    v = inputs.get(name)
+    if v is None:
+        return None
+    arr = np.asarray(v)
+    if arr.size != 1:
+        raise InputError(f"{name} must hold exactly one value per request, got shape {list(arr.shape)}")
+    return arr.reshape(-1)[0]
+
+
+def get_str(inputs, name: str, default: Optional[str] = None) -> Optional[str]:
+    v = _one(inputs, name)
+    if v is None:
+        return default
+    if isinstance(v, (bytes, np.bytes_)):
+        try:
+            return bytes(v).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    return str(v)
+
+
+def get_float(inputs, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = _one(inputs, name)
+    if v is None:
+        return default
+    f = float(v)
+    if not math.isfinite(f) or f > hi or f < lo or (lo_open and f <= lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise InputError(f"{name} must be a finite number in {bound}, got {f}")
+    return f
+
+
+def get_int(inputs, name: str, default: int, lo: int, hi: int) -> int:
+    v = _one(inputs, name)
+    if v is None:
+        return default
+    i = int(v)
+    if i < lo or i > hi:
+        raise InputError(f"{name} must be in [{lo}, {hi}], got {i}")
+    return i
+
+
+def get_bool(inputs, name: str, default: bool) -> bool:
+    v = _one(inputs, name)
+    return default if v is None else bool(v)
+
+
+def get_seed(inputs) -> int:
+    v = _one(inputs, "SEED")
+    return secrets.randbits(63) if v is None else int(v)
+
+
+def sampling_params(inputs, defaults, max_new_limit: int = LIMITS.max_new_tokens) -> SamplingParams:
+    """Upstream InferCodeParams/RefineTextParams semantics with request overrides and range checks."""
+    max_new = get_int(inputs, "MAX_NEW_TOKENS", min(defaults.max_new_token, max_new_limit), 1, max_new_limit)
+    min_new = get_int(inputs, "MIN_NEW_TOKENS", defaults.min_new_token, 0, max_new_limit)
+    if min_new > max_new:
+        raise InputError(f"MIN_NEW_TOKENS ({min_new}) must not exceed MAX_NEW_TOKENS ({max_new})")
+    return SamplingParams(
+        temperature=get_float(inputs, "TEMPERATURE", defaults.temperature, 0.0, 100.0, lo_open=True),
+        top_p=get_float(inputs, "TOP_P", defaults.top_P, 0.0, 1.0, lo_open=True),
+        top_k=get_int(inputs, "TOP_K", defaults.top_K, 1, 1 << 30),
+        repetition_penalty=get_float(inputs, "REPETITION_PENALTY", defaults.repetition_penalty, 0.0, 100.0, lo_open=True),
+        max_new_tokens=max_new,
+        min_new_tokens=min_new,
+        seed=get_seed(inputs),
+        ensure_non_empty=defaults.ensure_non_empty,
+    )
+
+
+# --- artifacts ---------------------------------------------------------------------------------
+class Artifact:
+    """A TorchScript or ONNX artifact called with named tensors, returning torch tensors."""
+
+    def __init__(self, path_stem: Path, fmt: str, device: torch.device):
+        self.device = device
+        self.fmt = fmt
+        if fmt == "torchscript":
+            path = Path(f"{path_stem}.pt")
+            self.module = torch.jit.load(str(path), map_location=device).eval()
+        elif fmt == "onnx":
+            import onnxruntime as ort
+
+            path = Path(f"{path_stem}.onnx")
+            providers = ["CPUExecutionProvider"]
+            if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
+                providers.insert(0, ("CUDAExecutionProvider", {"device_id": device.index or 0}))
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = max(1, torch.get_num_threads())
+            self.session = ort.InferenceSession(str(path), opts, providers=providers)
+            self.names = [i.name for i in self.session.get_inputs()]
+        else:
+            raise ValueError(f"unknown artifact format {fmt!r}: use torchscript or onnx")
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "torchscript":
+            with torch.inference_mode():
+                return self.module(*[a.to(self.device) for a in args])
+        feeds = {n: a.detach().cpu().numpy() for n, a in zip(self.names, args)}
+        return torch.from_numpy(self.session.run(None, feeds)[0]).to(self.device)
+
+
+def device_for(kind: str, device_id: int) -> torch.device:
+    if kind.upper().endswith("GPU") and torch.cuda.is_available():
+        return torch.device("cuda", device_id)
+    return torch.device("cpu")
+
+
+# --- preprocess --------------------------------------------------------------------------------
+class PreprocessService:
+    """TEXT and speaker inputs → GPT prompt tensors. Refine-text runs on the GPT model (`refine`)."""
+
+    def __init__(self, version_dir: Path, arch: Arch, device: torch.device, artifact_format: str,
+                 refine: Optional[Callable[[np.ndarray, Dict[str, Any]], np.ndarray]] = None, workers: int = 4):
+        self.arch = arch
+        self.tokenizer = txt.TextTokenizer(Path(version_dir) / "tokenizer")
+        self.normalizer = txt.Normalizer()
+        self.refine = refine
+        self.encoder_path = (Path(version_dir) / "dvae_encode", artifact_format, device)
+        self._encoder: Optional[Artifact] = None
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="chattts-pre")
+
+    def execute(self, calls: Sequence[Call]) -> None:
+        for c in calls:  # refine waits on the GPT model: never block the other requests
+            self.pool.submit(self._run, c)
+
+    def _run(self, call: Call) -> None:
+        try:
+            out = self.prepare(call.inputs)
+        except Exception as e:  # noqa: BLE001  every failure becomes this request's error
+            call.reply(e)
+            return
+        call.reply(out)
+
+    def encoder(self) -> Artifact:
+        if self._encoder is None:
+            self._encoder = Artifact(*self.encoder_path)
+        return self._encoder
+
+    def reference_codes(self, inputs) -> Optional[np.ndarray]:
+        """spk_smp codes [4, T] from SPEAKER_SAMPLE or SPEAKER_AUDIO (both: an error)."""
+        sample = get_str(inputs, "SPEAKER_SAMPLE")
+        audio = inputs.get("SPEAKER_AUDIO")
+        if sample is not None and audio is not None:
+            raise InputError("give SPEAKER_SAMPLE or SPEAKER_AUDIO, not both")
+        if sample is not None:
+            return spk.decode_prompt(sample)
+        if audio is None:
+            return None
+        wav = np.asarray(audio, dtype=np.float32).reshape(-1)
+        max_n = int(LIMITS.max_reference_audio_seconds * SAMPLE_RATE)
+        if wav.size > max_n:
+            raise InputError(f"SPEAKER_AUDIO is longer than {LIMITS.max_reference_audio_seconds:g} s at {SAMPLE_RATE} Hz")
+        if wav.size < 2048:
+            raise InputError("SPEAKER_AUDIO is too short (at least 2048 samples of 24 kHz audio)")
+        if not np.isfinite(wav).all():
+            raise InputError("SPEAKER_AUDIO holds NaN or Inf")
+        codes = self.encoder()(torch.from_numpy(wav).view(1, -1))  # [1, T, 4]
+        return codes[0].T.cpu().numpy().astype(np.int64)
+
+    def prepare(self, inputs) -> Outputs:
+        text = txt.validate_text(get_str(inputs, "TEXT"))
+        prompt = txt.validate_prompt(get_str(inputs, "PROMPT", InferCodeParams.prompt))
+        if get_bool(inputs, "NORMALIZE_TEXT", NORMALIZE_TEXT_DEFAULT):
+            text = self.normalizer(text, True, True)
+        if get_bool(inputs, "REFINE_TEXT", REFINE_TEXT_DEFAULT):
+            text = self.refine_text(text, inputs)
+        speaker = get_str(inputs, "SPEAKER")
+        emb = spk.speaker_embedding(speaker, self.arch.gpt.hidden) if speaker else None
+        txt_smp = get_str(inputs, "SPEAKER_TEXT")
+        if txt_smp is not None:
+            txt_smp = txt.validate_text(txt_smp, what="SPEAKER_TEXT")
+        cp = txt.build_code_prompt(
+            self.tokenizer, text, prompt, spk_emb=emb is not None, txt_smp=txt_smp,
+            spk_smp_codes=self.reference_codes(inputs), max_tokens=LIMITS.max_prompt_tokens,
+        )
+        return {
+            "TEXT_IDS": cp.text_ids.reshape(1, -1),
+            "SPK_EMB": (emb.numpy() if emb is not None else np.zeros(0, np.float32)).reshape(1, -1).astype(np.float32),
+            "AUDIO_PROMPT": cp.audio_codes.reshape(1, -1, NUM_VQ),
+        }
+
+    def refine_text(self, text: str, inputs) -> str:
+        if self.refine is None:
+            raise InputError("REFINE_TEXT is not available on this server")
+        refine_prompt = txt.validate_prompt(get_str(inputs, "REFINE_PROMPT", RefineTextParams.prompt), what="REFINE_PROMPT")
+        ids = txt.build_refine_prompt(self.tokenizer, text, refine_prompt)
+        # the GPT model takes the refine sampling inputs under their plain names
+        params = {k[len("REFINE_"):]: v for k, v in inputs.items()
+                  if k.startswith("REFINE_") and k not in ("REFINE_TEXT", "REFINE_PROMPT")}
+        if "SEED" in inputs:
+            params["SEED"] = inputs["SEED"]
+        tokens = self.refine(ids, params)
+        return txt.refined_text(self.tokenizer, tokens.reshape(-1).tolist())
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+# --- GPT ---------------------------------------------------------------------------------------
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class GPTService:
+    """Prompt tensors + sampling inputs → codes (and hidden states) through the in-flight engine."""
+
+    def __init__(self, model_path: Path, arch: Arch, device: torch.device, dtype: str, max_slots: int,
+                 max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.arch = arch
+        self.text_eos_id = text_eos_id
+        self.spk_emb_id = spk_emb_id
+        self.max_new_tokens = max_new_tokens
+        model = torch.jit.load(str(model_path), map_location=device).eval()
+        self.engine = Engine(
+            model, max_slots=max_slots, max_context=max_context, max_new_tokens=max_new_tokens,
+            hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=DTYPES[dtype],
+            compute_dtype=DTYPES[dtype],
+        )
+
+    def execute(self, calls: Sequence[Call]) -> None:
+        for c in calls:
+            try:
+                self.engine.submit(self.request(c.inputs, c.reply))
+            except Exception as e:  # noqa: BLE001
+                c.reply(e)
+
+    def request(self, inputs, reply: Reply) -> GenRequest:
+        ids_in = inputs.get("TEXT_IDS")
+        if ids_in is None:
+            raise InputError("TEXT_IDS is required")
+        ids = torch.as_tensor(np.asarray(ids_in, dtype=np.int64)).reshape(-1)
+        if ids.numel() == 0 or ids.min() < 0 or ids.max() >= self.arch.num_text_tokens:
+            raise InputError(f"TEXT_IDS must be 1..{LIMITS.max_prompt_tokens} ids in [0, {self.arch.num_text_tokens})")
+        refine = get_bool(inputs, "REFINE", False)
+        if refine:
+            params = sampling_params(inputs, RefineTextParams, max_new_limit=self.max_new_tokens)
+            return GenRequest(ids, params, self._on_done(reply, refine=True), mode="text", eos_id=self.text_eos_id, want_hidden=False)
+        params = sampling_params(inputs, InferCodeParams, max_new_limit=self.max_new_tokens)
+        emb = inputs.get("SPK_EMB")
+        spk_emb = None
+        if emb is not None and np.asarray(emb).size:
+            e = np.asarray(emb, dtype=np.float32).reshape(-1)
+            if e.size != self.arch.gpt.hidden or not np.isfinite(e).all():
+                raise InputError(f"SPK_EMB must hold {self.arch.gpt.hidden} finite values")
+            spk_emb = torch.from_numpy(e.copy())
+        codes = inputs.get("AUDIO_PROMPT")
+        audio = None
+        if codes is not None and np.asarray(codes).size:
+            a = np.asarray(codes, dtype=np.int64).reshape(-1, NUM_VQ)
+            if a.min() < 0 or a.max() >= self.arch.num_audio_tokens:
+                raise InputError("AUDIO_PROMPT codes out of range")
+            audio = torch.from_numpy(a.copy())
+        want_hidden = get_bool(inputs, "USE_DECODER", USE_DECODER_DEFAULT)
+        return GenRequest(ids, params, self._on_done(reply, refine=False), mode="code", audio_codes=audio,
+                          spk_emb=spk_emb, spk_emb_id=self.spk_emb_id, eos_id=AUDIO_EOS, want_hidden=want_hidden)
+
+    def _on_done(self, reply: Reply, refine: bool):
+        h = self.arch.gpt.hidden
+
+        def done(res: GenResult) -> None:
+            if res.finish_reason in ("cancelled", "error"):
+                reply(res.error or RuntimeError(f"generation {res.finish_reason}"))
+                return
+            toks = res.tokens.cpu()
+            codes = toks.unsqueeze(-1).expand(-1, NUM_VQ) if refine else toks
+            hid = res.hiddens.cpu() if res.hiddens is not None else torch.zeros(0, h)
+            reply({"CODES": codes.numpy().reshape(1, -1, NUM_VQ).astype(np.int64),
+                   "HIDDENS": hid.numpy().reshape(1, -1, h).astype(np.float32)})
+
+        return done
+
+    def close(self) -> None:
+        self.engine.stop(drain=True)
+
+
+# --- decoder + vocoder -------------------------------------------------------------------------
+class VocoderService:
+    """Codes or hidden states → 24 kHz audio, batched across requests, each trimmed to its length."""
+
+    def __init__(self, version_dir: Path, arch: Arch, device: torch.device, artifact_format: str):
+        self.arch = arch
+        self.device = device
+        d = Path(version_dir)
+        self.decoder = Artifact(d / "decoder", artifact_format, device)
+        self.dvae = Artifact(d / "dvae_decode", artifact_format, device)
+        self.vocos = Artifact(d / "vocos", artifact_format, device)
+
+    def execute(self, calls: Sequence[Call]) -> None:
+        items = []
+        for c in calls:
+            try:
+                items.append((c, self.parse(c.inputs)))
+            except Exception as e:  # noqa: BLE001
+                c.reply(e)
+        if not items:
+            return
+        try:
+            audios = self.synthesize([x for _, x in items])
+        except Exception as e:  # noqa: BLE001
+            log.exception("vocoder batch failed")
+            for c, _ in items:
+                c.reply(e)
+            return
+        for (c, _), a in zip(items, audios):
+            c.reply({"AUDIO": a.reshape(1, -1)})
+
+    def parse(self, inputs):
+        use_decoder = get_bool(inputs, "USE_DECODER", USE_DECODER_DEFAULT)
+        codes = np.asarray(inputs["CODES"], dtype=np.int64).reshape(-1, NUM_VQ)
+        if use_decoder:
+            hid = np.asarray(inputs["HIDDENS"], dtype=np.float32).reshape(-1, self.arch.gpt.hidden)
+            if hid.shape[0] != codes.shape[0]:
+                raise InputError("HIDDENS must have one row per code step (USE_DECODER needs the GPT hidden states)")
+            return True, torch.from_numpy(hid.copy())
+        if codes.size and (codes.min() < 0 or codes.max() >= self.arch.num_audio_tokens):
+            raise InputError("CODES out of range")
+        return False, torch.from_numpy(codes.copy())
+
+    def synthesize(self, items: List[tuple]) -> List[np.ndarray]:
+        mels: List[Optional[torch.Tensor]] = [None] * len(items)
+        for use_decoder, net in ((True, self.decoder), (False, self.dvae)):
+            idx = [i for i, (u, x) in enumerate(items) if u == use_decoder and x.shape[0] > 0]
+            if not idx:
+                continue
+            lens = torch.tensor([items[i][1].shape[0] for i in idx], dtype=torch.int64)
+            batch = torch.nn.utils.rnn.pad_sequence([items[i][1] for i in idx], batch_first=True)
+            mel = net(batch, lens)
+            for j, i in enumerate(idx):
+                mels[i] = mel[j, :, : 2 * int(lens[j])]
+        out: List[np.ndarray] = [np.zeros(0, np.float32) for _ in items]
+        idx = [i for i, m in enumerate(mels) if m is not None]
+        if idx:
+            mel_lens = torch.tensor([mels[i].shape[1] for i in idx], dtype=torch.int64)
+            padded = torch.nn.utils.rnn.pad_sequence([mels[i].T for i in idx], batch_first=True).transpose(1, 2)
+            audio = self.vocos(padded.contiguous(), mel_lens).float().cpu()
+            for j, i in enumerate(idx):
+                n = samples_for_codes(items[i][1].shape[0])
+                out[i] = audio[j, :n].numpy()
+        return out
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,179 @@
+"""Export ChatTTS weights into a Triton model repository.
+
+    python -m export --assets DIR --out REPO [--formats torchscript,onnx] [--dtype fp32|fp16|bf16]
+                     [--device cpu|cuda] [--gpus 0,1] [--instances N]
+    python -m export --hf --out REPO      # the 2Noise/ChatTTS snapshot, where a network exists
+
+Writes, into a folder beside REPO that is renamed over REPO only when complete:
+  chattts/                 ensemble config
+  chattts_preprocess/1/    model.py, tokenizer/, dvae_encode.{pt,onnx}
+  chattts_gpt/1/           model.py, gpt.pt (TorchScript, slot KV cache)
+  chattts_vocoder/1/       model.py, decoder/dvae_decode/vocos.{pt,onnx}
+  manifest.json            sha256 of every source file, architecture, dtype, versions, deployment
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, List
+
+import torch
+
+from chattts_triton import repo_config as rc
+from chattts_triton.assets import AssetError, check_folder, infer_arch, sha256_files
+from chattts_triton.services import DTYPES
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = ROOT / "model_repository"
+FORMATS = ("torchscript", "onnx")
+
+
+def hf_assets() -> Path:
+    """Download (or reuse) the 2Noise/ChatTTS snapshot and return its asset folder."""
+    from huggingface_hub import snapshot_download
+
+    path = snapshot_download(repo_id="2Noise/ChatTTS", allow_patterns=["asset/*", "asset/*/*"])
+    return Path(path) / "asset"
+
+
+def export_gpt(assets: Path, arch, out_dir: Path, dtype: torch.dtype, progress: Callable[[str], None]) -> dict:
+    from chattts_triton.gpt import load_gpt
+
+    t0 = time.perf_counter()
+    model = load_gpt(assets, arch).to(dtype)
+    scripted = torch.jit.script(model)
+    path = out_dir / "gpt.pt"
+    scripted.save(str(path))
+    progress(f"[gpt] gpt.pt: {path.stat().st_size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s")
+    return {"file": "gpt.pt", "format": "torchscript", "bytes": path.stat().st_size}
+
+
+def export_repository(
+    assets: Path,
+    out: Path,
+    formats: List[str],
+    dtype: str = "fp32",
+    device: str = "cpu",
+    deployment: rc.Deployment | None = None,
+    progress: Callable[[str], None] = print,
+) -> Path:
+    from export.codec import export_codecs
+
+    from chattts_triton.text import TextTokenizer
+
+    t0 = time.perf_counter()
+    assets = check_folder(Path(assets))
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        raise ValueError(f"--formats takes a comma-separated subset of {', '.join(FORMATS)}")
+    if "torchscript" not in formats:
+        raise ValueError("--formats must include torchscript (the GPT engine and the default repository use it)")
+    progress(f"[export] checking {assets}")
+    states: dict = {}
+    arch = infer_arch(assets, states)
+    tok = TextTokenizer(assets / "tokenizer")
+    if len(tok) != arch.num_text_tokens:
+        raise AssetError(f"tokenizer has {len(tok)} tokens but Embed.safetensors has {arch.num_text_tokens}")
+    dep = deployment or rc.Deployment()
+    dep.dtype = dtype
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        shutil.copytree(TEMPLATE, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        dirs = {m: tmp / m / "1" for m in rc.MODELS}
+        for d in dirs.values():
+            d.mkdir(parents=True, exist_ok=True)
+        (tmp / rc.ENSEMBLE / "1").mkdir(parents=True, exist_ok=True)
+        torch_dtype = DTYPES[dtype]
+        artifacts = {"gpt": export_gpt(assets, arch, dirs[rc.GPT], torch_dtype, progress)}
+        out_dirs = {"decoder": dirs[rc.VOCODER], "dvae_decode": dirs[rc.VOCODER], "vocos": dirs[rc.VOCODER],
+                    "dvae_encode": dirs[rc.PREPROCESS]}
+        artifacts.update(export_codecs(assets, arch, out_dirs, formats, torch_dtype, device, progress))
+        shutil.copytree(assets / "tokenizer", dirs[rc.PREPROCESS] / "tokenizer")
+        progress("[export] hashing source files")
+        manifest = {
+            "source": str(assets),
+            "sha256": sha256_files(assets),
+            "arch": arch.to_json(),
+            "dtype": dtype,
+            "formats": list(formats),
+            "tokens": {"text_eos_id": tok.eos_id, "spk_emb_id": tok.spk_emb_id, "break_0_id": tok.break_0_id,
+                       "vocab_size": len(tok)},
+            "artifacts": artifacts,
+            "versions": {"torch": torch.__version__, "python": platform.python_version(), **_onnx_versions(formats)},
+            "deployment": asdict(dep),
+            "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        (tmp / rc.MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False), encoding="utf-8")
+        rc.write_configs(tmp, arch, dep)
+        os.chmod(tmp, 0o755)
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress(f"[export] wrote {out} in {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def _onnx_versions(formats) -> dict:
+    if "onnx" not in formats:
+        return {}
+    import onnx
+    import onnxruntime
+
+    return {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Replace `out` by `tmp` so that a reader never sees a half-written repository."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m export", description="Export ChatTTS weights into a Triton model repository.")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--assets", type=Path, help="upstream asset folder (Vocos/DVAE/Decoder/Embed.safetensors, gpt/, tokenizer/)")
+    src.add_argument("--hf", action="store_true", help="download the 2Noise/ChatTTS snapshot from Hugging Face")
+    ap.add_argument("--out", type=Path, required=True, help="model repository to write")
+    ap.add_argument("--formats", default="torchscript,onnx")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--device", default="cpu", help="device used to trace/check the export (cpu or cuda)")
+    ap.add_argument("--gpus", default="", help="comma-separated GPU ids for the instance groups (empty: CPU)")
+    ap.add_argument("--instances", type=int, default=1)
+    ap.add_argument("--artifact-format", default="torchscript", choices=FORMATS, help="what the decoder/vocoder models load")
+    a = ap.parse_args(argv)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        assets = hf_assets() if a.hf else a.assets
+        formats = [f.strip() for f in a.formats.split(",") if f.strip()]
+        if a.artifact_format not in formats:
+            ap.error(f"--artifact-format {a.artifact_format} is not among --formats {a.formats}")
+        dep = rc.Deployment(gpus=[int(g) for g in a.gpus.split(",") if g.strip()], instances=a.instances,
+                            artifact_format=a.artifact_format)
+        export_repository(assets, a.out, formats, a.dtype, a.device, dep, progress=log)
+    except (AssetError, ValueError) as e:
+        log(f"export failed: {e}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
