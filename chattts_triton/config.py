@@ -167,7 +167,7 @@ class Limits:
     max_context: int = 4096  # prompt + generated tokens, per request (GPT positions)
     max_new_tokens: int = 2048
     max_prompt_tokens: int = 1024
-    max_reference_audio_seconds: float = 60.0
+    max_reference_audio_seconds: float = 15.0  # ≈ 704 codes: fits max_prompt_tokens with the text
 
 
 LIMITS = Limits()

@@ -99,6 +99,15 @@ def get_bool(inputs, name: str, default: bool) -> bool:
     return default if v is None else bool(v)
 
 
+def named(name: str, fn, *args):
+    """Run a decoder of client input; its InputError names the contract input at fault."""
+    try:
+        return fn(*args)
+    except InputError as e:
+        msg = str(e)
+        raise InputError(msg if msg.startswith(name) else f"{name}: {msg}") from None
+
+
 def get_seed(inputs) -> int:
     v = _one(inputs, "SEED")
     return secrets.randbits(63) if v is None else int(v)
@@ -198,7 +207,7 @@ class PreprocessService:
         if sample is not None and audio is not None:
             raise InputError("give SPEAKER_SAMPLE or SPEAKER_AUDIO, not both")
         if sample is not None:
-            return spk.decode_prompt(sample)
+            return named("SPEAKER_SAMPLE", spk.decode_prompt, sample)
         if audio is None:
             return None
         wav = np.asarray(audio, dtype=np.float32).reshape(-1)
@@ -217,10 +226,12 @@ class PreprocessService:
         prompt = txt.validate_prompt(get_str(inputs, "PROMPT", InferCodeParams.prompt))
         if get_bool(inputs, "NORMALIZE_TEXT", NORMALIZE_TEXT_DEFAULT):
             text = self.normalizer(text, True, True)
+            if not txt.TAG_RE.sub("", text).strip():
+                raise InputError("TEXT has nothing left to speak after normalization (only unsupported characters?)")
         if get_bool(inputs, "REFINE_TEXT", REFINE_TEXT_DEFAULT):
             text = self.refine_text(text, inputs)
         speaker = get_str(inputs, "SPEAKER")
-        emb = spk.speaker_embedding(speaker, self.arch.gpt.hidden) if speaker else None
+        emb = named("SPEAKER", spk.speaker_embedding, speaker, self.arch.gpt.hidden) if speaker else None
         txt_smp = get_str(inputs, "SPEAKER_TEXT")
         if txt_smp is not None:
             txt_smp = txt.validate_text(txt_smp, what="SPEAKER_TEXT")

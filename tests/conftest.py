@@ -30,3 +30,60 @@ def tiny_assets() -> Path:
 @pytest.fixture(scope="session")
 def full_assets() -> Path:
     return _assets("full")
+
+
+def _export(assets: Path, out: Path, **deployment) -> Path:
+    from export.__main__ import export_repository
+
+    from chattts_triton.repo_config import Deployment
+
+    return export_repository(assets, out, ["torchscript", "onnx"], deployment=Deployment(**deployment), progress=lambda m: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_repo(tiny_assets, tmp_path_factory) -> Path:
+    return _export(tiny_assets, tmp_path_factory.mktemp("repo") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def full_repo(full_assets, tmp_path_factory) -> Path:
+    return _export(full_assets, tmp_path_factory.mktemp("repo") / "full", gpt_slots=4)
+
+
+def _serve(repo: Path, tmp_path_factory):
+    from chattts_triton.tritonserver import TritonServer
+
+    log = tmp_path_factory.mktemp("triton-log") / "tritonserver.log"
+    return TritonServer(repo, log_file=log, startup_timeout_s=600)
+
+
+@pytest.fixture(scope="session")
+def served_tiny(tiny_repo, tmp_path_factory):
+    """A real tritonserver on free ports serving the tiny-weight repository."""
+    with _serve(tiny_repo, tmp_path_factory) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def served_full(full_repo, tmp_path_factory):
+    with _serve(full_repo, tmp_path_factory) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def upstream_full(full_assets):
+    """Upstream `ChatTTS.Chat` loaded on the same full-size synthetic weights."""
+    import logging
+
+    import ChatTTS
+    import torch
+
+    chat = ChatTTS.Chat(logging.getLogger("upstream"))
+    d = full_assets
+    ok = chat._load(
+        vocos_ckpt_path=f"{d}/Vocos.safetensors", dvae_ckpt_path=f"{d}/DVAE.safetensors", gpt_ckpt_path=f"{d}/gpt",
+        embed_path=f"{d}/Embed.safetensors", decoder_ckpt_path=f"{d}/Decoder.safetensors",
+        tokenizer_path=f"{d}/tokenizer", device=torch.device("cpu"),
+    )
+    assert ok
+    return chat

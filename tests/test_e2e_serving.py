@@ -1,0 +1,196 @@
+"""The `chattts` ensemble served by a real tritonserver (python backend), over gRPC and HTTP."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from chattts_triton import repo_config as rc
+from chattts_triton.config import ENSEMBLE_INPUTS, HOP_LENGTH, SAMPLE_RATE, Arch, samples_for_codes
+
+pytestmark = pytest.mark.e2e
+
+NP = {"TYPE_STRING": object, "TYPE_INT64": np.int64, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_BOOL": bool}
+WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT64": "INT64", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL"}
+
+
+def inputs(module, **values):
+    out = []
+    for name, v in values.items():
+        dtype = ENSEMBLE_INPUTS[name][0]
+        if name == "SPEAKER_AUDIO":
+            arr = np.asarray(v, np.float32).reshape(1, -1)
+        elif dtype == "TYPE_STRING":
+            arr = np.array([[v.encode() if isinstance(v, str) else v]], dtype=object)
+        else:
+            arr = np.array([[v]], dtype=NP[dtype])
+        t = module.InferInput(name, list(arr.shape), WIRE[dtype])
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+def synth(server, protocol="grpc", **values) -> np.ndarray:
+    if protocol == "grpc":
+        c = grpcclient.InferenceServerClient(server.grpc_url)
+        return c.infer("chattts", inputs(grpcclient, **values)).as_numpy("AUDIO")[0]
+    c = httpclient.InferenceServerClient(server.http_url)
+    return c.infer("chattts", inputs(httpclient, **values)).as_numpy("AUDIO")[0]
+
+
+def test_repository_configs_parse_and_match_the_source_of_truth(tiny_repo):
+    man = rc.read_manifest(tiny_repo)
+    expected = rc.build_configs(Arch.from_json(man["arch"]), rc.Deployment(**man["deployment"]))
+    for name, cfg in expected.items():
+        parsed = rc.parse_pbtxt((Path(tiny_repo) / name / "config.pbtxt").read_text())
+        assert parsed == cfg
+    ens = expected[rc.ENSEMBLE]
+    assert {i.name for i in ens.input} == set(ENSEMBLE_INPUTS)
+    assert [o.name for o in ens.output] == ["AUDIO"] and ens.max_batch_size > 0
+    # every composing model batches dynamically
+    assert all(expected[m].HasField("dynamic_batching") for m in rc.MODELS)
+
+
+def test_configure_sets_gpu_instance_groups(tiny_repo, tmp_path):
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+    assert rc.main(["--repo", str(repo), "--gpus", "0,1", "--instances", "2"]) == 0
+    voc = rc.parse_pbtxt((repo / rc.VOCODER / "config.pbtxt").read_text())
+    gpt = rc.parse_pbtxt((repo / rc.GPT / "config.pbtxt").read_text())
+    assert voc.instance_group[0].kind == voc.instance_group[0].KIND_GPU
+    assert list(voc.instance_group[0].gpus) == [0, 1] and voc.instance_group[0].count == 2
+    assert list(gpt.instance_group[0].gpus) == [0, 1] and gpt.instance_group[0].count == 1
+    assert rc.main(["--repo", str(repo), "--gpus", ""]) == 0
+    voc = rc.parse_pbtxt((repo / rc.VOCODER / "config.pbtxt").read_text())
+    assert voc.instance_group[0].kind == voc.instance_group[0].KIND_CPU
+
+
+def test_forced_length_gives_exactly_that_many_samples(served_tiny):
+    for n in (1, 7, 40):
+        audio = synth(served_tiny, TEXT="你好", MIN_NEW_TOKENS=n, MAX_NEW_TOKENS=n, SEED=1)
+        assert audio.dtype == np.float32 and audio.shape == (samples_for_codes(n),)
+        assert np.isfinite(audio).all()
+    assert samples_for_codes(40) == HOP_LENGTH * 79 and SAMPLE_RATE == 24000
+
+
+def test_concurrent_texts_equal_their_single_request_output(served_tiny):
+    texts = ["你好。", "今天天气很好，我们去公园散步吧。", "hello world", "四川美食确实以辣闻名，但也有不辣的选择，比如甜水面、赖汤圆。", "好", "the weather is good today"]
+    kw = [dict(TEXT=t, SEED=100 + i, MAX_NEW_TOKENS=24 + 8 * i) for i, t in enumerate(texts)]
+    alone = [synth(served_tiny, **k) for k in kw]
+    with concurrent.futures.ThreadPoolExecutor(len(kw)) as pool:
+        together = list(pool.map(lambda k: synth(served_tiny, **k), kw))
+    for a, b in zip(alone, together):
+        # same tokens; batched matmuls may round differently in the last bits
+        assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5
+    assert len({a.tobytes() for a in alone}) == len(alone)
+
+
+def test_every_optional_input_over_grpc_and_http(served_tiny):
+    from chattts_triton.speaker import encode_prompt, sample_random_speaker
+
+    t = np.arange(SAMPLE_RATE) / SAMPLE_RATE
+    reference = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    hidden = rc.read_manifest(served_tiny.model_repository)["arch"]["gpt"]["hidden"]
+    full = dict(
+        TEXT="今天天气很好[uv_break]。", SPEAKER=sample_random_speaker(7, hidden), SEED=5, TEMPERATURE=0.5, TOP_P=0.8,
+        TOP_K=10, REPETITION_PENALTY=1.1, MAX_NEW_TOKENS=30, MIN_NEW_TOKENS=5, PROMPT="[speed_3]", REFINE_TEXT=True,
+        REFINE_PROMPT="[oral_2][laugh_0][break_6]", REFINE_TEMPERATURE=0.7, REFINE_TOP_P=0.7, REFINE_TOP_K=20,
+        REFINE_REPETITION_PENALTY=1.0, REFINE_MAX_NEW_TOKENS=12, USE_DECODER=False, NORMALIZE_TEXT=False,
+        SPEAKER_AUDIO=reference, SPEAKER_TEXT="参考音频的文本",
+    )
+    a = synth(served_tiny, "grpc", **full)
+    b = synth(served_tiny, "http", **full)
+    assert a.size > 0 and np.isfinite(a).all() and np.array_equal(a, b)
+    # a reference speaker as a spk_smp string equals the same speaker given as audio
+    sample = encode_prompt(np.random.default_rng(0).integers(0, 625, (4, 30)))
+    c = synth(served_tiny, TEXT="你好", SPEAKER_SAMPLE=sample, SPEAKER_TEXT="参考", SEED=1, MAX_NEW_TOKENS=10)
+    assert c.size > 0
+    # each option changes what is generated
+    base = dict(TEXT="你好世界", SEED=9, MAX_NEW_TOKENS=20, MIN_NEW_TOKENS=20)
+    ref = synth(served_tiny, **base)
+    for k, v in dict(SEED=10, TEMPERATURE=1.5, PROMPT="[speed_9]", USE_DECODER=False).items():
+        assert not np.array_equal(synth(served_tiny, **{**base, k: v}), ref), k
+
+
+BAD = [
+    (dict(TEXT=""), "TEXT"),
+    (dict(TEXT="   "), "TEXT"),
+    (dict(TEXT=b"\xff\xfe bad utf-8"), "UTF-8"),
+    (dict(TEXT="a\x00b"), "TEXT"),
+    (dict(TEXT="x" * 5000), "TEXT"),
+    (dict(TEXT="hi [not_a_token]"), "not_a_token"),
+    (dict(TEXT="hi", SPEAKER="not a speaker"), "SPEAKER"),
+    (dict(TEXT="hi", TEMPERATURE=0.0), "TEMPERATURE"),
+    (dict(TEXT="hi", TEMPERATURE=float("nan")), "TEMPERATURE"),
+    (dict(TEXT="hi", TOP_P=1.5), "TOP_P"),
+    (dict(TEXT="hi", TOP_K=0), "TOP_K"),
+    (dict(TEXT="hi", MAX_NEW_TOKENS=5, MIN_NEW_TOKENS=9), "MIN_NEW_TOKENS"),
+    (dict(TEXT="hi", MAX_NEW_TOKENS=100000), "MAX_NEW_TOKENS"),
+    (dict(TEXT="hi", PROMPT="[speed_99]"), "PROMPT"),
+    (dict(TEXT="hi", SPEAKER_AUDIO=np.full(4800, np.inf, np.float32)), "SPEAKER_AUDIO"),
+    (dict(TEXT="hi", SPEAKER_SAMPLE="garbage"), "SPEAKER_SAMPLE"),
+]
+
+
+@pytest.mark.parametrize("values,word", BAD, ids=[w + str(i) for i, (_, w) in enumerate(BAD)])
+def test_bad_input_gets_invalid_argument(served_tiny, values, word):
+    with pytest.raises(InferenceServerException) as e:
+        synth(served_tiny, **values)
+    assert "INVALID_ARG" in str(e.value.status()) or "400" in str(e.value.status())
+    assert word.lower() in e.value.message().lower()
+
+
+def test_bad_request_leaves_batchmates_and_server_unaffected(served_tiny):
+    good = dict(TEXT="你好", SEED=3, MAX_NEW_TOKENS=12)
+    expected = synth(served_tiny, **good)
+    jobs = [good, dict(TEXT="", SEED=3), good, dict(TEXT="hi", TOP_K=-1), good]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(synth, served_tiny, **j) for j in jobs]
+    for j, f in zip(jobs, futures):
+        if j is good:
+            assert np.abs(f.result() - expected).max() <= 1e-5
+        else:
+            with pytest.raises(InferenceServerException):
+                f.result()
+    wrong_dtype = grpcclient.InferInput("TEXT", [1, 1], "INT32")
+    wrong_dtype.set_data_from_numpy(np.array([[1]], np.int32))
+    with pytest.raises(InferenceServerException):
+        grpcclient.InferenceServerClient(served_tiny.grpc_url).infer("chattts", [wrong_dtype])
+    assert grpcclient.InferenceServerClient(served_tiny.grpc_url).is_server_ready()
+    assert np.abs(synth(served_tiny, **good) - expected).max() <= 1e-5
+
+
+# --- parity with upstream ChatTTS on the same full-size weights ---------------------------------
+def upstream_raw_wav(chat, text, spk, use_decoder, n_max, n_min):
+    """Upstream `Chat._infer` (what `Chat.infer` strips afterwards), batch of one."""
+    params = chat.InferCodeParams(spk_emb=spk, temperature=1e-5, max_new_token=n_max, min_new_token=n_min, show_tqdm=False)
+    gen = chat._infer([text], False, None, True, False, use_decoder, True, True, False, 4, chat.RefineTextParams(), params)
+    return next(gen)[0], params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_decoder", [True, False])
+def test_served_audio_equals_upstream_chat_infer(served_full, upstream_full, use_decoder):
+    import torch
+
+    chat = upstream_full
+    torch.manual_seed(0)
+    spk = chat.sample_random_speaker()
+    text = "四川美食确实以辣闻名，但也有不辣的选择。"
+    raw, params = upstream_raw_wav(chat, text, spk, use_decoder, 60, 20)
+    ours = synth(served_full, TEXT=text, SPEAKER=spk, TEMPERATURE=1e-5, MAX_NEW_TOKENS=60, MIN_NEW_TOKENS=20,
+                 USE_DECODER=use_decoder, SEED=0)
+    assert ours.shape == raw.shape
+    assert np.abs(ours - raw).max() <= 1e-3
+    # Chat.infer additionally drops every sample with |x| <= 1e-5 (upstream's trim)
+    stripped = chat.infer(text, skip_refine_text=True, split_text=False, use_decoder=use_decoder, params_infer_code=params)[0]
+    ours_stripped = ours[np.abs(ours) > 1e-5]
+    assert ours_stripped.shape == stripped.shape and np.abs(ours_stripped - stripped).max() <= 1e-3
