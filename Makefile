@@ -7,15 +7,28 @@ BUILD ?= build
 ASSETS ?=
 SIZE ?= full
 REPO ?= $(BUILD)/repo
+FORMATS ?= torchscript,onnx
+DTYPE ?= fp32
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+HOST ?= 127.0.0.1:8001
 GPUS ?=
 INSTANCES ?= 1
 PYTEST_ARGS ?=
 
+ifeq ($(strip $(ASSETS)),)
+ASSETS_DIR := $(BUILD)/assets-$(SIZE)
+ASSETS_DEP := $(BUILD)/assets-$(SIZE)/.complete
+SYNTHETIC := --synthetic
+else
+ASSETS_DIR := $(ASSETS)
+ASSETS_DEP :=
+SYNTHETIC :=
+endif
+
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast assets export configure serve demo clean
+.PHONY: help setup test test-fast assets export configure serve demo bundle clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -29,17 +42,32 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 setup: $(VENV)/.installed ## build .venv with the pinned dependencies (idempotent)
 
-test: setup ## run the whole test suite (unit, export parity, end-to-end against a real tritonserver)
+test: setup ## run the whole suite: unit, export parity, end-to-end against a real tritonserver
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: setup ## unit tests only (no server, tiny weights)
+test-fast: setup ## unit tests only (no server, no full-size weights)
 	$(PY) -m pytest -m "not e2e and not slow" $(PYTEST_ARGS)
 
 $(BUILD)/assets-$(SIZE)/.complete: | setup
 	$(PY) -m export.synthetic $(BUILD)/assets-$(SIZE) --size $(SIZE)
 	@touch $@
 
-assets: $(BUILD)/assets-$(SIZE)/.complete ## write synthetic random-weight assets (SIZE=full|tiny)
+assets: $(BUILD)/assets-$(SIZE)/.complete ## write random-weight assets of the upstream architecture (SIZE=full|tiny)
+
+export: setup $(ASSETS_DEP) ## export ASSETS=DIR (default: synthetic) into REPO (FORMATS, DTYPE, GPUS, INSTANCES)
+	$(PY) -m export --assets $(ASSETS_DIR) --out $(REPO) --formats $(FORMATS) --dtype $(DTYPE) --gpus "$(GPUS)" --instances $(INSTANCES)
+
+configure: setup ## set instance groups of REPO: GPUS=0,1 INSTANCES=2 (empty GPUS: CPU)
+	$(PY) -m chattts_triton.repo_config --repo $(REPO) --gpus "$(GPUS)" --instances $(INSTANCES)
+
+serve: setup ## run Triton on REPO in the foreground, bound to 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)
+	$(PY) -m chattts_triton.serve --repo $(REPO) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --log-file $(BUILD)/tritonserver.log
+
+demo: export ## set up, export (ASSETS=DIR or synthetic noise), serve, synthesise build/demo.wav over gRPC, stop
+	$(PY) -m client.demo --repo $(REPO) --out $(BUILD)/demo.wav $(SYNTHETIC)
+
+bundle: setup ## gather wheels + tritonserver files for a GPU host without a package index (into .bundle/)
+	$(PY) -m bench.bundle .bundle
 
 clean: ## remove build outputs (keeps .venv)
 	rm -rf $(BUILD)
