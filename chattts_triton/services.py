@@ -283,6 +283,9 @@ class GPTService:
             hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=DTYPES[dtype],
             compute_dtype=DTYPES[dtype],
         )
+        # TorchScript specialises on its first runs: pay that before the first client does
+        for _ in range(2):
+            self.engine.generate(GenRequest(torch.arange(1, 9), SamplingParams(1.0, None, None, 1.0, 4, 4, seed=0), None))
 
     def execute(self, calls: Sequence[Call]) -> None:
         for c in calls:
@@ -351,6 +354,8 @@ class VocoderService:
         self.decoder = Artifact(d / "decoder", artifact_format, device)
         self.dvae = Artifact(d / "dvae_decode", artifact_format, device)
         self.vocos = Artifact(d / "vocos", artifact_format, device)
+        for _ in range(2):  # warm-up, as for the GPT
+            self.synthesize([(True, torch.zeros(3, arch.gpt.hidden)), (False, torch.zeros(2, NUM_VQ, dtype=torch.int64))])
 
     def execute(self, calls: Sequence[Call]) -> None:
         items = []
