@@ -103,6 +103,7 @@ class Engine:
         cache_dtype: torch.dtype = torch.float32,
         compute_dtype: torch.dtype = torch.float32,
         max_prefill_tokens: int = 4096,
+        cuda_graphs: bool = True,
         start: bool = True,
     ):
         self.model = model
@@ -115,8 +116,9 @@ class Engine:
         self.compute_dtype = compute_dtype
         self.max_prefill_tokens = max_prefill_tokens
         dev = self.device
-        self.k_cache, self.v_cache = model.new_cache(max_slots, max_context, cache_dtype, dev)
-        s = max_slots
+        s = max_slots + 1  # the last slot is scratch: padding rows of CUDA-graph buckets use it
+        self.scratch = max_slots
+        self.k_cache, self.v_cache = model.new_cache(s, max_context, cache_dtype, dev)
         self.tokens = torch.zeros(s, max_new_tokens + 1, num_vq, dtype=torch.int64, device=dev)
         self.hiddens = torch.zeros(s, max_new_tokens + 1, hidden, dtype=torch.float32, device=dev)
         self.n_dev = torch.zeros(s, dtype=torch.int64, device=dev)
@@ -129,11 +131,12 @@ class Engine:
         self.p_attempt = torch.zeros(s, dtype=torch.int64, device=dev)
         self.p_eos = torch.full((s,), AUDIO_EOS, dtype=torch.int64, device=dev)
         self.slots: Dict[int, _Slot] = {}
-        self.free: List[int] = list(range(s - 1, -1, -1))
+        self.free: List[int] = list(range(max_slots - 1, -1, -1))
         self.waiting: Deque[GenRequest] = deque()
         self.cv = threading.Condition()
         self.stopping = False
         self.steps = 0
+        self.graphs = CudaGraphs(self) if (cuda_graphs and self.device.type == "cuda") else None
         self.thread: Optional[threading.Thread] = None
         if start:
             self.start()
@@ -280,54 +283,54 @@ class Engine:
         h = self.model(x, positions.to(self.device), slots_t, self.k_cache, self.v_cache, t)
         last = torch.tensor([n - 1 for n in lens], device=self.device)
         h_last = h[torch.arange(b, device=self.device), last].float()
-        self._sample_and_advance(slot_ids, slots_t, h_last, first=True)
+        self._first_step(slot_ids, slots_t, h_last)
 
     def _decode_step(self) -> None:
-        slot_ids = list(self.slots)
-        slots_t = torch.tensor(slot_ids, dtype=torch.int64, device=self.device)
-        groups = {}
-        for i, s in enumerate(slot_ids):
+        groups: Dict[str, List[int]] = {}
+        for s in self.slots:
             groups.setdefault(self.slots[s].req.mode, []).append(s)
         for mode, ids in groups.items():
-            st = slots_t if len(groups) == 1 else torch.tensor(ids, dtype=torch.int64, device=self.device)
-            n = self.n_dev.index_select(0, st)
-            last_tok = self.tokens[st, n - 1]  # [B, num_vq]
-            if mode == "code":
-                x = self.model.embed_code(last_tok)
-            else:
-                x = self.model.embed_text(last_tok[:, 0])
-            x = x.to(self.compute_dtype).unsqueeze(1)
             pos_host = [self.slots[s].plen + self.slots[s].n - 1 for s in ids]
-            positions = (torch.tensor(pos_host, dtype=torch.int64, device=self.device)).unsqueeze(1)
-            h = self.model(x, positions, st, self.k_cache, self.v_cache, max(pos_host) + 1)
-            self._sample_and_advance(ids, st, h[:, 0].float(), first=False)
+            attn_len = max(pos_host) + 1
+            if self.graphs is not None and mode == "code":
+                tok, hit = self.graphs.step(ids, pos_host, attn_len)
+            else:
+                st = torch.tensor(ids, dtype=torch.int64, device=self.device)
+                positions = torch.tensor(pos_host, dtype=torch.int64, device=self.device)
+                tok, hit = self.step_core(st, positions, attn_len, mode)
+            self._advance(ids, hit)
         self.steps += 1
 
-    def _sample_and_advance(self, slot_ids: List[int], st: Tensor, h: Tensor, first: bool) -> None:
-        modes = {self.slots[s].req.mode for s in slot_ids}
-        if len(modes) > 1:  # a prefill batch mixing refine-text and code requests: split it
-            for mode in modes:
-                idx = [i for i, s in enumerate(slot_ids) if self.slots[s].req.mode == mode]
-                sub = torch.tensor(idx, device=self.device)
-                self._sample_and_advance([slot_ids[i] for i in idx], st[sub], h[sub], first)
-            return
-        mode = next(iter(modes))
-        b = len(slot_ids)
+    def step_core(self, st: Tensor, positions: Tensor, attn_len: int, mode: str = "code"):
+        """One decode step of the rows `st` (pure tensor work: no host sync, CUDA-graph safe).
+
+        Feeds each row's last token, samples the next, records token and hidden state, and returns
+        (tokens [B, num_vq], eos_hit [B])."""
+        n = self.n_dev.index_select(0, st)
+        last_tok = self.tokens[st, (n - 1).clamp(min=0)]
+        if mode == "code":
+            x = self.model.embed_code(last_tok)
+        else:
+            x = self.model.embed_text(last_tok[:, 0])
+        x = x.to(self.compute_dtype).unsqueeze(1)
+        h = self.model(x, positions.unsqueeze(1), st, self.k_cache, self.v_cache, attn_len)[:, 0].float()
+        return self.sample_core(st, n, h, mode)
+
+    def sample_core(self, st: Tensor, n: Tensor, h: Tensor, mode: str):
+        b = st.shape[0]
         q = self.num_vq if mode == "code" else 1
-        logits = self.model.logits_code(h.to(self.compute_dtype)) if mode == "code" else self.model.logits_text(h.to(self.compute_dtype)).unsqueeze(1)
-        v = logits.shape[-1]
-        logits = logits.reshape(b * q, v).float()
-        n = self.n_dev.index_select(0, st)  # [B]
-        rep = lambda t: t.repeat_interleave(q)  # noqa: E731  per-request value for each of its rows
-        # the window of the last 16 generated tokens of each row
+        hc = h.to(self.compute_dtype)
+        logits = self.model.logits_code(hc) if mode == "code" else self.model.logits_text(hc).unsqueeze(1)
+        logits = logits.reshape(b * q, logits.shape[-1]).float()
+
+        def rep(t: Tensor) -> Tensor:  # per-request value for each of its rows
+            return t.repeat_interleave(q)
+
         w = REPETITION_WINDOW
         offs = (n.unsqueeze(1) - w + torch.arange(w, device=self.device)).clamp(min=0)  # [B, W]
-        hist = self.tokens[st.unsqueeze(1), offs]  # [B, W, num_vq]
-        hist = hist[..., :q].permute(0, 2, 1).reshape(b * q, w)
-        hist_len = rep(n.clamp(max=w))
+        hist = self.tokens[st.unsqueeze(1), offs][..., :q].permute(0, 2, 1).reshape(b * q, w)
         eos = self.p_eos.index_select(0, st)
-        eos_id = int(self.slots[slot_ids[0]].req.eos_id)
-        forbid = rep(n < self.p_min.index_select(0, st))
+        eos_rows = rep(eos)
         logits = sampling.process_logits(
             logits,
             rep(self.p_temp.index_select(0, st)),
@@ -335,37 +338,48 @@ class Engine:
             rep(self.p_top_p.index_select(0, st)),
             rep(self.p_top_k.index_select(0, st)),
             hist,
-            hist_len,
-            forbid,
-            eos_id,
+            rep(n.clamp(max=w)),
+            rep(n < self.p_min.index_select(0, st)),
+            eos_rows,
         )
+        attempt = self.p_attempt.index_select(0, st)
         row = torch.arange(q, device=self.device).repeat(b)
-        while True:
-            u = sampling.uniform(rep(self.p_seed.index_select(0, st)), rep(n), row, rep(self.p_attempt.index_select(0, st)))
-            tok = sampling.sample(logits, u).view(b, q)
-            hit = (tok == eos.unsqueeze(1)).any(1)
-            if not first:
-                break
-            # upstream ensure_non_empty: an EOS at the very first step is drawn again
-            retry = hit & torch.tensor([self.slots[s].req.params.ensure_non_empty for s in slot_ids], device=self.device)
-            retry_host = retry.tolist()
-            if not any(retry_host):
-                break
-            for i, s in enumerate(slot_ids):
-                if retry_host[i]:
-                    self.slots[s].attempt += 1
-                    if self.slots[s].attempt >= MAX_EMPTY_RETRIES:
-                        retry_host[i] = False
-            if not any(retry_host):
-                break
-            mask = torch.tensor(retry_host, device=self.device)
-            self.p_attempt.index_add_(0, st, mask.long())
+        u = sampling.uniform(rep(self.p_seed.index_select(0, st)), rep(n), row, rep(attempt))
+        tok = sampling.sample(logits, u).view(b, q)
+        hit = (tok == eos.unsqueeze(1)).any(1)
         if q < self.num_vq:
             tok = tok.expand(b, self.num_vq)
         self.tokens[st, n] = tok
-        self.hiddens[st, n] = h.float()
+        self.hiddens[st, n] = h
         self.n_dev.index_add_(0, st, (~hit).long())
-        hit_host = hit.tolist()
+        self.n_dev[self.scratch] = 0  # padding rows of a CUDA-graph bucket write here
+        return tok, hit
+
+    def _first_step(self, slot_ids: List[int], st: Tensor, h: Tensor) -> None:
+        """Sample each new request's first token; upstream ensure_non_empty: an EOS there is redrawn."""
+        modes = {self.slots[s].req.mode for s in slot_ids}
+        for mode in modes:
+            ids = [s for s in slot_ids if self.slots[s].req.mode == mode]
+            sub = torch.tensor([slot_ids.index(s) for s in ids], device=self.device)
+            sts, hs = st[sub], h[sub]
+            zero = torch.zeros(len(ids), dtype=torch.int64, device=self.device)
+            while True:
+                self.n_dev.index_fill_(0, sts, 0)
+                _, hit = self.sample_core(sts, zero, hs, mode)
+                hit_host = hit.tolist()
+                redraw = []
+                for s, eos in zip(ids, hit_host):
+                    slot = self.slots[s]
+                    if eos and slot.req.params.ensure_non_empty and slot.attempt + 1 < MAX_EMPTY_RETRIES:
+                        slot.attempt += 1
+                        redraw.append(s)
+                if not redraw:
+                    break
+                self.p_attempt.index_add_(0, torch.tensor(redraw, device=self.device), torch.ones(len(redraw), dtype=torch.int64, device=self.device))
+            self._advance(ids, hit)
+
+    def _advance(self, slot_ids: List[int], hit: Tensor) -> None:
+        hit_host = hit[: len(slot_ids)].tolist()
         for i, s in enumerate(slot_ids):
             slot = self.slots[s]
             if slot.req.cancelled:
@@ -398,3 +412,59 @@ class Engine:
             req.on_done(res)
         except Exception:  # a failing callback must not take the engine down
             log.exception("generation callback failed")
+
+
+def _bucket(n: int, smallest: int, largest: int) -> int:
+    b = smallest
+    while b < n:
+        b *= 2
+    return min(b, largest)
+
+
+class CudaGraphs:
+    """Decode steps of audio-code rows replayed from CUDA graphs.
+
+    One graph per (batch bucket, attention-length bucket), both powers of two, captured on first
+    use into one shared memory pool. Rows past the live batch point at the scratch slot. What a
+    graph runs is `Engine.step_core`, the same code as the eager path.
+    """
+
+    MIN_LEN = 128
+
+    def __init__(self, engine: Engine):
+        self.e = engine
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: Dict[tuple, tuple] = {}
+        self.stream = torch.cuda.Stream(device=engine.device)
+
+    def step(self, ids: List[int], pos_host: List[int], attn_len: int):
+        e = self.e
+        b = len(ids)
+        bb = _bucket(b, 1, _bucket(e.max_slots, 1, 1 << 30))
+        lb = _bucket(attn_len, self.MIN_LEN, e.max_context)
+        key = (bb, lb)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bb, lb)
+        graph, slots, positions, tok, hit = self.graphs[key]
+        pad = bb - b
+        host = torch.tensor([ids + [e.scratch] * pad, pos_host + [0] * pad], dtype=torch.int64).pin_memory()
+        slots.copy_(host[0], non_blocking=True)
+        positions.copy_(host[1], non_blocking=True)
+        graph.replay()
+        return tok, hit
+
+    def _capture(self, bb: int, lb: int):
+        e = self.e
+        slots = torch.full((bb,), e.scratch, dtype=torch.int64, device=e.device)
+        positions = torch.zeros(bb, dtype=torch.int64, device=e.device)
+        # the scratch slot's state must not leak into live slots: warm up on scratch rows only
+        self.stream.wait_stream(torch.cuda.current_stream(e.device))
+        with torch.cuda.stream(self.stream):
+            for _ in range(3):
+                e.step_core(slots, positions, lb)
+        torch.cuda.current_stream(e.device).wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            tok, hit = e.step_core(slots, positions, lb)
+        log.info("captured decode graph batch=%d attn_len=%d", bb, lb)
+        return graph, slots, positions, tok, hit

@@ -81,19 +81,20 @@ def process_logits(
     history: Tensor,
     history_len: Tensor,
     forbid_eos: Tensor,
-    eos: int,
+    eos: Tensor,
 ) -> Tensor:
     """Everything upstream does to the logits before the softmax. All parameters are per row;
-    top_p ≥ 1 and top_k ≤ 0 switch that filter off for the row (upstream `None`)."""
+    top_p ≥ 1 and top_k ≤ 0 switch that filter off for the row (upstream `None`); eos [R] is each
+    row's end token, masked while forbid_eos."""
     logits = logits / temperature.unsqueeze(1)
     apply_pen = penalty != 1.0
     penalised = repetition_penalty(logits, history, history_len, penalty)
     logits = torch.where(apply_pen.unsqueeze(1), penalised, logits)
     logits = torch.where((top_p < 1.0).unsqueeze(1), top_p_filter(logits, top_p.clamp(max=1.0)), logits)
     logits = torch.where((top_k > 0).unsqueeze(1), top_k_filter(logits, top_k), logits)
-    eos_col = logits[:, eos].masked_fill(forbid_eos, float("-inf"))
-    logits[:, eos] = eos_col
-    return logits
+    col = eos.unsqueeze(1)  # each row's EOS id
+    masked = logits.gather(1, col).masked_fill(forbid_eos.unsqueeze(1), float("-inf"))
+    return logits.scatter(1, col, masked)
 
 
 def draw(probs: Tensor, u: Tensor) -> Tensor:
