@@ -12,9 +12,16 @@ DTYPE ?= fp32
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
-HOST ?= 127.0.0.1:8001
+HOST ?=
 GPUS ?=
 INSTANCES ?= 1
+PROTOCOL ?= grpc
+USERS ?= 4
+SPAWN_RATE ?= 1
+DURATION ?= 60s
+MAX_CONCURRENCY ?= 64
+STEP_SECONDS ?= 20
+TARGET = $(or $(HOST),127.0.0.1:$(if $(filter http,$(PROTOCOL)),$(HTTP_PORT),$(GRPC_PORT)))
 PYTEST_ARGS ?=
 
 ifeq ($(strip $(ASSETS)),)
@@ -28,7 +35,7 @@ SYNTHETIC :=
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast assets export configure serve demo bundle clean
+.PHONY: help setup test test-fast assets export configure serve demo loadtest sweep bundle clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -65,6 +72,12 @@ serve: setup ## run Triton on REPO in the foreground, bound to 127.0.0.1 (HTTP_P
 
 demo: export ## set up, export (ASSETS=DIR or synthetic noise), serve, synthesise build/demo.wav over gRPC, stop
 	$(PY) -m client.demo --repo $(REPO) --out $(BUILD)/demo.wav $(SYNTHETIC)
+
+loadtest: setup ## Locust (headless) against a running server: HOST= PROTOCOL=grpc|http USERS= SPAWN_RATE= DURATION= -> build/loadtest
+	$(PY) -m loadtest.run --host $(TARGET) --protocol $(PROTOCOL) --users $(USERS) --spawn-rate $(SPAWN_RATE) --duration $(DURATION) --out $(BUILD)/loadtest
+
+sweep: setup ## concurrency sweep 1,2,4..MAX_CONCURRENCY: HOST= PROTOCOL= MAX_CONCURRENCY= STEP_SECONDS= -> build/sweep/sweep.{md,csv,json,png}
+	$(PY) -m loadtest.sweep --url $(TARGET) --protocol $(PROTOCOL) --max-concurrency $(MAX_CONCURRENCY) --step-seconds $(STEP_SECONDS) --metrics-url $(firstword $(subst :, ,$(TARGET))):$(METRICS_PORT) --out $(BUILD)/sweep
 
 bundle: setup ## gather wheels + tritonserver files for a GPU host without a package index (into .bundle/)
 	$(PY) -m bench.bundle .bundle

@@ -42,10 +42,10 @@ def upstream_generate(emb, g, ids, n_new, min_new, infer_text=False, eos=625, to
     from ChatTTS.model import gen_logits
 
     input_ids = ids.view(1, -1, 1).expand(-1, -1, 4).clone()
-    mask = torch.ones(1, ids.numel(), dtype=torch.bool)
+    mask = torch.ones(1, ids.numel(), dtype=torch.bool, device=ids.device)
     e = emb(input_ids, mask)
     warp, proc = gen_logits(eos if not infer_text else 21178, top_p, top_k, pen)
-    temp = torch.tensor([1e-5] * (1 if infer_text else 4))
+    temp = torch.tensor([1e-5] * (1 if infer_text else 4), device=ids.device)
     res = next(
         g.generate(
             e, input_ids, temperature=temp, eos_token=eos, attention_mask=mask, max_new_token=n_new,

@@ -1,0 +1,199 @@
+"""`python -m client`: synthesise one text to a WAV file, or one WAV per line of a text file.
+
+Every optional input of the `chattts` contract is a flag (TOP_P -> --top-p, booleans as
+--refine-text / --no-refine-text); flags left out use the server's defaults.
+Exit status: 0 success, 1 a request failed or the server is unreachable, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from .audio import FORMATS, WavError, load_reference_audio, save_wav
+from .client import (
+    DEFAULT_BACKOFF_S,
+    DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_URLS,
+    PROTOCOLS,
+    ChatTTSClient,
+)
+from .contract import MODEL, OPTION_INPUTS, SAMPLE_RATE, input_datatype
+from .errors import ChatTTSError, ChatTTSInputError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+SPEAKER_AUDIO_KEYWORD = "speaker_audio"  # a WAV path on the command line, samples in the request
+AT_FILE_KEYWORDS = ("speaker", "speaker_sample")  # long strings: "@FILE" reads them from a file
+
+
+def _flag(keyword: str) -> str:
+    return "--" + keyword.replace("_", "-")
+
+
+def _add_contract_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("synthesis options (contract inputs; omitted = server default)")
+    for keyword, name in OPTION_INPUTS.items():
+        datatype = input_datatype(name)
+        if keyword == SPEAKER_AUDIO_KEYWORD:
+            group.add_argument(_flag(keyword), metavar="WAV", help=f"{name}: reference voice, {SAMPLE_RATE} Hz WAV")
+        elif datatype == "BOOL":
+            group.add_argument(_flag(keyword), action=argparse.BooleanOptionalAction, default=None, help=name)
+        elif datatype == "BYTES":
+            extra = " (or @FILE to read it from a file)" if keyword in AT_FILE_KEYWORDS else ""
+            group.add_argument(_flag(keyword), metavar="STR", help=f"{name}{extra}")
+        elif datatype.startswith(("INT", "UINT")):
+            group.add_argument(_flag(keyword), type=int, metavar="N", help=name)
+        elif datatype.startswith("FP"):
+            group.add_argument(_flag(keyword), type=float, metavar="X", help=name)
+        else:  # a contract change this CLI does not understand yet
+            raise NotImplementedError(f"no command-line flag for {name} ({datatype})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m client",
+        description="Text to speech with the chattts model on a Triton server.",
+        epilog="Exit status: 0 ok, 1 request failed / server unreachable, 2 bad arguments.",
+    )
+    p.add_argument("text", nargs="?", help="text to speak ('-' reads standard input)")
+    p.add_argument("-o", "--output", metavar="WAV", help="output WAV file (with TEXT)")
+    p.add_argument("--file", metavar="TXT", help="UTF-8 text file: one utterance per non-empty line")
+    p.add_argument("--out-dir", metavar="DIR", help="where --file writes 0001.wav, 0002.wav, ... (by line number)")
+    p.add_argument("--url", help=f"HOST:PORT (default {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['http']} for http)")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="grpc")
+    p.add_argument("--model", default=MODEL)
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S", help="per request attempt")
+    p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help="on UNAVAILABLE / connection errors only")
+    p.add_argument("--backoff", type=float, default=DEFAULT_BACKOFF_S, metavar="S", help="first retry delay (doubles)")
+    p.add_argument("--concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY, help="requests in flight at once")
+    p.add_argument("--format", choices=FORMATS, default="pcm16", help="WAV sample format")
+    p.add_argument("--no-split", dest="split", action="store_false", help="send TEXT as one utterance")
+    p.add_argument(
+        "--no-voice-from-first",
+        dest="voice_from_first",
+        action="store_false",
+        help="do not use the first sentence as the voice reference of the others",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    _add_contract_options(p)
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if (args.text is None) == (args.file is None):
+        p.error("give either TEXT or --file")
+    if args.text is not None and not args.output:
+        p.error("TEXT needs -o/--output")
+    if args.text is not None and args.out_dir:
+        p.error("--out-dir goes with --file (use -o for TEXT)")
+    if args.file is not None and not args.out_dir:
+        p.error("--file needs --out-dir")
+    if args.file is not None and args.output:
+        p.error("-o goes with TEXT (use --out-dir for --file)")
+    if args.timeout <= 0 or args.retries < 0 or args.backoff < 0 or args.concurrency < 1:
+        p.error("--timeout and --concurrency must be positive, --retries and --backoff not negative")
+
+
+def _options(p: argparse.ArgumentParser, args: argparse.Namespace) -> Dict[str, Any]:
+    options = {k: getattr(args, k) for k in OPTION_INPUTS if getattr(args, k) is not None}
+    try:
+        if SPEAKER_AUDIO_KEYWORD in options:
+            options[SPEAKER_AUDIO_KEYWORD] = load_reference_audio(options[SPEAKER_AUDIO_KEYWORD])
+        for keyword in AT_FILE_KEYWORDS:
+            if str(options.get(keyword, "")).startswith("@"):
+                options[keyword] = Path(options[keyword][1:]).read_text(encoding="utf-8").strip()
+    except (OSError, WavError) as e:
+        p.error(str(e))
+    return options
+
+
+def _read_lines(p: argparse.ArgumentParser, path: str) -> List[tuple]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        p.error(f"cannot read --file {path}: {e}")
+    numbered = [(n, line.strip()) for n, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
+        p.error(f"--file {path} has no non-empty lines")
+    return numbered
+
+
+def _run_text(client: ChatTTSClient, args, options, out) -> int:
+    text = sys.stdin.read() if args.text == "-" else args.text
+    start = time.perf_counter()
+    audio = client.synthesize(text, split=args.split, voice_from_first=args.voice_from_first, **options)
+    path = save_wav(args.output, audio, fmt=args.format)
+    if not args.quiet:
+        print(f"wrote {path}: {audio.size / SAMPLE_RATE:.2f} s of audio in {time.perf_counter() - start:.2f} s", file=out)
+    return EXIT_OK
+
+
+def _run_file(client: ChatTTSClient, args, options, numbered, out) -> int:
+    from tqdm import tqdm
+
+    if not client.is_ready():
+        print(f"error: {client.where} is unreachable or not ready", file=sys.stderr)
+        return EXIT_FAILED
+    out_dir = Path(args.out_dir)
+    width = max(4, len(str(numbered[-1][0])))
+    failures: List[str] = []
+    bar = tqdm(total=len(numbered), unit="utt", disable=args.quiet, file=sys.stderr)
+
+    def on_result(i: int, result) -> None:
+        line_no = numbered[i][0]
+        if isinstance(result, ChatTTSError):
+            failures.append(f"line {line_no}: {result}")
+        else:
+            save_wav(out_dir / f"{line_no:0{width}d}.wav", result, fmt=args.format)
+        bar.update(1)
+
+    texts = [text for _, text in numbered]
+    try:
+        client.synthesize_batch(texts, return_exceptions=True, on_result=on_result, **options)
+    finally:
+        bar.close()
+    for line in sorted(failures):
+        print(f"error: {line}", file=sys.stderr)
+    if not args.quiet:
+        print(f"wrote {len(numbered) - len(failures)} of {len(numbered)} WAV files to {out_dir}", file=out)
+    return EXIT_FAILED if failures else EXIT_OK
+
+
+def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
+    out = out or sys.stdout
+    p = build_parser()
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    options = _options(p, args)
+    numbered = _read_lines(p, args.file) if args.file is not None else None
+    try:
+        client = ChatTTSClient(
+            args.url,
+            protocol=args.protocol,
+            model=args.model,
+            timeout_s=args.timeout,
+            retries=args.retries,
+            backoff_s=args.backoff,
+            max_concurrency=args.concurrency,
+        )
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        with client:
+            if numbered is not None:
+                return _run_file(client, args, options, numbered, out)
+            return _run_text(client, args, options, out)
+    except ChatTTSInputError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return EXIT_USAGE
+    except ChatTTSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as e:  # writing the WAV
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED

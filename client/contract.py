@@ -1,0 +1,152 @@
+"""Request tensors of the `chattts` ensemble, built from chattts_triton.config (never copied here).
+
+Every optional contract input becomes a keyword named after it in lower case (TOP_P -> top_p);
+None means "server default" and the input is left out of the request. The ensemble batches
+(`max_batch_size` > 0), so one request carries each input with a leading batch dimension of 1.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Dict, List, Mapping, Optional
+
+import numpy as np
+
+from chattts_triton import config as C
+from chattts_triton.repo_config import ENSEMBLE as MODEL
+
+from .errors import INTERNAL, ChatTTSError, ChatTTSInputError
+
+STREAM_MODEL = "chattts_stream"  # decoupled variant (AUDIO chunks), see ChatTTSClient.stream
+TEXT_INPUT = "TEXT"
+AUDIO_OUTPUT = "AUDIO"
+SAMPLE_RATE = C.SAMPLE_RATE
+
+REQUIRED_INPUTS = [name for name, (_, _, required) in C.ENSEMBLE_INPUTS.items() if required]
+# keyword -> contract input name, for every optional input
+OPTION_INPUTS: Dict[str, str] = {
+    name.lower(): name for name, (_, _, required) in C.ENSEMBLE_INPUTS.items() if not required
+}
+
+# Only per-item scalars ([1]) and 1-D variable-length tensors ([-1]) are supported; fail loudly at
+# import if the contract grows a shape this module does not know how to build.
+for _name, (_dtype, _dims, _req) in C.ENSEMBLE_INPUTS.items():
+    if list(_dims) not in ([1], [-1]):
+        raise ImportError(f"client.contract cannot build input {_name} with dims {_dims}")
+if REQUIRED_INPUTS != [TEXT_INPUT] or AUDIO_OUTPUT not in C.ENSEMBLE_OUTPUTS:
+    raise ImportError("client.contract expects exactly TEXT required and an AUDIO output")
+
+
+def triton_datatype(config_dtype: str) -> str:
+    """Model-config dtype ('TYPE_STRING', 'TYPE_FP32') -> protocol datatype ('BYTES', 'FP32')."""
+    name = config_dtype.removeprefix("TYPE_")
+    return "BYTES" if name == "STRING" else name
+
+
+def input_datatype(name: str) -> str:
+    return triton_datatype(C.ENSEMBLE_INPUTS[name][0])
+
+
+def _numpy_dtype(datatype: str):
+    from tritonclient.utils import triton_to_np_dtype
+
+    return triton_to_np_dtype(datatype)
+
+
+def _scalar(name: str, datatype: str, value: Any):
+    what = f"{name.lower()}={value!r}"
+    if datatype == "BYTES":
+        if not isinstance(value, str):
+            raise ChatTTSInputError(f"{what}: expected a str")
+        return value.encode("utf-8")
+    if datatype == "BOOL":
+        if not isinstance(value, (bool, np.bool_)):
+            raise ChatTTSInputError(f"{what}: expected a bool")
+        return bool(value)
+    np_dtype = _numpy_dtype(datatype)
+    if datatype.startswith(("INT", "UINT")):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise ChatTTSInputError(f"{what}: expected an int")
+        info = np.iinfo(np_dtype)
+        if not info.min <= int(value) <= info.max:
+            raise ChatTTSInputError(f"{what}: out of {datatype} range [{info.min}, {info.max}]")
+        return int(value)
+    if datatype.startswith(("FP", "BF")):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise ChatTTSInputError(f"{what}: expected a number")
+        if not math.isfinite(float(value)):
+            raise ChatTTSInputError(f"{what}: must be finite")
+        return float(value)
+    raise ChatTTSInputError(f"{what}: unsupported datatype {datatype}")
+
+
+def _vector(name: str, datatype: str, value: Any) -> np.ndarray:
+    if datatype != "FP32":
+        raise ChatTTSInputError(f"{name.lower()}: unsupported variable-length datatype {datatype}")
+    try:
+        arr = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise ChatTTSInputError(f"{name.lower()}: expected a 1-D array of samples ({e})") from None
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 1 or arr.size == 0:
+        raise ChatTTSInputError(f"{name.lower()}: expected a non-empty 1-D array, got shape {arr.shape}")
+    if not np.isfinite(arr).all():
+        raise ChatTTSInputError(f"{name.lower()}: contains NaN or infinite samples")
+    return arr
+
+
+def encode_input(name: str, value: Any) -> np.ndarray:
+    """One contract input as the array a single request sends ([1,1] or [1,N])."""
+    datatype = input_datatype(name)
+    dims = list(C.ENSEMBLE_INPUTS[name][1])
+    if dims == [-1]:
+        return np.ascontiguousarray(_vector(name, datatype, value)[None, :])
+    return np.array([[_scalar(name, datatype, value)]], dtype=_numpy_dtype(datatype))
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    unknown = sorted(set(options) - set(OPTION_INPUTS))
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown}; valid: {sorted(OPTION_INPUTS)}")
+
+
+def build_inputs(text: str, options: Optional[Mapping[str, Any]] = None) -> Dict[str, np.ndarray]:
+    """Contract input name -> array for one utterance; options left at None are omitted."""
+    options = options or {}
+    check_options(options)
+    if not isinstance(text, str):
+        raise ChatTTSInputError(f"text must be a str, got {type(text).__name__}")
+    if not text.strip():
+        raise ChatTTSInputError("text is empty")
+    arrays = {TEXT_INPUT: encode_input(TEXT_INPUT, text)}
+    for keyword, value in options.items():
+        if value is not None:
+            name = OPTION_INPUTS[keyword]
+            arrays[name] = encode_input(name, value)
+    return arrays
+
+
+def to_infer_inputs(module, arrays: Mapping[str, np.ndarray]) -> List[Any]:
+    """Wrap arrays as `module.InferInput`s (module: tritonclient.grpc or tritonclient.http)."""
+    inputs = []
+    for name, arr in arrays.items():
+        inp = module.InferInput(name, list(arr.shape), input_datatype(name))
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    return inputs
+
+
+def requested_outputs(module) -> List[Any]:
+    return [module.InferRequestedOutput(AUDIO_OUTPUT)]
+
+
+def audio_from_result(result) -> np.ndarray:
+    """AUDIO of one response as an owned, writable 1-D float32 array."""
+    audio = result.as_numpy(AUDIO_OUTPUT)
+    if audio is None:
+        raise ChatTTSError(INTERNAL, f"response has no {AUDIO_OUTPUT} output")
+    if audio.ndim != 2 or audio.shape[0] != 1:
+        raise ChatTTSError(INTERNAL, f"{AUDIO_OUTPUT} has shape {audio.shape}, expected [1, N]")
+    return np.array(audio[0], dtype=np.float32)

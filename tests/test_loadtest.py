@@ -1,0 +1,249 @@
+"""Load-test tooling: unit tests of the figures and reports (no server), and end-to-end runs of Locust
+and the concurrency sweep against the real server (`served_tiny`, marked e2e)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chattts_triton.config import LIMITS, SAMPLE_RATE
+from client.contract import build_inputs
+from loadtest import run as lt_run
+from loadtest import sweep
+from loadtest.corpus import CorpusError, length_bucket, load_corpus
+from loadtest.tts_stats import TTSStats, format_summary, percentile, real_time_factor
+
+ROOT = Path(__file__).resolve().parents[1]
+FORCED_TOKENS = 20  # MIN = MAX new tokens: short utterances of a fixed length for e2e runs
+
+
+# --- figures ----------------------------------------------------------------------------------------
+def test_tts_stats_summary_merge_and_drain():
+    worker, master = TTSStats(), TTSStats()
+    worker.record_success(0.5, SAMPLE_RATE)  # 1 s of audio in 0.5 s: RTF 0.5
+    worker.record_success(3.0, 2 * SAMPLE_RATE)  # RTF 1.5
+    worker.record_failure("UNAVAILABLE")
+    master.record_failure("INVALID_ARGUMENT")
+    master.merge(json.loads(json.dumps(worker.drain())))  # what travels to the Locust master
+    assert worker.summary()["requests"] == 0
+    s = master.summary(wall_s=6.0)
+    assert (s["requests"], s["successes"], s["failures"]) == (4, 2, 2)
+    assert s["failures_by_status"] == {"INVALID_ARGUMENT": 1, "UNAVAILABLE": 1}
+    assert s["audio_seconds"] == 3.0 and s["audio_seconds_per_second"] == 0.5
+    assert s["rtf_p50"] == pytest.approx(1.0) and s["rtf_p90"] == pytest.approx(1.4)
+    assert s["latency_p50_ms"] == pytest.approx(1750.0)
+    text = format_summary(s)
+    assert "audio produced 3.0 s" in text and "p50 1.000" in text and "UNAVAILABLE" in text
+
+
+def test_rtf_and_percentile_edges():
+    assert real_time_factor(1.0, 0) is None and real_time_factor(2.0, SAMPLE_RATE) == 2.0
+    assert percentile([], 50) is None and percentile([1, 2, 3, 4], 50) == 2.5
+    empty = TTSStats()
+    empty.record_success(0.1, 0)
+    assert empty.summary()["empty_audio"] == 1 and empty.summary()["rtf_p50"] is None
+    assert "WARNING" in format_summary(empty.summary())
+
+
+def test_corpus_is_realistic_and_valid():
+    texts = load_corpus()
+    assert 50 <= len(texts) <= 80
+    chinese = [t for t in texts if re.search(r"[\u4e00-\u9fff]", t)]
+    english = [t for t in texts if re.fullmatch(r"[\x20-\x7e]+", t)]
+    assert len(chinese) >= 15 and len(english) >= 15
+    assert {length_bucket(t) for t in chinese} == {length_bucket(t) for t in english} == {"short", "medium", "long"}
+    for t in texts:
+        assert len(t) <= LIMITS.max_text_chars
+        build_inputs(t)
+    assert len(set(texts)) == len(texts)
+
+
+def test_corpus_errors(tmp_path):
+    (tmp_path / "empty.txt").write_text("# only a comment\n\n", encoding="utf-8")
+    with pytest.raises(CorpusError, match="no utterances"):
+        load_corpus(tmp_path / "empty.txt")
+    with pytest.raises(CorpusError, match="cannot read"):
+        load_corpus(tmp_path / "missing.txt")
+
+
+# --- sweep helpers --------------------------------------------------------------------------------
+def test_concurrency_levels():
+    assert sweep.concurrency_levels(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert sweep.concurrency_levels(10) == [1, 2, 4, 8, 10]
+    assert sweep.concurrency_levels(1) == [1]
+    assert sweep.concurrency_levels(12, start=3) == [3, 6, 12]
+    with pytest.raises(ValueError):
+        sweep.concurrency_levels(0)
+
+
+def test_rates_agree_needs_work_in_both_windows():
+    assert sweep.rates_agree(10.0, 9.0, 0.2) and not sweep.rates_agree(10.0, 7.0, 0.2)
+    assert not sweep.rates_agree(0.0, 0.0, 0.2) and not sweep.rates_agree(1.0, 0.0, 0.9)
+
+
+def test_summarize_window():
+    C = sweep.Completion
+    done = [C(0.0, 1.0, None, SAMPLE_RATE), C(0.0, 2.0, None, SAMPLE_RATE), C(1.0, 1.5, "UNAVAILABLE"), C(0, 9, None, 1)]
+    window = sweep.completions_between(done, 0.5, 5.0)
+    assert len(window) == 3
+    s = sweep.summarize_window(window, duration_s=4.0)
+    assert (s["requests"], s["errors"], s["errors_by_status"]) == (3, 1, {"UNAVAILABLE": 1})
+    assert s["error_rate"] == pytest.approx(1 / 3) and s["throughput_utt_s"] == 0.5 and s["audio_s_per_s"] == 0.5
+    assert s["latency_p50_ms"] == 1500.0 and s["rtf_p50"] == 1.5
+
+
+def _stats(inference, execution, queue_ns, infer_ns, batches, as_strings=False):
+    """A `get_inference_statistics` answer in Triton's layout (gRPC JSON carries uint64 as strings)."""
+    v = str if as_strings else int
+    stat = lambda n, ns: {"count": v(n), "ns": v(ns)}  # noqa: E731
+    model = {
+        "name": "chattts_gpt", "version": "1", "inference_count": v(inference), "execution_count": v(execution),
+        "inference_stats": {"success": stat(inference, 1), "fail": {}, "queue": stat(inference, queue_ns),
+                            "compute_infer": stat(inference, infer_ns)},
+        "batch_stats": [{"batch_size": v(b), "compute_infer": stat(n, 1)} for b, n in batches.items()],
+    }  # fmt: skip
+    idle = {"name": "idle", "version": "1", "inference_count": v(5), "execution_count": v(5)}
+    return {"model_stats": [model, idle]}
+
+
+@pytest.mark.parametrize("as_strings", [False, True])
+def test_triton_statistics_diff_shows_batching(as_strings):
+    before = _stats(10, 10, 10_000_000, 50_000_000, {1: 10}, as_strings)
+    after = _stats(30, 15, 50_000_000, 250_000_000, {1: 12, 4: 3}, as_strings)
+    d = sweep.diff_model_statistics(before, after)
+    assert set(d) == {"chattts_gpt"}  # idle models are left out
+    m = d["chattts_gpt"]
+    assert (m["inference_count"], m["execution_count"], m["avg_batch"]) == (20, 5, 4.0)
+    assert m["queue_ms"] == pytest.approx(2.0) and m["compute_infer_ms"] == pytest.approx(10.0)
+    assert m["batch_sizes"] == {1: 2, 4: 3} and m["compute_input_ms"] is None
+
+
+def test_gpu_memory_from_prometheus_text():
+    text = (
+        "# HELP nv_gpu_memory_used_bytes GPU used memory, in bytes\n"
+        'nv_gpu_memory_used_bytes{gpu_uuid="GPU-a"} 1.5e+09\n'
+        'nv_gpu_memory_used_bytes{gpu_uuid="GPU-b"} 500000000\n'
+        'nv_gpu_memory_total_bytes{gpu_uuid="GPU-a"} 8e+10\n'
+    )
+    assert sweep.parse_gpu_memory_bytes(text) == 2.0e9
+    assert sweep.parse_gpu_memory_bytes("nv_cpu_memory_used_bytes 1\n") is None
+    assert sweep.default_metrics_url("10.0.0.2:8001") == "10.0.0.2:8002"
+    assert sweep.metrics_endpoint("10.0.0.2:8002") == "http://10.0.0.2:8002/metrics"
+    assert sweep.metrics_endpoint("http://h:1/metrics") == "http://h:1/metrics"
+
+
+def _row(c, p50):
+    return {
+        "concurrency": c, "stable": c < 4, "settle_s": 3.0, "duration_s": 10.0, "requests": 10 * c, "errors": 0,
+        "error_rate": 0.0, "errors_by_status": {}, "latency_p50_ms": p50, "latency_p90_ms": p50 * 1.2,
+        "latency_p99_ms": None, "throughput_utt_s": c / p50 * 1000, "audio_s_per_s": 2.0 * c, "rtf_p50": 0.3,
+        "rtf_p90": 0.4, "gpu_memory_mib": None,
+        "triton": {"chattts": {"inference_count": 10 * c, "execution_count": 10, "avg_batch": float(c),
+                               "queue_ms": 1.0, "compute_infer_ms": 20.0, "batch_sizes": {c: 10}}},
+    }  # fmt: skip
+
+
+def test_sweep_reports(tmp_path):
+    rows = [_row(1, 100.0), _row(2, 110.0), _row(4, 150.0)]
+    cfg = sweep.SweepConfig(url="h:1", step_seconds=10)
+    paths = sweep.write_outputs(tmp_path, rows, cfg)
+    md = paths["md"].read_text()
+    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | yes |" in md
+    assert "| 4 | chattts | 40 | 10 | 4.00 | 1.0 | 20.0 | 4×10 |" in md
+    with paths["csv"].open() as f:
+        table = list(csv.DictReader(f))
+    assert [r["concurrency"] for r in table] == ["1", "2", "4"] and table[2]["chattts.avg_batch"] == "4.0"
+    assert json.loads(paths["json"].read_text())["steps"][1]["latency_p50_ms"] == 110.0
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv", [["--tolerance", "1.5"], ["--max-concurrency", "0"], ["--step-seconds", "0"], ["--protocol", "udp"]]
+)
+def test_sweep_argument_errors(argv):
+    with pytest.raises(SystemExit) as e:
+        sweep.main(argv)
+    assert e.value.code == 2
+
+
+# --- Locust runner ------------------------------------------------------------------------------
+def test_locust_command(tmp_path):
+    args = lt_run.build_parser().parse_args(
+        ["--protocol", "http", "--users", "3", "--duration", "15s", "--max-new-tokens", "20", "--seed", "4",
+         "--", "--loglevel", "WARNING"]
+    )  # fmt: skip
+    cmd = lt_run.locust_command(args, "h:8000", tmp_path)
+    assert cmd[1:3] == ["-m", "locust"] and "--headless" in cmd and cmd[-1] == "TritonHttpUser"
+    flags = dict(zip(cmd, cmd[1:]))
+    assert flags["--users"] == "3" and flags["--run-time"] == "15s" and flags["--host"] == "h:8000"
+    assert flags["--csv"] == str(tmp_path / "stats") and flags["--html"] == str(tmp_path / "report.html")
+    assert flags["--tts-max-new-tokens"] == "20" and flags["--tts-seed"] == "4" and "--tts-min-new-tokens" not in flags
+    assert flags["--loglevel"] == "WARNING"
+    with pytest.raises(SystemExit):
+        lt_run.build_parser().parse_args(["--duration", "soon"])
+
+
+def test_locustfile_loads_under_gevent_with_both_users():
+    out = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--list"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "TritonGrpcUser" in out.stdout and "TritonHttpUser" in out.stdout
+    check = subprocess.run(
+        [sys.executable, "-c", "import runpy, sys; runpy.run_path('loadtest/locustfile.py'); "
+         "print('torch' in sys.modules)"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert check.returncode == 0 and check.stdout.strip().endswith("False"), check.stderr
+
+
+def test_runner_refuses_an_unreachable_server(tmp_path, capsys):
+    rc = lt_run.main(["--host", "127.0.0.1:9", "--out", str(tmp_path), "--wait-ready", "0.5"])
+    assert rc == lt_run.EXIT_NOT_READY and "not ready" in capsys.readouterr().err
+
+
+# --- end to end against the real server ----------------------------------------------------------
+@pytest.mark.e2e
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_locust_headless_run_has_no_failures(served_tiny, protocol, tmp_path):
+    host = served_tiny.grpc_url if protocol == "grpc" else served_tiny.http_url
+    cmd = [sys.executable, "-m", "loadtest.run", "--host", host, "--protocol", protocol, "--users", "2",
+           "--spawn-rate", "2", "--duration", "15s", "--max-new-tokens", str(FORCED_TOKENS),
+           "--min-new-tokens", str(FORCED_TOKENS), "--seed", "1", "--out", str(tmp_path)]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with (tmp_path / "stats_stats.csv").open() as f:
+        rows = {r["Name"]: r for r in csv.DictReader(f)}
+    total = rows["Aggregated"]
+    assert int(total["Request Count"]) > 0 and int(total["Failure Count"]) == 0
+    assert all(r["Type"] == protocol for name, r in rows.items() if name != "Aggregated")
+    tts = json.loads((tmp_path / "tts_stats.json").read_text())
+    assert tts["failures"] == 0 and tts["successes"] > 0 and tts["audio_seconds"] > 0 and tts["rtf_p50"] > 0
+    assert (tmp_path / "report.html").stat().st_size > 0
+
+
+@pytest.mark.e2e
+def test_sweep_produces_table_and_plot(served_tiny, tmp_path):
+    cmd = [sys.executable, "-m", "loadtest.sweep", "--url", served_tiny.grpc_url, "--max-concurrency", "2",
+           "--warmup-seconds", "1", "--window-seconds", "2", "--step-seconds", "4", "--max-settle-seconds", "20",
+           "--max-new-tokens", str(FORCED_TOKENS), "--min-new-tokens", str(FORCED_TOKENS), "--seed", "1",
+           "--out", str(tmp_path)]  # fmt: skip
+    cmd += ["--metrics-url", getattr(served_tiny, "metrics_url", None) or ""]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    steps = json.loads((tmp_path / "sweep.json").read_text())["steps"]
+    assert [s["concurrency"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["error_rate"] == 0.0 and s["throughput_utt_s"] > 0 and s["latency_p50_ms"] > 0
+        assert s["triton"]["chattts"]["inference_count"] > 0  # Triton's own view of the same step
+    md = (tmp_path / "sweep.md").read_text()
+    assert "| 1 |" in md and "| 2 |" in md and "avg batch" in md
+    assert (tmp_path / "sweep.csv").read_text().startswith("concurrency,")
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
