@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device session on a GPU host without a package index (see bench/bundle.py):
+#   bash bench/gpu_session.sh STAGE...   stages: setup test bench
+# Writes logs and results under $OUT (or build/gpu-out).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+OUT="${OUT:-build/gpu-out}"; mkdir -p "$OUT"
+ENV=/tmp/chattts-env.sh
+if [ ! -f "$ENV" ]; then
+  bash .bundle/install.sh 2>&1 | tee "$OUT/install.log" | sed -n '/^Export these/,$p' | grep '^export' > "$ENV"
+fi
+source "$ENV"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+for stage in "$@"; do
+  case "$stage" in
+    setup)
+      [ -f build/assets-full/.complete ] || { python3 -m export.synthetic build/assets-full --size full && touch build/assets-full/.complete; } ;;
+    test)
+      python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_gpu.py -s 2>&1 | tee "$OUT/test_gpu.log" ;;
+    bench)
+      python3 -m bench.run --assets build/assets-full --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
