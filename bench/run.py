@@ -178,14 +178,6 @@ def main(argv=None) -> int:
         path.write_text(json.dumps(res, indent=2))
         (a.out / f"{stem}.md").write_text(to_markdown(res))
 
-    batches = [int(b) for b in a.upstream_batches.split(",") if b]
-    if not a.skip_upstream:
-        res["upstream_eager"] = bench_upstream(a.assets, dev, batches, a.tokens, a.repeats, compile=False)
-        save()
-        cb = [int(b) for b in a.upstream_compile_batches.split(",") if b]
-        if cb:
-            res["upstream_compile"] = bench_upstream(a.assets, dev, cb, a.tokens, a.repeats, compile=True)
-            save()
     from export.__main__ import export_repository
 
     from chattts_triton.repo_config import Deployment
@@ -195,6 +187,16 @@ def main(argv=None) -> int:
     log(f"exporting {a.assets} → {a.repo} ({a.dtype})")
     export_repository(a.assets, a.repo, ["torchscript"], a.dtype, "cpu", dep, progress=log)
     res["served"] = bench_served(a.repo, a.tokens, a.max_concurrency, a.step_seconds, a.start_concurrency)
+    save()
+    plot(res, a.out / f"{stem}.png")
+    batches = [int(b) for b in a.upstream_batches.split(",") if b]
+    if not a.skip_upstream:
+        res["upstream_eager"] = bench_upstream(a.assets, dev, batches, a.tokens, a.repeats, compile=False)
+        save()
+        cb = [int(b) for b in a.upstream_compile_batches.split(",") if b]
+        if cb:
+            res["upstream_compile"] = bench_upstream(a.assets, dev, cb, a.tokens, a.repeats, compile=True)
+            save()
     save()
     plot(res, a.out / f"{stem}.png")
     log(f"wrote {path}, .md, .png")
