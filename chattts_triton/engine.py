@@ -292,8 +292,11 @@ class Engine:
         for mode, ids in groups.items():
             pos_host = [self.slots[s].plen + self.slots[s].n - 1 for s in ids]
             attn_len = max(pos_host) + 1
+            graphed = None
             if self.graphs is not None and mode == "code":
-                tok, hit = self.graphs.step(ids, pos_host, attn_len)
+                graphed = self.graphs.step(ids, pos_host, attn_len)
+            if graphed is not None:
+                tok, hit = graphed
             else:
                 st = torch.tensor(ids, dtype=torch.int64, device=self.device)
                 positions = torch.tensor(pos_host, dtype=torch.int64, device=self.device)
@@ -352,7 +355,7 @@ class Engine:
         self.tokens[st, n] = tok
         self.hiddens[st, n] = h
         self.n_dev.index_add_(0, st, (~hit).long())
-        self.n_dev[self.scratch] = 0  # padding rows of a CUDA-graph bucket write here
+        self.n_dev.narrow(0, self.scratch, 1).zero_()  # padding rows of a CUDA-graph bucket write here
         return tok, hit
 
     def _first_step(self, slot_ids: List[int], st: Tensor, h: Tensor) -> None:
@@ -444,12 +447,19 @@ class CudaGraphs:
         lb = _bucket(attn_len, self.MIN_LEN, e.max_context)
         key = (bb, lb)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bb, lb)
-        graph, slots, positions, tok, hit = self.graphs[key]
+            try:
+                self.graphs[key] = self._capture(bb, lb)
+            except RuntimeError:  # never fail requests over an optimisation: run this bucket eagerly
+                log.exception("CUDA graph capture failed for batch=%d attn_len=%d; running it eagerly", bb, lb)
+                self.graphs[key] = None
+        entry = self.graphs[key]
+        if entry is None:
+            return None
+        graph, slots, positions, tok, hit = entry
         pad = bb - b
-        host = torch.tensor([ids + [e.scratch] * pad, pos_host + [0] * pad], dtype=torch.int64).pin_memory()
-        slots.copy_(host[0], non_blocking=True)
-        positions.copy_(host[1], non_blocking=True)
+        host = torch.tensor([ids + [e.scratch] * pad, pos_host + [0] * pad], dtype=torch.int64)
+        slots.copy_(host[0])
+        positions.copy_(host[1])
         graph.replay()
         return tok, hit
 

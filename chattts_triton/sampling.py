@@ -58,7 +58,7 @@ def top_p_filter(logits: Tensor, top_p: Tensor) -> Tensor:
     sorted_logits, sorted_idx = torch.sort(logits, descending=False)
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     remove = cum <= (1 - top_p).unsqueeze(1)
-    remove[..., -MIN_TOKENS_TO_KEEP:] = False
+    remove[..., -MIN_TOKENS_TO_KEEP:].fill_(False)  # an in-place kernel: safe in CUDA graph capture
     remove = remove.scatter(1, sorted_idx, remove)
     return logits.masked_fill(remove, float("-inf"))
 
