@@ -38,33 +38,26 @@ def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets):
         eng.stop()
 
 
-def test_cuda_graphs_equal_eager_steps_under_in_flight_batching(full_assets):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_request_alone_equals_request_in_a_graphed_batch(full_assets, dtype):
     arch = infer_arch(full_assets)
-    model = torch.jit.script(load_gpt(full_assets, arch).to(torch.bfloat16).cuda())
+    model = torch.jit.script(load_gpt(full_assets, arch).to(dtype).cuda())
     prompts = [torch.randint(0, 21000, (5 + 3 * i,)) for i in range(12)]
     params = [SamplingParams(0.3, 0.7, 20, 1.05, 40 + 5 * i, 10, seed=i) for i in range(12)]
-
-    def run(graphs):
-        eng = _engine(model, arch, graphs, torch.bfloat16, slots=16)
-        out = [None] * 12
-        try:
-            threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, eng.generate(GenRequest(prompts[i], params[i], None)))) for i in range(12)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
-        finally:
-            eng.stop()
-        return out
-
-    alone = [None] * 12
-    eng = _engine(model, arch, True, torch.bfloat16)
+    eng = _engine(model, arch, True, dtype, slots=16)
     try:
-        for i in range(12):
-            alone[i] = eng.generate(GenRequest(prompts[i], params[i], None))
+        alone = [eng.generate(GenRequest(prompts[i], params[i], None)) for i in range(12)]
+        batched = [None] * 12
+        threads = [threading.Thread(target=lambda i=i: batched.__setitem__(i, eng.generate(GenRequest(prompts[i], params[i], None)))) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
     finally:
         eng.stop()
-    batched = run(True)
     same = sum(torch.equal(a.tokens, b.tokens) for a, b in zip(alone, batched))
-    print(f"bf16: {same}/12 requests identical alone vs in a batch of 12")
-    assert same >= 10  # bf16 matmuls of different batch shapes may flip a near-tie token
+    first_diff = [next((k for k in range(min(len(a.tokens), len(b.tokens))) if not torch.equal(a.tokens[k], b.tokens[k])), None)
+                  for a, b in zip(alone, batched)]
+    print(f"{dtype}: {same}/12 requests identical alone vs in a batch of 12; first differing step: {first_diff}")
+    if dtype == torch.float32:
+        assert same == 12
