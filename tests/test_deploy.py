@@ -1,0 +1,634 @@
+"""Production deployment files: deploy/docker (image) and deploy/helm/chattts-triton (chart), checked offline.
+
+No Docker daemon, cluster or GPU here. The Dockerfile is parsed (dockerfile-parse); its entry point and the
+`make configure` step run for real against an exported tiny repository with a stand-in `tritonserver`. The
+chart is rendered by Helm's own engine (helm-python-sdk: the Helm v4 Go SDK) and every manifest is validated
+against the Kubernetes OpenAPI schemas (kubernetes-validate, strict: unknown fields fail); CRDs (ServiceMonitor,
+PrometheusRule) get structural checks. Each check is also shown to reject a broken input.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import helm_python as helm  # helm-python-sdk: Helm's Go engine, no helm binary
+import kubernetes_validate
+import pytest
+import yaml
+from dockerfile_parse import DockerfileParser
+
+from chattts_triton import repo_config as rc
+from tritonclient.grpc import model_config_pb2 as mc
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "deploy" / "docker"
+DOCKERFILE = DOCKER / "Dockerfile"
+CHART = ROOT / "deploy" / "helm" / "chattts-triton"
+VENV_BIN = Path(sys.executable).parent
+
+# Triton releases that fixed published CVEs (NVIDIA security bulletins). The base image must be at least the
+# newest of them. Add to this table when a bulletin appears; never lower the base image.
+FIXED_IN = {
+    "CVE-2025-23310": (25, 7),  # bulletin 5687: stack overflow via HTTP chunked transfer encoding
+    "CVE-2025-23311": (25, 7),  # bulletin 5687: stack overflow via crafted HTTP requests
+    "CVE-2025-23319": (25, 7),  # bulletin 5687: python backend out-of-bounds write (shared-memory chain)
+    "CVE-2025-23320": (25, 7),  # bulletin 5687: python backend shared memory limit exceeded (info leak)
+    "CVE-2025-23334": (25, 7),  # bulletin 5687: python backend out-of-bounds read
+    "CVE-2025-23316": (25, 8),  # python backend RCE through the model name in the model control APIs
+    "CVE-2026-47625": (26, 4),  # bulletin 5875: missing authorization
+    "CVE-2026-16497": (26, 7),  # bulletin 5875: excessive iteration (DoS)
+}
+NGC_TRITON = re.compile(r"^nvcr\.io/nvidia/tritonserver:(\d{2})\.(\d{2})-py3$")
+PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+
+
+# --- Dockerfile ------------------------------------------------------------------------------------------------
+def _parse_dockerfile(text: str):
+    return DockerfileParser(fileobj=io.BytesIO(text.encode()), env_replace=True)
+
+
+def _exec_form(value: str) -> Optional[List[str]]:
+    value = value.strip()
+    if value.startswith("["):
+        return json.loads(value)
+    return None
+
+
+def dockerfile_problems(text: str) -> List[str]:
+    """Everything wrong with a Dockerfile for production use (empty: fine)."""
+    p = _parse_dockerfile(text)
+    problems: List[str] = []
+    final = p.baseimage or ""
+    m = NGC_TRITON.match(final)
+    floor = max(FIXED_IN.values())
+    if not m:
+        problems.append(f"final base image {final!r} is not an NGC tritonserver <yy.mm>-py3 release")
+    elif (int(m.group(1)), int(m.group(2))) < floor:
+        problems.append(f"base release {m.group(1)}.{m.group(2)} predates {floor[0]}.{floor[1]:02d}, the newest CVE fix")
+    final_stage = []
+    for ins in p.structure:  # instructions of the last stage only
+        if ins["instruction"] == "FROM":
+            final_stage = []
+        final_stage.append(ins)
+    users = [i["value"].strip() for i in final_stage if i["instruction"] == "USER"]
+    if not users:
+        problems.append("no USER: the server would run as root")
+    else:
+        user = users[-1].split(":")[0]
+        if user in ("root", "0"):
+            problems.append(f"USER {users[-1]} is root")
+        elif not user.isdigit():
+            problems.append(f"USER {users[-1]} is not numeric: Kubernetes runAsNonRoot cannot verify a name")
+    checks = [i["value"] for i in final_stage if i["instruction"] == "HEALTHCHECK"]
+    if not checks or "/v2/health/ready" not in checks[-1] or ":8000/" not in checks[-1]:
+        problems.append("HEALTHCHECK does not probe http://127.0.0.1:8000/v2/health/ready")
+    exposed = {int(x.split("/")[0]) for i in final_stage if i["instruction"] == "EXPOSE" for x in i["value"].split()}
+    if not set(PORTS.values()) <= exposed:
+        problems.append(f"EXPOSE {sorted(exposed)} lacks {sorted(set(PORTS.values()) - exposed)}")
+    cmds = [i["value"] for i in final_stage if i["instruction"] == "CMD"]
+    cmd = _exec_form(cmds[-1]) if cmds else None
+    if not cmd or cmd[0] != "tritonserver":
+        problems.append("CMD is not an exec-form tritonserver command")
+    else:
+        flags = dict(a.split("=", 1) for a in cmd[1:] if a.startswith("--") and "=" in a)
+        if flags.get("--model-control-mode") != "none":
+            problems.append("CMD lacks --model-control-mode=none")
+        if not flags.get("--model-repository"):
+            problems.append("CMD lacks --model-repository=")
+        if not flags.get("--exit-timeout-secs", "").isdigit():
+            problems.append("CMD lacks --exit-timeout-secs=N")
+    entry = [i["value"] for i in final_stage if i["instruction"] == "ENTRYPOINT"]
+    if entry and not (_exec_form(entry[-1]) or [""])[0].startswith("/"):
+        problems.append("ENTRYPOINT is not an exec-form absolute path (signals would not reach tritonserver)")
+    return problems
+
+
+def test_dockerfile_is_production_ready():
+    assert dockerfile_problems(DOCKERFILE.read_text()) == []
+
+
+def test_dockerfile_base_is_the_documented_release():
+    text = DOCKERFILE.read_text()
+    p = _parse_dockerfile(text)
+    assert p.parent_images[-1] == p.baseimage
+    for cve in FIXED_IN:
+        assert cve in text, f"{cve} (in FIXED_IN) is not cited in the Dockerfile comment"
+
+
+@pytest.mark.parametrize(
+    "change, complaint",
+    [
+        (("ARG TRITON_RELEASE=26.09", "ARG TRITON_RELEASE=25.06"), "predates"),  # before the 2025 fixes
+        (("ARG TRITON_RELEASE=26.09", "ARG TRITON_RELEASE=26.06"), "predates"),  # before CVE-2026-16497
+        (("nvcr.io/nvidia/tritonserver:${TRITON_RELEASE}-py3", "ubuntu:24.04"), "not an NGC"),
+        (("USER 1000:1000", "USER root"), "is root"),
+        (("USER 1000:1000", "USER triton-server"), "not numeric"),
+        (("USER 1000:1000\n", ""), "no USER"),
+        (("/v2/health/ready", "/v2/health/live"), "HEALTHCHECK"),
+        (("EXPOSE 8000 8001 8002", "EXPOSE 8000 8001"), "lacks [8002]"),
+        (('"--model-control-mode=none", ', ""), "model-control-mode"),
+        (('"--exit-timeout-secs=60", ', ""), "exit-timeout-secs"),
+    ],
+)
+def test_dockerfile_check_rejects(change, complaint):
+    text = DOCKERFILE.read_text()
+    old, new = change
+    assert old in text
+    problems = dockerfile_problems(text.replace(old, new, 1))
+    assert any(complaint in p for p in problems), problems
+
+
+def test_docker_context_holds_every_copied_path():
+    """COPY sources exist and pass Dockerfile.dockerignore (else the build fails on a clean checkout)."""
+    p = _parse_dockerfile(DOCKERFILE.read_text())
+    allowed = [
+        line[1:].rstrip("/")
+        for line in (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    ]
+    sources = []
+    for ins in p.structure:
+        if ins["instruction"] != "COPY" or "--from=" in ins["value"]:
+            continue
+        parts = [x for x in ins["value"].split() if not x.startswith("--")]
+        sources += parts[:-1]
+    assert sources
+    for src in sources:
+        src = src.rstrip("/")
+        assert (ROOT / src).exists(), src
+        assert any(src == a or src.startswith(a + "/") for a in allowed), f"{src} is excluded from the context"
+
+
+def test_pip_constraints_from_requirements():
+    """The RUN line's sed turns requirements.txt into constraints pip accepts (no extras) with the same pins."""
+    run = next(i["value"] for i in _parse_dockerfile(DOCKERFILE.read_text()).structure
+               if i["instruction"] == "RUN" and "constraints" in i["value"])
+    expr = re.search(r"sed -E '([^']+)' requirements\.txt", run).group(1)
+    out = subprocess.run(["sed", "-E", expr, str(ROOT / "requirements.txt")], capture_output=True, text=True,
+                         check=True).stdout
+    pins = dict(line.split("==") for line in out.splitlines() if "==" in line)
+    assert "[" not in out
+    req = {re.sub(r"\[.*\]", "", k): v for k, v in
+           (line.split("==") for line in (ROOT / "requirements.txt").read_text().splitlines() if "==" in line)}
+    assert pins == req
+    for needed in ("torch", "onnxruntime", "numpy", "tokenizers", "safetensors", "pybase16384"):
+        assert needed in pins
+
+
+# --- entry point and `make configure` in the container ----------------------------------------------------------
+@pytest.fixture
+def fake_server(tmp_path) -> Dict[str, object]:
+    """A `tritonserver` on PATH that records its arguments, and the environment to run the scripts with."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "argv.json"
+    (bin_dir / "tritonserver").write_text(
+        f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n"
+    )
+    (bin_dir / "tritonserver").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHATTTS_", "TRITON_ADMIN"))}
+    env["PATH"] = f"{bin_dir}:{VENV_BIN}:{env.get('PATH', '')}"
+    return {"record": record, "env": env, "tmp": tmp_path}
+
+
+def _entry(fake, *args, **env):
+    e = dict(fake["env"], **{k: str(v) for k, v in env.items()})
+    return subprocess.run([str(DOCKER / "entrypoint.sh"), *args], env=e, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _argv(fake) -> List[str]:
+    return json.loads(Path(fake["record"]).read_text())
+
+
+def _flags(argv) -> Dict[str, str]:
+    return dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+
+
+@pytest.fixture
+def repo_copy(tiny_repo, tmp_path) -> Path:
+    dst = tmp_path / "models"
+    shutil.copytree(tiny_repo, dst)
+    return dst
+
+
+def test_entrypoint_fences_admin_apis_and_execs_tritonserver(fake_server, repo_copy):
+    r = _entry(fake_server, "tritonserver", f"--model-repository={repo_copy}", "--model-control-mode=none")
+    assert r.returncode == 0, r.stderr
+    argv = _argv(fake_server)
+    flags = _flags(argv)
+    assert flags["--model-repository"] == str(repo_copy)  # not re-configured: served as exported
+    http = flags["--http-restricted-api"]
+    apis, _, header = http.partition(":")
+    assert set(apis.split(",")) == {"shared-memory", "model-repository", "trace", "logging"}
+    key, _, value = header.partition("=")
+    assert key == "triton-admin-key" and re.fullmatch(r"[0-9a-f]{48}", value)  # random: nobody has it
+    assert flags["--grpc-restricted-protocol"] == http
+    r = _entry(fake_server, "tritonserver", f"--model-repository={repo_copy}", TRITON_ADMIN_KEY="s3cret")
+    assert _flags(_argv(fake_server))["--http-restricted-api"].endswith(":triton-admin-key=s3cret")
+    r = _entry(fake_server, "tritonserver", f"--model-repository={repo_copy}", CHATTTS_RESTRICT_APIS=0)
+    assert r.returncode == 0 and not any("restricted" in a for a in _argv(fake_server))
+
+
+def test_entrypoint_refuses_a_missing_repository(fake_server, tmp_path):
+    r = _entry(fake_server, "tritonserver", f"--model-repository={tmp_path / 'empty'}")
+    assert r.returncode == 64
+    assert "no exported repository" in r.stderr and "--build-context model_repository" in r.stderr
+    assert not Path(fake_server["record"]).exists()
+    r = _entry(fake_server, "tritonserver", "--model-repository", str(tmp_path))
+    assert r.returncode == 64 and "one argument" in r.stderr
+    r = _entry(fake_server, "echo", "passed", "through")
+    assert r.returncode == 0 and r.stdout.strip() == "passed through"
+
+
+def _instance_groups(repo: Path) -> Dict[str, tuple]:
+    out = {}
+    for m in rc.MODELS:
+        cfg = rc.parse_pbtxt((repo / m / "config.pbtxt").read_text())
+        (g,) = cfg.instance_group
+        out[m] = (mc.ModelInstanceGroup.Kind.Name(g.kind), list(g.gpus), g.count)
+    return out
+
+
+def test_entrypoint_configures_a_writable_view(fake_server, repo_copy, tmp_path):
+    before = {p: p.read_bytes() for p in repo_copy.rglob("config.pbtxt")}
+    work = tmp_path / "work" / "repository"
+    r = _entry(fake_server, "tritonserver", f"--model-repository={repo_copy}", "--exit-timeout-secs=60",
+               CHATTTS_GPUS="0,1", CHATTTS_INSTANCES=2, CHATTTS_WORK_REPOSITORY=work,
+               CHATTTS_CONFIGURE_ARGS="--max-queue-size 32")
+    assert r.returncode == 0, r.stderr
+    flags = _flags(_argv(fake_server))
+    assert flags["--model-repository"] == str(work) and flags["--exit-timeout-secs"] == "60"
+    groups = _instance_groups(work)
+    assert groups[rc.GPT] == ("KIND_GPU", [0, 1], 1)  # one engine per GPU
+    assert groups[rc.VOCODER] == ("KIND_GPU", [0, 1], 2)
+    assert groups[rc.PREPROCESS] == ("KIND_GPU", [0, 1], 4)
+    voc = rc.parse_pbtxt((work / rc.VOCODER / "config.pbtxt").read_text())
+    assert voc.dynamic_batching.default_queue_policy.max_queue_size == 32
+    man = json.loads((work / rc.MANIFEST).read_text())
+    assert man["deployment"]["gpus"] == [0, 1] and man["deployment"]["instances"] == 2
+    # weights are links into the source, which is unchanged
+    gpt = work / rc.GPT / "1" / "gpt.pt"
+    assert gpt.is_symlink() and gpt.resolve() == (repo_copy / rc.GPT / "1" / "gpt.pt").resolve()
+    assert {p: p.read_bytes() for p in repo_copy.rglob("config.pbtxt")} == before
+    assert not (repo_copy / rc.MANIFEST).is_symlink()
+    # CPU: CHATTTS_GPUS empty
+    r = _entry(fake_server, "tritonserver", f"--model-repository={repo_copy}", CHATTTS_GPUS="",
+               CHATTTS_WORK_REPOSITORY=work)
+    assert r.returncode == 0, r.stderr
+    assert _instance_groups(work)[rc.VOCODER] == ("KIND_CPU", [], 1)
+
+
+def test_configure_script_refuses_bad_paths(fake_server, repo_copy, tmp_path):
+    script = str(DOCKER / "configure-repository.sh")
+    env = fake_server["env"]
+    r = subprocess.run([script, str(repo_copy), str(repo_copy / "inside")], env=env, capture_output=True, text=True)
+    assert r.returncode == 64 and "outside SRC" in r.stderr
+    r = subprocess.run([script, str(tmp_path), str(tmp_path / "x" / "y")], env=env, capture_output=True, text=True)
+    assert r.returncode == 64 and "not an exported repository" in r.stderr
+    r = subprocess.run([script, str(repo_copy)], env=env, capture_output=True, text=True)
+    assert r.returncode == 64 and "usage" in r.stderr
+
+
+@pytest.mark.e2e
+def test_configured_view_is_served_by_tritonserver(tiny_repo, tmp_path):
+    """The symlink view `configure-repository.sh` makes (the chart's init step) loads and is ready in Triton."""
+    from chattts_triton.tritonserver import TritonServer
+
+    work = tmp_path / "view"
+    env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", CHATTTS_INSTANCES="2")
+    env.pop("CHATTTS_GPUS", None)
+    subprocess.run([str(DOCKER / "configure-repository.sh"), str(tiny_repo), str(work)], env=env, check=True,
+                   capture_output=True, timeout=120)
+    assert _instance_groups(work)[rc.VOCODER] == ("KIND_CPU", [], 2)
+    with TritonServer(work, log_file=tmp_path / "triton.log", startup_timeout_s=600) as server:
+        import tritonclient.http as http
+
+        client = http.InferenceServerClient(server.http_url.replace("http://", ""))
+        assert client.is_server_ready()
+        assert client.get_model_config(rc.VOCODER)["instance_group"][0]["count"] == 2
+
+
+# --- Helm chart ------------------------------------------------------------------------------------------------
+K8S_VERSIONS = ("1.27.0", "1.37.0")  # the chart's kubeVersion floor and the newest schemas shipped
+RELEASE, NAMESPACE = "tts", "speech"
+
+
+def render(values: Optional[dict] = None, chart: Path = CHART) -> List[dict]:
+    """Every manifest the chart renders, parsed (helm template, offline)."""
+    with helm.Chart.load(str(chart)) as c:
+        out = c.render(values, name=RELEASE, namespace=NAMESPACE)
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def k8s_problems(docs: List[dict]) -> List[str]:
+    """Schema errors of the built-in kinds (strict: unknown fields too) and structure errors of the CRDs."""
+    problems = []
+    for d in docs:
+        kind = d.get("kind")
+        if d.get("apiVersion", "").startswith("monitoring.coreos.com/"):
+            problems += crd_problems(d, docs)
+            continue
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(d, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                problems.append(f"{kind}/{d['metadata'].get('name')} @k8s {version}: {e.message} at {list(e.path)}")
+    return problems
+
+
+def crd_problems(d: dict, docs: List[dict]) -> List[str]:
+    problems = []
+    if d["apiVersion"] != "monitoring.coreos.com/v1":
+        problems.append(f"{d['kind']}: apiVersion {d['apiVersion']}")
+    if d["kind"] == "ServiceMonitor":
+        svc = _one(docs, "Service")
+        sel = d["spec"]["selector"]["matchLabels"]
+        if not sel.items() <= svc["metadata"]["labels"].items():
+            problems.append("ServiceMonitor selects no label set of the Service")
+        ports = {p["name"] for p in svc["spec"]["ports"]}
+        for ep in d["spec"]["endpoints"]:
+            if ep.get("port") not in ports or ep.get("path") != "/metrics":
+                problems.append(f"ServiceMonitor endpoint {ep} is not the Service's metrics port /metrics")
+    elif d["kind"] == "PrometheusRule":
+        records = {r["record"]: r["expr"] for g in d["spec"]["groups"] for r in g["rules"]}
+        ratio = records.get("triton:queue_compute:ratio", "")
+        if "nv_inference_queue_duration_us" not in ratio or "nv_inference_compute_infer_duration_us" not in ratio:
+            problems.append("PrometheusRule lacks triton:queue_compute:ratio")
+    else:
+        problems.append(f"unexpected CRD kind {d['kind']}")
+    return problems
+
+
+def _one(docs: List[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, (kind, [d["kind"] for d in docs])
+    return found[0]
+
+
+def _container(dep: dict, name: str = "tritonserver") -> dict:
+    return next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def _env(container: dict) -> Dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+SCENARIOS = {
+    "default": None,
+    "two-gpus": {"gpu": {"count": 2, "instancesPerGpu": 3}},
+    "cpu": {"gpu": {"count": 0}},
+    "baked-unconfigured": {"modelRepository": {"source": "image"}, "configure": {"enabled": False}},
+    "external-metric-all-extras": {
+        "autoscaling": {"metric": {"type": "External"}},
+        "podDisruptionBudget": {"enabled": True},
+        "monitoring": {"prometheusRule": {"enabled": True}},
+        "prometheusAdapter": {"configMap": {"enabled": True, "namespace": "monitoring"}},
+        "server": {"adminKeySecret": "triton-admin", "extraArgs": ["--log-info=true"]},
+        "imagePullSecrets": [{"name": "ngc"}],
+        "podAnnotations": {"a": "b"},
+    },
+    "fixed-replicas": {"autoscaling": {"enabled": False}, "replicaCount": 3, "monitoring": {"serviceMonitor": {"enabled": False}}},
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_chart_renders_valid_kubernetes_manifests(scenario):
+    docs = render(SCENARIOS[scenario])
+    assert k8s_problems(docs) == []
+    kinds = sorted(d["kind"] for d in docs)
+    assert "Deployment" in kinds and "Service" in kinds
+
+
+def test_chart_and_values_files_parse():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2" and chart["name"] == "chattts-triton"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    import jsonschema
+
+    jsonschema.validate(values, schema)
+    assert set(values) == set(schema["properties"])  # every value documented by the schema
+
+
+def test_deployment_serves_with_the_image_contract():
+    docs = render()
+    dep, svc = _one(docs, "Deployment"), _one(docs, "Service")
+    pod = dep["spec"]["template"]["spec"]
+    c = _container(dep)
+    args = c["args"]
+    assert args[0] == "tritonserver"
+    flags = _flags(args)
+    assert flags["--model-control-mode"] == "none"
+    assert flags["--model-repository"] == "/var/run/chattts/repository"  # the init step's view
+    # same server flags as the image's CMD
+    image_cmd = _exec_form(next(i["value"] for i in _parse_dockerfile(DOCKERFILE.read_text()).structure
+                                if i["instruction"] == "CMD"))
+    image_flags = _flags(image_cmd)
+    for k in ("--model-control-mode", "--exit-timeout-secs", "--strict-readiness", "--http-port", "--grpc-port",
+              "--metrics-port"):
+        assert flags[k] == image_flags[k], k
+    assert "--disable-auto-complete-config" in args and "--disable-auto-complete-config" in image_cmd
+    # ports, probes
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == PORTS
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == PORTS
+    assert all(p["targetPort"] == p["name"] for p in svc["spec"]["ports"])
+    assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+    assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    # GPUs requested and limited alike
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] == 1
+    # non-root, read-only root, a real /dev/shm
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert vols[mounts["/models"]]["persistentVolumeClaim"]["readOnly"] is True
+
+
+def termination_problems(dep: dict, exit_timeout: int, margin: int) -> List[str]:
+    pod = dep["spec"]["template"]["spec"]
+    grace = pod["terminationGracePeriodSeconds"]
+    flags = _flags(_container(dep)["args"])
+    problems = []
+    if flags.get("--exit-timeout-secs") != str(exit_timeout):
+        problems.append(f"--exit-timeout-secs={flags.get('--exit-timeout-secs')} != {exit_timeout}")
+    if grace < exit_timeout + margin:
+        problems.append(f"terminationGracePeriodSeconds {grace} < exit timeout {exit_timeout} + margin {margin}")
+    return problems
+
+
+@pytest.mark.parametrize("exit_timeout, margin", [(60, 30), (300, 45), (0, 10)])
+def test_grace_period_covers_the_exit_timeout(exit_timeout, margin):
+    dep = _one(render({"server": {"exitTimeoutSeconds": exit_timeout, "terminationMarginSeconds": margin}}),
+               "Deployment")
+    assert termination_problems(dep, exit_timeout, margin) == []
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == exit_timeout + margin
+
+
+def test_grace_period_check_rejects_a_short_grace():
+    dep = _one(render(), "Deployment")
+    dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 30  # kubelet default: kills mid-drain
+    assert termination_problems(dep, 60, 30)
+
+
+@pytest.mark.parametrize("gpus, instances", [(1, 1), (2, 3), (4, 2), (0, 2)])
+def test_init_step_is_make_configure_for_the_pod(gpus, instances):
+    dep = _one(render({"gpu": {"count": gpus, "instancesPerGpu": instances},
+                       "configure": {"extraArgs": ["--max-queue-size", "128"]}}), "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["/opt/chattts/bin/configure-repository.sh"]
+    assert init["args"] == ["/models", "/var/run/chattts/repository"]
+    env = _env(init)
+    assert env["CHATTTS_GPUS"] == ",".join(str(i) for i in range(gpus))
+    assert env["CHATTTS_INSTANCES"] == str(instances)
+    assert env["CHATTTS_CONFIGURE_ARGS"] == "--max-queue-size 128"
+    res = _container(dep)["resources"]
+    if gpus:
+        assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == gpus
+    else:
+        assert "nvidia.com/gpu" not in res.get("limits", {}) and "nvidia.com/gpu" not in res.get("requests", {})
+    # the init step writes where the server reads, and both see the source at the same path (symlinks)
+    init_mounts = {m["mountPath"] for m in init["volumeMounts"]}
+    main_mounts = {m["mountPath"] for m in _container(dep)["volumeMounts"]}
+    assert {"/models", "/var/run/chattts"} <= init_mounts & main_mounts
+
+
+def test_baked_repository_without_configure_serves_models_directly():
+    dep = _one(render(SCENARIOS["baked-unconfigured"]), "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    assert _flags(_container(dep)["args"])["--model-repository"] == "/models"
+    assert not any("persistentVolumeClaim" in v for v in pod["volumes"])
+
+
+def _adapter_config(docs) -> dict:
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("prometheus-adapter"))
+    return yaml.safe_load(cm["data"]["config.yaml"])
+
+
+@pytest.mark.parametrize("metric_type", ["Pods", "External"])
+def test_hpa_reads_the_metric_the_adapter_rule_serves(metric_type):
+    docs = render({"autoscaling": {"metric": {"type": metric_type}, "minReplicas": 2, "maxReplicas": 6},
+                   "prometheusAdapter": {"configMap": {"enabled": True}}})
+    hpa, dep = _one(docs, "HorizontalPodAutoscaler"), _one(docs, "Deployment")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": dep["metadata"]["name"]}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    assert "replicas" not in dep["spec"]  # the HPA owns it
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == metric_type
+    spec = metric["pods"] if metric_type == "Pods" else metric["external"]
+    config = _adapter_config(docs)
+    (rule,) = config["rules" if metric_type == "Pods" else "externalRules"]
+    assert spec["metric"]["name"] == rule["name"]["as"] == "triton_queue_compute_ratio"
+    query = rule["metricsQuery"]
+    assert "nv_inference_queue_duration_us" in query and "nv_inference_compute_infer_duration_us" in query
+    assert query.index("nv_inference_queue_duration_us") < query.index("/") < query.index(
+        "nv_inference_compute_infer_duration_us")  # queue over compute
+    assert 'model=~"chattts_.+"' in query  # composing models, not the ensemble twice
+    assert re.search(r"nv_inference_queue_duration_us", rule["seriesQuery"])
+    overrides = rule["resources"]["overrides"]
+    if metric_type == "Pods":
+        assert overrides["pod"] == {"resource": "pod"}
+        assert spec["target"] == {"type": "AverageValue", "averageValue": "1000m"}
+    else:
+        assert "pod" not in overrides
+        assert spec["target"] == {"type": "Value", "value": "1000m"}  # a ratio: not divided by pod count
+        assert spec["metric"]["selector"]["matchLabels"]["service"] == _one(docs, "Service")["metadata"]["name"]
+
+
+def test_notes_print_the_adapter_rule_when_no_configmap():
+    with helm.Chart.load(str(CHART)) as c:
+        notes = c.render(None, name=RELEASE, namespace=NAMESPACE)["chattts-triton/templates/NOTES.txt"]
+    rule = yaml.safe_load(notes[notes.index("- seriesQuery"):])
+    assert rule[0]["name"]["as"] == "triton_queue_compute_ratio"
+
+
+def test_helm_lint_is_clean():
+    report = helm.lint(str(CHART), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+# --- the validation rejects broken charts ------------------------------------------------------------------------
+def _broken_chart(tmp_path, template: str, old: str, new: str) -> Path:
+    dst = tmp_path / "chattts-triton"
+    shutil.copytree(CHART, dst)
+    path = dst / "templates" / template
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "template, old, new, complaint",
+    [
+        ("deployment.yaml", "containerPort: {{ int .Values.service.ports.http }}",
+         "containerPorts: {{ int .Values.service.ports.http }}", "containerPort"),  # typo'd field
+        ("deployment.yaml", "periodSeconds: {{ .Values.probes.readiness.periodSeconds }}",
+         'periodSeconds: "{{ .Values.probes.readiness.periodSeconds }}"', "is not of type 'integer'"),
+        ("hpa.yaml", "averageValue: {{ $m.target | quote }}", "averageValues: {{ $m.target | quote }}",
+         "averageValues"),
+        ("service.yaml", "  selector:", "  selectors:", "selectors"),
+        ("servicemonitor.yaml", "- port: metrics", "- port: prometheus", "metrics port"),
+    ],
+)
+def test_validation_rejects_a_broken_template(tmp_path, template, old, new, complaint):
+    docs = render(chart=_broken_chart(tmp_path, template, old, new))
+    problems = k8s_problems(docs)
+    assert problems and any(complaint in p for p in problems), problems
+
+
+def test_template_errors_and_bad_values_fail_rendering(tmp_path):
+    broken = _broken_chart(tmp_path, "deployment.yaml", "{{ include \"chattts-triton.terminationGracePeriodSeconds\" . }}",
+                           "{{ include \"chattts-triton.terminationGracePeriodSecond\" . }}")
+    with pytest.raises(helm.HelmError, match="terminationGracePeriodSecond"):
+        render(chart=broken)
+    with pytest.raises(helm.HelmValuesError, match="gpu/count"):
+        render({"gpu": {"count": "two"}})
+    with pytest.raises(helm.HelmValuesError, match="gpus"):
+        render({"gpus": 2})  # a typo'd key is refused, not ignored
+    with pytest.raises(helm.HelmError, match="minReplicas"):
+        render({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}})
+    with pytest.raises(helm.HelmError, match="/models"):
+        render({"modelRepository": {"source": "image", "mountPath": "/srv/models"}})
+
+
+def test_adapter_metric_names_are_configurable():
+    """For when the GPT engine exports its own queue/compute counters (see the chart README)."""
+    docs = render({"prometheusAdapter": {"configMap": {"enabled": True}, "queueMetric": "chattts_engine_queue_us",
+                                         "computeMetric": "chattts_engine_compute_us", "models": "chattts_gpt"}})
+    (rule,) = _adapter_config(docs)["rules"]
+    assert rule["seriesQuery"].startswith("chattts_engine_queue_us{")
+    assert "rate(chattts_engine_queue_us{" in rule["metricsQuery"]
+    assert "rate(chattts_engine_compute_us{" in rule["metricsQuery"]
+    assert "nv_inference" not in rule["metricsQuery"] and 'model=~"chattts_gpt"' in rule["metricsQuery"]
+    with pytest.raises(helm.HelmValuesError):
+        render({"prometheusAdapter": {"queueMetric": "bad metric{}"}})
+
+
+def test_chart_readme_shows_the_rule_the_chart_renders():
+    docs = render({"prometheusAdapter": {"configMap": {"enabled": True}}})
+    readme = (CHART / "README.md").read_text()
+    snippet = re.search(r"```yaml\n(- seriesQuery.*?)```", readme, re.S).group(1)
+    assert yaml.safe_load(snippet) == _adapter_config(docs)["rules"]
