@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from .audio import FORMATS, WavError, load_reference_audio, save_wav
+from .balancer import BalancedChatTTSClient
 from .client import (
     DEFAULT_BACKOFF_S,
     DEFAULT_MAX_CONCURRENCY,
@@ -64,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="WAV", help="output WAV file (with TEXT)")
     p.add_argument("--file", metavar="TXT", help="UTF-8 text file: one utterance per non-empty line")
     p.add_argument("--out-dir", metavar="DIR", help="where --file writes 0001.wav, 0002.wav, ... (by line number)")
-    p.add_argument("--url", help=f"HOST:PORT (default {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['http']} for http)")
+    p.add_argument(
+        "--url",
+        help=f"HOST:PORT (default {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['http']} for http); "
+        "several comma-separated: balanced across them with failover",
+    )
     p.add_argument("--protocol", choices=PROTOCOLS, default="grpc")
     p.add_argument("--model", default=MODEL)
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S", help="per request attempt")
@@ -172,7 +177,8 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     options = _options(p, args)
     numbered = _read_lines(p, args.file) if args.file is not None else None
     try:
-        client = ChatTTSClient(
+        several = args.url is not None and "," in args.url
+        client = (BalancedChatTTSClient if several else ChatTTSClient)(
             args.url,
             protocol=args.protocol,
             model=args.model,

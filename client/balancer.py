@@ -1,0 +1,464 @@
+"""Client across several Triton servers: `BalancedChatTTSClient` / `AsyncBalancedChatTTSClient`.
+
+Same `synthesize` / `synthesize_batch` API as `ChatTTSClient` (they subclass it); only the transport
+differs. One tritonclient transport per endpoint; each request goes to the endpoint that is up and has
+the fewest requests outstanding (ties: round robin). UNAVAILABLE or a connection failure marks that
+endpoint down and the same request is re-sent to another endpoint at once; any other error
+(INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) is raised without re-sending, since another server would
+answer the same (or the request may still be running). A down endpoint is probed (server and model
+ready) in the background once its cool-down has passed, and comes back when the probe succeeds.
+When every endpoint is down a request probes them all itself, ignoring the cool-down, and only then
+gives up with UNAVAILABLE; the client's retry policy (retries, exponential backoff) then repeats that
+before `ChatTTSUnavailableError` reaches the caller.
+
+Re-sending is safe because synthesis has no side effects: the worst case is a request computed twice.
+Note Triton also answers UNAVAILABLE when a model's queue is full; that endpoint then sits out one
+cool-down (its probe succeeds) while the others take the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Set, Union
+
+import numpy as np
+
+from .client import (
+    DEFAULT_BACKOFF_S,
+    DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT_S,
+    MAX_BACKOFF_S,
+    AsyncChatTTSClient,
+    ChatTTSClient,
+    _AioGrpcTransport,
+    _AioHttpTransport,
+    _check_protocol,
+    _check_url,
+    _GrpcTransport,
+    _HttpTransport,
+)
+from .contract import MODEL
+from .errors import ChatTTSError, ChatTTSUnavailableError, to_chattts_error
+
+DEFAULT_COOLDOWN_S = 2.0  # a down endpoint is not probed again sooner than this
+
+
+def parse_urls(urls: Union[str, Sequence[str]]) -> List[str]:
+    """'h1:8001,h2:8001' or ['h1:8001', 'h2:8001'] -> a list of distinct HOST:PORT strings."""
+    if isinstance(urls, str):
+        urls = urls.split(",")
+    items = [u.strip() if isinstance(u, str) else u for u in urls]
+    items = [u for u in items if u != ""]
+    if not items:
+        raise ValueError("urls must name at least one HOST:PORT")
+    for url in items:
+        _check_url(url)
+    if len(set(items)) != len(items):
+        raise ValueError(f"urls must be distinct, got {items}")
+    return items
+
+
+class Endpoint:
+    """One server and its balancing state. Read `endpoint_stats()`; the pool's lock guards writes."""
+
+    def __init__(self, url: str, transport: Any):
+        self.url = url
+        self.transport = transport
+        self.up = True  # optimistic until a request or probe says otherwise
+        self.outstanding = 0
+        self.served = 0  # requests answered successfully
+        self.failures = 0  # times marked down
+        self.retry_at = 0.0  # when a down endpoint may be probed
+        self.probing = False
+        self.last_error: Optional[str] = None
+
+    def stats(self) -> Dict[str, Any]:
+        return {
+            "url": self.url,
+            "up": self.up,
+            "outstanding": self.outstanding,
+            "served": self.served,
+            "failures": self.failures,
+            "last_error": self.last_error,
+        }
+
+
+class EndpointPool:
+    """Selection state shared by the sync and async balancers. Every method holds one lock briefly."""
+
+    def __init__(self, endpoints: Sequence[Endpoint], cooldown_s: float, clock: Callable[[], float]):
+        if cooldown_s < 0:
+            raise ValueError(f"cooldown_s must be >= 0, got {cooldown_s!r}")
+        self.endpoints = list(endpoints)
+        self.cooldown_s = float(cooldown_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._next = 0  # round-robin start among equally loaded endpoints
+
+    def acquire(self, exclude: Set[Endpoint] = frozenset()) -> Optional[Endpoint]:
+        """The up endpoint (not in `exclude`) with the fewest outstanding requests, now counted as busy."""
+        with self._lock:
+            n = len(self.endpoints)
+            best = None
+            for k in range(n):
+                ep = self.endpoints[(self._next + k) % n]
+                if ep.up and ep not in exclude and (best is None or ep.outstanding < best.outstanding):
+                    best = ep
+            if best is None:
+                return None
+            best.outstanding += 1
+            self._next = (self.endpoints.index(best) + 1) % n
+            return best
+
+    def claim(self, ep: Endpoint) -> None:
+        with self._lock:
+            ep.outstanding += 1
+
+    def release(self, ep: Endpoint, ok: bool) -> None:
+        with self._lock:
+            ep.outstanding -= 1
+            ep.served += int(ok)
+
+    def mark_down(self, ep: Endpoint, err: ChatTTSError) -> None:
+        with self._lock:
+            ep.last_error = str(err)
+            if ep.up:  # requests failing on an endpoint already down do not extend its cool-down
+                ep.up = False
+                ep.failures += 1
+                ep.retry_at = self._clock() + self.cooldown_s
+
+    def due_probes(self) -> List[Endpoint]:
+        """Down endpoints whose cool-down has passed, claimed so that only one probe runs for each."""
+        with self._lock:
+            now = self._clock()
+            due = [ep for ep in self.endpoints if not ep.up and not ep.probing and ep.retry_at <= now]
+            for ep in due:
+                ep.probing = True
+            return due
+
+    def claim_for_probe(self, exclude: Set[Endpoint]) -> List[Endpoint]:
+        """Every down endpoint not in `exclude` and not being probed, ignoring the cool-down."""
+        with self._lock:
+            due = [ep for ep in self.endpoints if not ep.up and not ep.probing and ep not in exclude]
+            for ep in due:
+                ep.probing = True
+            return due
+
+    def probe_done(self, ep: Endpoint, ready: bool) -> None:
+        with self._lock:
+            ep.probing = False
+            if ready:
+                ep.up = True
+            elif not ep.up:
+                ep.retry_at = self._clock() + self.cooldown_s
+
+    def unclaim(self, eps: Sequence[Endpoint]) -> None:
+        with self._lock:
+            for ep in eps:
+                ep.probing = False
+
+    def stats(self) -> List[Dict[str, Any]]:
+        with self._lock:
+            return [ep.stats() for ep in self.endpoints]
+
+
+def _where(protocol: str, url: str, model: str) -> str:
+    return f"{protocol}://{url} model '{model}'"
+
+
+def _all_down(pool: EndpointPool, last: Optional[ChatTTSError]) -> ChatTTSUnavailableError:
+    detail = f"; last error: {last}" if last is not None else ""
+    urls = ", ".join(ep.url for ep in pool.endpoints)
+    return ChatTTSUnavailableError(f"all {len(pool.endpoints)} endpoint(s) down ({urls}){detail}")
+
+
+# --- sync ---------------------------------------------------------------------------------------
+class _BalancedTransport:
+    def __init__(self, pool: EndpointPool, protocol: str, model: str):
+        self.pool, self._protocol, self._model = pool, protocol, model
+        self._probe_threads: List[threading.Thread] = []
+        self._threads_lock = threading.Lock()
+
+    def _where(self, ep: Endpoint) -> str:
+        return _where(self._protocol, ep.url, self._model)
+
+    def _probe(self, ep: Endpoint) -> bool:
+        try:
+            ready = bool(ep.transport.is_ready())
+        except Exception:
+            ready = False
+        self.pool.probe_done(ep, ready)
+        return ready
+
+    def _start_due_probes(self) -> None:
+        for ep in self.pool.due_probes():
+            thread = threading.Thread(target=self._probe, args=(ep,), name=f"chattts-probe-{ep.url}", daemon=True)
+            with self._threads_lock:
+                self._probe_threads = [t for t in self._probe_threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def wait_for_probes(self, timeout_s: Optional[float] = None) -> None:
+        with self._threads_lock:
+            threads = list(self._probe_threads)
+        for thread in threads:
+            thread.join(timeout_s)
+
+    def _revive(self, exclude: Set[Endpoint]) -> Optional[Endpoint]:
+        """All down: probe them here (this request has nothing else to do); the first ready one, claimed."""
+        claimed = self.pool.claim_for_probe(exclude)
+        for k, ep in enumerate(claimed):
+            if self._probe(ep):
+                self.pool.claim(ep)
+                self.pool.unclaim(claimed[k + 1 :])
+                return ep
+        return None
+
+    def infer(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+        tried: Set[Endpoint] = set()
+        last: Optional[ChatTTSError] = None
+        while True:
+            self._start_due_probes()
+            ep = self.pool.acquire(tried) or self._revive(tried)
+            if ep is None:
+                raise _all_down(self.pool, last)
+            ok = False
+            try:
+                audio = ep.transport.infer(arrays)
+                ok = True
+                return audio
+            except Exception as exc:
+                err = to_chattts_error(exc, self._where(ep))
+                if not err.retryable:
+                    raise err from exc
+                self.pool.mark_down(ep, err)
+                tried.add(ep)
+                last = err
+            finally:
+                self.pool.release(ep, ok)
+
+    def is_ready(self) -> bool:
+        """Probe every endpoint now (updating up/down); True if any is ready."""
+        return any([self._probe(ep) for ep in self.pool.endpoints])
+
+    def statistics(self, model: str) -> dict:
+        stats: Dict[str, Any] = {}
+        last: Optional[ChatTTSError] = None
+        for ep in self.pool.endpoints:
+            try:
+                stats[ep.url] = ep.transport.statistics(model)
+            except Exception as exc:
+                last = to_chattts_error(exc, self._where(ep))
+        if not stats:
+            raise _all_down(self.pool, last)
+        return stats
+
+    def close(self) -> None:
+        self.wait_for_probes(timeout_s=1.0)
+        for ep in self.pool.endpoints:
+            ep.transport.close()
+
+
+def _make_pool(urls, transports, factory, cooldown_s, clock) -> EndpointPool:
+    if transports is None:
+        transports = [factory(url) for url in urls]
+    transports = list(transports)
+    if len(transports) != len(urls):
+        raise ValueError(f"got {len(transports)} transports for {len(urls)} urls")
+    return EndpointPool([Endpoint(u, t) for u, t in zip(urls, transports)], cooldown_s, clock)
+
+
+class BalancedChatTTSClient(ChatTTSClient):
+    """`ChatTTSClient` over several servers: least-outstanding-requests balancing with failover.
+
+    `urls`: a list of HOST:PORT or one comma-separated string. Thread-safe. `retries` / `backoff_s`
+    apply only once every endpoint is down (a single endpoint's failure is absorbed by failover).
+    `transports` (one per url, objects with infer / is_ready / statistics / close) and `clock`
+    replace tritonclient and time.monotonic, for tests.
+    """
+
+    def __init__(
+        self,
+        urls: Union[str, Sequence[str]],
+        protocol: str = "grpc",
+        model: str = MODEL,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retries: int = DEFAULT_RETRIES,
+        backoff_s: float = DEFAULT_BACKOFF_S,
+        *,
+        max_backoff_s: float = MAX_BACKOFF_S,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        cooldown_s: float = DEFAULT_COOLDOWN_S,
+        transports: Optional[Sequence[Any]] = None,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.urls = parse_urls(urls)
+        _check_protocol(protocol)
+        if not model:
+            raise ValueError("model must be a non-empty name")
+        if not timeout_s or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        cls = _GrpcTransport if protocol == "grpc" else _HttpTransport
+        pool = _make_pool(self.urls, transports, lambda u: cls(u, model, float(timeout_s)), cooldown_s, clock)
+        super().__init__(
+            ",".join(self.urls), protocol, model, timeout_s, retries, backoff_s,
+            max_backoff_s=max_backoff_s, max_concurrency=max_concurrency,
+            transport=_BalancedTransport(pool, protocol, model), sleep=sleep,
+        )  # fmt: skip
+
+    def endpoint_stats(self) -> List[Dict[str, Any]]:
+        """Per endpoint, in `urls` order: url, up, outstanding, served, failures, last_error."""
+        return self._transport.pool.stats()
+
+    def inference_statistics(self, model: str = "") -> dict:
+        """{url: Triton statistics} for every endpoint that answered (UNAVAILABLE if none did)."""
+        return self._call(lambda: self._transport.statistics(model))
+
+    def wait_for_probes(self, timeout_s: Optional[float] = None) -> None:
+        """Join the background probes started so far (tests; close() does it too)."""
+        self._transport.wait_for_probes(timeout_s)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.urls!r}, protocol={self.protocol!r}, model={self.model!r})"
+
+
+# --- asyncio ------------------------------------------------------------------------------------
+class _AsyncBalancedTransport:
+    def __init__(self, pool: EndpointPool, protocol: str, model: str):
+        self.pool, self._protocol, self._model = pool, protocol, model
+        self._probe_tasks: Set[asyncio.Task] = set()
+
+    def _where(self, ep: Endpoint) -> str:
+        return _where(self._protocol, ep.url, self._model)
+
+    async def _probe(self, ep: Endpoint) -> bool:
+        try:
+            ready = bool(await ep.transport.is_ready())
+        except Exception:
+            ready = False
+        self.pool.probe_done(ep, ready)
+        return ready
+
+    def _start_due_probes(self) -> None:
+        for ep in self.pool.due_probes():
+            task = asyncio.ensure_future(self._probe(ep))
+            self._probe_tasks.add(task)
+            task.add_done_callback(self._probe_tasks.discard)
+
+    async def wait_for_probes(self) -> None:
+        if self._probe_tasks:
+            await asyncio.gather(*list(self._probe_tasks), return_exceptions=True)
+
+    async def _revive(self, exclude: Set[Endpoint]) -> Optional[Endpoint]:
+        claimed = self.pool.claim_for_probe(exclude)
+        for k, ep in enumerate(claimed):
+            if await self._probe(ep):
+                self.pool.claim(ep)
+                self.pool.unclaim(claimed[k + 1 :])
+                return ep
+        return None
+
+    async def infer(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+        tried: Set[Endpoint] = set()
+        last: Optional[ChatTTSError] = None
+        while True:
+            self._start_due_probes()
+            ep = self.pool.acquire(tried) or await self._revive(tried)
+            if ep is None:
+                raise _all_down(self.pool, last)
+            ok = False
+            try:
+                audio = await ep.transport.infer(arrays)
+                ok = True
+                return audio
+            except Exception as exc:  # CancelledError is a BaseException: not a failover
+                err = to_chattts_error(exc, self._where(ep))
+                if not err.retryable:
+                    raise err from exc
+                self.pool.mark_down(ep, err)
+                tried.add(ep)
+                last = err
+            finally:
+                self.pool.release(ep, ok)
+
+    async def is_ready(self) -> bool:
+        results = await asyncio.gather(*[self._probe(ep) for ep in self.pool.endpoints])
+        return any(results)
+
+    async def statistics(self, model: str) -> dict:
+        stats: Dict[str, Any] = {}
+        last: Optional[ChatTTSError] = None
+        for ep in self.pool.endpoints:
+            try:
+                stats[ep.url] = await ep.transport.statistics(model)
+            except Exception as exc:
+                last = to_chattts_error(exc, self._where(ep))
+        if not stats:
+            raise _all_down(self.pool, last)
+        return stats
+
+    async def close(self) -> None:
+        for task in list(self._probe_tasks):
+            task.cancel()
+        await asyncio.gather(*list(self._probe_tasks), return_exceptions=True)
+        for ep in self.pool.endpoints:
+            await ep.transport.close()
+
+
+class AsyncBalancedChatTTSClient(AsyncChatTTSClient):
+    """asyncio twin of `BalancedChatTTSClient`; create and use it inside one event loop."""
+
+    def __init__(
+        self,
+        urls: Union[str, Sequence[str]],
+        protocol: str = "grpc",
+        model: str = MODEL,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retries: int = DEFAULT_RETRIES,
+        backoff_s: float = DEFAULT_BACKOFF_S,
+        *,
+        max_backoff_s: float = MAX_BACKOFF_S,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        cooldown_s: float = DEFAULT_COOLDOWN_S,
+        transports: Optional[Sequence[Any]] = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.urls = parse_urls(urls)
+        _check_protocol(protocol)
+        super().__init__(
+            ",".join(self.urls), protocol, model, timeout_s, retries, backoff_s,
+            max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, sleep=sleep,
+        )  # fmt: skip
+        if cooldown_s < 0:
+            raise ValueError(f"cooldown_s must be >= 0, got {cooldown_s!r}")
+        self._cooldown_s, self._clock = cooldown_s, clock
+        if transports is not None:  # else created on first use, inside the running loop
+            self._transport = self._balanced(transports, cooldown_s, clock)
+
+    def _balanced(self, transports, cooldown_s, clock) -> _AsyncBalancedTransport:
+        cls = _AioGrpcTransport if self.protocol == "grpc" else _AioHttpTransport
+        factory = lambda u: cls(u, self.model, self.timeout_s, self.max_concurrency)  # noqa: E731
+        pool = _make_pool(self.urls, transports, factory, cooldown_s, clock)
+        return _AsyncBalancedTransport(pool, self.protocol, self.model)
+
+    def _get_transport(self):
+        if self._transport is None:
+            self._transport = self._balanced(None, self._cooldown_s, self._clock)
+        return self._transport
+
+    def endpoint_stats(self) -> List[Dict[str, Any]]:
+        return self._get_transport().pool.stats()
+
+    async def inference_statistics(self, model: str = "") -> dict:
+        """{url: Triton statistics} for every endpoint that answered."""
+        return await self._call(lambda: self._get_transport().statistics(model))
+
+    async def wait_for_probes(self) -> None:
+        await self._get_transport().wait_for_probes()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.urls!r}, protocol={self.protocol!r}, model={self.model!r})"
