@@ -22,6 +22,7 @@ DURATION ?= 60s
 MAX_CONCURRENCY ?= 64
 STEP_SECONDS ?= 20
 TARGET = $(or $(HOST),127.0.0.1:$(if $(filter http,$(PROTOCOL)),$(HTTP_PORT),$(GRPC_PORT)))
+SOAK_SECONDS ?= 1800
 PYTEST_ARGS ?=
 
 ifeq ($(strip $(ASSETS)),)
@@ -35,7 +36,7 @@ SYNTHETIC :=
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast assets export configure serve demo loadtest sweep bundle clean
+.PHONY: help setup test test-fast assets export configure serve demo loadtest sweep soak bundle clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -78,6 +79,9 @@ loadtest: setup ## Locust (headless) against a running server: HOST= PROTOCOL=gr
 
 sweep: setup ## concurrency sweep 1,2,4..MAX_CONCURRENCY: HOST= PROTOCOL= MAX_CONCURRENCY= STEP_SECONDS= -> build/sweep/sweep.{md,csv,json,png}
 	$(PY) -m loadtest.sweep --url $(TARGET) --protocol $(PROTOCOL) --max-concurrency $(MAX_CONCURRENCY) --step-seconds $(STEP_SECONDS) --metrics-url $(firstword $(subst :, ,$(TARGET))):$(METRICS_PORT) --out $(BUILD)/sweep
+
+soak: setup ## reliability soak: 70 % of saturation on the tiny CPU server (SOAK_SECONDS=1800), writes build/soak/soak.json
+	CHATTTS_SOAK_SECONDS=$(SOAK_SECONDS) CHATTTS_SOAK_OUT=$(BUILD)/soak $(PY) -m pytest -m soak -s tests/test_soak.py $(PYTEST_ARGS)
 
 bundle: setup ## gather wheels + tritonserver files for a GPU host without a package index (into .bundle/)
 	$(PY) -m bench.bundle .bundle

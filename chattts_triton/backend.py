@@ -19,7 +19,8 @@ import numpy as np
 
 from .config import Arch
 from .repo_config import MANIFEST
-from .services import Call
+from .serve import INFLIGHT_METRIC
+from .services import Call, Overloaded
 from .text import InputError
 
 log = logging.getLogger("chattts_triton")
@@ -63,15 +64,30 @@ class ModelContext:
         )
         resp = req.exec()
         if resp.has_error():
-            raise InputError(resp.error().message())
+            err = resp.error()
+            if getattr(err, "code", None) and err.code() == pb.TritonError.UNAVAILABLE:
+                raise Overloaded(err.message())
+            raise InputError(err.message())
         return {n: pb.get_output_tensor_by_name(resp, n).as_numpy() for n in outputs}
 
 
 def _error(pb_utils, exc: BaseException):
+    if isinstance(exc, Overloaded):
+        return pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)
     if isinstance(exc, (InputError, ValueError)):
         return pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
     log.error("internal error: %r", exc)
     return pb_utils.TritonError(f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
+
+
+def _inflight_gauge(pb_utils, model: str):
+    """A custom-metric gauge of this model's in-flight requests (None where the backend lacks metrics)."""
+    try:
+        family = pb_utils.MetricFamily(name=INFLIGHT_METRIC, description="requests admitted and not yet answered",
+                                       kind=pb_utils.MetricFamily.GAUGE)
+        return family, family.Metric(labels={"model": model})
+    except Exception:  # noqa: BLE001  metrics disabled or an older stub: the drain then waits on Triton only
+        return None
 
 
 def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
@@ -85,6 +101,14 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
             self.service = factory(self.ctx)
             self.inflight = 0
             self.idle = threading.Condition()
+            self.gauge = _inflight_gauge(pb_utils, self.ctx.name)
+
+        def _count(self, delta: int) -> None:
+            with self.idle:
+                self.inflight += delta
+                if self.gauge is not None:
+                    self.gauge[1].set(self.inflight)
+                self.idle.notify_all()
 
         def _reply(self, request):
             sender = request.get_response_sender()
@@ -109,9 +133,7 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
                     except Exception:  # noqa: BLE001
                         pass
                 finally:
-                    with self.idle:
-                        self.inflight -= 1
-                        self.idle.notify_all()
+                    self._count(-1)
 
             return reply
 
@@ -123,8 +145,7 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
                     t = pb_utils.get_input_tensor_by_name(request, name)
                     if t is not None:
                         inputs[name] = t.as_numpy()
-                with self.idle:
-                    self.inflight += 1
+                self._count(+1)
                 calls.append(Call(inputs, self._reply(request)))
             self.service.execute(calls)
             return None
@@ -169,6 +190,7 @@ def gpt_service(ctx: ModelContext):
         max_new_tokens=ctx.param("max_new_tokens", cast=int),
         text_eos_id=int(ctx.manifest["tokens"]["text_eos_id"]),
         spk_emb_id=int(ctx.manifest["tokens"]["spk_emb_id"]),
+        max_pending=ctx.param("max_pending", 0, cast=int),
     )
 
 

@@ -159,6 +159,13 @@ class InferCodeParams(RefineTextParams):
     max_new_token: int = 2048
 
 
+# --- precisions --------------------------------------------------------------------------------
+# export/serving precision -> torch dtype of the engine (activations, KV cache) and of the codec
+# weights. "int8": the GPT's linear weights are quantised dynamically to int8 (CPU only).
+PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}
+CPU_ONLY_PRECISIONS = ("int8",)
+
+
 # --- limits ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Limits:

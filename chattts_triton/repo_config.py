@@ -60,6 +60,7 @@ class Deployment:
     max_queue_delay_us: int = 2000
     gpt_slots: Optional[int] = None  # engine slots per GPT instance (None: by device)
     gpt_context: int = 3072
+    gpt_max_pending: Optional[int] = None  # generations running + waiting per GPT engine (None: 4 × slots)
     dtype: str = "fp32"
     artifact_format: str = "torchscript"  # torchscript | onnx (decoder/vocoder/DVAE)
 
@@ -71,6 +72,9 @@ class Deployment:
         if self.gpt_slots is not None:
             return self.gpt_slots
         return LIMITS.max_batch_size * 4 if self.gpus else 8
+
+    def max_pending(self) -> int:
+        return self.gpt_max_pending if self.gpt_max_pending is not None else 4 * self.slots()
 
 
 def _dims(dims, hidden: int) -> List[int]:
@@ -130,6 +134,7 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     _io(gpt.output, GPT_OUTPUTS, h, output=True)
     _param(gpt, "max_slots", dep.slots())
     _param(gpt, "max_context", dep.gpt_context)
+    _param(gpt, "max_pending", dep.max_pending())
     _param(gpt, "max_new_tokens", LIMITS.max_new_tokens)
     _param(gpt, "dtype", dep.dtype)
 
@@ -195,6 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("--queue-timeout-us", type=int)
     ap.add_argument("--gpt-slots", type=int)
     ap.add_argument("--gpt-context", type=int)
+    ap.add_argument("--gpt-max-pending", type=int, help="generations running + waiting per GPT engine before UNAVAILABLE (0: no bound)")
     a = ap.parse_args(argv)
     from .config import Arch
 
@@ -204,7 +210,7 @@ def main(argv=None) -> int:
     if a.instances < 1:
         ap.error("--instances must be ≥ 1")
     dep.instances = a.instances
-    for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "gpt_slots", "gpt_context"):
+    for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "gpt_slots", "gpt_context", "gpt_max_pending"):
         v = getattr(a, k)
         if v is not None:
             setattr(dep, k, v)

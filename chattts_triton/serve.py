@@ -1,24 +1,143 @@
 """Run tritonserver in the foreground on a model repository.
 
     python -m chattts_triton.serve --repo build/repo [--http-port 8000] [--grpc-port 8001]
-        [--metrics-port 8002] [--host 127.0.0.1] [--log-file F] [-- EXTRA TRITONSERVER ARGS]
+        [--metrics-port 8002] [--host 127.0.0.1] [--log-file F] [--restrict-apis] [-- EXTRA TRITONSERVER ARGS]
 
 Binds to 127.0.0.1 unless told otherwise, waits until the server and every model are ready,
-prints the URLs, and on SIGINT/SIGTERM lets Triton drain in-flight requests (up to
---exit-timeout seconds) before it exits with the server's status. Port 0 picks a free port.
+prints the URLs, and on SIGINT/SIGTERM drains: new requests get UNAVAILABLE, the ones in flight
+finish (up to --exit-timeout seconds), then Triton is signalled; the exit status is the server's.
+Port 0 picks a free port.
+
+On a non-loopback --host (or with --restrict-apis) the shared-memory, model-repository, logging and
+trace APIs need the HTTP header `chattts-admin-key: KEY` (gRPC metadata
+`triton-grpc-protocol-chattts-admin-key: KEY`). KEY comes from env CHATTTS_ADMIN_KEY, else is
+generated once into a 0600 file (--admin-key-file; default env CHATTTS_ADMIN_KEY_FILE or
+~/.chattts-triton/admin.key). The key is never printed or logged (it is on tritonserver's command
+line, which local users can read: keep the host to trusted users).
+
+If a python-backend stub dies, Triton 2.51 neither restarts it nor turns unready: serve.py then
+kills the server and exits with status 70 so that its supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional
 
-from .tritonserver import LOCALHOST, TritonServer, TritonServerError
+from .tritonserver import LOCALHOST, TritonServer, TritonServerError, processes_in_group
+
+
+# Shared with the models (services.py, backend.py); defined here so the launcher never imports torch.
+DRAIN_FILE_ENV = "CHATTTS_DRAIN_FILE"  # the ensemble's entry rejects new requests while this file exists
+INFLIGHT_METRIC = "chattts_inflight_requests"  # per-model gauge: admitted, not yet answered
+PENDING_METRIC = "nv_inference_pending_request_count"  # Triton's: queued, not yet in execute()
+ENSEMBLE = "chattts"
+SHM_PREFIX = "triton_python_backend_shm_region_"
+STUB_DIED_EXIT = 70  # EX_SOFTWARE: a model process died; restart the server
+ADMIN_HEADER = "chattts-admin-key"  # HTTP header; lower case like gRPC metadata keys
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER  # how Triton 2.51 expects it over gRPC
+RESTRICTED_APIS = "shared-memory,model-repository,logging,trace"
+ADMIN_KEY_ENV = "CHATTTS_ADMIN_KEY"
+ADMIN_KEY_FILE_ENV = "CHATTTS_ADMIN_KEY_FILE"
+
+
+def restricted_args(host: str, force: bool, key: str) -> List[str]:
+    """tritonserver flags that put the admin APIs behind ADMIN_HEADER; none on loopback unless forced."""
+    if host in (LOCALHOST, "localhost") and not force:
+        return []
+    rule = f"{RESTRICTED_APIS}:{ADMIN_HEADER}={key}"
+    return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
+
+
+def admin_key(key_file: Path) -> str:
+    """The admin key: env CHATTTS_ADMIN_KEY, else the one in `key_file`, else a new one written there (0600)."""
+    key = os.environ.get(ADMIN_KEY_ENV, "").strip()
+    if key:
+        return key
+    if key_file.is_file():
+        key = key_file.read_text(encoding="utf-8").strip()
+        if key:
+            return key
+    key = secrets.token_urlsafe(32)
+    key_file.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(key + "\n")
+    os.chmod(key_file, 0o600)
+    print(f"admin key for the restricted APIs written to {key_file} (mode 0600)", flush=True)
+    return key
+
+
+def inflight_requests(metrics_url: str) -> Optional[int]:
+    """Sum of the models' in-flight gauges (backend.INFLIGHT_METRIC); None if unreadable or absent."""
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(metrics_url, timeout=2.0) as r:
+            text = r.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    return parse_inflight(text)
+
+
+def parse_inflight(text: str) -> Optional[int]:
+    ours = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(INFLIGHT_METRIC + "{")]
+    # requests still in a composing model's Triton queue are not in our gauges yet
+    queued = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(PENDING_METRIC + "{") and f'model="{ENSEMBLE}"' not in line]
+    return int(sum(ours) + sum(queued)) if ours else None
+
+
+def quiesce(server: TritonServer, drain_file: Path, timeout_s: float, quiet_polls: int = 3, poll_s: float = 0.2) -> bool:
+    """Stop admitting (the ensemble's entry rejects with UNAVAILABLE) and wait until nothing is in flight.
+
+    Needed because Triton 2.51, once signalled, rejects an in-flight ensemble request at its next step
+    ("Server is stopping, scheduler for model has stopped accepting new inference requests").
+    Idle must hold for `quiet_polls` polls in a row: a request passing between two steps is briefly
+    counted by neither model.
+    """
+    drain_file.touch()
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while time.monotonic() < deadline and server.returncode is None:
+        n = inflight_requests(server.metrics_url)
+        if n is None:
+            return False  # no gauge: fall back to Triton's own drain
+        quiet = quiet + 1 if n == 0 else 0
+        if quiet >= quiet_polls:
+            return True
+        time.sleep(poll_s)
+    return False
+
+
+def stub_shm_regions(pids) -> List[str]:
+    """The python-backend shared-memory regions the stubs `pids` use (named on their command lines)."""
+    regions = []
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        regions += [a.decode() for a in argv if a.startswith(SHM_PREFIX.encode())]
+    return regions
+
+
+def remove_shm_regions(regions) -> None:
+    """Unlink regions a killed server left in /dev/shm (a graceful exit removes them itself)."""
+    for region in regions:
+        try:
+            os.unlink(os.path.join("/dev/shm", region))
+        except OSError:
+            pass
 
 
 def _port(text: str) -> Optional[int]:
@@ -41,6 +160,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--metrics-port", type=_port, default=8002)
     p.add_argument("--host", default=LOCALHOST, help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it)")
     p.add_argument("--log-file", type=Path, default=None, help="server log (default: a temporary file)")
+    p.add_argument("--restrict-apis", action="store_true",
+                   help=f"put {RESTRICTED_APIS} behind the {ADMIN_HEADER} header even on loopback (always on otherwise)")
+    p.add_argument("--admin-key-file", type=Path,
+                   default=Path(os.environ.get(ADMIN_KEY_FILE_ENV) or Path.home() / ".chattts-triton" / "admin.key"))
     p.add_argument("--exit-timeout", type=int, default=30, help="seconds Triton may drain on shutdown")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     p.add_argument(
@@ -64,8 +187,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.host not in (LOCALHOST, "localhost"):
         print(f"warning: binding to {args.host}: the server is reachable from other hosts", file=sys.stderr)
+    restricted: List[str] = []
+    if args.restrict_apis or args.host not in (LOCALHOST, "localhost"):
+        restricted = restricted_args(args.host, True, admin_key(args.admin_key_file))
+        print(f"restricted APIs ({RESTRICTED_APIS}) need the {ADMIN_HEADER} header", flush=True)
+    drain_dir = tempfile.mkdtemp(prefix="chattts-drain-")
+    drain_file = Path(drain_dir) / "drain"
     server = TritonServer(
         args.repo,
+        env={**os.environ, DRAIN_FILE_ENV: str(drain_file)},
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
@@ -73,11 +203,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         log_file=args.log_file,
         exit_timeout_s=args.exit_timeout,
         startup_timeout_s=args.startup_timeout,
-        extra_args=args.extra,
+        extra_args=restricted + args.extra,
         extra_pythonpath=args.stub_pythonpath,
     )
     stopping: List[int] = []
     signalled: List[bool] = []
+    serving: List[bool] = []
 
     def drain() -> None:
         if server.pid is not None and not signalled:
@@ -92,7 +223,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 os.killpg(server.pid, signal.SIGKILL)
             except OSError:
                 pass
-        drain()
+        if not serving:  # still loading: nothing in flight, stop at once
+            drain()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -107,17 +239,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     print(f"tritonserver pid {server.pid} ready", flush=True)
     print(f"http: {server.http_url}\ngrpc: {server.grpc_url}\nmetrics: {server.metrics_url}", flush=True)
+    serving.append(True)
+    stubs = set(processes_in_group(server.pid)) - {server.pid}
+    regions = stub_shm_regions(stubs)
+    dead: List[int] = []
     try:
         while server.returncode is None:
             if stopping:
+                quiesce(server, drain_file, args.exit_timeout)
                 drain()  # the signal may have come before the process existed
                 deadline = time.monotonic() + args.exit_timeout + 15
                 while server.returncode is None and time.monotonic() < deadline:
                     time.sleep(0.1)
                 break
+            dead = sorted(stubs - set(processes_in_group(server.pid)))
+            if dead:  # Triton 2.51 never restarts it: its requests hang, later ones fail, yet /ready says 200
+                print(f"error: python backend stub(s) {dead} died; stopping so that the supervisor restarts "
+                      f"the server; last log lines:\n{server.log_tail(10)}", file=sys.stderr, flush=True)
+                try:
+                    os.killpg(server.pid, signal.SIGKILL)  # what the dead stub held can never finish
+                except OSError:
+                    pass
+                break
             time.sleep(0.2)
     finally:
         code = server.stop()  # kills whatever is left (stubs, a server past its drain time)
+        remove_shm_regions(regions)
+        shutil.rmtree(drain_dir, ignore_errors=True)
+    if dead:
+        return STUB_DIED_EXIT
     if not stopping:
         print(f"error: tritonserver exited unexpectedly ({code}); last log lines:\n{server.log_tail()}", file=sys.stderr)
     return _exit_status(code)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from . import speaker as spk
 from . import text as txt
 from .config import (
     AUDIO_EOS,
+    CPU_ONLY_PRECISIONS,
+    PRECISIONS,
     LIMITS,
     NORMALIZE_TEXT_DEFAULT,
     NUM_VQ,
@@ -35,12 +38,17 @@ from .config import (
     samples_for_codes,
 )
 from .engine import Engine, GenRequest, GenResult, SamplingParams
+from .serve import DRAIN_FILE_ENV
 from .text import InputError
 
 log = logging.getLogger(__name__)
 
 Outputs = Dict[str, np.ndarray]
 Reply = Callable[[Any], None]
+
+
+class Overloaded(RuntimeError):
+    """The server is at capacity: the client should retry later (Triton UNAVAILABLE, HTTP 503)."""
 
 
 @dataclass
@@ -131,6 +139,17 @@ def sampling_params(inputs, defaults, max_new_limit: int = LIMITS.max_new_tokens
     )
 
 
+def refine_params(inputs) -> Dict[str, Any]:
+    """REFINE_* sampling inputs under the plain names the GPT model takes, range-checked here."""
+    params = {k[len("REFINE_"):]: v for k, v in inputs.items()
+              if k.startswith("REFINE_") and k not in ("REFINE_TEXT", "REFINE_PROMPT")}
+    try:
+        sampling_params({**params, "SEED": 0}, RefineTextParams)
+    except InputError as e:
+        raise InputError(f"REFINE_{e}") from None
+    return params
+
+
 # --- artifacts ---------------------------------------------------------------------------------
 class Artifact:
     """A TorchScript or ONNX artifact called with named tensors, returning torch tensors."""
@@ -138,6 +157,9 @@ class Artifact:
     def __init__(self, path_stem: Path, fmt: str, device: torch.device):
         self.device = device
         self.fmt = fmt
+        if device.type == "cuda":
+            # cuDNN's default TF32 convolutions are ~7e-3 off upstream fp32 on the decoders' mels
+            torch.backends.cudnn.allow_tf32 = False
         if fmt == "torchscript":
             path = Path(f"{path_stem}.pt")
             self.module = torch.jit.load(str(path), map_location=device).eval()
@@ -147,7 +169,7 @@ class Artifact:
             path = Path(f"{path_stem}.onnx")
             providers = ["CPUExecutionProvider"]
             if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
-                providers.insert(0, ("CUDAExecutionProvider", {"device_id": device.index or 0}))
+                providers.insert(0, ("CUDAExecutionProvider", {"device_id": device.index or 0, "use_tf32": 0}))
             opts = ort.SessionOptions()
             opts.intra_op_num_threads = max(1, torch.get_num_threads())
             self.session = ort.InferenceSession(str(path), opts, providers=providers)
@@ -179,13 +201,22 @@ class PreprocessService:
         self.tokenizer = txt.TextTokenizer(Path(version_dir) / "tokenizer")
         self.normalizer = txt.Normalizer()
         self.refine = refine
-        self.encoder_path = (Path(version_dir) / "dvae_encode", artifact_format, device)
+        # Reference audio is encoded once per request on the CPU: the TorchScript encoder hangs on
+        # CUDA with the JIT fuser on (seen on an H200, torch 2.11), and it is not on the hot path.
+        self.encoder_path = (Path(version_dir) / "dvae_encode", artifact_format, torch.device("cpu"))
         self._encoder: Optional[Artifact] = None
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="chattts-pre")
+        # Triton 2.51 fails in-flight ensemble requests at their next step once it got SIGTERM, so
+        # the launcher drains first: it creates this file, waits for idle, then signals Triton
+        self.drain_file = os.environ.get(DRAIN_FILE_ENV, "")
 
     def execute(self, calls: Sequence[Call]) -> None:
+        draining = bool(self.drain_file) and os.path.exists(self.drain_file)
         for c in calls:  # refine waits on the GPT model: never block the other requests
-            self.pool.submit(self._run, c)
+            if draining:  # the entry of the ensemble: nothing new starts once the launcher drains
+                c.reply(Overloaded("server is shutting down, retry on another instance"))
+            else:
+                self.pool.submit(self._run, c)
 
     def _run(self, call: Call) -> None:
         try:
@@ -224,6 +255,8 @@ class PreprocessService:
     def prepare(self, inputs) -> Outputs:
         text = txt.validate_text(get_str(inputs, "TEXT"))
         prompt = txt.validate_prompt(get_str(inputs, "PROMPT", InferCodeParams.prompt))
+        refine_params(inputs)  # bad REFINE_* values are rejected even when REFINE_TEXT is off
+        txt.validate_prompt(get_str(inputs, "REFINE_PROMPT", RefineTextParams.prompt), what="REFINE_PROMPT")
         if get_bool(inputs, "NORMALIZE_TEXT", NORMALIZE_TEXT_DEFAULT):
             text = self.normalizer(text, True, True)
             if not txt.TAG_RE.sub("", text).strip():
@@ -250,9 +283,7 @@ class PreprocessService:
             raise InputError("REFINE_TEXT is not available on this server")
         refine_prompt = txt.validate_prompt(get_str(inputs, "REFINE_PROMPT", RefineTextParams.prompt), what="REFINE_PROMPT")
         ids = txt.build_refine_prompt(self.tokenizer, text, refine_prompt)
-        # the GPT model takes the refine sampling inputs under their plain names
-        params = {k[len("REFINE_"):]: v for k, v in inputs.items()
-                  if k.startswith("REFINE_") and k not in ("REFINE_TEXT", "REFINE_PROMPT")}
+        params = refine_params(inputs)
         if "SEED" in inputs:
             params["SEED"] = inputs["SEED"]
         tokens = self.refine(ids, params)
@@ -263,20 +294,24 @@ class PreprocessService:
 
 
 # --- GPT ---------------------------------------------------------------------------------------
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {k: getattr(torch, v) for k, v in PRECISIONS.items()}
 
 
 class GPTService:
     """Prompt tensors + sampling inputs → codes (and hidden states) through the in-flight engine."""
 
     def __init__(self, model_path: Path, arch: Arch, device: torch.device, dtype: str, max_slots: int,
-                 max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int):
+                 max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int, max_pending: int = 0):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if dtype in CPU_ONLY_PRECISIONS and device.type != "cpu":
+            raise ValueError(f"dtype {dtype} runs on CPU only; export fp32/fp16/bf16 for GPUs")
         self.arch = arch
         self.text_eos_id = text_eos_id
         self.spk_emb_id = spk_emb_id
         self.max_new_tokens = max_new_tokens
+        # execute() returns at once, so Triton's queue never fills: bound running + waiting here (0: no bound)
+        self.max_pending = max_pending
         model = torch.jit.load(str(model_path), map_location=device).eval()
         self.engine = Engine(
             model, max_slots=max_slots, max_context=max_context, max_new_tokens=max_new_tokens,
@@ -290,6 +325,8 @@ class GPTService:
     def execute(self, calls: Sequence[Call]) -> None:
         for c in calls:
             try:
+                if self.max_pending and self.engine.active + self.engine.pending >= self.max_pending:
+                    raise Overloaded(f"server busy: {self.max_pending} generations in flight, retry later")
                 self.engine.submit(self.request(c.inputs, c.reply))
             except Exception as e:  # noqa: BLE001
                 c.reply(e)

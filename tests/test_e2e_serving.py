@@ -13,27 +13,11 @@ from tritonclient.utils import InferenceServerException
 
 from chattts_triton import repo_config as rc
 from chattts_triton.config import ENSEMBLE_INPUTS, HOP_LENGTH, SAMPLE_RATE, Arch, samples_for_codes
+from tests.reliability_util import contract_inputs
 
 pytestmark = pytest.mark.e2e
 
-NP = {"TYPE_STRING": object, "TYPE_INT64": np.int64, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_BOOL": bool}
-WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT64": "INT64", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL"}
-
-
-def inputs(module, **values):
-    out = []
-    for name, v in values.items():
-        dtype = ENSEMBLE_INPUTS[name][0]
-        if name == "SPEAKER_AUDIO":
-            arr = np.asarray(v, np.float32).reshape(1, -1)
-        elif dtype == "TYPE_STRING":
-            arr = np.array([[v.encode() if isinstance(v, str) else v]], dtype=object)
-        else:
-            arr = np.array([[v]], dtype=NP[dtype])
-        t = module.InferInput(name, list(arr.shape), WIRE[dtype])
-        t.set_data_from_numpy(arr)
-        out.append(t)
-    return out
+inputs = contract_inputs
 
 
 def synth(server, protocol="grpc", **values) -> np.ndarray:
@@ -194,3 +178,21 @@ def test_served_audio_equals_upstream_chat_infer(served_full, upstream_full, use
     stripped = chat.infer(text, skip_refine_text=True, split_text=False, use_decoder=use_decoder, params_infer_code=params)[0]
     ours_stripped = ours[np.abs(ours) > 1e-5]
     assert ours_stripped.shape == stripped.shape and np.abs(ours_stripped - stripped).max() <= 1e-3
+
+
+def test_int8_cpu_repository_serves(tiny_assets, tmp_path, served_tiny):
+    """The opt-in int8 CPU mode: dynamic int8 linears in the GPT, everything else fp32."""
+    import torch
+
+    from chattts_triton.tritonserver import TritonServer
+    from export.__main__ import export_repository
+
+    repo = export_repository(tiny_assets, tmp_path / "int8", ["torchscript"], dtype="int8", progress=lambda m: None)
+    gpt = torch.jit.load(str(repo / rc.GPT / "1" / "gpt.pt"))
+    linear = dict(gpt.named_modules())["layers.0.q_proj"]
+    assert "_packed_params" in dict(linear.named_modules())  # an int8 dynamically quantised linear
+    with TritonServer(repo, log_file=tmp_path / "int8.log", startup_timeout_s=300) as server:
+        kw = dict(TEXT="你好世界", SEED=4, MAX_NEW_TOKENS=16, MIN_NEW_TOKENS=16)
+        audio = synth(server, **kw)
+        assert audio.shape == (samples_for_codes(16),) and np.isfinite(audio).all()
+    assert synth(served_tiny, **kw).shape == audio.shape
