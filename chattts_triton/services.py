@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import math
 import os
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,6 +189,8 @@ class Artifact:
 def device_for(kind: str, device_id: int) -> torch.device:
     if kind.upper().endswith("GPU") and torch.cuda.is_available():
         return torch.device("cuda", device_id)
+    # Log what the stub process gets: intra-op threads decide CPU step time.
+    log.info("CPU instance: torch uses %d threads of %d cores", torch.get_num_threads(), len(os.sched_getaffinity(0)))
     return torch.device("cpu")
 
 
