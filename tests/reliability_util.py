@@ -99,18 +99,6 @@ def shm_regions() -> List[str]:
         return []
 
 
-def group_rss_bytes(pgid: int) -> int:
-    total = 0
-    for pid in processes_in_group(pgid):
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
-
-
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
