@@ -81,7 +81,7 @@ sweep: setup ## concurrency sweep 1,2,4..MAX_CONCURRENCY: HOST= PROTOCOL= MAX_CO
 	$(PY) -m loadtest.sweep --url $(TARGET) --protocol $(PROTOCOL) --max-concurrency $(MAX_CONCURRENCY) --step-seconds $(STEP_SECONDS) --metrics-url $(firstword $(subst :, ,$(TARGET))):$(METRICS_PORT) --out $(BUILD)/sweep
 
 soak: setup ## reliability soak: 70 % of saturation on the tiny CPU server (SOAK_SECONDS=1800), writes build/soak/soak.json
-	CHATTTS_SOAK_SECONDS=$(SOAK_SECONDS) CHATTTS_SOAK_OUT=$(BUILD)/soak $(PY) -m pytest -m soak -s tests/test_soak.py $(PYTEST_ARGS)
+	CHATTTS_SOAK_SECONDS=$(SOAK_SECONDS) CHATTTS_SOAK_OUT=$(BUILD)/soak $(PY) -m pytest -m soak -s --timeout=$$(( $(SOAK_SECONDS) + 900 )) tests/test_soak.py $(PYTEST_ARGS)
 
 bundle: setup ## gather wheels + tritonserver files for a GPU host without a package index (into .bundle/)
 	$(PY) -m bench.bundle .bundle
