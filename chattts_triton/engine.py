@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Optional
 
 import torch
@@ -56,7 +55,6 @@ class GenRequest:
     eos_id: int = AUDIO_EOS
     want_hidden: bool = True
     cancelled: bool = False
-    submitted_at: float = field(default_factory=time.monotonic)
 
     @property
     def prompt_len(self) -> int:

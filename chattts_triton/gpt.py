@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .assets import AssetError, load_json, load_safetensors
+from .assets import AssetError, load_safetensors
 from .config import Arch, GPTDims
 
 
@@ -215,7 +215,3 @@ def load_gpt(folder: Path, arch: Arch) -> ChatTTSGPT:
             raise AssetError(f"{k}: shape {tuple(v.shape)} does not match the architecture {tuple(expected[k].shape)}")
     model.load_state_dict(sd, strict=True)
     return model.eval()
-
-
-def gpt_config(folder: Path) -> dict:
-    return load_json(Path(folder) / "gpt/config.json")

@@ -340,7 +340,7 @@ class GPTService:
             raise InputError("TEXT_IDS is required")
         ids = torch.as_tensor(np.asarray(ids_in, dtype=np.int64)).reshape(-1)
         if ids.numel() == 0 or ids.min() < 0 or ids.max() >= self.arch.num_text_tokens:
-            raise InputError(f"TEXT_IDS must be 1..{LIMITS.max_prompt_tokens} ids in [0, {self.arch.num_text_tokens})")
+            raise InputError(f"TEXT_IDS must be a non-empty list of ids in [0, {self.arch.num_text_tokens})")
         refine = get_bool(inputs, "REFINE", False)
         if refine:
             params = sampling_params(inputs, RefineTextParams, max_new_limit=self.max_new_tokens)
