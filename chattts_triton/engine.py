@@ -55,6 +55,11 @@ class GenRequest:
     eos_id: int = AUDIO_EOS
     want_hidden: bool = True
     cancelled: bool = False
+    # streaming: on_tokens(tokens, hiddens) gets the tokens generated since its last call once
+    # there are at least `stream_every` of them (on the engine thread: hand off, never block).
+    # The consumer may change stream_every at any time; the tail arrives in on_done's result.
+    on_tokens: Optional[Callable[[Tensor, Optional[Tensor]], None]] = None
+    stream_every: int = 1
 
     @property
     def prompt_len(self) -> int:
@@ -78,13 +83,14 @@ class EngineError(RuntimeError):
 
 
 class _Slot:
-    __slots__ = ("req", "n", "plen", "attempt")
+    __slots__ = ("req", "n", "plen", "attempt", "emitted")
 
     def __init__(self, req: GenRequest):
         self.req = req
         self.n = 0  # tokens generated (kept) so far
         self.plen = req.prompt_len
         self.attempt = 0
+        self.emitted = 0  # tokens handed to req.on_tokens
 
 
 class Engine:
@@ -391,6 +397,19 @@ class Engine:
                 slot.n += 1
                 if slot.n >= slot.req.params.max_new_tokens:
                     self._finish(s, "max_tokens")
+                elif slot.req.on_tokens is not None and slot.n - slot.emitted >= max(1, slot.req.stream_every):
+                    self._emit(s, slot)
+
+    def _emit(self, slot_id: int, slot: _Slot) -> None:
+        a, b = slot.emitted, slot.n
+        toks = self.tokens[slot_id, a:b].cpu()
+        hid = self.hiddens[slot_id, a:b].cpu() if slot.req.want_hidden else None
+        slot.emitted = b
+        try:
+            slot.req.on_tokens(toks, hid)
+        except Exception:  # a failing consumer must not take the engine down: stop its generation
+            log.exception("streaming callback failed; cancelling that generation")
+            slot.req.cancel()
 
     def _finish(self, slot_id: int, reason: str, error: Optional[BaseException] = None) -> None:
         slot = self.slots.pop(slot_id)
