@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from .config import Arch
 from .repo_config import MANIFEST
 from .serve import INFLIGHT_METRIC
 from .services import Call, Overloaded
+from .streaming import StreamCall
 from .text import InputError
 
 log = logging.getLogger("chattts_triton")
@@ -72,22 +74,28 @@ class ModelContext:
 
 
 def _error(pb_utils, exc: BaseException):
+    from .streaming import Cancelled
+
     if isinstance(exc, Overloaded):
         return pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)
+    if isinstance(exc, Cancelled):
+        return pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, "CANCELLED", pb_utils.TritonError.UNAVAILABLE))
     if isinstance(exc, (InputError, ValueError)):
         return pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
     log.error("internal error: %r", exc)
     return pb_utils.TritonError(f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
 
 
-def _inflight_gauge(pb_utils, model: str):
-    """A custom-metric gauge of this model's in-flight requests (None where the backend lacks metrics)."""
+def _gauge(pb_utils, name: str, description: str, model: str):
+    """A custom-metric gauge labelled with the model (None where the backend lacks metrics)."""
     try:
-        family = pb_utils.MetricFamily(name=INFLIGHT_METRIC, description="requests admitted and not yet answered",
-                                       kind=pb_utils.MetricFamily.GAUGE)
+        family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
         return family, family.Metric(labels={"model": model})
     except Exception:  # noqa: BLE001  metrics disabled or an older stub: the drain then waits on Triton only
         return None
+
+
+STATS_PERIOD_S = 0.25  # how often a service's stats() refresh its gauges
 
 
 def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
@@ -101,7 +109,24 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
             self.service = factory(self.ctx)
             self.inflight = 0
             self.idle = threading.Condition()
-            self.gauge = _inflight_gauge(pb_utils, self.ctx.name)
+            self.gauge = _gauge(pb_utils, INFLIGHT_METRIC, "requests admitted and not yet answered", self.ctx.name)
+            self.decoupled = bool(self.ctx.config.get("model_transaction_policy", {}).get("decoupled"))
+            self.closed = threading.Event()
+            if hasattr(self.service, "stats"):  # e.g. engine slots in use: a cancel shows up here
+                self.stat_gauges = {k: _gauge(pb_utils, f"chattts_{k}", f"{k} of this model instance", self.ctx.name)
+                                    for k in self.service.stats()}
+                threading.Thread(target=self._publish_stats, name="chattts-stats", daemon=True).start()
+
+        def _publish_stats(self) -> None:
+            while not self.closed.wait(STATS_PERIOD_S):
+                try:
+                    for k, v in self.service.stats().items():
+                        g = self.stat_gauges.get(k)
+                        if g is not None:
+                            g[1].set(v)
+                except Exception:  # noqa: BLE001  metrics are best effort
+                    log.exception("publishing stats failed")
+                    return
 
         def _count(self, delta: int) -> None:
             with self.idle:
@@ -137,6 +162,47 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
 
             return reply
 
+        def _stream(self, request, inputs) -> StreamCall:
+            """Decoupled: any number of chunks, then exactly one response flagged final."""
+            sender = request.get_response_sender()
+            ended = threading.Event()
+            lock = threading.Lock()
+
+            def deliver(resp, final: bool) -> None:
+                with lock:
+                    if ended.is_set():
+                        return
+                    if final:
+                        ended.set()
+                try:
+                    sender.send(resp, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+                except Exception:  # noqa: BLE001  a cancelled request may refuse data: still end it
+                    if not final:
+                        raise
+                    log.exception("sending the final response failed")
+                    try:
+                        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    except Exception:  # noqa: BLE001
+                        pass
+                finally:
+                    if final:
+                        self._count(-1)
+
+            def send(outputs, final: bool) -> None:
+                tensors = [pb_utils.Tensor(n, np.ascontiguousarray(outputs[n])) for n in self.output_names if n in outputs]
+                deliver(pb_utils.InferenceResponse(output_tensors=tensors), final)
+
+            def fail(exc: BaseException) -> None:
+                deliver(pb_utils.InferenceResponse(error=_error(pb_utils, exc)), True)
+
+            def cancelled() -> bool:
+                try:
+                    return bool(sender.is_cancelled())
+                except Exception:  # noqa: BLE001  an older stub: no cancellation
+                    return False
+
+            return StreamCall(inputs, send, fail, cancelled)
+
         def execute(self, requests):
             calls = []
             for request in requests:
@@ -146,7 +212,7 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
                     if t is not None:
                         inputs[name] = t.as_numpy()
                 self._count(+1)
-                calls.append(Call(inputs, self._reply(request)))
+                calls.append(self._stream(request, inputs) if self.decoupled else Call(inputs, self._reply(request)))
             self.service.execute(calls)
             return None
 
@@ -155,6 +221,7 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
             close = getattr(self.service, "close", None)
             if close is not None:
                 close()
+            self.closed.set()
             with self.idle:
                 self.idle.wait_for(lambda: self.inflight <= 0, timeout=60)
 
@@ -164,14 +231,12 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
 # --- the factories the model.py files name -----------------------------------------------------
 def preprocess_service(ctx: ModelContext):
     from .repo_config import GPT
-    from .services import PreprocessService, device_for
+    from .services import PreprocessService, device_for, refine_request
 
     gpt_model = ctx.param("gpt_model", GPT)
 
     def refine(ids: np.ndarray, params: Dict[str, np.ndarray]) -> np.ndarray:
-        inputs = {"TEXT_IDS": ids.reshape(1, -1).astype(np.int64), "REFINE": np.array([[True]])}
-        inputs.update({k: np.asarray(v) for k, v in params.items()})
-        return ctx.bls(gpt_model, inputs, ["CODES"])["CODES"][0, :, 0]
+        return ctx.bls(gpt_model, refine_request(ids, params), ["CODES"])["CODES"][0, :, 0]
 
     return PreprocessService(
         ctx.version_dir, ctx.arch, device_for(ctx.instance_kind, ctx.device_id),
@@ -179,11 +244,11 @@ def preprocess_service(ctx: ModelContext):
     )
 
 
-def gpt_service(ctx: ModelContext):
+def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None):
     from .services import GPTService, device_for
 
     return GPTService(
-        ctx.version_dir / "gpt.pt", ctx.arch, device_for(ctx.instance_kind, ctx.device_id),
+        (version_dir or ctx.version_dir) / "gpt.pt", ctx.arch, device_for(ctx.instance_kind, ctx.device_id),
         dtype=ctx.param("dtype", "fp32"),
         max_slots=ctx.param("max_slots", cast=int),
         max_context=ctx.param("max_context", cast=int),
@@ -194,8 +259,30 @@ def gpt_service(ctx: ModelContext):
     )
 
 
-def vocoder_service(ctx: ModelContext):
+def vocoder_service(ctx: ModelContext, version_dir: Optional[Path] = None):
     from .services import VocoderService, device_for
 
-    return VocoderService(ctx.version_dir, ctx.arch, device_for(ctx.instance_kind, ctx.device_id),
+    return VocoderService(version_dir or ctx.version_dir, ctx.arch, device_for(ctx.instance_kind, ctx.device_id),
                           ctx.param("artifact_format", "torchscript"))
+
+
+def stream_service(ctx: ModelContext):
+    """`chattts_stream`: its own engine; the artifacts are read from the composing models' folders."""
+    from .codec import stream_lookahead_codes
+    from .repo_config import GPT, PREPROCESS, VOCODER
+    from .serve import DRAIN_FILE_ENV
+    from .services import PreprocessService, device_for, refine_request
+    from .streaming import StreamService
+
+    version = lambda model: ctx.repo_dir / model / "1"  # noqa: E731
+    gpt = gpt_service(ctx, version(GPT))
+    pre = PreprocessService(
+        version(PREPROCESS), ctx.arch, device_for(ctx.instance_kind, ctx.device_id), ctx.param("artifact_format", "torchscript"),
+        refine=lambda ids, params: gpt.call(refine_request(ids, params))["CODES"][0, :, 0],
+    )
+    voc = vocoder_service(ctx, version(VOCODER))
+    lookahead = ctx.param("lookahead_frames", 0, cast=int) or stream_lookahead_codes(ctx.arch)
+    return StreamService(
+        pre, gpt, voc, first_chunk=ctx.param("first_chunk_frames", cast=int), chunk=ctx.param("chunk_frames", cast=int),
+        lookahead=lookahead, max_streams=ctx.param("max_pending", cast=int), drain_file=os.environ.get(DRAIN_FILE_ENV, ""),
+    )

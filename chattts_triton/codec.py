@@ -79,9 +79,17 @@ VOCOS_KERNEL = 7
 assert N_FFT % HOP_LENGTH == 0, "n_fft must be a multiple of the hop length"
 
 
-def mel_frames_for_steps(steps: int) -> int:
-    """Mel frames `decoder`/`dvae_decode` give for `steps` code steps."""
-    return MEL_FRAMES_PER_CODE * max(int(steps), 0)
+def stream_lookahead_codes(arch: Arch) -> int:
+    """Code frames of context, on each side, that make a window's audio equal the whole utterance's.
+
+    The radius of every time-mixing op at the mel rate: the decoder (conv_in 2 x k3, ConvNeXt
+    dwconvs k7 dilation 2, out_conv k3; the larger of Decoder and DVAE), Vocos (embed k7, ConvNeXt
+    k7) and the ISTFT (n_fft / hop / 2 frames overlap a sample on each side); one frame of margin.
+    """
+    convnet = max(2 + d.n_layer * DVAE_DILATION * (DVAE_KERNEL // 2) + 1 for d in (arch.decoder, arch.dvae_decoder))
+    vocos = (VOCOS_KERNEL // 2) * (1 + arch.vocos.layers)
+    mel = convnet + vocos + N_FFT // HOP_LENGTH // 2
+    return -(-mel // MEL_FRAMES_PER_CODE) + 1
 
 
 def vocos_samples(mel_frames: int) -> int:

@@ -23,7 +23,8 @@ ENSEMBLE = "chattts"
 PREPROCESS = "chattts_preprocess"
 GPT = "chattts_gpt"
 VOCODER = "chattts_vocoder"
-MODELS = (PREPROCESS, GPT, VOCODER)
+STREAM = "chattts_stream"  # decoupled: the ensemble's inputs, audio in chunks
+MODELS = (PREPROCESS, GPT, VOCODER)  # the ensemble's steps (they hold the artifacts)
 MANIFEST = "manifest.json"
 
 # Contract inputs each composing model takes from the ensemble.
@@ -63,6 +64,11 @@ class Deployment:
     gpt_max_pending: Optional[int] = None  # generations running + waiting per GPT engine (None: 4 × slots)
     dtype: str = "fp32"
     artifact_format: str = "torchscript"  # torchscript | onnx (decoder/vocoder/DVAE)
+    stream_slots: Optional[int] = None  # engine slots of each chattts_stream instance (None: by device)
+    stream_max_pending: Optional[int] = None  # streams in flight per instance before UNAVAILABLE (None: 2 × slots)
+    stream_first_chunk_frames: int = 8  # code frames (21.3 ms of audio each) in the first chunk
+    stream_chunk_frames: int = 32  # ... in each later chunk (more when generation runs ahead)
+    stream_lookahead_frames: int = 0  # context each side of a chunk; 0: exact (codec.stream_lookahead_codes)
 
     @property
     def kind(self) -> str:
@@ -75,6 +81,14 @@ class Deployment:
 
     def max_pending(self) -> int:
         return self.gpt_max_pending if self.gpt_max_pending is not None else 4 * self.slots()
+
+    def stream_slot_count(self) -> int:
+        if self.stream_slots is not None:
+            return self.stream_slots
+        return 64 if self.gpus else 2
+
+    def stream_pending(self) -> int:
+        return self.stream_max_pending if self.stream_max_pending is not None else 2 * self.stream_slot_count()
 
 
 def _dims(dims, hidden: int) -> List[int]:
@@ -164,7 +178,22 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     step(PREPROCESS, PREPROCESS_FROM_ENSEMBLE, {}, prompt)
     step(GPT, GPT_FROM_ENSEMBLE, prompt, {n: f"_{n}" for n in GPT_OUTPUTS})
     step(VOCODER, VOCODER_FROM_ENSEMBLE, {n: f"_{n}" for n in GPT_OUTPUTS}, {"AUDIO": "AUDIO"})
-    return {ENSEMBLE: ens, PREPROCESS: pre, GPT: gpt, VOCODER: voc}
+
+    stream = _python_model(STREAM, dep, 1, gpu=True)  # one engine per device, like the GPT
+    stream.model_transaction_policy.decoupled = True
+    stream.dynamic_batching.max_queue_delay_microseconds = 0  # a stream's first chunk must not wait for others
+    _io(stream.input, {n: s[:2] for n, s in ENSEMBLE_INPUTS.items()}, h, optional_contract)
+    _io(stream.output, ENSEMBLE_OUTPUTS, h, output=True)
+    _param(stream, "max_slots", dep.stream_slot_count())
+    _param(stream, "max_context", dep.gpt_context)
+    _param(stream, "max_pending", dep.stream_pending())
+    _param(stream, "max_new_tokens", LIMITS.max_new_tokens)
+    _param(stream, "dtype", dep.dtype)
+    _param(stream, "artifact_format", dep.artifact_format)
+    _param(stream, "first_chunk_frames", dep.stream_first_chunk_frames)
+    _param(stream, "chunk_frames", dep.stream_chunk_frames)
+    _param(stream, "lookahead_frames", dep.stream_lookahead_frames)
+    return {ENSEMBLE: ens, PREPROCESS: pre, GPT: gpt, VOCODER: voc, STREAM: stream}
 
 
 def to_pbtxt(cfg: mc.ModelConfig) -> str:
@@ -201,6 +230,11 @@ def main(argv=None) -> int:
     ap.add_argument("--gpt-slots", type=int)
     ap.add_argument("--gpt-context", type=int)
     ap.add_argument("--gpt-max-pending", type=int, help="generations running + waiting per GPT engine before UNAVAILABLE (0: no bound)")
+    ap.add_argument("--stream-slots", type=int, help="engine slots of each chattts_stream instance")
+    ap.add_argument("--stream-max-pending", type=int, help="streams in flight per chattts_stream instance before UNAVAILABLE")
+    ap.add_argument("--stream-first-chunk-frames", type=int, help="code frames (21.3 ms each) in a stream's first chunk")
+    ap.add_argument("--stream-chunk-frames", type=int, help="code frames in later chunks")
+    ap.add_argument("--stream-lookahead-frames", type=int, help="context frames each side of a chunk (0: exact)")
     a = ap.parse_args(argv)
     from .config import Arch
 
@@ -210,7 +244,9 @@ def main(argv=None) -> int:
     if a.instances < 1:
         ap.error("--instances must be ≥ 1")
     dep.instances = a.instances
-    for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "gpt_slots", "gpt_context", "gpt_max_pending"):
+    for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "gpt_slots", "gpt_context", "gpt_max_pending",
+              "stream_slots", "stream_max_pending", "stream_first_chunk_frames", "stream_chunk_frames",
+              "stream_lookahead_frames"):
         v = getattr(a, k)
         if v is not None:
             setattr(dep, k, v)

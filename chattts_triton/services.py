@@ -12,8 +12,8 @@ import concurrent.futures
 import logging
 import math
 import os
-import os
 import secrets
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -138,6 +138,13 @@ def sampling_params(inputs, defaults, max_new_limit: int = LIMITS.max_new_tokens
         seed=get_seed(inputs),
         ensure_non_empty=defaults.ensure_non_empty,
     )
+
+
+def refine_request(ids: np.ndarray, params: Dict[str, Any]) -> Dict[str, np.ndarray]:
+    """GPT model inputs of a refine-text generation (`ids` from text.build_refine_prompt)."""
+    inputs = {"TEXT_IDS": np.asarray(ids).reshape(1, -1).astype(np.int64), "REFINE": np.array([[True]])}
+    inputs.update({k: np.asarray(v) for k, v in params.items()})
+    return inputs
 
 
 def refine_params(inputs) -> Dict[str, Any]:
@@ -363,6 +370,24 @@ class GPTService:
         want_hidden = get_bool(inputs, "USE_DECODER", USE_DECODER_DEFAULT)
         return GenRequest(ids, params, self._on_done(reply, refine=False), mode="code", audio_codes=audio,
                           spk_emb=spk_emb, spk_emb_id=self.spk_emb_id, eos_id=AUDIO_EOS, want_hidden=want_hidden)
+
+    def call(self, inputs, timeout: Optional[float] = None) -> Outputs:
+        """A blocking in-process request (refine-text for a model that hosts its own engine)."""
+        box: List[Any] = []
+        done = threading.Event()
+
+        def reply(result) -> None:
+            box.append(result)
+            done.set()
+
+        req = self.request(inputs, reply)
+        self.engine.submit(req)
+        if not done.wait(timeout):
+            req.cancel()
+            raise TimeoutError("generation timed out")
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
 
     def _on_done(self, reply: Reply, refine: bool):
         h = self.arch.gpt.hidden

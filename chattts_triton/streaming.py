@@ -1,0 +1,280 @@
+"""Streaming synthesis: audio chunks while the GPT generates, equal to the whole-utterance audio.
+
+Each chunk is decoded from a window of code frames holding `lookahead` frames of left and right
+context around the frames it sends. With `lookahead >= codec.stream_lookahead_codes(arch)` (the
+decoder + vocoder receptive field) every sent sample sees exactly the frames it sees in the
+whole-utterance decode, so the concatenated chunks equal the `chattts` audio for the same seed
+(up to float rounding of a different batch shape). A smaller lookahead sends earlier at the cost of
+an approximation at the seams.
+
+`StreamService` runs one utterance per stream on its own in-flight engine (a decoupled Triton
+model cannot be a step of the non-streaming ensemble: an ensemble with a decoupled step is
+decoupled itself and gRPC ModelInfer refuses it), the preprocess steps and the vocoder in-process.
+Engine callbacks only queue tokens; one codec thread batches the due windows of all streams into
+one vocoder call and sends the chunks, and polls cancellation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .config import SAMPLES_PER_CODE, USE_DECODER_DEFAULT, samples_for_codes
+from .services import Outputs, Overloaded, get_bool
+
+log = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.05  # the codec thread checks cancellations at least this often
+
+
+class Cancelled(RuntimeError):
+    """The client cancelled the request (Triton CANCELLED)."""
+
+
+@dataclass
+class StreamCall:
+    """One streaming request: `send(outputs, final)` a chunk (final ends it), `fail(exc)` ends it
+    with an error, `cancelled()` says whether the client went away."""
+
+    inputs: Dict[str, Any]
+    send: Callable[[Outputs, bool], None]
+    fail: Callable[[BaseException], None]
+    cancelled: Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class Window:
+    """Decode code frames [start, stop) and send samples [first, last) of its audio."""
+
+    start: int
+    stop: int
+    first: int
+    last: int
+    final: bool
+
+
+class ChunkPlanner:
+    """Which window to decode, and which of its samples to send, as code frames arrive."""
+
+    def __init__(self, first_chunk: int, chunk: int, lookahead: int):
+        if first_chunk < 1 or chunk < 1 or lookahead < 1:
+            raise ValueError(f"chunk sizes and lookahead must be ≥ 1 code frame, got {first_chunk}, {chunk}, {lookahead}")
+        self.first_chunk, self.chunk, self.lookahead = first_chunk, chunk, lookahead
+        self.sent = 0  # code frames whose samples were sent (all samples, once final)
+        self.finished = False
+
+    def tokens_needed(self) -> int:
+        """Frames that must exist before the next non-final chunk can be sent."""
+        return self.sent + (self.first_chunk if self.sent == 0 else self.chunk) + self.lookahead
+
+    def next(self, frames: int, done: bool) -> Optional[Window]:
+        """The window to send now, given `frames` generated so far (`done`: no more will come)."""
+        if self.finished:
+            return None
+        start = max(0, self.sent - self.lookahead)
+        if done:
+            self.finished = True
+            return Window(start, frames, (self.sent - start) * SAMPLES_PER_CODE,
+                          samples_for_codes(frames) - start * SAMPLES_PER_CODE, True)
+        if frames < self.tokens_needed():
+            return None
+        end = frames - self.lookahead  # everything that already has its full right context
+        w = Window(start, min(frames, end + self.lookahead), (self.sent - start) * SAMPLES_PER_CODE,
+                   (end - start) * SAMPLES_PER_CODE, False)
+        self.sent = end
+        return w
+
+
+class _Stream:
+    __slots__ = ("call", "planner", "use_decoder", "codes", "hiddens", "req", "done", "error", "ended")
+
+    def __init__(self, call: StreamCall, planner: ChunkPlanner, use_decoder: bool):
+        self.call, self.planner, self.use_decoder = call, planner, use_decoder
+        self.codes: List[torch.Tensor] = []
+        self.hiddens: List[torch.Tensor] = []
+        self.req = None
+        self.done = False
+        self.error: Optional[BaseException] = None
+        self.ended = False
+
+    def frames(self) -> int:
+        return sum(int(c.shape[0]) for c in self.codes)
+
+    def window_input(self, w: Window) -> torch.Tensor:
+        src = self.hiddens if self.use_decoder else self.codes
+        return torch.cat(src, 0)[w.start:w.stop] if src else torch.zeros(0)
+
+
+class StreamService:
+    """`chattts_stream`: contract inputs → audio chunks, through its own engine and codec."""
+
+    def __init__(self, preprocess, gpt, vocoder, first_chunk: int, chunk: int, lookahead: int,
+                 max_streams: int, drain_file: str = ""):
+        ChunkPlanner(first_chunk, chunk, lookahead)  # validate the schedule at start, not per request
+        self.pre, self.gpt, self.voc = preprocess, gpt, vocoder
+        self.first_chunk, self.chunk, self.lookahead = first_chunk, chunk, lookahead
+        self.max_streams = max_streams
+        self.drain_file = drain_file
+        self.events: "queue.Queue" = queue.Queue()
+        self.streams: List[_Stream] = []  # owned by the codec thread
+        self.admitted = 0  # streams started and not ended (any thread; under lock)
+        self.lock = threading.Lock()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._codec_loop, name="chattts-stream-codec", daemon=True)
+        self.thread.start()
+
+    # -- intake (Triton's thread, then the preprocess pool) -------------------------------------
+    def execute(self, calls: Sequence[StreamCall]) -> None:
+        draining = self.stopping or (bool(self.drain_file) and os.path.exists(self.drain_file))
+        for c in calls:
+            if draining:
+                c.fail(Overloaded("server is shutting down, retry on another instance"))
+                continue
+            with self.lock:
+                busy = self.admitted >= self.max_streams
+                if not busy:
+                    self.admitted += 1
+            if busy:
+                c.fail(Overloaded(f"server busy: {self.max_streams} streams in flight, retry later"))
+                continue
+            self.pre.pool.submit(self._start, c)
+
+    def _start(self, call: StreamCall) -> None:
+        stream = None
+        try:
+            if call.cancelled():
+                raise Cancelled("request cancelled")
+            inputs = dict(call.inputs)
+            inputs.update(self.pre.prepare(call.inputs))
+            stream = _Stream(call, ChunkPlanner(self.first_chunk, self.chunk, self.lookahead),
+                             get_bool(inputs, "USE_DECODER", USE_DECODER_DEFAULT))
+            req = self.gpt.request(inputs, lambda result, s=stream: self.events.put((s, "done", result)))
+            req.on_tokens = lambda toks, hid, s=stream: self.events.put((s, "tokens", (toks, hid)))
+            req.stream_every = stream.planner.tokens_needed()
+            stream.req = req
+            self.events.put((stream, "start", None))
+            self.gpt.engine.submit(req)
+        except Exception as e:  # noqa: BLE001  every failure ends this request only
+            if stream is not None and stream.req is not None:  # already known to the codec thread
+                self.events.put((stream, "done", e))
+            else:
+                self._end(call, e)
+
+    def _end(self, call: StreamCall, error: Optional[BaseException] = None, outputs: Optional[Outputs] = None) -> None:
+        with self.lock:
+            self.admitted -= 1
+        try:
+            if error is not None:
+                call.fail(error)
+            else:
+                call.send(outputs, True)
+        except Exception:  # noqa: BLE001  the client may be gone
+            log.exception("ending a stream failed")
+
+    # -- codec thread ---------------------------------------------------------------------------
+    def _codec_loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            try:
+                events = [self.events.get(timeout=CANCEL_POLL_S)]
+            except queue.Empty:
+                events = []
+            while True:
+                try:
+                    events.append(self.events.get_nowait())
+                except queue.Empty:
+                    break
+            closing = any(e is None for e in events)
+            try:
+                self._step([e for e in events if e is not None])
+            except Exception as e:  # noqa: BLE001  keep serving the streams of the next step
+                log.exception("stream codec step failed")
+                self._fail_all(e)
+            if closing:
+                self._fail_all(Overloaded("stream model is shutting down"))
+                return
+
+    def _step(self, events) -> None:
+        touched = []
+        for stream, kind, payload in events:
+            if kind == "start":
+                self.streams.append(stream)
+            elif kind == "tokens":
+                toks, hid = payload
+                stream.codes.append(toks)
+                if hid is not None:
+                    stream.hiddens.append(hid)
+            elif isinstance(payload, BaseException):
+                stream.done, stream.error = True, payload
+            else:  # the engine's whole result: keep the tail past what was streamed
+                n = stream.frames()
+                stream.codes.append(torch.from_numpy(payload["CODES"][0, n:]))
+                if stream.use_decoder:
+                    stream.hiddens.append(torch.from_numpy(payload["HIDDENS"][0, n:]))
+                stream.done = True
+            touched.append(stream)
+        for s in self.streams:
+            if not s.done and s.call.cancelled():
+                s.req.cancel()  # the engine frees the slot at its next step and reports "cancelled"
+        due = []
+        for s in dict.fromkeys(touched):
+            if s.ended:
+                continue
+            if s.error is not None:
+                self._finish(s, error=Cancelled("request cancelled") if s.call.cancelled() else s.error)
+                continue
+            w = s.planner.next(s.frames(), s.done)
+            if w is not None:
+                due.append((s, w))
+        if not due:
+            return
+        items = [(s.use_decoder, s.window_input(w)) for s, w in due]
+        try:
+            audios = self.voc.synthesize(items)
+        except Exception as e:  # noqa: BLE001
+            log.exception("stream vocoder batch failed")
+            for s, _ in due:
+                s.req.cancel()
+                self._finish(s, error=e)
+            return
+        for (s, w), audio in zip(due, audios):
+            chunk = {"AUDIO": np.ascontiguousarray(audio[w.first:w.last], dtype=np.float32).reshape(1, -1)}
+            if w.final:
+                self._finish(s, outputs=chunk)
+            else:
+                try:
+                    s.call.send(chunk, False)
+                except Exception:  # noqa: BLE001  client gone: stop generating for it
+                    log.exception("sending a stream chunk failed")
+                    s.req.cancel()
+                s.req.stream_every = max(1, s.planner.tokens_needed() - s.frames())
+
+    def _finish(self, s: _Stream, error: Optional[BaseException] = None, outputs: Optional[Outputs] = None) -> None:
+        s.ended = True
+        self.streams.remove(s)
+        self._end(s.call, error, outputs)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for s in list(self.streams):
+            if s.req is not None:
+                s.req.cancel()
+            self._finish(s, error=error)
+
+    # -- stats and lifecycle --------------------------------------------------------------------
+    def stats(self) -> Dict[str, int]:
+        return {"streams": self.admitted, "engine_active": self.gpt.engine.active, "engine_waiting": self.gpt.engine.pending}
+
+    def close(self) -> None:
+        """Stop taking streams, let the running ones finish, then stop the codec thread."""
+        self.stopping = True
+        self.pre.close()  # waits for requests still in preprocess: they reach the engine
+        self.gpt.close()  # drains the engine: every stream gets its last tokens
+        self.events.put(None)
+        self.thread.join(60)

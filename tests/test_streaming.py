@@ -1,0 +1,333 @@
+"""Streaming: chunk planning, windowed decoding exactness, the stream service without Triton, and
+`chattts_stream` through the real tritonserver (gRPC bidirectional streaming, HTTP SSE, cancel)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import random
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from google.protobuf import json_format
+
+from chattts_triton import repo_config as rc
+from chattts_triton.codec import ConvNeXtBlock, load_codecs, stream_lookahead_codes
+from chattts_triton.config import FULL_ARCH, SAMPLES_PER_CODE, TINY_ARCH, samples_for_codes
+from chattts_triton.services import VocoderService
+from chattts_triton.streaming import Cancelled, ChunkPlanner, StreamCall
+
+TEXT = "你好，欢迎使用流式合成。"
+
+
+# --- planning ----------------------------------------------------------------------------------
+def plan_all(planner: ChunkPlanner, total: int, arrivals):
+    """Feed frames in the given arrival sizes; returns the windows, final one last."""
+    wins, n = [], 0
+    for k in arrivals:
+        n = min(total, n + k)
+        w = planner.next(n, False)
+        if w is not None:
+            wins.append((n, w))
+        if n == total:
+            break
+    wins.append((total, planner.next(total, True)))
+    return wins
+
+
+@pytest.mark.parametrize("total", [0, 1, 2, 30, 61, 62, 200])
+@pytest.mark.parametrize("first,chunk,look", [(8, 32, 53), (1, 1, 1), (3, 5, 14)])
+def test_planned_chunks_tile_the_utterance_and_see_their_full_context(total, first, chunk, look):
+    rng = random.Random(total * 7 + first)
+    planner = ChunkPlanner(first, chunk, look)
+    wins = plan_all(planner, total, [rng.randint(1, 9) for _ in range(1000)])
+    assert wins[-1][1].final and all(not w.final for _, w in wins[:-1])
+    pos = 0
+    for n, w in wins:
+        g0, g1 = w.start * SAMPLES_PER_CODE + w.first, w.start * SAMPLES_PER_CODE + w.last
+        assert g0 == pos and g1 >= g0  # contiguous, no overlap, no gap
+        pos = g1
+        assert w.stop <= n and w.last <= samples_for_codes(w.stop - w.start)
+        if not w.final:  # every sent sample has `look` frames of context on both sides inside the window
+            assert w.start == 0 or g0 >= (w.start + look) * SAMPLES_PER_CODE
+            assert g1 <= (w.stop - look) * SAMPLES_PER_CODE
+    assert pos == samples_for_codes(total)
+    assert planner.next(total, True) is None  # nothing after the final chunk
+
+
+def test_first_chunk_waits_only_for_its_frames_plus_lookahead():
+    p = ChunkPlanner(8, 32, 53)
+    assert p.tokens_needed() == 61 and p.next(60, False) is None
+    w = p.next(61, False)
+    assert (w.start, w.stop, w.first, w.last) == (0, 61, 0, 8 * SAMPLES_PER_CODE)
+    assert p.tokens_needed() == 8 + 32 + 53
+    with pytest.raises(ValueError):
+        ChunkPlanner(8, 32, 0)
+
+
+def test_lookahead_is_the_codec_receptive_field():
+    # full size: decoder 2 + 12*6 + 1, vocos 3 * 9, ISTFT 2 mel frames = 104 → 52 code frames + 1
+    assert stream_lookahead_codes(FULL_ARCH) == 53
+    assert stream_lookahead_codes(TINY_ARCH) < 53
+
+
+# --- windowed decoding against the whole-utterance decode ----------------------------------------
+class _Net:
+    """An artifact stand-in over an in-memory module (VocoderService calls artifacts like this)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, *args):
+        with torch.inference_mode():
+            return self.module(*args)
+
+
+def _vocoder(assets, layer_scale: float) -> VocoderService:
+    """The real VocoderService.synthesize over the tiny codecs, with every ConvNeXt layer scale
+    raised: upstream initialises the decoders' to 1e-6, which would hide their receptive field."""
+    nets = load_codecs(assets, names=("decoder", "dvae_decode", "vocos"))
+    g = torch.Generator().manual_seed(1)
+    for net in nets.values():
+        for m in net.modules():
+            if isinstance(m, ConvNeXtBlock):
+                m.weight.data = layer_scale * (0.5 + torch.rand(m.weight.shape, generator=g))
+    voc = VocoderService.__new__(VocoderService)
+    voc.arch, voc.device = TINY_ARCH, torch.device("cpu")
+    voc.decoder, voc.dvae, voc.vocos = _Net(nets["decoder"]), _Net(nets["dvae_decode"]), _Net(nets["vocos"])
+    return voc
+
+
+def _streamed(voc, x, use_decoder, look, first=3, chunk=7):
+    planner = ChunkPlanner(first, chunk, look)
+    out, n = [], 0
+    for n in range(1, x.shape[0] + 1):
+        w = planner.next(n, False)
+        if w is not None:
+            out.append(voc.synthesize([(use_decoder, x[w.start:w.stop])])[0][w.first:w.last])
+    w = planner.next(x.shape[0], True)
+    out.append(voc.synthesize([(use_decoder, x[w.start:w.stop])])[0][w.first:w.last])
+    return np.concatenate(out), len(out)
+
+
+@pytest.mark.parametrize("use_decoder", [True, False])
+def test_windowed_decode_equals_the_whole_decode_only_with_the_full_lookahead(tiny_assets, use_decoder):
+    voc = _vocoder(tiny_assets, layer_scale=0.5)
+    g = torch.Generator().manual_seed(3)
+    n = 90
+    x = torch.randn(n, TINY_ARCH.gpt.hidden, generator=g) if use_decoder else torch.randint(0, 625, (n, 4), generator=g)
+    whole = voc.synthesize([(use_decoder, x)])[0]
+    look = stream_lookahead_codes(TINY_ARCH)
+    streamed, chunks = _streamed(voc, x, use_decoder, look)
+    assert chunks > 5 and streamed.shape == whole.shape
+    assert np.abs(streamed - whole).max() <= 1e-5
+    short, _ = _streamed(voc, x, use_decoder, max(1, look // 3))
+    assert np.abs(short - whole).max() > 1e-4  # less context changes the seams: the radius is real
+
+
+# --- the service, without Triton ------------------------------------------------------------------
+def stream_context(repo, **params):
+    """The ModelContext Triton would give chattts_stream (config as Triton's JSON)."""
+    from chattts_triton.backend import ModelContext
+
+    cfg = rc.parse_pbtxt((repo / rc.STREAM / "config.pbtxt").read_text(encoding="utf-8"))
+    for k, v in params.items():
+        cfg.parameters[k].string_value = str(v)
+    args = {"model_config": json.dumps(json_format.MessageToDict(cfg, preserving_proto_field_name=True)),
+            "model_name": rc.STREAM, "model_repository": str(repo / rc.STREAM), "model_version": "1",
+            "model_instance_kind": "CPU"}
+    return ModelContext(args, pb_utils=None)
+
+
+class Recorder:
+    def __init__(self, inputs, cancel_after: int = -1):
+        self.chunks, self.error, self.final = [], None, 0
+        self.cancel_after = cancel_after
+        self.ended = threading.Event()
+        self.call = StreamCall(inputs, self.send, self.fail, self.cancelled)
+
+    def send(self, outputs, final):
+        self.chunks.append(outputs["AUDIO"].reshape(-1))
+        self.final += final
+        if final:
+            self.ended.set()
+
+    def fail(self, exc):
+        self.error = exc
+        self.final += 1
+        self.ended.set()
+
+    def cancelled(self):
+        return 0 <= self.cancel_after <= len(self.chunks)
+
+
+def contract(text=TEXT, seed=5, n=None, **extra):
+    inputs = {"TEXT": np.array([[text.encode()]], dtype=object), "SEED": np.array([[seed]], np.int64)}
+    if n is not None:
+        inputs["MIN_NEW_TOKENS"] = inputs["MAX_NEW_TOKENS"] = np.array([[n]], np.int32)
+    inputs.update(extra)
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def stream_service(tiny_repo):
+    from chattts_triton.backend import stream_service as factory
+
+    svc = factory(stream_context(tiny_repo, first_chunk_frames=4, chunk_frames=8, max_slots=4, max_pending=16))
+    yield svc
+    svc.close()
+
+
+def offline(svc, inputs):
+    """The non-streamed audio of the same request: preprocess → GPT → vocoder."""
+    full = dict(inputs)
+    full.update(svc.pre.prepare(inputs))
+    hiddens = svc.gpt.call(full)["HIDDENS"][0]  # USE_DECODER defaults to on
+    return svc.voc.synthesize([(True, torch.from_numpy(hiddens))])[0]
+
+
+@pytest.mark.parametrize("n", [1, 5, 60])
+def test_stream_service_chunks_equal_the_offline_audio(stream_service, n):
+    rec = Recorder(contract(n=n))
+    stream_service.execute([rec.call])
+    assert rec.ended.wait(120) and rec.error is None and rec.final == 1
+    audio = np.concatenate(rec.chunks)
+    ref = offline(stream_service, contract(n=n))
+    assert audio.shape == ref.shape == (samples_for_codes(n),)
+    assert np.abs(audio - ref).max() <= 1e-5
+    if n == 60:
+        assert len(rec.chunks) > 3
+
+
+def test_bad_input_ends_the_stream_with_one_error(stream_service):
+    rec = Recorder(contract(text="   "))
+    stream_service.execute([rec.call])
+    assert rec.ended.wait(30) and rec.final == 1 and "TEXT" in str(rec.error) and not rec.chunks
+
+
+def _wait(pred, timeout=30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+def test_cancel_stops_generation_and_frees_the_slot(stream_service):
+    engine = stream_service.gpt.engine
+    rec = Recorder(contract(n=1500), cancel_after=1)
+    stream_service.execute([rec.call])
+    assert rec.ended.wait(60)
+    assert isinstance(rec.error, Cancelled) and rec.final == 1
+    assert _wait(lambda: engine.active == 0 and stream_service.admitted == 0, 5)
+    assert engine.steps < 1500  # it stopped long before its 1500 frames
+
+
+def test_many_streams_with_random_cancels_leave_no_state(stream_service):
+    engine = stream_service.gpt.engine
+    rng = random.Random(0)
+    recs = [Recorder(contract(seed=i, n=rng.choice([3, 20, 40])), cancel_after=rng.choice([-1, -1, 0, 1, 2]))
+            for i in range(14)]  # more than max_slots: some wait for a slot
+    stream_service.execute([r.call for r in recs])
+    for r in recs:
+        assert r.ended.wait(180), "a stream never ended"
+        assert r.final == 1
+        assert r.error is None or isinstance(r.error, Cancelled)
+    assert _wait(lambda: engine.active == 0 and engine.pending == 0 and stream_service.admitted == 0, 5)
+    assert not stream_service.streams
+
+
+# --- through Triton --------------------------------------------------------------------------------
+def grpc_stream(server, inputs_np, cancel_after=None, timeout=120):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    q: "queue.Queue" = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    inputs = []
+    for name, arr in inputs_np.items():
+        dt = "BYTES" if arr.dtype == object else {np.int64: "INT64", np.int32: "INT32", np.float32: "FP32", np.bool_: "BOOL"}[arr.dtype.type]
+        t = grpcclient.InferInput(name, list(arr.shape), dt)
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    client.async_stream_infer(rc.STREAM, inputs, request_id="s", enable_empty_final_response=True)
+    chunks, error = [], None
+    try:
+        while True:
+            result, err = q.get(timeout=timeout)
+            if err is not None:
+                error = err
+                break
+            chunks.append(result.as_numpy("AUDIO").reshape(-1) if result.as_numpy("AUDIO") is not None else np.zeros(0, np.float32))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+            if cancel_after is not None and len(chunks) >= cancel_after:
+                break
+    finally:
+        client.stop_stream(cancel_requests=cancel_after is not None)
+        client.close()
+    return chunks, error
+
+
+def metric(server, name, model=rc.STREAM):
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + "{") and f'model="{model}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def unary(server, inputs_np):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = []
+    for name, arr in inputs_np.items():
+        dt = "BYTES" if arr.dtype == object else {np.int64: "INT64", np.int32: "INT32"}[arr.dtype.type]
+        t = grpcclient.InferInput(name, list(arr.shape), dt)
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    return client.infer(rc.ENSEMBLE, inputs).as_numpy("AUDIO").reshape(-1)
+
+
+def test_grpc_stream_equals_the_ensemble_audio(served_tiny):
+    chunks, error = grpc_stream(served_tiny, contract(n=70, seed=11))
+    assert error is None and len(chunks) > 2
+    audio = np.concatenate(chunks)
+    ref = unary(served_tiny, contract(n=70, seed=11))
+    assert audio.shape == ref.shape and np.abs(audio - ref).max() <= 1e-3
+
+
+def test_http_sse_stream_equals_the_grpc_stream(served_tiny):
+    body = json.dumps({"TEXT": TEXT, "SEED": 11, "MIN_NEW_TOKENS": 30, "MAX_NEW_TOKENS": 30}).encode()
+    req = urllib.request.Request(f"http://{served_tiny.http_url}/v2/models/{rc.STREAM}/generate_stream", data=body,
+                                 headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[6:]))
+    assert len(events) > 1 and all("AUDIO" in e for e in events)
+    audio = np.concatenate([np.asarray(e["AUDIO"], np.float32).reshape(-1) for e in events])
+    chunks, _ = grpc_stream(served_tiny, contract(n=30, seed=11))
+    assert np.abs(audio - np.concatenate(chunks)).max() <= 1e-3
+
+
+def test_grpc_bad_input_gets_an_error_that_ends_the_stream(served_tiny):
+    chunks, error = grpc_stream(served_tiny, contract(text=" "), timeout=60)
+    assert not chunks and error is not None and "TEXT" in str(error)
+
+
+def test_grpc_cancel_frees_the_stream_slot_in_triton_metrics(served_tiny):
+    chunks, error = grpc_stream(served_tiny, contract(n=2000, seed=3), cancel_after=1)
+    assert error is None and len(chunks) == 1
+    assert _wait(lambda: metric(served_tiny, "chattts_engine_active") == 0
+                 and metric(served_tiny, "chattts_streams") == 0, 10)
+    # and the model still serves
+    chunks, error = grpc_stream(served_tiny, contract(n=5))
+    assert error is None and np.concatenate(chunks).shape == (samples_for_codes(5),)
