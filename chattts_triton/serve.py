@@ -1,12 +1,15 @@
 """Run tritonserver in the foreground on a model repository.
 
     python -m chattts_triton.serve --repo build/repo [--http-port 8000] [--grpc-port 8001]
-        [--metrics-port 8002] [--host 127.0.0.1] [--log-file F] [--restrict-apis] [-- EXTRA TRITONSERVER ARGS]
+        [--metrics-port 8002] [--host 127.0.0.1] [--log-file F|-] [--log-verbose N] [--restrict-apis]
+        [-- EXTRA TRITONSERVER ARGS]
 
 Binds to 127.0.0.1 unless told otherwise, waits until the server and every model are ready,
 prints the URLs, and on SIGINT/SIGTERM drains: new requests get UNAVAILABLE, the ones in flight
-finish (up to --exit-timeout seconds), then Triton is signalled; the exit status is the server's.
-Port 0 picks a free port.
+finish (up to --exit-timeout seconds), then Triton is signalled and drains what is left (up to
+--exit-timeout more); the exit status is the server's. So a supervisor's grace period must cover
+2 x --exit-timeout plus about 25 s.
+Port 0 picks a free port. `--log-file -` sends the server log to stdout (containers).
 
 On a non-loopback --host (or with --restrict-apis) the shared-memory, model-repository, logging and
 trace APIs need the HTTP header `chattts-admin-key: KEY` (gRPC metadata
@@ -159,7 +162,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--grpc-port", type=_port, default=8001)
     p.add_argument("--metrics-port", type=_port, default=8002)
     p.add_argument("--host", default=LOCALHOST, help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it)")
-    p.add_argument("--log-file", type=Path, default=None, help="server log (default: a temporary file)")
+    p.add_argument("--log-file", type=Path, default=None,
+                   help="server log; - for stdout (default: a temporary file)")
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose")
     p.add_argument("--restrict-apis", action="store_true",
                    help=f"put {RESTRICTED_APIS} behind the {ADMIN_HEADER} header even on loopback (always on otherwise)")
     p.add_argument("--admin-key-file", type=Path,
@@ -195,12 +200,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     drain_file = Path(drain_dir) / "drain"
     server = TritonServer(
         args.repo,
-        env={**os.environ, DRAIN_FILE_ENV: str(drain_file)},
+        env={**{k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV}, DRAIN_FILE_ENV: str(drain_file)},
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
         host=args.host,
         log_file=args.log_file,
+        log_verbose=args.log_verbose,
         exit_timeout_s=args.exit_timeout,
         startup_timeout_s=args.startup_timeout,
         extra_args=restricted + args.extra,
@@ -228,7 +234,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    print(f"log: {server.log_path}", flush=True)
+    print(f"log: {server.log_path or 'stdout'}", flush=True)
     try:
         server.start()
     except TritonServerError as e:
@@ -237,11 +243,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _exit_status(server.returncode)
         print(f"error: {e}", file=sys.stderr)
         return 1
+    stubs = set(processes_in_group(server.pid)) - {server.pid}  # watched from before "ready" is announced
+    regions = stub_shm_regions(stubs)
     print(f"tritonserver pid {server.pid} ready", flush=True)
     print(f"http: {server.http_url}\ngrpc: {server.grpc_url}\nmetrics: {server.metrics_url}", flush=True)
     serving.append(True)
-    stubs = set(processes_in_group(server.pid)) - {server.pid}
-    regions = stub_shm_regions(stubs)
     dead: List[int] = []
     try:
         while server.returncode is None:

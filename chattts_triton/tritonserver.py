@@ -14,7 +14,12 @@ Both share one layout, the wheel's (`ROOT = bin/..`):
 
 The python backend needs a stub built for the Python that runs the model code, placed next to
 `libtriton_python.so`; `prepare_backend_dir` assembles such a folder under `build/` (the wheel's
-own folder stays untouched).
+own folder stays untouched). An NGC image (`TRITONSERVER=/opt/tritonserver/bin/tritonserver`) has no
+`python_backend_stubs/`: its one stub, built for the image's Python, already sits in
+`ROOT/backends/python`, and `ROOT/backends` is used as it is.
+
+Generated folders go under `build/` of the repository, or under `$CHATTTS_TRITON_CACHE` when set
+(an installed package's folder is usually read-only; the image sets it).
 
 Which packages the stub sees: the 2.51 stub ignores PYTHONPATH. Its embedded interpreter finds
 `python3` on PATH and honours a `pyvenv.cfg` there, so `prepare_python_env` writes a tiny venv
@@ -54,6 +59,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+CACHE_ENV = "CHATTTS_TRITON_CACHE"  # where generated folders go instead of REPO_ROOT/build
 DEFAULT_BACKEND_CACHE = REPO_ROOT / "build" / "triton-backends"
 DEFAULT_PYENV_CACHE = REPO_ROOT / "build" / "triton-pyenv"
 STUB_NAME = "triton_python_backend_stub"
@@ -110,14 +116,39 @@ def _python_tag(version: Optional[Sequence[int]] = None) -> str:
     return f"{major}.{minor}"
 
 
+def _cache_dir(default: Path) -> Path:
+    override = os.environ.get(CACHE_ENV)
+    return Path(override).expanduser() / default.name if override else default
+
+
+def stub_python_tags(stub: Path) -> Set[str]:
+    """Python versions ("3.12") whose libpython the stub binary names; empty if none (static)."""
+    import re
+
+    return {m.decode() for m in re.findall(rb"libpython(\d+\.\d+)", Path(stub).read_bytes())}
+
+
 def find_stub(tritonserver: Path, python_version: Optional[Sequence[int]] = None) -> Path:
-    """The python-backend stub built for `python_version` (default: the running interpreter)."""
+    """The python-backend stub built for `python_version` (default: the running interpreter).
+
+    Wheel/bundle layout: ROOT/python_backend_stubs/3.X/; NGC layout (no such folder): the one stub in
+    ROOT/backends/python, accepted if it links this Python's libpython.
+    """
     root = server_root(tritonserver)
     tag = _python_tag(python_version)
     stubs = root / "python_backend_stubs"
     stub = stubs / tag / STUB_NAME
     if stub.is_file():
         return stub
+    in_place = root / "backends" / "python" / STUB_NAME
+    if not stubs.is_dir() and in_place.is_file():
+        built_for = stub_python_tags(in_place)
+        if built_for and tag not in built_for:
+            raise TritonSetupError(
+                f"the python backend stub {in_place} is built for Python {', '.join(sorted(built_for))}, "
+                f"not {tag}; run the launcher with that Python"
+            )
+        return in_place
     available = sorted(p.name for p in stubs.iterdir() if (p / STUB_NAME).is_file()) if stubs.is_dir() else []
     raise TritonSetupError(
         f"no python backend stub for Python {tag} under {stubs} "
@@ -139,6 +170,7 @@ def prepare_backend_dir(
 ) -> Path:
     """Assemble a `--backend-directory` whose `python/` holds the backend and the matching stub.
 
+    NGC layout with no `dest`: the server's own `backends/` is returned, nothing is copied.
     Idempotent: files already up to date are left alone. Returns the backend directory.
     """
     tritonserver = Path(tritonserver) if tritonserver else find_tritonserver()
@@ -148,10 +180,12 @@ def prepare_backend_dir(
     if missing:
         raise TritonSetupError(f"python backend incomplete under {source}: lacks {', '.join(missing)}")
     stub = find_stub(tritonserver, python_version)
+    if dest is None and stub.parent == source:
+        return source.parent  # NGC layout: the server's own folder is complete
     if dest is None:
         # One folder per installation and Python version, so a bundle and the wheel never mix.
         key = hashlib.sha1(str(root).encode()).hexdigest()[:10]
-        dest = DEFAULT_BACKEND_CACHE / f"py{_python_tag(python_version)}-{key}"
+        dest = _cache_dir(DEFAULT_BACKEND_CACHE) / f"py{_python_tag(python_version)}-{key}"
     dest = Path(dest)
     target = dest / "python"
     target.mkdir(parents=True, exist_ok=True)
@@ -225,7 +259,7 @@ def prepare_python_env(
     cfg = f"home = {base_exe.parent}\ninclude-system-site-packages = false\nversion = {sys.version.split()[0]}\n"
     if dest is None:
         key = hashlib.sha1((str(base_exe) + cfg + pth).encode()).hexdigest()[:10]
-        dest = DEFAULT_PYENV_CACHE / f"py{tag}-{key}"
+        dest = _cache_dir(DEFAULT_PYENV_CACHE) / f"py{tag}-{key}"
     dest = Path(dest)
     site_dir = dest / "lib" / f"python{tag}" / "site-packages"
     site_dir.mkdir(parents=True, exist_ok=True)
@@ -363,6 +397,7 @@ class TritonServer:
     Ports default to free ones. Use as a context manager, or call `start()` / `stop()`.
     `extra_args` are appended to the command line (e.g. `--http-restricted-api=...`);
     `ready_headers` are sent with the readiness probes (needed if those APIs are restricted).
+    `log_file="-"`: the server logs to this process's stdout (containers); `log_path` is then None.
     """
 
     def __init__(
@@ -402,7 +437,7 @@ class TritonServer:
             fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(fd)
             log_file = name
-        self.log_path = Path(log_file)
+        self.log_path: Optional[Path] = None if str(log_file) == "-" else Path(log_file)
         self.exit_timeout_s = int(exit_timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
         self.extra_args = list(extra_args)
@@ -456,6 +491,8 @@ class TritonServer:
         return cmd + self.extra_args
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        if self.log_path is None:
+            return "(see the server log above, on stdout)"
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
@@ -488,11 +525,11 @@ class TritonServer:
             picked = iter(_free_ports(3, self.host))
             self.http_port, self.grpc_port, self.metrics_port = (p if p is not None else next(picked) for p in fixed)
         self._close_log()
-        self._log_handle = open(self.log_path, "wb")
+        self._log_handle = open(self.log_path, "wb") if self.log_path is not None else None
         self.process = subprocess.Popen(
             self.command(),
             stdin=subprocess.DEVNULL,
-            stdout=self._log_handle,
+            stdout=self._log_handle,  # None: inherits stdout
             stderr=subprocess.STDOUT,
             env=self.env,
             cwd=str(self.model_repository),
@@ -503,7 +540,7 @@ class TritonServer:
 
     def _failure(self, reason: str) -> TritonServerError:
         return TritonServerError(
-            f"tritonserver {reason} (repository {self.model_repository}, log {self.log_path}); "
+            f"tritonserver {reason} (repository {self.model_repository}, log {self.log_path or 'stdout'}); "
             f"last log lines:\n{self.log_tail()}"
         )
 

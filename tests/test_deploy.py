@@ -1,7 +1,9 @@
 """Production deployment files: deploy/docker (image) and deploy/helm/chattts-triton (chart), checked offline.
 
 No Docker daemon, cluster or GPU here. The Dockerfile is parsed (dockerfile-parse); its entry point and the
-`make configure` step run for real against an exported tiny repository with a stand-in `tritonserver`. The
+`make configure` step run for real against an exported tiny repository with a stand-in `python3`, and the image's
+CMD runs through the entry point and the real launcher (chattts_triton.serve) on a stand-in of NGC's
+/opt/tritonserver (tests/ngc_fake.py): SIGTERM drains and exits 0, a dead python stub exits 70. The
 chart is rendered by Helm's own engine (helm-python-sdk: the Helm v4 Go SDK) and every manifest is validated
 against the Kubernetes OpenAPI schemas (kubernetes-validate, strict: unknown fields fail); CRDs (ServiceMonitor,
 PrometheusRule) get structural checks. Each check is also shown to reject a broken input.
@@ -14,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +29,7 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from chattts_triton import repo_config as rc
+from tests.ngc_fake import launcher_env, make_fake_repository, make_ngc_tree
 from tritonclient.grpc import model_config_pb2 as mc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +52,8 @@ FIXED_IN = {
 }
 NGC_TRITON = re.compile(r"^nvcr\.io/nvidia/tritonserver:(\d{2})\.(\d{2})-py3$")
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+LAUNCHER = ["python3", "-m", "chattts_triton.serve"]
+NGC_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
 
 
 # --- Dockerfile ------------------------------------------------------------------------------------------------
@@ -60,6 +66,17 @@ def _exec_form(value: str) -> Optional[List[str]]:
     if value.startswith("["):
         return json.loads(value)
     return None
+
+
+def _split(argv: List[str]):
+    """Launcher `--flag=value`s (before `--`) and the tritonserver arguments after it."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    return _flags(argv[:cut]), argv[cut + 1 :]
+
+
+def _image_cmd(text: Optional[str] = None) -> List[str]:
+    p = _parse_dockerfile(text or DOCKERFILE.read_text())
+    return _exec_form([i["value"] for i in p.structure if i["instruction"] == "CMD"][-1])
 
 
 def dockerfile_problems(text: str) -> List[str]:
@@ -95,19 +112,26 @@ def dockerfile_problems(text: str) -> List[str]:
         problems.append(f"EXPOSE {sorted(exposed)} lacks {sorted(set(PORTS.values()) - exposed)}")
     cmds = [i["value"] for i in final_stage if i["instruction"] == "CMD"]
     cmd = _exec_form(cmds[-1]) if cmds else None
-    if not cmd or cmd[0] != "tritonserver":
-        problems.append("CMD is not an exec-form tritonserver command")
+    if not cmd or cmd[:3] != LAUNCHER:
+        problems.append("CMD is not the exec-form launcher `python3 -m chattts_triton.serve` (no drain, no watchdog)")
     else:
-        flags = dict(a.split("=", 1) for a in cmd[1:] if a.startswith("--") and "=" in a)
-        if flags.get("--model-control-mode") != "none":
-            problems.append("CMD lacks --model-control-mode=none")
-        if not flags.get("--model-repository"):
-            problems.append("CMD lacks --model-repository=")
-        if not flags.get("--exit-timeout-secs", "").isdigit():
-            problems.append("CMD lacks --exit-timeout-secs=N")
+        flags, _ = _split(cmd[3:])
+        if flags.get("--host") != "0.0.0.0":
+            problems.append("CMD lacks --host=0.0.0.0 (the launcher binds 127.0.0.1 otherwise)")
+        if not flags.get("--repo"):
+            problems.append("CMD lacks --repo=")
+        if not flags.get("--exit-timeout", "").isdigit():
+            problems.append("CMD lacks --exit-timeout=N")
+        if flags.get("--log-file") != "-":
+            problems.append("CMD lacks --log-file=- (the server log would grow in /tmp, not go to stdout)")
+    envs = p.envs
+    if envs.get("TRITONSERVER") != NGC_TRITONSERVER:
+        problems.append(f"ENV TRITONSERVER is not {NGC_TRITONSERVER}: the launcher would not find NGC's server")
+    if not envs.get("CHATTTS_TRITON_CACHE", "").startswith("/tmp/"):
+        problems.append("ENV CHATTTS_TRITON_CACHE is not under /tmp: site-packages is read-only to uid 1000")
     entry = [i["value"] for i in final_stage if i["instruction"] == "ENTRYPOINT"]
     if entry and not (_exec_form(entry[-1]) or [""])[0].startswith("/"):
-        problems.append("ENTRYPOINT is not an exec-form absolute path (signals would not reach tritonserver)")
+        problems.append("ENTRYPOINT is not an exec-form absolute path (signals would not reach the launcher)")
     return problems
 
 
@@ -134,8 +158,12 @@ def test_dockerfile_base_is_the_documented_release():
         (("USER 1000:1000\n", ""), "no USER"),
         (("/v2/health/ready", "/v2/health/live"), "HEALTHCHECK"),
         (("EXPOSE 8000 8001 8002", "EXPOSE 8000 8001"), "lacks [8002]"),
-        (('"--model-control-mode=none", ', ""), "model-control-mode"),
-        (('"--exit-timeout-secs=60", ', ""), "exit-timeout-secs"),
+        (('"python3", "-m", "chattts_triton.serve", ', '"tritonserver", '), "not the exec-form launcher"),
+        (('"--host=0.0.0.0", ', ""), "--host=0.0.0.0"),
+        (('"--exit-timeout=60", ', ""), "--exit-timeout=N"),
+        (('"--log-file=-", ', ""), "--log-file=-"),
+        ((f"TRITONSERVER={NGC_TRITONSERVER}", "TRITONSERVER=/usr/bin/tritonserver"), "ENV TRITONSERVER"),
+        (("CHATTTS_TRITON_CACHE=/tmp/", "CHATTTS_TRITON_CACHE=/opt/"), "CHATTTS_TRITON_CACHE"),
     ],
 )
 def test_dockerfile_check_rejects(change, complaint):
@@ -185,15 +213,20 @@ def test_pip_constraints_from_requirements():
 
 # --- entry point and `make configure` in the container ----------------------------------------------------------
 @pytest.fixture
-def fake_server(tmp_path) -> Dict[str, object]:
-    """A `tritonserver` on PATH that records its arguments, and the environment to run the scripts with."""
+def fake_python(tmp_path) -> Dict[str, object]:
+    """A `python3` on PATH that records how the launcher (`-m chattts_triton.serve`) is started and runs
+    everything else (configure-repository.sh's repo_config) with the real interpreter."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    record = tmp_path / "argv.json"
-    (bin_dir / "tritonserver").write_text(
-        f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n"
+    record = tmp_path / "launcher.json"
+    (bin_dir / "python3").write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"if sys.argv[1:3] != {LAUNCHER[1:]!r}:\n"
+        f"    os.execv({sys.executable!r}, [{sys.executable!r}] + sys.argv[1:])\n"
+        "env = {k: v for k, v in os.environ.items() if 'ADMIN' in k or 'RESTRICT' in k}\n"
+        f"json.dump({{'argv': sys.argv[1:], 'pid': os.getpid(), 'env': env}}, open({str(record)!r}, 'w'))\n"
     )
-    (bin_dir / "tritonserver").chmod(0o755)
+    (bin_dir / "python3").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CHATTTS_", "TRITON_ADMIN"))}
     env["PATH"] = f"{bin_dir}:{VENV_BIN}:{env.get('PATH', '')}"
     return {"record": record, "env": env, "tmp": tmp_path}
@@ -201,16 +234,27 @@ def fake_server(tmp_path) -> Dict[str, object]:
 
 def _entry(fake, *args, **env):
     e = dict(fake["env"], **{k: str(v) for k, v in env.items()})
-    return subprocess.run([str(DOCKER / "entrypoint.sh"), *args], env=e, capture_output=True, text=True,
-                          timeout=120)
+    Path(fake["record"]).unlink(missing_ok=True)
+    proc = subprocess.Popen([str(DOCKER / "entrypoint.sh"), *args], env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), proc.pid
 
 
-def _argv(fake) -> List[str]:
+def _launched(fake) -> dict:
     return json.loads(Path(fake["record"]).read_text())
 
 
 def _flags(argv) -> Dict[str, str]:
     return dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+
+
+def _cmd_for(repo: Path, **ports: int) -> List[str]:
+    """The image's CMD with its repository (and ports) replaced."""
+    cmd = [f"--repo={repo}" if a == "--repo=/models" else a for a in _image_cmd()]
+    for name, port in ports.items():
+        cmd = [f"--{name}-port={port}" if a.startswith(f"--{name}-port=") else a for a in cmd]
+    return cmd
 
 
 @pytest.fixture
@@ -220,33 +264,54 @@ def repo_copy(tiny_repo, tmp_path) -> Path:
     return dst
 
 
-def test_entrypoint_fences_admin_apis_and_execs_tritonserver(fake_server, repo_copy):
-    r = _entry(fake_server, "tritonserver", f"--model-repository={repo_copy}", "--model-control-mode=none")
+def test_entrypoint_execs_the_image_cmd(fake_python, repo_copy):
+    cmd = _cmd_for(repo_copy)
+    (r, pid) = _entry(fake_python, *cmd)
     assert r.returncode == 0, r.stderr
-    argv = _argv(fake_server)
-    flags = _flags(argv)
-    assert flags["--model-repository"] == str(repo_copy)  # not re-configured: served as exported
-    http = flags["--http-restricted-api"]
-    apis, _, header = http.partition(":")
-    assert set(apis.split(",")) == {"shared-memory", "model-repository", "trace", "logging"}
-    key, _, value = header.partition("=")
-    assert key == "triton-admin-key" and re.fullmatch(r"[0-9a-f]{48}", value)  # random: nobody has it
-    assert flags["--grpc-restricted-protocol"] == http
-    r = _entry(fake_server, "tritonserver", f"--model-repository={repo_copy}", TRITON_ADMIN_KEY="s3cret")
-    assert _flags(_argv(fake_server))["--http-restricted-api"].endswith(":triton-admin-key=s3cret")
-    r = _entry(fake_server, "tritonserver", f"--model-repository={repo_copy}", CHATTTS_RESTRICT_APIS=0)
-    assert r.returncode == 0 and not any("restricted" in a for a in _argv(fake_server))
+    launched = _launched(fake_python)
+    assert launched["argv"] == cmd[1:]  # as given: not re-configured, nothing added
+    assert launched["pid"] == pid  # exec'd: the launcher is the container's main process and gets SIGTERM
+    assert launched["env"] == {}  # no key: the launcher generates one
+    flags, server = _split(launched["argv"][2:])
+    assert flags["--host"] == "0.0.0.0" and flags["--repo"] == str(repo_copy)
+    assert server == ["--strict-readiness=true", "--disable-auto-complete-config"]
+    # the key travels by environment (never on a command line the entry point logs); the old name still works
+    (r, _) = _entry(fake_python, *cmd, TRITON_ADMIN_KEY="s3cret")
+    assert r.returncode == 0 and _launched(fake_python)["env"] == {"CHATTTS_ADMIN_KEY": "s3cret"}
+    (r, _) = _entry(fake_python, *cmd, TRITON_ADMIN_KEY="old", CHATTTS_ADMIN_KEY="n3w-k3y")
+    assert _launched(fake_python)["env"] == {"CHATTTS_ADMIN_KEY": "n3w-k3y"}
+    assert "s3cret" not in r.stdout + r.stderr and "n3w-k3y" not in r.stdout + r.stderr
+    # fencing cannot be switched off any more: said, and ignored
+    (r, _) = _entry(fake_python, *cmd, CHATTTS_RESTRICT_APIS=0)
+    assert r.returncode == 0 and "CHATTTS_RESTRICT_APIS=0 is ignored" in r.stderr
+    # --repo as two arguments
+    (r, _) = _entry(fake_python, *LAUNCHER, "--host=0.0.0.0", "--repo", str(repo_copy))
+    assert r.returncode == 0, r.stderr
+    assert _launched(fake_python)["argv"][-2:] == ["--repo", str(repo_copy)]
 
 
-def test_entrypoint_refuses_a_missing_repository(fake_server, tmp_path):
-    r = _entry(fake_server, "tritonserver", f"--model-repository={tmp_path / 'empty'}")
+def test_entrypoint_refuses_a_missing_repository(fake_python, tmp_path):
+    (r, _) = _entry(fake_python, *_cmd_for(tmp_path / "empty"))
     assert r.returncode == 64
     assert "no exported repository" in r.stderr and "--build-context model_repository" in r.stderr
-    assert not Path(fake_server["record"]).exists()
-    r = _entry(fake_server, "tritonserver", "--model-repository", str(tmp_path))
-    assert r.returncode == 64 and "one argument" in r.stderr
-    r = _entry(fake_server, "echo", "passed", "through")
+    assert not Path(fake_python["record"]).exists()
+    (r, _) = _entry(fake_python, *LAUNCHER, "--repo", str(tmp_path), "--", f"--repo={tmp_path}")
+    assert r.returncode == 64 and "no exported repository" in r.stderr
+    (r, _) = _entry(fake_python, *LAUNCHER, "--host=0.0.0.0")
+    assert r.returncode == 64 and "needs --repo" in r.stderr
+    # the old command would bypass the drain and the watchdog: refused, with the way out
+    (r, _) = _entry(fake_python, "tritonserver", f"--model-repository={tmp_path}")
+    assert r.returncode == 64 and "through its launcher" in r.stderr and not Path(fake_python["record"]).exists()
+    (r, _) = _entry(fake_python, "echo", "passed", "through")
     assert r.returncode == 0 and r.stdout.strip() == "passed through"
+
+
+def test_entrypoint_is_valid_bash():
+    subprocess.run(["bash", "-n", str(DOCKER / "entrypoint.sh")], check=True)
+    subprocess.run(["bash", "-n", str(DOCKER / "configure-repository.sh")], check=True)
+    if shutil.which("shellcheck"):
+        subprocess.run(["shellcheck", str(DOCKER / "entrypoint.sh"), str(DOCKER / "configure-repository.sh")],
+                       check=True)
 
 
 def _instance_groups(repo: Path) -> Dict[str, tuple]:
@@ -258,15 +323,15 @@ def _instance_groups(repo: Path) -> Dict[str, tuple]:
     return out
 
 
-def test_entrypoint_configures_a_writable_view(fake_server, repo_copy, tmp_path):
+def test_entrypoint_configures_a_writable_view(fake_python, repo_copy, tmp_path):
     before = {p: p.read_bytes() for p in repo_copy.rglob("config.pbtxt")}
     work = tmp_path / "work" / "repository"
-    r = _entry(fake_server, "tritonserver", f"--model-repository={repo_copy}", "--exit-timeout-secs=60",
-               CHATTTS_GPUS="0,1", CHATTTS_INSTANCES=2, CHATTTS_WORK_REPOSITORY=work,
-               CHATTTS_CONFIGURE_ARGS="--max-queue-size 32")
+    cmd = _cmd_for(repo_copy)
+    (r, _) = _entry(fake_python, *cmd, CHATTTS_GPUS="0,1", CHATTTS_INSTANCES=2, CHATTTS_WORK_REPOSITORY=work,
+                    CHATTTS_CONFIGURE_ARGS="--max-queue-size 32")
     assert r.returncode == 0, r.stderr
-    flags = _flags(_argv(fake_server))
-    assert flags["--model-repository"] == str(work) and flags["--exit-timeout-secs"] == "60"
+    argv = _launched(fake_python)["argv"]
+    assert argv == [f"--repo={work}" if a == f"--repo={repo_copy}" else a for a in cmd[1:]]  # only --repo changed
     groups = _instance_groups(work)
     assert groups[rc.GPT] == ("KIND_GPU", [0, 1], 1)  # one engine per GPU
     assert groups[rc.VOCODER] == ("KIND_GPU", [0, 1], 2)
@@ -280,16 +345,79 @@ def test_entrypoint_configures_a_writable_view(fake_server, repo_copy, tmp_path)
     assert gpt.is_symlink() and gpt.resolve() == (repo_copy / rc.GPT / "1" / "gpt.pt").resolve()
     assert {p: p.read_bytes() for p in repo_copy.rglob("config.pbtxt")} == before
     assert not (repo_copy / rc.MANIFEST).is_symlink()
-    # CPU: CHATTTS_GPUS empty
-    r = _entry(fake_server, "tritonserver", f"--model-repository={repo_copy}", CHATTTS_GPUS="",
-               CHATTTS_WORK_REPOSITORY=work)
+    # CPU: CHATTTS_GPUS empty; --repo as two arguments
+    (r, _) = _entry(fake_python, *LAUNCHER, "--repo", str(repo_copy), "--", "--log-info=true", CHATTTS_GPUS="",
+                    CHATTTS_WORK_REPOSITORY=work)
     assert r.returncode == 0, r.stderr
+    assert _launched(fake_python)["argv"][2:] == ["--repo", str(work), "--", "--log-info=true"]
     assert _instance_groups(work)[rc.VOCODER] == ("KIND_CPU", [], 1)
 
 
-def test_configure_script_refuses_bad_paths(fake_server, repo_copy, tmp_path):
+def _start_container_cmd(tmp_path, **env):
+    """The image's CMD through the entry point and the real launcher, on a stand-in NGC /opt/tritonserver."""
+    record = tmp_path / "server.json"
+    server = make_ngc_tree(tmp_path / "ngc", record)
+    repo = make_fake_repository(tmp_path / "models")
+    e = launcher_env(tmp_path, server, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", **env)
+    proc = subprocess.Popen([str(DOCKER / "entrypoint.sh"), *_cmd_for(repo, http=0, grpc=0, metrics=0)], env=e,
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: List[str] = []
+    while not any(line.startswith("metrics: ") for line in seen):
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait(10)
+            pytest.fail(f"launcher exited {proc.returncode} before ready: {seen} {proc.stderr.read()}")
+        seen.append(line)
+    return proc, seen, json.loads(record.read_text()), server.resolve().parent.parent
+
+
+def _stop(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_container_cmd_serves_through_the_launcher_and_drains_on_sigterm(tmp_path):
+    proc, seen, rec, root = _start_container_cmd(tmp_path, TRITON_ADMIN_KEY="legacy-s3cret")
+    try:
+        assert any(line.startswith("http: 0.0.0.0:") for line in seen)
+        flags = _flags(rec["argv"])
+        assert flags["--backend-directory"] == str(root / "backends")  # NGC's own, stub in place
+        assert flags["--cache-directory"] == str(root / "caches")
+        assert rec["ld_library_path"].split(os.pathsep)[0] == str(root / "lib")
+        assert flags["--http-address"] == flags["--grpc-address"] == flags["--metrics-address"] == "0.0.0.0"
+        assert flags["--model-control-mode"] == "none" and flags["--exit-timeout-secs"] == "60"
+        assert flags["--strict-readiness"] == "true" and "--disable-auto-complete-config" in rec["argv"]
+        assert flags["--http-restricted-api"] == "shared-memory,model-repository,logging,trace:chattts-admin-key=legacy-s3cret"
+        assert flags["--grpc-restricted-protocol"] == flags["--http-restricted-api"]
+        assert not rec["env_has_admin_key"]  # the models do not see it
+        assert (tmp_path / "cache" / "triton-pyenv").is_dir()  # generated files in $CHATTTS_TRITON_CACHE
+        proc.send_signal(signal.SIGTERM)  # what docker stop / the kubelet send to the container's main process
+        out, err = proc.communicate(timeout=90)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0, err
+    assert "Signal (15) received" in out  # drained, then passed on; the server log goes to stdout
+    assert "legacy-s3cret" not in "".join(seen) + out + err
+
+
+def test_container_cmd_exits_70_when_a_python_stub_dies(tmp_path):
+    proc, _, rec, _ = _start_container_cmd(tmp_path)
+    try:
+        os.kill(rec["stub_pid"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 70, err  # the container exits: Docker --restart / the kubelet restarts it
+    assert "python backend stub(s)" in err
+    key_file = tmp_path / "home" / ".chattts-triton" / "admin.key"  # no key given: generated, 0600, not printed
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert key_file.read_text().strip() not in out + err
+
+
+def test_configure_script_refuses_bad_paths(fake_python, repo_copy, tmp_path):
     script = str(DOCKER / "configure-repository.sh")
-    env = fake_server["env"]
+    env = fake_python["env"]
     r = subprocess.run([script, str(repo_copy), str(repo_copy / "inside")], env=env, capture_output=True, text=True)
     assert r.returncode == 64 and "outside SRC" in r.stderr
     r = subprocess.run([script, str(tmp_path), str(tmp_path / "x" / "y")], env=env, capture_output=True, text=True)
@@ -430,18 +558,18 @@ def test_deployment_serves_with_the_image_contract():
     pod = dep["spec"]["template"]["spec"]
     c = _container(dep)
     args = c["args"]
-    assert args[0] == "tritonserver"
-    flags = _flags(args)
-    assert flags["--model-control-mode"] == "none"
-    assert flags["--model-repository"] == "/var/run/chattts/repository"  # the init step's view
-    # same server flags as the image's CMD
-    image_cmd = _exec_form(next(i["value"] for i in _parse_dockerfile(DOCKERFILE.read_text()).structure
-                                if i["instruction"] == "CMD"))
-    image_flags = _flags(image_cmd)
-    for k in ("--model-control-mode", "--exit-timeout-secs", "--strict-readiness", "--http-port", "--grpc-port",
-              "--metrics-port"):
+    assert "command" not in c  # the image's entry point, which execs the launcher
+    assert args[:3] == LAUNCHER
+    flags, server = _split(args[3:])
+    assert flags["--repo"] == "/var/run/chattts/repository"  # the init step's view
+    # same launcher and server flags as the image's CMD
+    image_flags, image_server = _split(_image_cmd()[3:])
+    for k in ("--host", "--exit-timeout", "--http-port", "--grpc-port", "--metrics-port", "--log-file"):
         assert flags[k] == image_flags[k], k
-    assert "--disable-auto-complete-config" in args and "--disable-auto-complete-config" in image_cmd
+    assert server == image_server
+    startup = c["startupProbe"]
+    assert flags["--startup-timeout"] == str(startup["periodSeconds"] * startup["failureThreshold"])
+    assert "env" not in c  # no Secret: the launcher generates the admin key
     # ports, probes
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == PORTS
@@ -465,12 +593,13 @@ def test_deployment_serves_with_the_image_contract():
 def termination_problems(dep: dict, exit_timeout: int, margin: int) -> List[str]:
     pod = dep["spec"]["template"]["spec"]
     grace = pod["terminationGracePeriodSeconds"]
-    flags = _flags(_container(dep)["args"])
+    flags, _ = _split(_container(dep)["args"])
     problems = []
-    if flags.get("--exit-timeout-secs") != str(exit_timeout):
-        problems.append(f"--exit-timeout-secs={flags.get('--exit-timeout-secs')} != {exit_timeout}")
-    if grace < exit_timeout + margin:
-        problems.append(f"terminationGracePeriodSeconds {grace} < exit timeout {exit_timeout} + margin {margin}")
+    if flags.get("--exit-timeout") != str(exit_timeout):
+        problems.append(f"--exit-timeout={flags.get('--exit-timeout')} != {exit_timeout}")
+    # the launcher's drain (up to the exit timeout), then Triton's (as long again), then the process exit
+    if grace < 2 * exit_timeout + margin:
+        problems.append(f"terminationGracePeriodSeconds {grace} < 2 x exit timeout {exit_timeout} + margin {margin}")
     return problems
 
 
@@ -479,13 +608,30 @@ def test_grace_period_covers_the_exit_timeout(exit_timeout, margin):
     dep = _one(render({"server": {"exitTimeoutSeconds": exit_timeout, "terminationMarginSeconds": margin}}),
                "Deployment")
     assert termination_problems(dep, exit_timeout, margin) == []
-    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == exit_timeout + margin
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 2 * exit_timeout + margin
 
 
 def test_grace_period_check_rejects_a_short_grace():
     dep = _one(render(), "Deployment")
     dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 30  # kubelet default: kills mid-drain
     assert termination_problems(dep, 60, 30)
+    dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 90  # Triton's drain alone
+    assert termination_problems(dep, 60, 30)
+
+
+def test_admin_key_comes_from_the_secret_by_environment():
+    c = _container(_one(render({"server": {"adminKeySecret": "tts-admin"}}), "Deployment"))
+    assert c["env"] == [{"name": "CHATTTS_ADMIN_KEY",
+                         "valueFrom": {"secretKeyRef": {"name": "tts-admin", "key": "admin-key"}}}]
+    assert not any("admin" in a.lower() for a in c["args"])
+    with pytest.raises(helm.HelmError, match="restrictAdminApis"):
+        render({"server": {"restrictAdminApis": False}})
+
+
+def test_server_extra_args_go_to_tritonserver():
+    c = _container(_one(render(SCENARIOS["external-metric-all-extras"]), "Deployment"))
+    flags, server = _split(c["args"])
+    assert server[-1] == "--log-info=true" and "--log-info" not in flags
 
 
 @pytest.mark.parametrize("gpus, instances", [(1, 1), (2, 3), (4, 2), (0, 2)])
@@ -515,7 +661,7 @@ def test_baked_repository_without_configure_serves_models_directly():
     dep = _one(render(SCENARIOS["baked-unconfigured"]), "Deployment")
     pod = dep["spec"]["template"]["spec"]
     assert "initContainers" not in pod
-    assert _flags(_container(dep)["args"])["--model-repository"] == "/models"
+    assert _split(_container(dep)["args"])[0]["--repo"] == "/models"
     assert not any("persistentVolumeClaim" in v for v in pod["volumes"])
 
 

@@ -389,3 +389,45 @@ def test_elf_reader_finds_the_servers_bundled_libraries():
     assert any(n.startswith("libtritonserver-") for n in needed) and "libc.so.6" in needed
     libs = bundle.needed_bundled_libs([root / "bin" / "tritonserver"], root.parent.parent / "nvidia_pytriton.libs")
     assert not any(n.startswith("libpython3") for n in libs)  # only the 3.13 stub needs that one
+
+
+# --- NGC image layout (stand-in tree, no server) -------------------------------------------------
+def test_ngc_layout_serves_from_the_servers_own_backends(tmp_path, monkeypatch):
+    """/opt/tritonserver of an NGC image: no python_backend_stubs/, the stub already in backends/python."""
+    from tests.ngc_fake import make_fake_repository, make_ngc_tree
+
+    server = make_ngc_tree(tmp_path / "ngc", tmp_path / "argv.json")
+    root = server.resolve().parent.parent
+    monkeypatch.setenv("TRITONSERVER", str(server))
+    monkeypatch.setenv(ts.CACHE_ENV, str(tmp_path / "cache"))
+    assert ts.find_stub(ts.find_tritonserver()) == root / "backends" / "python" / ts.STUB_NAME
+    assert ts.prepare_backend_dir() == root / "backends"  # used as it is: nothing copied
+    assert not (tmp_path / "cache" / "triton-backends").exists()
+    copied = ts.prepare_backend_dir(dest=tmp_path / "b")  # an explicit folder still gets a copy
+    assert (copied / "python" / ts.STUB_NAME).read_bytes() == (root / "backends" / "python" / ts.STUB_NAME).read_bytes()
+    server_ = TritonServer(make_fake_repository(tmp_path / "repo"), log_file="-", http_port=8000, grpc_port=8001,
+                           metrics_port=8002, log_verbose=1)
+    cmd = server_.command()
+    assert cmd[0] == str(root / "bin" / "tritonserver")
+    assert f"--backend-directory={root / 'backends'}" in cmd and f"--cache-directory={root / 'caches'}" in cmd
+    assert "--log-verbose=1" in cmd
+    assert server_.env["LD_LIBRARY_PATH"].split(os.pathsep)[0] == str(root / "lib")
+    assert (tmp_path / "cache" / "triton-pyenv") in server_.python_env.parents  # not under site-packages
+    assert server_.log_path is None and "stdout" in server_.log_tail()
+
+
+def test_ngc_stub_for_another_python_is_refused(tmp_path):
+    from tests.ngc_fake import make_ngc_tree
+
+    server = make_ngc_tree(tmp_path / "ngc", tmp_path / "argv.json", stub_python=(3, 99))
+    assert ts.stub_python_tags(server.parent.parent / "backends" / "python" / ts.STUB_NAME) == {"3.99"}
+    with pytest.raises(TritonSetupError, match=r"built for Python 3\.99, not 3\.\d+"):
+        ts.find_stub(server)
+    assert ts.find_stub(server, python_version=(3, 99)).name == ts.STUB_NAME
+
+
+def test_cache_env_moves_generated_folders(tmp_path, monkeypatch):
+    monkeypatch.setenv(ts.CACHE_ENV, str(tmp_path / "cache"))
+    backends = ts.prepare_backend_dir()  # the wheel's layout: a copy with the stub
+    assert backends.parent == tmp_path / "cache" / "triton-backends"
+    assert (backends / "python" / ts.STUB_NAME).is_file()

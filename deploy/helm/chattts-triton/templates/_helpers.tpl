@@ -40,9 +40,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- join "," $ids }}
 {{- end }}
 
-{{/* SIGTERM -> Triton drains for exitTimeoutSeconds; the kubelet must not SIGKILL before that. */}}
+{{/* SIGTERM -> the launcher waits up to exitTimeoutSeconds for in-flight requests, then Triton drains up to
+exitTimeoutSeconds more; the kubelet must not SIGKILL before that. */}}
 {{- define "chattts-triton.terminationGracePeriodSeconds" -}}
-{{- add (int .Values.server.exitTimeoutSeconds) (int .Values.server.terminationMarginSeconds) }}
+{{- add (mul 2 (int .Values.server.exitTimeoutSeconds)) (int .Values.server.terminationMarginSeconds) }}
 {{- end }}
 
 {{/* The repository tritonserver serves. */}}
