@@ -80,19 +80,119 @@ def bench_upstream(assets: Path, device: str, batches: List[int], tokens: int, r
     return rows
 
 
-def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, start: int = 1) -> List[dict]:
+def _pct(values: List[float], q: float) -> Optional[float]:
+    import numpy as np
+
+    return float(np.percentile(values, q)) * 1000 if values else None
+
+
+async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float) -> dict:
+    """Closed-loop `chattts_stream` clients: time to first chunk, gaps between chunks, whole stream."""
+    import asyncio
+
+    from client.client import AsyncChatTTSClient
+
+    first: List[float] = []
+    gaps: List[float] = []
+    total: List[float] = []
+    errors = 0
+    async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=600, max_concurrency=concurrency) as client:
+        async def one(seed: int, record: bool) -> None:
+            nonlocal errors
+            t0 = last = time.perf_counter()
+            n = 0
+            try:
+                async for _chunk in client.stream(TEXT, seed=seed, min_new_tokens=tokens, max_new_tokens=tokens):
+                    now = time.perf_counter()
+                    if record:
+                        (gaps if n else first).append(now - last)
+                    last, n = now, n + 1
+            except Exception:  # noqa: BLE001  counted, the run goes on
+                errors += record
+                return
+            if record:
+                total.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(one(i, False) for i in range(min(concurrency, 4))))  # warm-up
+        stop = time.monotonic() + seconds
+
+        async def worker(i: int) -> None:
+            k = 0
+            while time.monotonic() < stop:
+                await one(1000 * i + k, True)
+                k += 1
+
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    row = {"concurrency": concurrency, "streams": len(total), "errors": errors,
+           "first_chunk_p50_ms": _pct(first, 50), "first_chunk_p99_ms": _pct(first, 99),
+           "chunk_gap_p50_ms": _pct(gaps, 50), "chunk_gap_p99_ms": _pct(gaps, 99),
+           "stream_p50_ms": _pct(total, 50), "stream_p99_ms": _pct(total, 99)}
+    log(f"stream concurrency {concurrency}: first chunk p50 {row['first_chunk_p50_ms']} ms, "
+        f"p99 {row['first_chunk_p99_ms']} ms, whole stream p50 {row['stream_p50_ms']} ms, errors {errors}")
+    return row
+
+
+async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, seconds: float, every_s: float = 10.0) -> dict:
+    """Constant load for `seconds`: GPU memory (Triton's gauge) sampled every `every_s`, utterances/s."""
+    import asyncio
+
+    from client.client import AsyncChatTTSClient
+    from loadtest.sweep import _fetch_gpu_memory
+
+    done = errors = 0
+    samples: List[dict] = []
+    t_start = time.monotonic()
+    stop = t_start + seconds
+    async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=600, max_concurrency=concurrency) as client:
+        async def worker(i: int) -> None:
+            nonlocal done, errors
+            k = 0
+            while time.monotonic() < stop:
+                try:
+                    await client.synthesize(TEXT, seed=7919 * i + k, min_new_tokens=tokens, max_new_tokens=tokens)
+                    done += 1
+                except Exception:  # noqa: BLE001
+                    errors += 1
+                k += 1
+
+        async def sampler() -> None:
+            while time.monotonic() < stop:
+                mem = await asyncio.to_thread(_fetch_gpu_memory, metrics_url)
+                samples.append({"t_s": round(time.monotonic() - t_start, 1), "gpu_memory_mib": None if mem is None else mem / 2**20,
+                                "utterances": done})
+                log(f"hold: t={samples[-1]['t_s']} s, GPU {samples[-1]['gpu_memory_mib']} MiB, {done} utterances, {errors} errors")
+                await asyncio.sleep(every_s)
+
+        await asyncio.gather(sampler(), *(worker(i) for i in range(concurrency)))
+    mems = [s["gpu_memory_mib"] for s in samples if s["gpu_memory_mib"] is not None]
+    half = [s["gpu_memory_mib"] for s in samples if s["gpu_memory_mib"] is not None and s["t_s"] >= seconds / 2]
+    return {"concurrency": concurrency, "seconds": seconds, "utterances": done, "errors": errors,
+            "throughput_utt_s": done / seconds, "samples": samples,
+            "gpu_memory_min_mib": min(mems) if mems else None, "gpu_memory_max_mib": max(mems) if mems else None,
+            "gpu_memory_growth_second_half_mib": (max(half) - min(half)) if half else None}
+
+
+def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, start: int = 1,
+                 stream_concurrency: List[int] = (), stream_s: float = 15.0, hold_concurrency: int = 0,
+                 hold_s: float = 0.0) -> Dict[str, object]:
     import asyncio
 
     from chattts_triton.tritonserver import TritonServer
     from loadtest.sweep import SweepConfig, run_sweep
 
+    out: Dict[str, object] = {}
     with TritonServer(repo, log_file=repo.parent / "bench-tritonserver.log", startup_timeout_s=900) as server:
-        cfg = SweepConfig(
-            url=server.grpc_url, max_concurrency=max_concurrency, start_concurrency=start, step_seconds=step_s,
-            warmup_seconds=min(3.0, step_s), window_seconds=min(3.0, step_s), max_settle_seconds=3 * step_s,
-            metrics_url=server.metrics_url, max_new_tokens=tokens, min_new_tokens=tokens, seed=1, timeout_s=600,
-        )
-        return asyncio.run(run_sweep(cfg, log=log))
+        if max_concurrency:
+            cfg = SweepConfig(
+                url=server.grpc_url, max_concurrency=max_concurrency, start_concurrency=start, step_seconds=step_s,
+                warmup_seconds=min(3.0, step_s), window_seconds=min(3.0, step_s), max_settle_seconds=3 * step_s,
+                metrics_url=server.metrics_url, max_new_tokens=tokens, min_new_tokens=tokens, seed=1, timeout_s=600,
+            )
+            out["served"] = asyncio.run(run_sweep(cfg, log=log))
+        out["stream"] = [asyncio.run(bench_stream(server.grpc_url, tokens, c, stream_s)) for c in stream_concurrency]
+        if hold_s > 0:
+            out["hold"] = asyncio.run(hold(server.grpc_url, server.metrics_url, tokens, hold_concurrency, hold_s))
+    return out
 
 
 def to_markdown(res: dict) -> str:
@@ -106,6 +206,20 @@ def to_markdown(res: dict) -> str:
             out += [f"| {r['batch']} | {r['latency_s']:.3f} | {r['throughput_utt_s']:.1f} | {r['rtf']:.3f} | "
                     f"{'' if r['gpu_memory_mib'] is None else round(r['gpu_memory_mib'])} |" for r in rows]
             out.append("")
+    rows = res.get("stream") or []
+    if rows:
+        out += ["## streaming (`chattts_stream`, gRPC)", "", "| concurrency | first chunk p50 ms | first chunk p99 ms | "
+                "chunk gap p50 ms | chunk gap p99 ms | whole stream p50 ms | streams | errors |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            f = lambda k: "" if r.get(k) is None else format(r[k], ".0f")  # noqa: E731
+            out.append(f"| {r['concurrency']} | {f('first_chunk_p50_ms')} | {f('first_chunk_p99_ms')} | {f('chunk_gap_p50_ms')} | "
+                       f"{f('chunk_gap_p99_ms')} | {f('stream_p50_ms')} | {r['streams']} | {r['errors']} |")
+        out.append("")
+    h = res.get("hold")
+    if h:
+        out += [f"## {h['seconds']:.0f} s at concurrency {h['concurrency']}", "",
+                f"{h['throughput_utt_s']:.1f} utterances/s, {h['errors']} errors; GPU memory {h['gpu_memory_min_mib']}–"
+                f"{h['gpu_memory_max_mib']} MiB, growth over the second half {h['gpu_memory_growth_second_half_mib']} MiB.", ""]
     rows = res.get("served") or []
     if rows:
         out += ["## served (chattts-triton)", "", "| concurrency | p50 ms | p90 ms | p99 ms | utterances/s | RTF p50 | errors | GPU MiB |",
@@ -163,6 +277,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--repo", type=Path, default=Path("build/bench-repo"))
     ap.add_argument("--name", default=None, help="result file stem (default: <date>-<device>)")
+    ap.add_argument("--gpus", default="0", help="GPU ids the served pipeline uses (one GPT engine each)")
+    ap.add_argument("--stream-concurrency", default="1,64", help="closed-loop stream clients per run (empty: skip)")
+    ap.add_argument("--stream-seconds", type=float, default=15.0)
+    ap.add_argument("--hold-seconds", type=float, default=0.0, help="then this long at --hold-concurrency (GPU memory over time)")
+    ap.add_argument("--hold-concurrency", type=int, default=256)
     a = ap.parse_args(argv)
 
     import torch
@@ -182,11 +301,17 @@ def main(argv=None) -> int:
 
     from chattts_triton.repo_config import Deployment
 
-    dep = Deployment(gpus=[0] if dev.startswith("cuda") else [], gpt_slots=max(a.max_concurrency, 8),
-                     gpt_context=512, max_batch_size=max(64, min(a.max_concurrency, 512)), max_queue_size=4096)
+    gpus = [int(g) for g in a.gpus.split(",") if g.strip()] if dev.startswith("cuda") else []
+    streams = [int(c) for c in a.stream_concurrency.split(",") if c]
+    res["gpus"] = gpus
+    per_engine = max(a.max_concurrency, a.hold_concurrency if a.hold_seconds else 0, 8)
+    dep = Deployment(gpus=gpus, gpt_slots=-(-per_engine // max(1, len(gpus))), gpt_context=512,
+                     max_batch_size=max(64, min(per_engine, 512)), max_queue_size=4096,
+                     stream_slots=max(streams + [2]))
     log(f"exporting {a.assets} → {a.repo} ({a.dtype})")
     export_repository(a.assets, a.repo, ["torchscript"], a.dtype, "cpu", dep, progress=log)
-    res["served"] = bench_served(a.repo, a.tokens, a.max_concurrency, a.step_seconds, a.start_concurrency)
+    res.update(bench_served(a.repo, a.tokens, a.max_concurrency, a.step_seconds, a.start_concurrency, streams,
+                            a.stream_seconds, a.hold_concurrency, a.hold_seconds))
     save()
     plot(res, a.out / f"{stem}.png")
     batches = [int(b) for b in a.upstream_batches.split(",") if b]

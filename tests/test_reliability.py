@@ -291,7 +291,7 @@ def test_sigterm_under_load_drains_then_exits_zero_without_leaking_shm(tiny_asse
     cli = ServeCLI(repo, tmp_path)
     try:
         regions = _group_stub_regions(cli.server_pid)
-        assert len(regions) == 3 and all(r in shm_regions() for r in regions)
+        assert len(regions) == len(rc.MODELS) + 1 and all(r in shm_regions() for r in regions)  # + chattts_stream
         req = dict(TEXT="你好", MAX_NEW_TOKENS=FRAMES, MIN_NEW_TOKENS=FRAMES)
         pool = concurrent.futures.ThreadPoolExecutor(5)
         futures = [pool.submit(grpc_synth, cli.grpc_url, SEED=i, **req) for i in range(5)]
