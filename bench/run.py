@@ -277,6 +277,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--repo", type=Path, default=Path("build/bench-repo"))
     ap.add_argument("--name", default=None, help="result file stem (default: <date>-<device>)")
+    ap.add_argument("--append", action="store_true", help="add to the result file of the same name (runs split over calls)")
     ap.add_argument("--gpus", default="0", help="GPU ids the served pipeline uses (one GPT engine each)")
     ap.add_argument("--stream-concurrency", default="1,64", help="closed-loop stream clients per run (empty: skip)")
     ap.add_argument("--stream-seconds", type=float, default=15.0)
@@ -292,6 +293,9 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     stem = a.name or f"{res['date']}-{'h200' if 'H200' in res['device_name'] else dev}"
     path = a.out / f"{stem}.json"
+    if a.append and path.is_file():
+        res = {**json.loads(path.read_text()), **{k: v for k, v in res.items() if k != "command"}}
+        res["command"] = res.get("command", "") + " ; " + " ".join(sys.argv)
 
     def save():
         path.write_text(json.dumps(res, indent=2))
@@ -308,11 +312,13 @@ def main(argv=None) -> int:
     dep = Deployment(gpus=gpus, gpt_slots=-(-per_engine // max(1, len(gpus))), gpt_context=512,
                      max_batch_size=max(64, min(per_engine, 512)), max_queue_size=4096,
                      stream_slots=max(streams + [2]))
-    log(f"exporting {a.assets} → {a.repo} ({a.dtype})")
-    export_repository(a.assets, a.repo, ["torchscript"], a.dtype, "cpu", dep, progress=log)
-    res.update(bench_served(a.repo, a.tokens, a.max_concurrency, a.step_seconds, a.start_concurrency, streams,
-                            a.stream_seconds, a.hold_concurrency, a.hold_seconds))
-    save()
+    if a.max_concurrency or streams or a.hold_seconds:
+        log(f"exporting {a.assets} → {a.repo} ({a.dtype})")
+        export_repository(a.assets, a.repo, ["torchscript"], a.dtype, "cpu", dep, progress=log)
+        served = bench_served(a.repo, a.tokens, a.max_concurrency, a.step_seconds, a.start_concurrency, streams,
+                              a.stream_seconds, a.hold_concurrency, a.hold_seconds)
+        res.update({k: v for k, v in served.items() if v})
+        save()
     plot(res, a.out / f"{stem}.png")
     batches = [int(b) for b in a.upstream_batches.split(",") if b]
     if not a.skip_upstream:
