@@ -22,6 +22,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from chattts_triton import repo_config as rc
+from tests.test_streaming import contract as stream_contract
+from tests.test_streaming import grpc_stream
 from chattts_triton.config import LIMITS, SAMPLE_RATE, samples_for_codes
 from chattts_triton.speaker import sample_random_speaker
 from chattts_triton.tritonserver import LOCALHOST, TritonServer
@@ -293,8 +295,9 @@ def test_sigterm_under_load_drains_then_exits_zero_without_leaking_shm(tiny_asse
         regions = _group_stub_regions(cli.server_pid)
         assert len(regions) == len(rc.MODELS) + 1 and all(r in shm_regions() for r in regions)  # + chattts_stream
         req = dict(TEXT="你好", MAX_NEW_TOKENS=FRAMES, MIN_NEW_TOKENS=FRAMES)
-        pool = concurrent.futures.ThreadPoolExecutor(5)
+        pool = concurrent.futures.ThreadPoolExecutor(6)
         futures = [pool.submit(grpc_synth, cli.grpc_url, SEED=i, **req) for i in range(5)]
+        stream = pool.submit(grpc_stream, cli, stream_contract(n=FRAMES, seed=9))
         time.sleep(1.0)  # all admitted (5 > 2 slots: some wait in the engine)
         t0 = time.monotonic()
         cli.proc.send_signal(signal.SIGTERM)
@@ -302,9 +305,13 @@ def test_sigterm_under_load_drains_then_exits_zero_without_leaking_shm(tiny_asse
         with pytest.raises(InferenceServerException) as e:  # nothing new is admitted
             grpc_synth(cli.grpc_url, TEXT="你好", MAX_NEW_TOKENS=2)
         assert e.value.status() == "StatusCode.UNAVAILABLE" and "shutting down" in e.value.message()
+        chunks, error = grpc_stream(cli, stream_contract(n=2))  # nor a new stream
+        assert not chunks and "shutting down" in str(error)
         for f in futures:  # every admitted request completes
             audio = f.result(timeout=120)
             assert audio.shape == (samples_for_codes(FRAMES),) and np.isfinite(audio).all()
+        chunks, error = stream.result(timeout=120)  # and so does the stream in flight, every chunk of it
+        assert error is None and np.concatenate(chunks).shape == (samples_for_codes(FRAMES),), (str(error), error.status() if error else None, len(chunks))
         assert wait_for(lambda: http_status(cli.http_url, "/v2/health/ready")[0] != 200, 30)
         code = cli.proc.wait(timeout=60 + 15)
         print(f"\nexit {code} {time.monotonic() - t0:.1f}s after SIGTERM")
