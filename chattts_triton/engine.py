@@ -1,22 +1,26 @@
 """In-flight batching engine for the ChatTTS GPT.
 
 A single loop thread owns the model, the slot KV cache and all per-slot state. Each iteration it
-admits waiting requests into free slots (one batched prefill), runs one decode step for every
-active request, samples, and retires the finished ones through their callbacks. Requests join and
-leave the running batch at every step, and each one's tokens depend only on its own prompt, params
-and seed (per-slot positions, per-request counter-based sampling).
+admits waiting requests (one batched prefill; while busy, only once enough wait or the oldest has
+waited a few steps), runs one decode step for every active request, samples, and retires the
+finished ones through their callbacks. Running requests stay compacted in slots 0..B-1 (a finished
+request's slot takes the last one's state), so a step attends over the cache in place. Each
+request's tokens depend only on its own prompt, params and seed (per-slot positions, per-request
+counter-based sampling), not on its slot or its batchmates. One host sync per decode step.
 
 `model` is `ChatTTSGPT` or its TorchScript export (same methods).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -56,8 +60,9 @@ class GenRequest:
     want_hidden: bool = True
     cancelled: bool = False
     # streaming: on_tokens(tokens, hiddens) gets the tokens generated since its last call once
-    # there are at least `stream_every` of them (on the engine thread: hand off, never block).
-    # The consumer may change stream_every at any time; the tail arrives in on_done's result.
+    # there are at least `stream_every` of them (on the engine thread, one step later, after the
+    # step's own host sync: hand off, never block). The consumer may change stream_every at any
+    # time; the tail arrives in on_done's result.
     on_tokens: Optional[Callable[[Tensor, Optional[Tensor]], None]] = None
     stream_every: int = 1
 
@@ -82,15 +87,41 @@ class EngineError(RuntimeError):
     pass
 
 
-class _Slot:
-    __slots__ = ("req", "n", "plen", "attempt", "emitted")
+# Per-slot device scalars, packed so that one gather or one copy moves all of a slot's state.
+I_N, I_PLEN, I_TOPK, I_MIN, I_SEED, I_ATTEMPT, I_EOS, I_TEXT = range(8)  # int64 columns of Engine.pi
+F_TEMP, F_TOPP, F_PEN = range(3)  # float32 columns of Engine.pf
 
-    def __init__(self, req: GenRequest):
+
+class _Slot:
+    __slots__ = ("req", "idx", "attempt", "emitted", "_eng")
+
+    def __init__(self, eng: "Engine", req: GenRequest, idx: int):
+        self._eng = eng
         self.req = req
-        self.n = 0  # tokens generated (kept) so far
-        self.plen = req.prompt_len
+        self.idx = idx  # cache slot; changes when finished requests below it are compacted away
         self.attempt = 0
         self.emitted = 0  # tokens handed to req.on_tokens
+
+    @property
+    def n(self) -> int:  # tokens generated (kept) so far
+        return int(self._eng.h_n[self.idx])
+
+    @property
+    def plen(self) -> int:
+        return int(self._eng.h_plen[self.idx])
+
+
+def _check_model(model) -> None:
+    """A gpt.pt exported before slot ranges took a `slots` tensor: say so instead of failing in a step."""
+    try:
+        if isinstance(model, torch.jit.ScriptModule):
+            names = [a.name for a in model.forward.schema.arguments]
+        else:
+            names = list(inspect.signature(model.forward).parameters)
+    except Exception:  # noqa: BLE001 - an unusual wrapper: let the first step tell
+        return
+    if "slots" in names and "slot_start" not in names:
+        raise EngineError("the GPT model was exported with the older `slots` interface: re-export it (python -m export)")
 
 
 class Engine:
@@ -108,8 +139,14 @@ class Engine:
         compute_dtype: torch.dtype = torch.float32,
         max_prefill_tokens: int = 4096,
         cuda_graphs: bool = True,
+        admit_batch: int = 32,
+        admit_wait_steps: int = 4,
         start: bool = True,
     ):
+        """admit_batch / admit_wait_steps: while requests are running, waiting ones are admitted (one
+        batched prefill) once `admit_batch` of them (or as many as there are free slots) wait, or the
+        oldest has waited `admit_wait_steps` decode steps; an idle engine admits at once."""
+        _check_model(model)
         self.model = model
         self.device = torch.device(device)
         self.max_slots = max_slots
@@ -117,26 +154,35 @@ class Engine:
         self.max_new_tokens = max_new_tokens
         self.hidden = hidden
         self.num_vq = num_vq
+        self.num_audio_tokens = int(getattr(model, "num_audio_tokens", AUDIO_EOS + 1))
         self.compute_dtype = compute_dtype
         self.max_prefill_tokens = max_prefill_tokens
+        self.admit_batch = max(1, admit_batch)
+        self.admit_wait_steps = max(0, admit_wait_steps)
         dev = self.device
-        s = max_slots + 1  # the last slot is scratch: padding rows of CUDA-graph buckets use it
-        self.scratch = max_slots
+        # running requests hold slots 0..B-1 (compacted); CUDA-graph buckets pad with free slots B..
+        # and never exceed max_slots, so no scratch slot is needed
+        s = max_slots
         self.k_cache, self.v_cache = model.new_cache(s, max_context, cache_dtype, dev)
         self.tokens = torch.zeros(s, max_new_tokens + 1, num_vq, dtype=torch.int64, device=dev)
         self.hiddens = torch.zeros(s, max_new_tokens + 1, hidden, dtype=torch.float32, device=dev)
-        self.n_dev = torch.zeros(s, dtype=torch.int64, device=dev)
-        self.p_temp = torch.ones(s, device=dev)
-        self.p_top_p = torch.ones(s, device=dev)
-        self.p_top_k = torch.zeros(s, dtype=torch.int64, device=dev)
-        self.p_pen = torch.ones(s, device=dev)
-        self.p_min = torch.zeros(s, dtype=torch.int64, device=dev)
-        self.p_seed = torch.zeros(s, dtype=torch.int64, device=dev)
-        self.p_attempt = torch.zeros(s, dtype=torch.int64, device=dev)
-        self.p_eos = torch.full((s,), AUDIO_EOS, dtype=torch.int64, device=dev)
-        self.slots: Dict[int, _Slot] = {}
-        self.free: List[int] = list(range(max_slots - 1, -1, -1))
+        # a free slot's state: it pads graph buckets, so every id it holds must index the code head
+        self._free_pi = torch.tensor([0, 0, 0, 0, 0, 0, AUDIO_EOS, 0], dtype=torch.int64, device=dev)
+        self.pi = self._free_pi.repeat(s, 1)
+        self.pf = torch.ones(s, 3, dtype=torch.float32, device=dev)
+        self.n_dev = self.pi[:, I_N]  # tokens kept so far, per slot
+        self.n_live = torch.zeros((), dtype=torch.int64, device=dev)  # rows ≥ this in a graph bucket are padding
+        self._live = 0
+        # host mirrors, indexed by slot: the step needs no Python loop over the batch for these
+        self.rows: List[_Slot] = []
+        self.h_n = np.zeros(s, dtype=np.int64)
+        self.h_plen = np.zeros(s, dtype=np.int64)
+        self.h_max = np.zeros(s, dtype=np.int64)
+        self.h_text = np.zeros(s, dtype=bool)
+        self.streaming: Set[_Slot] = set()
+        self._pending: List[tuple] = []  # stream chunks copied to the host, delivered after the next sync
         self.waiting: Deque[GenRequest] = deque()
+        self.arrived: Deque[int] = deque()  # self.steps when each waiting request arrived
         self.cv = threading.Condition()
         self.stopping = False
         self.steps = 0
@@ -168,6 +214,7 @@ class Engine:
             if self.stopping:
                 raise EngineError("engine is stopping")
             self.waiting.append(req)
+            self.arrived.append(self.steps)
             self.cv.notify()
 
     def generate(self, req: GenRequest, timeout: Optional[float] = None) -> GenResult:
@@ -191,11 +238,15 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return len(self.slots)
+        return len(self.rows)
 
     @property
     def pending(self) -> int:
         return len(self.waiting)
+
+    @property
+    def free(self) -> List[int]:
+        return list(range(len(self.rows), self.max_slots))
 
     def stop(self, drain: bool = True, timeout: Optional[float] = None) -> None:
         """Stop accepting work; with drain, finish what is queued and running first."""
@@ -204,7 +255,7 @@ class Engine:
             if not drain:
                 for r in self.waiting:
                     r.cancel()
-                for s in self.slots.values():
+                for s in list(self.rows):
                     s.req.cancel()
             self.cv.notify_all()
         if self.thread is not None:
@@ -213,119 +264,242 @@ class Engine:
     # -- loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
-        while True:
-            with self.cv:
-                while not self.waiting and not self.slots and not self.stopping:
-                    self.cv.wait()
-                if self.stopping and not self.waiting and not self.slots:
-                    return
-                admitted = self._take_admissions()
-            try:
-                with torch.inference_mode():
-                    if admitted:
-                        self._prefill(admitted)
-                    if self.slots:
-                        self._decode_step()
-            except Exception as e:  # fail the requests in flight, keep serving the next ones
-                log.exception("engine step failed")
-                for slot_id in list(self.slots):
-                    self._finish(slot_id, "error", error=e)
+        while self._run_once():
+            pass
 
-    def _take_admissions(self) -> List[int]:
-        admitted: List[int] = []
+    def _run_once(self, block: bool = True) -> bool:
+        """One iteration: admit (per the admission policy) with one batched prefill, then one decode
+        step of every running request. False once stopped and drained."""
+        with self.cv:
+            while block and not self.waiting and not self.rows and not self.stopping:
+                self.cv.wait()
+            if self.stopping and not self.waiting and not self.rows:
+                return False
+            admitted = self._take_admissions()
+        try:
+            with torch.inference_mode():
+                if admitted:
+                    self._prefill(admitted)
+                if self.rows:
+                    self._decode_step()
+        except Exception as e:  # fail the requests in flight, keep serving the next ones
+            log.exception("engine step failed")
+            self._fail_all(e)
+        return True
+
+    def _pop_waiting(self) -> GenRequest:
+        self.arrived.popleft()
+        return self.waiting.popleft()
+
+    def _admit_now(self, free: int) -> bool:
+        if not self.rows:  # idle: latency first
+            return True
+        # busy: batch the prefills (each is hundreds of eager kernels between two decode steps)
+        return len(self.waiting) >= min(self.admit_batch, free) or self.steps - self.arrived[0] >= self.admit_wait_steps
+
+    def _take_admissions(self) -> List[GenRequest]:
+        while self.waiting and self.waiting[0].cancelled:
+            self._call(self._pop_waiting(), GenResult(None, None, "cancelled"))
+        free = self.max_slots - len(self.rows)
+        if not self.waiting or free <= 0 or not self._admit_now(free):
+            return []
+        admitted: List[GenRequest] = []
         budget = self.max_prefill_tokens
-        while self.waiting and self.free:
+        while self.waiting and len(admitted) < free:
             req = self.waiting[0]
             if req.cancelled:
-                self.waiting.popleft()
-                self._call(req, GenResult(None, None, "cancelled"))
+                self._call(self._pop_waiting(), GenResult(None, None, "cancelled"))
                 continue
             if admitted and req.prompt_len > budget:
                 break
-            self.waiting.popleft()
-            slot_id = self.free.pop()
-            self.slots[slot_id] = _Slot(req)
+            admitted.append(self._pop_waiting())
             budget -= req.prompt_len
-            admitted.append(slot_id)
         return admitted
 
-    def _set_params(self, slot_id: int, req: GenRequest) -> None:
-        p = req.params
-        self.p_temp[slot_id] = p.temperature
-        self.p_top_p[slot_id] = 1.0 if p.top_p is None else p.top_p
-        self.p_top_k[slot_id] = 0 if p.top_k is None else p.top_k
-        self.p_pen[slot_id] = p.repetition_penalty
-        self.p_min[slot_id] = p.min_new_tokens
-        self.p_seed[slot_id] = p.seed
-        self.p_attempt[slot_id] = 0
-        self.p_eos[slot_id] = req.eos_id
-        self.n_dev[slot_id] = 0
+    # -- host <-> device without extra host syncs ---------------------------------------------------
+    def _h2d(self, t: Tensor) -> Tensor:
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)  # a pageable copy would sync the stream
 
-    def _prompt_embeds(self, req: GenRequest) -> Tensor:
-        ids = req.text_ids.to(self.device)
-        x = self.model.embed_text(ids)
-        if req.spk_emb is not None:
-            pos = ids == req.spk_emb_id
-            x = torch.where(pos.unsqueeze(1), req.spk_emb.to(self.device, x.dtype).unsqueeze(0), x)
-        if req.audio_codes is not None and req.audio_codes.numel():
-            x = torch.cat([x, self.model.embed_code(req.audio_codes.to(self.device))], 0)
-        return x.to(self.compute_dtype)
+    def _d2h(self, t: Tensor) -> Tensor:
+        if self.device.type != "cuda":
+            return t.clone()  # the slot's buffers are reused: hand out a copy
+        return t.to("cpu", non_blocking=True)  # pinned; valid after the next host sync
 
-    def _prefill(self, slot_ids: List[int]) -> None:
-        embeds = [self._prompt_embeds(self.slots[s].req) for s in slot_ids]
-        lens = [e.shape[0] for e in embeds]
-        t = max(lens)
-        b = len(slot_ids)
-        x = torch.zeros(b, t, self.hidden, dtype=self.compute_dtype, device=self.device)
-        positions = torch.full((b, t), -1, dtype=torch.int64)
-        for i, e in enumerate(embeds):
-            x[i, : lens[i]] = e
+    def _set_live(self, b: int) -> None:
+        if b != self._live:
+            self.n_live.fill_(b)  # a kernel with a scalar argument: no copy, no sync
+            self._live = b
+
+    # -- prefill --------------------------------------------------------------------------------
+    def _prefill(self, reqs: List[GenRequest]) -> None:
+        """Admitted requests take the next slots b0..b0+k-1: one prefill over that slot range."""
+        b0, k = len(self.rows), len(reqs)
+        for i, req in enumerate(reqs):
+            slot = _Slot(self, req, b0 + i)
+            self.rows.append(slot)
+            self.h_n[b0 + i] = 0
+            self.h_plen[b0 + i] = req.prompt_len
+            self.h_max[b0 + i] = req.params.max_new_tokens
+            self.h_text[b0 + i] = req.mode == "text"
+            if req.on_tokens is not None:
+                self.streaming.add(slot)
+        self._set_params(b0, reqs)
+        x, positions, lens = self._prompt_batch(reqs)
+        h = self.model(x, positions, b0, self.k_cache, self.v_cache, x.shape[1])
+        last = self._h2d(torch.tensor([n - 1 for n in lens], dtype=torch.int64))
+        h_last = h[torch.arange(k, device=self.device), last].float()
+        self._first_step(b0, k, h_last)
+
+    def _set_params(self, b0: int, reqs: List[GenRequest]) -> None:
+        ints, floats = [], []
+        for r in reqs:
+            p = r.params
+            ints.append([0, r.prompt_len, 0 if p.top_k is None else p.top_k, p.min_new_tokens, p.seed, 0, r.eos_id,
+                         int(r.mode == "text")])
+            floats.append([p.temperature, 1.0 if p.top_p is None else p.top_p, p.repetition_penalty])
+        self.pi.narrow(0, b0, len(reqs)).copy_(self._h2d(torch.tensor(ints, dtype=torch.int64)))
+        self.pf.narrow(0, b0, len(reqs)).copy_(self._h2d(torch.tensor(floats, dtype=torch.float32)))
+
+    def _prompt_batch(self, reqs: List[GenRequest]):
+        """The admitted prompts as one padded batch [k, T, hidden] and positions [k, T] (-1 = padding):
+        one host→device copy per input kind, one embedding call per kind, one gather to lay them out."""
+        lens = [r.prompt_len for r in reqs]
+        k, t = len(reqs), max(lens)
+        ids = [r.text_ids.reshape(-1).to("cpu", torch.int64) for r in reqs]
+        codes = [r.audio_codes.to("cpu", torch.int64) if r.audio_codes is not None and r.audio_codes.numel() else None
+                 for r in reqs]
+        n_text = sum(int(i.numel()) for i in ids)
+        n_code = sum(0 if c is None else int(c.shape[0]) for c in codes)
+        src = torch.full((k, t), n_text + n_code, dtype=torch.int64)  # padding points at a zero row
+        positions = torch.full((k, t), -1, dtype=torch.int64)
+        spk_row = torch.full((n_text,), -1, dtype=torch.int64)
+        spk: List[Tensor] = []
+        ot, oc = 0, n_text
+        for i, r in enumerate(reqs):
+            nt = int(ids[i].numel())
+            src[i, :nt] = torch.arange(ot, ot + nt)
+            if r.spk_emb is not None:
+                spk_row[ot : ot + nt].masked_fill_(ids[i] == r.spk_emb_id, len(spk))
+                spk.append(r.spk_emb.reshape(-1).cpu())
+            ot += nt
+            if codes[i] is not None:
+                nc = int(codes[i].shape[0])
+                src[i, nt : nt + nc] = torch.arange(oc, oc + nc)
+                oc += nc
             positions[i, : lens[i]] = torch.arange(lens[i])
-        slots_t = torch.tensor(slot_ids, dtype=torch.int64, device=self.device)
-        for s in slot_ids:
-            self._set_params(s, self.slots[s].req)
-        h = self.model(x, positions.to(self.device), slots_t, self.k_cache, self.v_cache, t)
-        last = torch.tensor([n - 1 for n in lens], device=self.device)
-        h_last = h[torch.arange(b, device=self.device), last].float()
-        self._first_step(slot_ids, slots_t, h_last)
+        x = self.model.embed_text(self._h2d(torch.cat(ids)))
+        if spk:
+            table = self._h2d(torch.stack(spk)).to(x.dtype)
+            row = self._h2d(spk_row)
+            x = torch.where((row >= 0).unsqueeze(1), table[row.clamp(min=0)], x)
+        parts = [x]
+        if n_code:
+            parts.append(self.model.embed_code(self._h2d(torch.cat([c for c in codes if c is not None]))).to(x.dtype))
+        parts.append(x.new_zeros(1, x.shape[1]))
+        flat = torch.cat(parts).to(self.compute_dtype)
+        return flat[self._h2d(src)], self._h2d(positions), lens
 
+    def _first_step(self, b0: int, k: int, h: Tensor) -> None:
+        """Sample each new request's first token; upstream ensure_non_empty: an EOS there is redrawn."""
+        hit = np.zeros(k, dtype=bool)
+        todo = list(range(k))
+        while True:
+            hit[todo] = self._sample_first(b0, todo, h)
+            redraw = []
+            for i in todo:
+                slot = self.rows[b0 + i]
+                if hit[i] and slot.req.params.ensure_non_empty and slot.attempt + 1 < MAX_EMPTY_RETRIES:
+                    slot.attempt += 1
+                    redraw.append(i)
+            if not redraw:
+                break
+            idx = self._h2d(torch.tensor(redraw, dtype=torch.int64) + b0)
+            self.pi[:, I_ATTEMPT].index_add_(0, idx, torch.ones_like(idx))
+            todo = redraw
+        self._deliver()
+        self._advance(b0, b0 + k, hit)
+
+    def _sample_first(self, b0: int, rows: List[int], h: Tensor) -> np.ndarray:
+        """First-token draw of the new rows `rows` (indices into h), per mode; one host sync."""
+        order: List[int] = []
+        hits: List[Tensor] = []
+        for mode in ("code", "text"):
+            sel = [i for i in rows if (self.h_text[b0 + i]) == (mode == "text")]
+            if not sel:
+                continue
+            r = self._h2d(torch.tensor(sel, dtype=torch.int64))
+            st = r + b0
+            self.n_dev.index_fill_(0, st, 0)
+            _, hm = self.sample_core(st, self.pi.index_select(0, st), h.index_select(0, r), mode)
+            order += sel
+            hits.append(hm)
+        got = torch.cat(hits).cpu().numpy()  # the prefill's one host sync
+        out = np.zeros(len(rows), dtype=bool)
+        pos = {i: j for j, i in enumerate(rows)}
+        for i, v in zip(order, got):
+            out[pos[i]] = v
+        return out
+
+    # -- decode ---------------------------------------------------------------------------------
     def _decode_step(self) -> None:
-        groups: Dict[str, List[int]] = {}
-        for s in self.slots:
-            groups.setdefault(self.slots[s].req.mode, []).append(s)
-        for mode, ids in groups.items():
-            pos_host = [self.slots[s].plen + self.slots[s].n - 1 for s in ids]
-            attn_len = max(pos_host) + 1
-            graphed = None
-            if self.graphs is not None and mode == "code":
-                graphed = self.graphs.step(ids, pos_host, attn_len)
-            if graphed is not None:
-                tok, hit = graphed
-            else:
-                st = torch.tensor(ids, dtype=torch.int64, device=self.device)
-                positions = torch.tensor(pos_host, dtype=torch.int64, device=self.device)
-                tok, hit = self.step_core(st, positions, attn_len, mode)
-            self._advance(ids, hit)
+        b = len(self.rows)
+        attn_len = int((self.h_plen[:b] + self.h_n[:b]).max())  # 1 + the largest position fed
+        n_text = int(self.h_text[:b].sum())
+        mode = "code" if n_text == 0 else "text" if n_text == b else "mixed"
+        hit = None
+        if self.graphs is not None and mode != "mixed":
+            hit = self.graphs.step(b, attn_len, mode)
+        if hit is None:
+            groups = None
+            if mode == "mixed":  # rare (refine-text next to audio codes): eager, per-mode sampling
+                text = self.h_text[:b]
+                groups = [(m, self._h2d(torch.from_numpy(np.flatnonzero(sel)))) for m, sel in (("code", ~text), ("text", text))]
+            hit = self.step_core(0, b, attn_len, mode, None, groups)
+        hit_host = hit[:b].cpu().numpy()  # the step's one host sync
         self.steps += 1
+        self._deliver()
+        self._advance(0, b, hit_host)
 
-    def step_core(self, st: Tensor, positions: Tensor, attn_len: int, mode: str = "code"):
-        """One decode step of the rows `st` (pure tensor work: no host sync, CUDA-graph safe).
-
-        Feeds each row's last token, samples the next, records token and hidden state, and returns
-        (tokens [B, num_vq], eos_hit [B])."""
-        n = self.n_dev.index_select(0, st)
+    def step_core(self, start: int, b: int, attn_len: int, mode: str = "code", n_live: Optional[Tensor] = None,
+                  groups: Optional[List[Tuple[str, Tensor]]] = None) -> Tensor:
+        """One decode step of the rows in slots start..start+b-1 (pure tensor work: no host sync,
+        CUDA-graph safe). Feeds each row's last token at position prompt_len + n - 1 (both from the
+        device state, so a graph replay needs no input), samples the next, records token and hidden
+        state. Rows at or past `n_live` are padding: they compute, but their count does not advance.
+        mode "mixed" (eager) samples each of `groups` (mode, row indices) with its own head.
+        Returns eos_hit [b]."""
+        dev = self.device
+        st = torch.arange(start, start + b, dtype=torch.int64, device=dev)
+        p = self.pi.narrow(0, start, b).clone()
+        n = p[:, I_N]
         last_tok = self.tokens[st, (n - 1).clamp(min=0)]
-        if mode == "code":
-            x = self.model.embed_code(last_tok)
-        else:
+        if mode == "text":
             x = self.model.embed_text(last_tok[:, 0])
+        else:
+            # a free slot may still hold text-vocabulary ids: keep padding rows' lookups in range
+            x = self.model.embed_code(last_tok.clamp(max=self.num_audio_tokens - 1))
+            if mode == "mixed":
+                x = torch.where(p[:, I_TEXT].bool().unsqueeze(1), self.model.embed_text(last_tok[:, 0]), x)
         x = x.to(self.compute_dtype).unsqueeze(1)
-        h = self.model(x, positions.unsqueeze(1), st, self.k_cache, self.v_cache, attn_len)[:, 0].float()
-        return self.sample_core(st, n, h, mode)
+        positions = (p[:, I_PLEN] + n - 1).unsqueeze(1)
+        h = self.model(x, positions, start, self.k_cache, self.v_cache, attn_len)[:, 0].float()
+        if groups is None:
+            valid = None if n_live is None else torch.arange(b, device=dev) < n_live
+            return self.sample_core(st, p, h, mode, valid)[1]
+        hit = torch.zeros(b, dtype=torch.bool, device=dev)
+        for m, rows in groups:
+            _, hm = self.sample_core(st.index_select(0, rows), p.index_select(0, rows), h.index_select(0, rows), m)
+            hit.index_copy_(0, rows, hm)
+        return hit
 
-    def sample_core(self, st: Tensor, n: Tensor, h: Tensor, mode: str):
+    def sample_core(self, st: Tensor, p: Tensor, h: Tensor, mode: str, valid: Optional[Tensor] = None):
+        """Sample the next token of the rows in slots `st` (p: their rows of `pi`); record it."""
         b = st.shape[0]
         q = self.num_vq if mode == "code" else 1
+        n = p[:, I_N]
+        f = self.pf.index_select(0, st)
         hc = h.to(self.compute_dtype)
         logits = self.model.logits_code(hc) if mode == "code" else self.model.logits_text(hc).unsqueeze(1)
         logits = logits.reshape(b * q, logits.shape[-1]).float()
@@ -336,95 +510,134 @@ class Engine:
         w = REPETITION_WINDOW
         offs = (n.unsqueeze(1) - w + torch.arange(w, device=self.device)).clamp(min=0)  # [B, W]
         hist = self.tokens[st.unsqueeze(1), offs][..., :q].permute(0, 2, 1).reshape(b * q, w)
-        eos = self.p_eos.index_select(0, st)
-        eos_rows = rep(eos)
+        eos = p[:, I_EOS]
         logits = sampling.process_logits(
             logits,
-            rep(self.p_temp.index_select(0, st)),
-            rep(self.p_pen.index_select(0, st)),
-            rep(self.p_top_p.index_select(0, st)),
-            rep(self.p_top_k.index_select(0, st)),
+            rep(f[:, F_TEMP]),
+            rep(f[:, F_PEN]),
+            rep(f[:, F_TOPP]),
+            rep(p[:, I_TOPK]),
             hist,
             rep(n.clamp(max=w)),
-            rep(n < self.p_min.index_select(0, st)),
-            eos_rows,
+            rep(n < p[:, I_MIN]),
+            rep(eos),
         )
-        attempt = self.p_attempt.index_select(0, st)
         row = torch.arange(q, device=self.device).repeat(b)
-        u = sampling.uniform(rep(self.p_seed.index_select(0, st)), rep(n), row, rep(attempt))
+        u = sampling.uniform(rep(p[:, I_SEED]), rep(n), row, rep(p[:, I_ATTEMPT]))
         tok = sampling.sample(logits, u).view(b, q)
         hit = (tok == eos.unsqueeze(1)).any(1)
         if q < self.num_vq:
             tok = tok.expand(b, self.num_vq)
         self.tokens[st, n] = tok
         self.hiddens[st, n] = h
-        self.n_dev.index_add_(0, st, (~hit).long())
-        self.n_dev.narrow(0, self.scratch, 1).zero_()  # padding rows of a CUDA-graph bucket write here
+        keep = ~hit if valid is None else ~hit & valid
+        self.n_dev.index_add_(0, st, keep.long())
         return tok, hit
 
-    def _first_step(self, slot_ids: List[int], st: Tensor, h: Tensor) -> None:
-        """Sample each new request's first token; upstream ensure_non_empty: an EOS there is redrawn."""
-        modes = {self.slots[s].req.mode for s in slot_ids}
-        for mode in modes:
-            ids = [s for s in slot_ids if self.slots[s].req.mode == mode]
-            sub = torch.tensor([slot_ids.index(s) for s in ids], device=self.device)
-            sts, hs = st[sub], h[sub]
-            zero = torch.zeros(len(ids), dtype=torch.int64, device=self.device)
-            while True:
-                self.n_dev.index_fill_(0, sts, 0)
-                _, hit = self.sample_core(sts, zero, hs, mode)
-                hit_host = hit.tolist()
-                redraw = []
-                for s, eos in zip(ids, hit_host):
-                    slot = self.slots[s]
-                    if eos and slot.req.params.ensure_non_empty and slot.attempt + 1 < MAX_EMPTY_RETRIES:
-                        slot.attempt += 1
-                        redraw.append(s)
-                if not redraw:
-                    break
-                self.p_attempt.index_add_(0, torch.tensor(redraw, device=self.device), torch.ones(len(redraw), dtype=torch.int64, device=self.device))
-            self._advance(ids, hit)
-
-    def _advance(self, slot_ids: List[int], hit: Tensor) -> None:
-        hit_host = hit[: len(slot_ids)].tolist()
-        for i, s in enumerate(slot_ids):
-            slot = self.slots[s]
-            if slot.req.cancelled:
-                self._finish(s, "cancelled")
-            elif hit_host[i]:
-                self._finish(s, "eos")
-            else:
-                slot.n += 1
-                if slot.n >= slot.req.params.max_new_tokens:
-                    self._finish(s, "max_tokens")
-                elif slot.req.on_tokens is not None and slot.n - slot.emitted >= max(1, slot.req.stream_every):
-                    self._emit(s, slot)
+    # -- host bookkeeping -------------------------------------------------------------------------
+    def _advance(self, lo: int, hi: int, hit: np.ndarray) -> None:
+        """After a step of the rows in slots lo..hi-1: counts, stream chunks, finished requests."""
+        rows = self.rows
+        cancelled = np.fromiter((rows[i].req.cancelled for i in range(lo, hi)), dtype=bool, count=hi - lo)
+        kept = ~hit & ~cancelled
+        n = self.h_n[lo:hi]
+        n += kept
+        maxed = kept & (n >= self.h_max[lo:hi])
+        for slot in self.streaming:
+            i = slot.idx - lo
+            if 0 <= i < hi - lo and kept[i] and not maxed[i] and n[i] - slot.emitted >= max(1, slot.req.stream_every):
+                self._emit(slot.idx, slot)
+        done = np.flatnonzero(~kept | maxed)
+        if done.size:
+            reasons = ["cancelled" if cancelled[j] else "eos" if hit[j] else "max_tokens" for j in done]
+            self._finish_rows([(lo + int(j), r) for j, r in zip(done, reasons)])
 
     def _emit(self, slot_id: int, slot: _Slot) -> None:
-        a, b = slot.emitted, slot.n
-        toks = self.tokens[slot_id, a:b].cpu()
-        hid = self.hiddens[slot_id, a:b].cpu() if slot.req.want_hidden else None
+        """Queue the slot's tokens since its last chunk; on_tokens gets them after the next host sync
+        (the step's own), so streaming adds no sync of its own."""
+        a, b = slot.emitted, int(self.h_n[slot_id])
+        toks = self._d2h(self.tokens[slot_id, a:b])
+        hid = self._d2h(self.hiddens[slot_id, a:b]) if slot.req.want_hidden else None
         slot.emitted = b
-        try:
-            slot.req.on_tokens(toks, hid)
-        except Exception:  # a failing consumer must not take the engine down: stop its generation
-            log.exception("streaming callback failed; cancelling that generation")
-            slot.req.cancel()
+        self._pending.append((slot, toks, hid))
 
-    def _finish(self, slot_id: int, reason: str, error: Optional[BaseException] = None) -> None:
-        slot = self.slots.pop(slot_id)
-        self.free.append(slot_id)
-        n = slot.n
-        req = slot.req
-        if reason in ("eos", "max_tokens"):
-            toks = self.tokens[slot_id, :n].clone()
-            if req.mode == "text":
-                toks = toks[:, 0]
-            hid = self.hiddens[slot_id, :n].clone() if (req.want_hidden and req.mode == "code") else None
-            res = GenResult(toks, hid, reason, steps=n)
-        else:
-            res = GenResult(None, None, reason, error=error, steps=n)
-        self._call(req, res)
+    def _deliver(self) -> None:
+        """Hand queued chunks to their consumers; call right after a host sync (their copies are done)."""
+        pending, self._pending = self._pending, []
+        for slot, toks, hid in pending:
+            try:
+                slot.req.on_tokens(toks, hid)
+            except Exception:  # a failing consumer must not take the engine down: stop its generation
+                log.exception("streaming callback failed; cancelling that generation")
+                slot.req.cancel()
+
+    def _finish_rows(self, items: List[Tuple[int, str]]) -> None:
+        results = []
+        for slot_id, reason in items:
+            slot = self.rows[slot_id]
+            results.append((slot.req, self._result(slot_id, slot.req, reason)))
+            self.streaming.discard(slot)
+        self._compact({i for i, _ in items})  # after the results' copies: they are queued first
+        for req, res in results:
+            self._call(req, res)
+
+    def _result(self, slot_id: int, req: GenRequest, reason: str) -> GenResult:
+        n = int(self.h_n[slot_id])
+        if reason not in ("eos", "max_tokens"):
+            return GenResult(None, None, reason, steps=n)
+        toks = self.tokens[slot_id, :n].clone()
+        if req.mode == "text":
+            toks = toks[:, 0]
+        hid = self.hiddens[slot_id, :n].clone() if (req.want_hidden and req.mode == "code") else None
+        return GenResult(toks, hid, reason, steps=n)
+
+    def _compact(self, done: Set[int]) -> None:
+        """Keep the running requests in slots 0..B-1: the last ones move into the freed slots below,
+        so every step attends over one contiguous range of the cache."""
+        b = len(self.rows)
+        keep = b - len(done)
+        holes = sorted(i for i in done if i < keep)
+        movers = [i for i in range(keep, b) if i not in done]
+        if holes:
+            src_h, dst_h = np.array(movers), np.array(holes)
+            src = self._h2d(torch.from_numpy(src_h))
+            dst = self._h2d(torch.from_numpy(dst_h))
+            m = int((self.h_plen[src_h] + self.h_n[src_h]).max())  # cache places written so far (≤ context)
+            t = int(self.h_n[src_h].max()) + 1
+            for buf in (self.k_cache.narrow(2, 0, m), self.v_cache.narrow(2, 0, m)):
+                buf.index_copy_(1, dst, buf.index_select(1, src))
+            for buf in (self.tokens.narrow(1, 0, t), self.hiddens.narrow(1, 0, t), self.pi, self.pf):
+                buf.index_copy_(0, dst, buf.index_select(0, src))
+            for arr in (self.h_n, self.h_plen, self.h_max, self.h_text):
+                arr[dst_h] = arr[src_h]
+            for s, d in zip(movers, holes):
+                slot = self.rows[s]
+                slot.idx = d
+                self.rows[d] = slot
+        del self.rows[keep:]
+        self._clear_free(keep, b)
+
+    def _clear_free(self, lo: int, hi: int) -> None:
+        # free slots are the padding rows of graph buckets: n = prompt_len = 0 (nothing in their
+        # history is read) and the audio EOS (a text request's EOS id would index past the code head)
+        if hi > lo:
+            self.pi.narrow(0, lo, hi - lo).copy_(self._free_pi.expand(hi - lo, -1))
+            self.pf.narrow(0, lo, hi - lo).fill_(1.0)
+            self.h_n[lo:hi] = 0
+            self.h_plen[lo:hi] = 0
+            self.h_text[lo:hi] = False
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._pending.clear()
+        rows, self.rows = self.rows, []
+        self.streaming.clear()
+        results = [(s.req, GenResult(None, None, "error", error=error, steps=int(self.h_n[s.idx]))) for s in rows]
+        try:
+            self._clear_free(0, len(rows))
+        except Exception:  # noqa: BLE001 - the device itself may be what failed
+            log.exception("resetting the slots failed")
+        for req, res in results:
+            self._call(req, res)
 
     @staticmethod
     def _call(req: GenRequest, res: GenResult) -> None:
@@ -434,64 +647,85 @@ class Engine:
             log.exception("generation callback failed")
 
 
-def _bucket(n: int, smallest: int, largest: int) -> int:
-    b = smallest
-    while b < n:
-        b *= 2
+BATCH_STEP = 32  # batch buckets: powers of two up to this, then its multiples (≤ 31 padding rows)
+LEN_STEP = 128  # attention-length buckets: multiples of this
+
+
+def _bucket(n: int, step: int, largest: int) -> int:
+    if n <= step:
+        b = 1
+        while b < n:
+            b *= 2
+    else:
+        b = -(-n // step) * step
     return min(b, largest)
 
 
 class CudaGraphs:
-    """Decode steps of audio-code rows replayed from CUDA graphs.
+    """Decode steps replayed from CUDA graphs.
 
-    One graph per (batch bucket, attention-length bucket), both powers of two, captured on first
-    use into one shared memory pool. Rows past the live batch point at the scratch slot. What a
-    graph runs is `Engine.step_core`, the same code as the eager path.
+    One graph per (mode, batch bucket, attention-length bucket), captured on first use into one
+    shared memory pool. A bucket runs slots 0..bucket-1: the live batch, then free slots as padding
+    rows (`Engine.n_live` keeps their counts from advancing; their other writes land in free slots,
+    which admission resets). What a graph runs is `Engine.step_core`, the same code as the eager
+    path; with capture=False (CPU tests) the same buckets run eagerly.
     """
 
-    MIN_LEN = 128
-
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, capture: bool = True):
         self.e = engine
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: Dict[tuple, tuple] = {}
-        self.stream = torch.cuda.Stream(device=engine.device)
+        self.capture = capture
+        self.graphs: Dict[tuple, Optional[Callable[[], Tensor]]] = {}
+        if capture:
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device=engine.device)
 
-    def step(self, ids: List[int], pos_host: List[int], attn_len: int):
+    def buckets(self, b: int, attn_len: int) -> Tuple[int, int]:
         e = self.e
-        b = len(ids)
-        bb = _bucket(b, 1, _bucket(e.max_slots, 1, 1 << 30))
-        lb = _bucket(attn_len, self.MIN_LEN, e.max_context)
-        key = (bb, lb)
+        return _bucket(b, BATCH_STEP, e.max_slots), _bucket(max(attn_len, LEN_STEP), LEN_STEP, e.max_context)
+
+    def step(self, b: int, attn_len: int, mode: str) -> Optional[Tensor]:
+        """eos_hit [bucket] of one step of the live rows 0..b-1, or None: run it eagerly."""
+        bb, lb = self.buckets(b, attn_len)
+        key = (mode, bb, lb)
         if key not in self.graphs:
             try:
-                self.graphs[key] = self._capture(bb, lb)
+                self.graphs[key] = self._capture(mode, bb, lb)
             except RuntimeError:  # never fail requests over an optimisation: run this bucket eagerly
-                log.exception("CUDA graph capture failed for batch=%d attn_len=%d; running it eagerly", bb, lb)
+                if not self.capture:  # the eager stand-in has no capture to fail: a real error
+                    raise
+                log.exception("CUDA graph capture failed for %s batch=%d attn_len=%d; running it eagerly", mode, bb, lb)
                 self.graphs[key] = None
-        entry = self.graphs[key]
-        if entry is None:
+        run = self.graphs[key]
+        if run is None:
             return None
-        graph, slots, positions, tok, hit = entry
-        pad = bb - b
-        host = torch.tensor([ids + [e.scratch] * pad, pos_host + [0] * pad], dtype=torch.int64)
-        slots.copy_(host[0])
-        positions.copy_(host[1])
-        graph.replay()
-        return tok, hit
+        self.e._set_live(b)
+        return run()
 
-    def _capture(self, bb: int, lb: int):
+    def _warm(self, mode: str, bb: int, lb: int) -> None:
+        # n_live = 0: every row is padding, so a live row only gets the writes (its KV at its current
+        # position, its next token/hidden) that its next real step makes again before reading them
         e = self.e
-        slots = torch.full((bb,), e.scratch, dtype=torch.int64, device=e.device)
-        positions = torch.zeros(bb, dtype=torch.int64, device=e.device)
-        # the scratch slot's state must not leak into live slots: warm up on scratch rows only
-        self.stream.wait_stream(torch.cuda.current_stream(e.device))
+        e._set_live(0)
+        for _ in range(3):
+            e.step_core(0, bb, lb, mode, e.n_live)
+
+    def _capture(self, mode: str, bb: int, lb: int) -> Callable[[], Tensor]:
+        e = self.e
+        if not self.capture:
+            self._warm(mode, bb, lb)
+            return lambda: e.step_core(0, bb, lb, mode, e.n_live)
+        cur = torch.cuda.current_stream(e.device)
+        self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream):
-            for _ in range(3):
-                e.step_core(slots, positions, lb)
-        torch.cuda.current_stream(e.device).wait_stream(self.stream)
+            self._warm(mode, bb, lb)
+        cur.wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            tok, hit = e.step_core(slots, positions, lb)
-        log.info("captured decode graph batch=%d attn_len=%d", bb, lb)
-        return graph, slots, positions, tok, hit
+            hit = e.step_core(0, bb, lb, mode, e.n_live)
+        log.info("captured %s decode graph batch=%d attn_len=%d", mode, bb, lb)
+
+        def run() -> Tensor:
+            graph.replay()
+            return hit
+
+        return run

@@ -2,7 +2,8 @@
 
 TorchScript-able (`torch.jit.script`). The engine owns the cache tensors and passes them in; every
 request lives in one cache slot and its positions start at 0, so no left padding is ever needed and
-a request computes the same numbers whichever batch it shares.
+a request computes the same numbers whichever batch it shares. A batch is a contiguous range of
+slots (`slot_start`..), so attention reads the cache in place.
 
 Cache layout: k_cache / v_cache [layers, slots, context, kv_heads, head_dim].
 """
@@ -57,7 +58,7 @@ class DecoderLayer(nn.Module):
         k_cache: Tensor,
         v_cache: Tensor,
         write_index: Tensor,
-        slots: Tensor,
+        slot_start: int,
         attn_len: int,
         mask: Tensor,
     ) -> Tensor:
@@ -68,14 +69,15 @@ class DecoderLayer(nn.Module):
         v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        # write this step's keys/values into each request's slot, then attend over the slot
+        # write this step's keys/values into each request's slot, then attend over the slots in
+        # place: rows are the contiguous slots slot_start.., so a view, no gather, feeds the attention
         s, c = k_cache.shape[0], k_cache.shape[1]
         flat_k = k_cache.view(s * c, self.kv_heads, self.head_dim)
         flat_v = v_cache.view(s * c, self.kv_heads, self.head_dim)
         flat_k.index_copy_(0, write_index, k.reshape(b * t, self.kv_heads, self.head_dim).to(k_cache.dtype))
         flat_v.index_copy_(0, write_index, v.reshape(b * t, self.kv_heads, self.head_dim).to(v_cache.dtype))
-        keys = k_cache.narrow(1, 0, attn_len).index_select(0, slots).to(q.dtype)
-        values = v_cache.narrow(1, 0, attn_len).index_select(0, slots).to(q.dtype)
+        keys = k_cache.narrow(0, slot_start, b).narrow(1, 0, attn_len).to(q.dtype)
+        values = v_cache.narrow(0, slot_start, b).narrow(1, 0, attn_len).to(q.dtype)
         rep = self.heads // self.kv_heads
         if rep > 1:
             keys = keys.repeat_interleave(rep, dim=2)
@@ -139,15 +141,16 @@ class ChatTTSGPT(nn.Module):
         """h [B, hidden] → float logits [B, num_text_tokens]"""
         return F.linear(h, self.head_text.to(h.dtype)).float()
 
-    def forward(self, x: Tensor, positions: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor, attn_len: int) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, slot_start: int, k_cache: Tensor, v_cache: Tensor, attn_len: int) -> Tensor:
         """One prefill or decode step.
 
         x [B, T, hidden]; positions [B, T] int64 (absolute, -1 = padding: written to a scratch
-        place and never attended); slots [B] int64 cache slot of each row; attn_len = 1 + the
+        place and never attended); row i uses cache slot slot_start + i; attn_len = 1 + the
         largest position in the step. Returns the final-norm hidden states [B, T, hidden].
         """
         b, t, _ = x.shape
         context = k_cache.shape[2]
+        slots = torch.arange(slot_start, slot_start + b, dtype=torch.int64, device=x.device)
         valid = positions >= 0
         pos = torch.where(valid, positions, torch.zeros_like(positions))
         # padding goes to the slot's last place: it is rewritten before it can ever be attended
@@ -162,7 +165,7 @@ class ChatTTSGPT(nn.Module):
         mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
         mask = mask.masked_fill(~allowed, float("-inf")).unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], write_index, slots, attn_len, mask)
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], write_index, slot_start, attn_len, mask)
         return self.norm(x)
 
     @torch.jit.export

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -14,9 +15,9 @@ from chattts_triton.gpt import load_gpt
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _engine(model, arch, graphs, dtype=torch.float32, slots=8):
+def _engine(model, arch, graphs, dtype=torch.float32, slots=8, **kw):
     return Engine(model, max_slots=slots, max_context=512, max_new_tokens=200, hidden=arch.gpt.hidden,
-                  num_vq=arch.num_vq, device="cuda", cache_dtype=dtype, compute_dtype=dtype, cuda_graphs=graphs)
+                  num_vq=arch.num_vq, device="cuda", cache_dtype=dtype, compute_dtype=dtype, cuda_graphs=graphs, **kw)
 
 
 def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets):
@@ -61,3 +62,48 @@ def test_request_alone_equals_request_in_a_graphed_batch(full_assets, dtype):
     print(f"{dtype}: {same}/12 requests identical alone vs in a batch of 12; first differing step: {first_diff}")
     if dtype == torch.float32:
         assert same == 12
+
+
+def test_compaction_graph_buckets_streaming_and_text_rows_equal_alone_on_gpu(tiny_assets):
+    """The CPU scenario (finish orders, a cancel from a stream callback, joins, a refine-text row)
+    with captured graphs: padding rows, warm-ups over live rows and compaction change nothing."""
+    from tests.test_gpt_engine import check_same_as_alone, drive, instrument, scenario_specs
+
+    arch = infer_arch(tiny_assets)
+    model = torch.jit.script(load_gpt(tiny_assets, arch).cuda())
+    eng = _engine(model, arch, True, start=False)
+    specs = scenario_specs()
+    alone = [drive(eng, [s])[0] for s in specs]
+    seen = instrument(eng)
+    batched = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2])
+    check_same_as_alone(alone, batched, hidden_atol=1e-4)
+    assert seen["moves"] >= 3 and "mixed" in seen["modes"]
+    assert any(v is not None for v in eng.graphs.graphs.values())
+
+
+def test_decode_step_syncs_the_host_once(full_assets):
+    """Steady state with graphs, streaming consumers and a request finishing (compaction): exactly
+    one synchronizing CUDA call per decode step."""
+    arch = infer_arch(full_assets)
+    model = torch.jit.script(load_gpt(full_assets, arch).cuda())
+    eng = _engine(model, arch, True, slots=8, start=False)
+    got = []
+    for i in range(6):
+        n = 25 if i == 0 else 60  # slot 0 finishes at the 24th step: the last slot moves into it
+        eng.submit(GenRequest(torch.randint(0, 21000, (20,)), SamplingParams(0.3, 0.7, 20, 1.05, n, n, seed=i), got.append,
+                              on_tokens=(lambda t, h: None) if i % 2 else None, stream_every=1 + i))
+    for _ in range(20):  # admission, graph capture
+        eng._run_once(block=False)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(10):
+                eng._run_once(block=False)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert len(got) == 1 and eng.active == 5
+    syncs = [x for x in w if "synchroniz" in str(x.message)]
+    assert len(syncs) == 10, [str(x.message) for x in syncs]
+    eng.stop(drain=False)
