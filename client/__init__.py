@@ -1,11 +1,12 @@
-"""Client of the `chattts` Triton ensemble: `ChatTTSClient` / `AsyncChatTTSClient` (one server),
-`BalancedChatTTSClient` / `AsyncBalancedChatTTSClient` (several, with failover), WAV helpers,
-and the command line (`python -m client --help`)."""
+"""Client of the `chattts` Triton ensemble (and its streaming twin `chattts_stream`, through
+`stream()`): `ChatTTSClient` / `AsyncChatTTSClient` (one server), `BalancedChatTTSClient` /
+`AsyncBalancedChatTTSClient` (several, with failover), WAV helpers, and the command line
+(`python -m client --help`)."""
 
-from .audio import WavError, load_reference_audio, read_wav, save_wav
+from .audio import WavError, WavStreamWriter, load_reference_audio, read_wav, save_wav
 from .balancer import AsyncBalancedChatTTSClient, BalancedChatTTSClient
 from .client import AsyncChatTTSClient, ChatTTSClient, split_sentences
-from .contract import MODEL, SAMPLE_RATE, build_inputs
+from .contract import MODEL, SAMPLE_RATE, STREAM_MODEL, build_inputs
 from .errors import ChatTTSError, ChatTTSInputError, ChatTTSUnavailableError
 
 __all__ = [
@@ -18,7 +19,9 @@ __all__ = [
     "ChatTTSUnavailableError",
     "MODEL",
     "SAMPLE_RATE",
+    "STREAM_MODEL",
     "WavError",
+    "WavStreamWriter",
     "build_inputs",
     "load_reference_audio",
     "read_wav",

@@ -1,12 +1,11 @@
-"""WAV files without extra dependencies: 16-bit PCM (stdlib `wave`) or 32-bit float (RIFF by hand,
-since `wave` only knows integer PCM)."""
+"""WAV files without extra dependencies: 16-bit PCM (the layout of stdlib `wave`) or 32-bit float,
+written whole (`save_wav`) or as audio arrives (`WavStreamWriter`)."""
 
 from __future__ import annotations
 
 import struct
-import wave
 from pathlib import Path
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import numpy as np
 
@@ -27,6 +26,36 @@ def to_pcm16(audio: np.ndarray) -> np.ndarray:
     return np.round(np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2")
 
 
+def _encode(audio: np.ndarray, fmt: str) -> bytes:
+    audio = np.asarray(audio, dtype=np.float32)
+    if audio.ndim != 1:
+        raise ValueError(f"expected mono 1-D audio, got shape {audio.shape}")
+    return (to_pcm16(audio) if fmt == "pcm16" else audio.astype("<f4")).tobytes()
+
+
+_UNKNOWN_SIZE = 0xFFFFFFFF
+
+
+def _wav_header(fmt: str, sample_rate: int, data_bytes: Optional[int]) -> bytes:
+    """RIFF header up to the data chunk's size (same length whatever the size; None = not known yet).
+    pcm16: the layout of stdlib `wave`. float32: non-PCM formats carry cbSize and a `fact` chunk."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if fmt == "pcm16":
+        fmt_chunk = struct.pack("<HHIIHH", _WAVE_FORMAT_PCM, 1, sample_rate, sample_rate * 2, 2, 16)
+        extra = b""
+    else:
+        fmt_chunk = struct.pack("<HHIIHHH", _WAVE_FORMAT_IEEE_FLOAT, 1, sample_rate, sample_rate * 4, 4, 32, 0)
+        frames = _UNKNOWN_SIZE if data_bytes is None else data_bytes // 4
+        extra = b"fact" + struct.pack("<II", 4, frames)
+    head = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt_chunk)) + fmt_chunk + extra + b"data"
+    if data_bytes is None:
+        riff_size = data_size = _UNKNOWN_SIZE
+    else:
+        riff_size, data_size = len(head) + 4 + data_bytes, data_bytes  # data is never odd-sized here
+    return b"RIFF" + struct.pack("<I", riff_size) + head + struct.pack("<I", data_size)
+
+
 def save_wav(
     path: Union[str, Path],
     audio: np.ndarray,
@@ -36,31 +65,56 @@ def save_wav(
     """Write mono `audio` (float samples in [-1, 1]) as a WAV file; returns the path."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
-    audio = np.asarray(audio, dtype=np.float32)
-    if audio.ndim != 1:
-        raise ValueError(f"expected mono 1-D audio, got shape {audio.shape}")
+    data = _encode(audio, fmt)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if fmt == "pcm16":
-        with wave.open(str(path), "wb") as w:
-            w.setnchannels(1)
-            w.setsampwidth(2)
-            w.setframerate(sample_rate)
-            w.writeframes(to_pcm16(audio).tobytes())
-        return path
-    data = audio.astype("<f4").tobytes()
-    # Non-PCM formats carry a cbSize field and a `fact` chunk (sample count).
-    fmt_chunk = struct.pack("<HHIIHHH", _WAVE_FORMAT_IEEE_FLOAT, 1, sample_rate, sample_rate * 4, 4, 32, 0)
-    fact_chunk = struct.pack("<I", audio.size)
-    body = (
-        b"WAVE"
-        + b"fmt " + struct.pack("<I", len(fmt_chunk)) + fmt_chunk
-        + b"fact" + struct.pack("<I", len(fact_chunk)) + fact_chunk
-        + b"data" + struct.pack("<I", len(data)) + data
-        + (b"\x00" if len(data) % 2 else b"")
-    )  # fmt: skip
-    path.write_bytes(b"RIFF" + struct.pack("<I", len(body)) + body)
+    path.write_bytes(_wav_header(fmt, sample_rate, len(data)) + data)
     return path
+
+
+class WavStreamWriter:
+    """A WAV written as audio arrives: the header's sizes are placeholders (0xFFFFFFFF, "unknown",
+    as streaming writers use) until `close()` patches them; the result is the file `save_wav` writes
+    for the same samples. `abort()` (and leaving a `with` block by an exception) deletes the file."""
+
+    def __init__(self, path: Union[str, Path], sample_rate: int = SAMPLE_RATE, fmt: str = "pcm16"):
+        header = _wav_header(fmt, sample_rate, None)  # checks fmt before creating anything
+        self.path, self.sample_rate, self.fmt = Path(path), sample_rate, fmt
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("wb")
+        self._file.write(header)
+        self._data_bytes = 0
+
+    @property
+    def samples(self) -> int:
+        return self._data_bytes // (2 if self.fmt == "pcm16" else 4)
+
+    def write(self, audio: np.ndarray) -> None:
+        data = _encode(audio, self.fmt)
+        self._file.write(data)
+        self._file.flush()  # a player reading the file follows along
+        self._data_bytes += len(data)
+
+    def close(self) -> Path:
+        if not self._file.closed:
+            self._file.seek(0)
+            self._file.write(_wav_header(self.fmt, self.sample_rate, self._data_bytes))
+            self._file.close()
+        return self.path
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "WavStreamWriter":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
 
 
 def read_wav(path: Union[str, Path]) -> Tuple[np.ndarray, int]:

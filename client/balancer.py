@@ -1,7 +1,7 @@
 """Client across several Triton servers: `BalancedChatTTSClient` / `AsyncBalancedChatTTSClient`.
 
-Same `synthesize` / `synthesize_batch` API as `ChatTTSClient` (they subclass it); only the transport
-differs. One tritonclient transport per endpoint; each request goes to the endpoint that is up and has
+Same `synthesize` / `synthesize_batch` / `stream` API as `ChatTTSClient` (they subclass it); only the
+transport differs. One tritonclient transport per endpoint; each request goes to the endpoint that is up and has
 the fewest requests outstanding (ties: round robin). UNAVAILABLE or a connection failure marks that
 endpoint down and the same request is re-sent to another endpoint at once; any other error
 (INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) is raised without re-sending, since another server would
@@ -40,7 +40,7 @@ from .client import (
     _GrpcTransport,
     _HttpTransport,
 )
-from .contract import MODEL
+from .contract import MODEL, STREAM_MODEL
 from .errors import ChatTTSError, ChatTTSUnavailableError, to_chattts_error
 
 DEFAULT_COOLDOWN_S = 2.0  # a down endpoint is not probed again sooner than this
@@ -239,6 +239,9 @@ class _BalancedTransport:
             finally:
                 self.pool.release(ep, ok)
 
+    def open_stream(self, model: str, chunk_timeout_s: float) -> "_BalancedStreamSession":
+        return _BalancedStreamSession(self, model, chunk_timeout_s)
+
     def is_ready(self) -> bool:
         """Probe every endpoint now (updating up/down); True if any is ready."""
         return any([self._probe(ep) for ep in self.pool.endpoints])
@@ -259,6 +262,73 @@ class _BalancedTransport:
         self.wait_for_probes(timeout_s=1.0)
         for ep in self.pool.endpoints:
             ep.transport.close()
+
+
+class _BalancedStreamSession:
+    """A stream request on the least busy endpoint. UNAVAILABLE or a connection failure before the
+    first audio marks the endpoint down and sends the request to another one, like `infer`."""
+
+    def __init__(self, transport: _BalancedTransport, model: str, chunk_timeout_s: float):
+        self._t, self._model, self._timeout_s = transport, model, chunk_timeout_s
+        self._tried: Set[Endpoint] = set()
+        self._last: Optional[ChatTTSError] = None
+        self._arrays: Optional[Mapping[str, np.ndarray]] = None
+        self._ep: Optional[Endpoint] = None
+        self._session: Any = None
+        self._audio = False  # audio came back: no failover any more
+
+    def _where(self, ep: Endpoint) -> str:
+        return _where(self._t._protocol, ep.url, self._model)
+
+    def _open(self) -> None:
+        self._t._start_due_probes()
+        ep = self._t.pool.acquire(self._tried) or self._t._revive(self._tried)
+        if ep is None:
+            raise _all_down(self._t.pool, self._last)
+        self._ep = ep
+        try:
+            self._session = ep.transport.open_stream(self._model, self._timeout_s)
+            self._session.send(self._arrays)
+        except Exception as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        """Raise, or fail over to the next endpoint (which may raise in turn)."""
+        ep = self._ep
+        err = to_chattts_error(exc, self._where(ep))
+        self._release(cancel=True)
+        if not err.retryable or self._audio:
+            raise err from exc
+        self._t.pool.mark_down(ep, err)
+        self._tried.add(ep)
+        self._last = err
+        self._open()
+
+    def _release(self, cancel: bool) -> None:
+        ep, session, self._ep, self._session = self._ep, self._session, None, None
+        try:
+            if session is not None:
+                session.close(cancel)
+        finally:
+            if ep is not None:
+                self._t.pool.release(ep, not cancel)
+
+    def send(self, arrays: Mapping[str, np.ndarray]) -> None:
+        self._arrays = arrays
+        self._open()
+
+    def receive(self):
+        while True:
+            try:
+                chunk, final = self._session.receive()
+            except Exception as exc:
+                self._failed(exc)
+                continue
+            self._audio = self._audio or chunk.size > 0
+            return chunk, final
+
+    def close(self, cancel: bool) -> None:
+        self._release(cancel)
 
 
 def _make_pool(urls, transports, factory, cooldown_s, clock) -> EndpointPool:
@@ -290,6 +360,7 @@ class BalancedChatTTSClient(ChatTTSClient):
         *,
         max_backoff_s: float = MAX_BACKOFF_S,
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        stream_model: str = STREAM_MODEL,
         cooldown_s: float = DEFAULT_COOLDOWN_S,
         transports: Optional[Sequence[Any]] = None,
         sleep: Callable[[float], None] = time.sleep,
@@ -305,7 +376,7 @@ class BalancedChatTTSClient(ChatTTSClient):
         pool = _make_pool(self.urls, transports, lambda u: cls(u, model, float(timeout_s)), cooldown_s, clock)
         super().__init__(
             ",".join(self.urls), protocol, model, timeout_s, retries, backoff_s,
-            max_backoff_s=max_backoff_s, max_concurrency=max_concurrency,
+            max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, stream_model=stream_model,
             transport=_BalancedTransport(pool, protocol, model), sleep=sleep,
         )  # fmt: skip
 
@@ -384,6 +455,9 @@ class _AsyncBalancedTransport:
             finally:
                 self.pool.release(ep, ok)
 
+    def open_stream(self, model: str, chunk_timeout_s: float) -> "_AsyncBalancedStreamSession":
+        return _AsyncBalancedStreamSession(self, model, chunk_timeout_s)
+
     async def is_ready(self) -> bool:
         results = await asyncio.gather(*[self._probe(ep) for ep in self.pool.endpoints])
         return any(results)
@@ -408,6 +482,47 @@ class _AsyncBalancedTransport:
             await ep.transport.close()
 
 
+class _AsyncBalancedStreamSession(_BalancedStreamSession):
+    """asyncio twin of `_BalancedStreamSession` (close() stays synchronous, as the sessions' is)."""
+
+    async def _open(self) -> None:
+        self._t._start_due_probes()
+        ep = self._t.pool.acquire(self._tried) or await self._t._revive(self._tried)
+        if ep is None:
+            raise _all_down(self._t.pool, self._last)
+        self._ep = ep
+        try:
+            self._session = ep.transport.open_stream(self._model, self._timeout_s)
+            await self._session.send(self._arrays)
+        except Exception as exc:
+            await self._failed(exc)
+
+    async def _failed(self, exc: Exception) -> None:
+        ep = self._ep
+        err = to_chattts_error(exc, self._where(ep))
+        self._release(cancel=True)
+        if not err.retryable or self._audio:
+            raise err from exc
+        self._t.pool.mark_down(ep, err)
+        self._tried.add(ep)
+        self._last = err
+        await self._open()
+
+    async def send(self, arrays: Mapping[str, np.ndarray]) -> None:
+        self._arrays = arrays
+        await self._open()
+
+    async def receive(self):
+        while True:
+            try:
+                chunk, final = await self._session.receive()
+            except Exception as exc:
+                await self._failed(exc)
+                continue
+            self._audio = self._audio or chunk.size > 0
+            return chunk, final
+
+
 class AsyncBalancedChatTTSClient(AsyncChatTTSClient):
     """asyncio twin of `BalancedChatTTSClient`; create and use it inside one event loop."""
 
@@ -422,6 +537,7 @@ class AsyncBalancedChatTTSClient(AsyncChatTTSClient):
         *,
         max_backoff_s: float = MAX_BACKOFF_S,
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        stream_model: str = STREAM_MODEL,
         cooldown_s: float = DEFAULT_COOLDOWN_S,
         transports: Optional[Sequence[Any]] = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -431,7 +547,7 @@ class AsyncBalancedChatTTSClient(AsyncChatTTSClient):
         _check_protocol(protocol)
         super().__init__(
             ",".join(self.urls), protocol, model, timeout_s, retries, backoff_s,
-            max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, sleep=sleep,
+            max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, stream_model=stream_model, sleep=sleep,
         )  # fmt: skip
         if cooldown_s < 0:
             raise ValueError(f"cooldown_s must be >= 0, got {cooldown_s!r}")

@@ -2,18 +2,21 @@
 
 Every optional input of the `chattts` contract is a flag (TOP_P -> --top-p, booleans as
 --refine-text / --no-refine-text); flags left out use the server's defaults.
+`--stream` (with TEXT) uses the decoupled `chattts_stream` model and writes the WAV as the chunks
+arrive (sizes in the header are patched at the end; on failure the partial file is deleted).
 Exit status: 0 success, 1 a request failed or the server is unreachable, 2 bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .audio import FORMATS, WavError, load_reference_audio, save_wav
+from .audio import FORMATS, WavError, WavStreamWriter, load_reference_audio, save_wav
 from .balancer import BalancedChatTTSClient
 from .client import (
     DEFAULT_BACKOFF_S,
@@ -24,7 +27,7 @@ from .client import (
     PROTOCOLS,
     ChatTTSClient,
 )
-from .contract import MODEL, OPTION_INPUTS, SAMPLE_RATE, input_datatype
+from .contract import MODEL, OPTION_INPUTS, SAMPLE_RATE, STREAM_MODEL, input_datatype
 from .errors import ChatTTSError, ChatTTSInputError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -85,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not use the first sentence as the voice reference of the others",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    p.add_argument("--stream", action="store_true", help="with TEXT: stream from --stream-model, WAV written as it comes")
+    p.add_argument("--stream-model", default=STREAM_MODEL)
+    p.add_argument("--chunk-timeout", type=float, metavar="S", help="with --stream: seconds per chunk (default --timeout)")
     _add_contract_options(p)
     return p
 
@@ -102,6 +108,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("-o goes with TEXT (use --out-dir for --file)")
     if args.timeout <= 0 or args.retries < 0 or args.backoff < 0 or args.concurrency < 1:
         p.error("--timeout and --concurrency must be positive, --retries and --backoff not negative")
+    if args.stream and args.file is not None:
+        p.error("--stream goes with TEXT, not --file")
+    if args.chunk_timeout is not None and (not args.stream or args.chunk_timeout <= 0):
+        p.error("--chunk-timeout must be positive and goes with --stream")
 
 
 def _options(p: argparse.ArgumentParser, args: argparse.Namespace) -> Dict[str, Any]:
@@ -135,6 +145,32 @@ def _run_text(client: ChatTTSClient, args, options, out) -> int:
     path = save_wav(args.output, audio, fmt=args.format)
     if not args.quiet:
         print(f"wrote {path}: {audio.size / SAMPLE_RATE:.2f} s of audio in {time.perf_counter() - start:.2f} s", file=out)
+    return EXIT_OK
+
+
+def _run_stream(client: ChatTTSClient, args, options, out) -> int:
+    text = sys.stdin.read() if args.text == "-" else args.text
+    start = time.perf_counter()
+    stream = client.stream(
+        text, split=args.split, voice_from_first=args.voice_from_first, chunk_timeout_s=args.chunk_timeout, **options
+    )
+    progress = not args.quiet and sys.stderr.isatty()
+    first = None
+    # on any failure the WAV is deleted, then the stream closed (which cancels the request)
+    with contextlib.closing(stream) as chunks, WavStreamWriter(args.output, fmt=args.format) as wav:
+        for chunk in chunks:
+            if first is None:
+                first = time.perf_counter() - start
+            wav.write(chunk)
+            if progress:
+                print(f"\r{wav.samples / SAMPLE_RATE:7.2f} s of audio received (first chunk after {first:.2f} s)",
+                      end="", file=sys.stderr, flush=True)  # fmt: skip
+    if progress:
+        print(file=sys.stderr)
+    if not args.quiet:
+        ttfc = "no audio" if first is None else f"first chunk after {first:.2f} s"
+        print(f"wrote {wav.path}: {wav.samples / SAMPLE_RATE:.2f} s of audio in {time.perf_counter() - start:.2f} s"
+              f" ({ttfc})", file=out)  # fmt: skip
     return EXIT_OK
 
 
@@ -186,6 +222,7 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
             retries=args.retries,
             backoff_s=args.backoff,
             max_concurrency=args.concurrency,
+            stream_model=args.stream_model,
         )
     except ValueError as e:
         p.error(str(e))
@@ -193,6 +230,8 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
         with client:
             if numbered is not None:
                 return _run_file(client, args, options, numbered, out)
+            if args.stream:
+                return _run_stream(client, args, options, out)
             return _run_text(client, args, options, out)
     except ChatTTSInputError as e:
         print(f"error: {e.message}", file=sys.stderr)

@@ -8,28 +8,52 @@
   the speaker reference (SPEAKER_AUDIO / SPEAKER_TEXT) for all sentences, so the voice stays the same.
 - Each attempt has `timeout_s`; UNAVAILABLE and connection failures are retried with exponential
   backoff, everything else raises `ChatTTSError` at once (INVALID_ARGUMENT is never retried).
+- `stream()` yields the audio of the decoupled `chattts_stream` model chunk by chunk (gRPC
+  bidirectional stream, or HTTP `generate_stream` server-sent events); see `ChatTTSClient.stream`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import contextlib
+import json
+import queue
 import threading
 import time
-from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Union
+import uuid
+from typing import (
+    Any,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import numpy as np
 
 from .contract import (
     MODEL,
     OPTION_INPUTS,
+    STREAM_MODEL,
     audio_from_result,
     build_inputs,
     check_options,
+    chunk_from_json,
+    chunk_from_result,
     requested_outputs,
     to_infer_inputs,
+    to_json_inputs,
 )
-from .errors import ChatTTSError, ChatTTSInputError, ChatTTSUnavailableError, to_chattts_error
+from .errors import INTERNAL, ChatTTSError, ChatTTSInputError, ChatTTSUnavailableError, stream_error, to_chattts_error
 
 PROTOCOLS = ("grpc", "http")
 DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
@@ -39,6 +63,7 @@ DEFAULT_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
 DEFAULT_MAX_CONCURRENCY = 16
 CONNECT_TIMEOUT_S = 10.0
+CLOSE_WAIT_S = 1.0  # how long closing a stream waits for its call to end
 
 OnResult = Callable[[int, Union[np.ndarray, ChatTTSError]], None]
 
@@ -127,13 +152,324 @@ def _join(pieces: Sequence[np.ndarray]) -> np.ndarray:
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces).astype(np.float32, copy=False)
 
 
+Chunk = Tuple[np.ndarray, bool]  # (audio samples, last response of the request)
+_NO_AUDIO = np.zeros(0, np.float32)
+
+
+class _SSEParser:
+    """Server-sent events: feed bytes as they arrive, get the `data` of each complete event."""
+
+    def __init__(self):
+        self._buf = bytearray()
+        self._scan = 0  # no newline before this offset of _buf (long lines arrive in many pieces)
+        self._data: List[bytes] = []
+
+    def feed(self, data: bytes) -> List[bytes]:
+        self._buf += data
+        events: List[bytes] = []
+        while True:
+            end = self._buf.find(b"\n", self._scan)
+            if end < 0:
+                self._scan = len(self._buf)
+                return events
+            line = bytes(self._buf[:end]).rstrip(b"\r")
+            del self._buf[: end + 1]
+            self._scan = 0
+            if not line:
+                if self._data:
+                    events.append(b"\n".join(self._data))
+                    self._data = []
+            elif line.startswith(b"data:"):
+                value = line[5:]
+                self._data.append(value[1:] if value.startswith(b" ") else value)
+            # comments (":") and the event/id/retry fields carry nothing here
+
+    def close(self) -> List[bytes]:
+        """Events left at the end of the body (a last event without its blank line)."""
+        events = self.feed(b"\n\n") if self._buf or self._data else []
+        self._buf.clear()
+        return events
+
+
+def _sse_chunk(data: bytes) -> np.ndarray:
+    """AUDIO of one generate_stream event; an `{"error": ...}` event is raised."""
+    try:
+        event = json.loads(data)
+    except ValueError as e:
+        raise ChatTTSError(INTERNAL, f"unreadable stream event ({e}): {data[:200]!r}") from None
+    if not isinstance(event, dict):
+        raise ChatTTSError(INTERNAL, f"stream event is not an object: {data[:200]!r}")
+    if "error" in event:
+        raise stream_error(str(event["error"]))
+    return chunk_from_json(event)
+
+
+def _generate_stream_path(model: str) -> str:
+    from urllib.parse import quote
+
+    return f"/v2/models/{quote(model, safe='')}/generate_stream"
+
+
+def _json_body(arrays: Mapping[str, np.ndarray]) -> bytes:
+    return json.dumps(to_json_inputs(arrays)).encode("utf-8")
+
+
+def _error_text(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace").strip() or "(no message)"
+
+
+def _no_chunk(timeout_s: float) -> TimeoutError:
+    return TimeoutError(f"no audio chunk within {timeout_s:g} s")
+
+
+def _grpc_stream_exception(error):
+    """A stream callback's error: a server error response has no status (Triton 2.51), a broken
+    stream (RpcError) has one."""
+    return error if error.status() else stream_error(error.message() or str(error))
+
+
+# --- stream sessions: one request to the stream model each; send(), receive() until final, close(cancel)
+def _grpc_stream_request(module, model: str, arrays: Mapping[str, np.ndarray], empty_final: bool):
+    """The ModelInferRequest tritonclient's async_stream_infer would send."""
+    from tritonclient.grpc._utils import _get_inference_request
+
+    request = _get_inference_request(
+        model_name=model, inputs=to_infer_inputs(module, arrays), model_version="", request_id=uuid.uuid4().hex,
+        outputs=requested_outputs(module), sequence_id=0, sequence_start=False, sequence_end=False, priority=0,
+        timeout=None, parameters=None,
+    )  # fmt: skip
+    if empty_final:
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
+    return request
+
+
+def _rpc_exception(e):
+    from tritonclient.utils import InferenceServerException
+
+    return InferenceServerException(e.details() or str(e), status=str(e.code()))
+
+
+class _GrpcStreamSession:
+    """One ModelStreamInfer call on the transport's channel (gRPC calls share a channel; tritonclient's
+    start_stream allows one stream per client and leaves a thread blocked after each cancel). A reader
+    thread queues the responses, so each wait has the chunk timeout; cancel() ends the call."""
+
+    def __init__(self, transport: "_GrpcTransport", model: str, timeout_s: float):
+        self._transport, self._model, self._timeout_s = transport, model, timeout_s
+        self._events: "queue.Queue" = queue.Queue()
+        self._call = None
+        self._reader: Optional[threading.Thread] = None
+
+    def send(self, arrays: Mapping[str, np.ndarray]) -> None:
+        request = _grpc_stream_request(self._transport._module, self._model, arrays, empty_final=True)
+        # one request, then half-close: the responses keep coming (tritonclient's stub, private)
+        self._call = self._transport._client._client_stub.ModelStreamInfer(iter([request]))
+        self._reader = threading.Thread(target=self._read, args=(self._call,), name="chattts-stream", daemon=True)
+        self._reader.start()
+
+    def _read(self, call) -> None:
+        import grpc
+
+        try:
+            for response in call:
+                self._events.put((response, None))
+            self._events.put((None, ConnectionError("the stream ended before its final response")))
+        except grpc.RpcError as e:
+            self._events.put((None, _rpc_exception(e)))
+
+    def receive(self) -> Chunk:
+        from tritonclient.grpc import InferResult
+
+        try:
+            response, error = self._events.get(timeout=self._timeout_s)
+        except queue.Empty:
+            raise _no_chunk(self._timeout_s) from None
+        if error is not None:
+            raise error
+        if response.error_message:
+            raise stream_error(response.error_message)
+        return chunk_from_result(InferResult(response.infer_response))
+
+    def close(self, cancel: bool) -> None:
+        if self._call is None:
+            return
+        if not cancel:  # after the final response the server ends the call
+            self._reader.join(CLOSE_WAIT_S)
+        self._call.cancel()  # no-op once the call has ended
+        self._reader.join(CLOSE_WAIT_S)  # no call left running on the channel
+
+
+class _HttpStreamSession:
+    """POST .../generate_stream and read its server-sent events (urllib3; the chunk timeout is the
+    socket read timeout). Closing the response before its end closes the connection, which Triton
+    takes as a cancellation."""
+
+    def __init__(self, pool, model: str, timeout_s: float, connect_timeout_s: float):
+        self._pool, self._model, self._timeout_s = pool, model, timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._resp = None
+        self._body: Optional[Iterator[bytes]] = None
+        self._parser = _SSEParser()
+        self._pending: "collections.deque[bytes]" = collections.deque()
+
+    def _translate(self, exc: Exception) -> Exception:
+        import urllib3
+
+        if isinstance(exc, urllib3.exceptions.ReadTimeoutError):
+            return _no_chunk(self._timeout_s)
+        if isinstance(exc, urllib3.exceptions.HTTPError):
+            return ConnectionError(f"{type(exc).__name__}: {exc}")
+        return exc
+
+    def send(self, arrays: Mapping[str, np.ndarray]) -> None:
+        import urllib3
+        from tritonclient.utils import InferenceServerException
+
+        try:  # returns once the first response (or error) is there: Triton sends the headers with it
+            self._resp = self._pool.urlopen(
+                "POST",
+                _generate_stream_path(self._model),
+                body=_json_body(arrays),
+                headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+                preload_content=False,
+                release_conn=False,
+                retries=False,
+                timeout=urllib3.Timeout(connect=self._connect_timeout_s, read=self._timeout_s),
+            )
+            if not self._resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                raise InferenceServerException(_error_text(self._resp.read()), status=str(self._resp.status))
+        except urllib3.exceptions.HTTPError as e:
+            raise self._translate(e) from e
+        # an error as first response comes as HTTP 400 whatever its code: the event is what counts
+        self._body = self._resp.stream(None)
+
+    def receive(self) -> Chunk:
+        import urllib3
+
+        while not self._pending:
+            if self._body is None:
+                return _NO_AUDIO, True
+            try:
+                data = next(self._body)
+            except StopIteration:
+                self._body = None
+                self._pending.extend(self._parser.close())
+                continue
+            except (urllib3.exceptions.HTTPError, OSError) as e:
+                raise self._translate(e) from e
+            self._pending.extend(self._parser.feed(data))
+        return _sse_chunk(self._pending.popleft()), False
+
+    def close(self, cancel: bool) -> None:
+        if self._resp is None:
+            return
+        if cancel or self._body is not None:
+            self._resp.close()  # drops the connection: the server cancels the request
+        self._resp.release_conn()
+
+
+class _AioGrpcStreamSession:
+    """One `stream_infer` call (many can share a tritonclient.grpc.aio client); cancel() ends it."""
+
+    def __init__(self, client, module, model: str, timeout_s: float):
+        self._client, self._module, self._model, self._timeout_s = client, module, model, timeout_s
+        self._call = None
+
+    async def send(self, arrays: Mapping[str, np.ndarray]) -> None:
+        request = {
+            "model_name": self._model,
+            "inputs": to_infer_inputs(self._module, arrays),
+            "outputs": requested_outputs(self._module),
+            "request_id": uuid.uuid4().hex,
+        }
+
+        async def requests():  # one request, then half-close: the responses keep coming
+            yield request
+
+        self._call = self._client.stream_infer(requests())
+
+    async def receive(self) -> Chunk:
+        import grpc
+
+        try:
+            result, error = await asyncio.wait_for(self._call.__anext__(), self._timeout_s)
+        except asyncio.TimeoutError:
+            raise _no_chunk(self._timeout_s) from None
+        except StopAsyncIteration:
+            raise ConnectionError("the stream ended before its final response") from None
+        except grpc.RpcError as e:
+            raise _rpc_exception(e) from e
+        if error is not None:
+            raise _grpc_stream_exception(error)
+        return chunk_from_result(result)
+
+    def close(self, cancel: bool) -> None:
+        if cancel and self._call is not None:  # else the server ends the call after the final response
+            self._call.cancel()
+
+
+class _AioHttpStreamSession:
+    def __init__(self, transport: "_AioHttpTransport", model: str, timeout_s: float):
+        self._transport, self._model, self._timeout_s = transport, model, timeout_s
+        self._resp = None
+        self._eof = False
+        self._parser = _SSEParser()
+        self._pending: "collections.deque[bytes]" = collections.deque()
+
+    async def send(self, arrays: Mapping[str, np.ndarray]) -> None:
+        from tritonclient.utils import InferenceServerException
+
+        session = self._transport._session()
+        post = session.post(
+            self._transport._base + _generate_stream_path(self._model),
+            data=_json_body(arrays),
+            headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+        )
+        try:
+            self._resp = await asyncio.wait_for(post, self._timeout_s)
+        except asyncio.TimeoutError:
+            raise _no_chunk(self._timeout_s) from None
+        if not self._resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            body = await asyncio.wait_for(self._resp.read(), self._timeout_s)
+            raise InferenceServerException(_error_text(body), status=str(self._resp.status))
+
+    async def receive(self) -> Chunk:
+        import aiohttp
+
+        while not self._pending:
+            if self._eof:
+                return _NO_AUDIO, True
+            try:
+                data = await asyncio.wait_for(self._resp.content.readany(), self._timeout_s)
+            except asyncio.TimeoutError:
+                raise _no_chunk(self._timeout_s) from None
+            except aiohttp.ClientPayloadError as e:  # the server went away mid-body
+                raise ConnectionError(f"{type(e).__name__}: {e}") from e
+            if not data:
+                self._eof = True
+                self._pending.extend(self._parser.close())
+            else:
+                self._pending.extend(self._parser.feed(data))
+        return _sse_chunk(self._pending.popleft()), False
+
+    def close(self, cancel: bool) -> None:
+        if self._resp is not None:
+            if cancel or not self._eof:
+                self._resp.close()  # drops the connection: the server cancels the request
+            else:
+                self._resp.release()
+
+
 # --- transports: one tritonclient call each, errors left raw ------------------------------------
 class _GrpcTransport:
     def __init__(self, url: str, model: str, timeout_s: float):
         import tritonclient.grpc as module
 
         self._module, self._model, self._timeout_s = module, model, timeout_s
-        self._client = module.InferenceServerClient(url)  # thread-safe for unary calls
+        self._client = module.InferenceServerClient(url)  # thread-safe for unary calls and streams
 
     def infer(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
         result = self._client.infer(
@@ -151,6 +487,9 @@ class _GrpcTransport:
     def statistics(self, model: str) -> dict:
         return _ints(self._client.get_inference_statistics(model, as_json=True, client_timeout=self._timeout_s))
 
+    def open_stream(self, model: str, chunk_timeout_s: float) -> _GrpcStreamSession:
+        return _GrpcStreamSession(self, model, chunk_timeout_s)
+
     def close(self) -> None:
         self._client.close()
 
@@ -165,6 +504,7 @@ class _HttpTransport:
         self._local = threading.local()
         self._clients: List[Any] = []
         self._lock = threading.Lock()
+        self._stream_pool = None  # urllib3 pool (thread-safe) for generate_stream
 
     def _client(self):
         client = getattr(self._local, "client", None)
@@ -191,7 +531,21 @@ class _HttpTransport:
     def statistics(self, model: str) -> dict:
         return self._client().get_inference_statistics(model)
 
+    def open_stream(self, model: str, chunk_timeout_s: float) -> _HttpStreamSession:
+        with self._lock:
+            if self._stream_pool is None:
+                import urllib3
+
+                where = urllib3.util.parse_url("http://" + self._url)
+                self._stream_pool = urllib3.HTTPConnectionPool(where.host, where.port, maxsize=16, block=False)
+            pool = self._stream_pool
+        return _HttpStreamSession(pool, model, chunk_timeout_s, min(self._timeout_s, CONNECT_TIMEOUT_S))
+
     def close(self) -> None:
+        with self._lock:
+            pool, self._stream_pool = self._stream_pool, None
+        if pool is not None:
+            pool.close()
         with self._lock:
             clients, self._clients = self._clients, []
         for client in clients:
@@ -227,6 +581,9 @@ class _AioGrpcTransport:
     async def statistics(self, model: str) -> dict:
         return _ints(await self._client.get_inference_statistics(model, as_json=True, client_timeout=self._timeout_s))
 
+    def open_stream(self, model: str, chunk_timeout_s: float) -> _AioGrpcStreamSession:
+        return _AioGrpcStreamSession(self._client, self._module, model, chunk_timeout_s)
+
     async def close(self) -> None:
         await self._client.close()
 
@@ -239,6 +596,20 @@ class _AioHttpTransport:
         self._module, self._model = module, model
         # conn_timeout is aiohttp's total per-request timeout
         self._client = aio.InferenceServerClient(url, conn_limit=max(100, max_concurrency), conn_timeout=timeout_s)
+        self._base = "http://" + url
+        self._connect_timeout_s = min(timeout_s, CONNECT_TIMEOUT_S)
+        self._stream_session = None  # aiohttp session for generate_stream, no total timeout
+
+    def _session(self):
+        if self._stream_session is None:
+            import aiohttp
+
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s)
+            self._stream_session = aiohttp.ClientSession(timeout=timeout)
+        return self._stream_session
+
+    def open_stream(self, model: str, chunk_timeout_s: float) -> _AioHttpStreamSession:
+        return _AioHttpStreamSession(self, model, chunk_timeout_s)
 
     async def infer(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
         result = await self._client.infer(
@@ -253,15 +624,21 @@ class _AioHttpTransport:
         return await self._client.get_inference_statistics(model)
 
     async def close(self) -> None:
+        if self._stream_session is not None:
+            await self._stream_session.close()
+            self._stream_session = None
         await self._client.close()
 
 
 class _ClientBase:
-    def __init__(self, url, protocol, model, timeout_s, retries, backoff_s, max_backoff_s, max_concurrency):
+    def __init__(
+        self, url, protocol, model, timeout_s, retries, backoff_s, max_backoff_s, max_concurrency, stream_model=STREAM_MODEL
+    ):
         self.protocol = _check_protocol(protocol)
         self.url = _check_url(url if url is not None else DEFAULT_URLS[protocol])
-        if not model:
-            raise ValueError("model must be a non-empty name")
+        if not model or not stream_model:
+            raise ValueError("model and stream_model must be non-empty names")
+        self.stream_model = stream_model
         if not timeout_s or timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         if max_concurrency < 1:
@@ -274,6 +651,22 @@ class _ClientBase:
     @property
     def where(self) -> str:
         return f"{self.protocol}://{self.url} model '{self.model}'"
+
+    @property
+    def stream_where(self) -> str:
+        return f"{self.protocol}://{self.url} model '{self.stream_model}'"
+
+    def _chunk_timeout(self, chunk_timeout_s: Optional[float]) -> float:
+        if chunk_timeout_s is None:
+            return self.timeout_s
+        if chunk_timeout_s <= 0:
+            raise ValueError(f"chunk_timeout_s must be > 0, got {chunk_timeout_s!r}")
+        return float(chunk_timeout_s)
+
+    def _stream_failure(self, exc: BaseException, attempt: int, yielded: bool) -> Optional[ChatTTSError]:
+        """The error to raise now, or None to send the request again (never once audio was yielded)."""
+        err = to_chattts_error(exc, self.stream_where)
+        return err if yielded else self.retry_policy.give_up(err, attempt)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r}, protocol={self.protocol!r}, model={self.model!r})"
@@ -293,12 +686,16 @@ class ChatTTSClient(_ClientBase):
         *,
         max_backoff_s: float = MAX_BACKOFF_S,
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        stream_model: str = STREAM_MODEL,
         transport: Any = None,
         sleep: Callable[[float], None] = time.sleep,
     ):
-        """`url` is HOST:PORT (default localhost:8001 for grpc, :8000 for http). `transport` replaces
-        the tritonclient transport (an object with infer(arrays) -> audio), for tests."""
-        super().__init__(url, protocol, model, timeout_s, retries, backoff_s, max_backoff_s, max_concurrency)
+        """`url` is HOST:PORT (default localhost:8001 for grpc, :8000 for http). `stream_model` is the
+        decoupled model `stream()` uses. `transport` replaces the tritonclient transport (an object
+        with infer(arrays) -> audio and open_stream(model, chunk_timeout_s) -> session), for tests."""
+        super().__init__(
+            url, protocol, model, timeout_s, retries, backoff_s, max_backoff_s, max_concurrency, stream_model
+        )
         if transport is None:
             cls = _GrpcTransport if self.protocol == "grpc" else _HttpTransport
             transport = cls(self.url, self.model, self.timeout_s)
@@ -464,12 +861,86 @@ class ChatTTSClient(_ClientBase):
             return []
         return self._infer_many(texts, options, return_exceptions=return_exceptions, on_result=on_result)
 
-    def stream(self, text: str, **options: Any):
-        """Yield AUDIO chunks as they are generated, from the decoupled `chattts_stream` model.
+    def stream(
+        self,
+        text: str,
+        *,
+        speaker: Optional[str] = None,
+        seed: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
+        top_k: Optional[int] = None,
+        repetition_penalty: Optional[float] = None,
+        max_new_tokens: Optional[int] = None,
+        min_new_tokens: Optional[int] = None,
+        prompt: Optional[str] = None,
+        refine_text: Optional[bool] = None,
+        refine_prompt: Optional[str] = None,
+        refine_temperature: Optional[float] = None,
+        refine_top_p: Optional[float] = None,
+        refine_top_k: Optional[int] = None,
+        refine_repetition_penalty: Optional[float] = None,
+        refine_max_new_tokens: Optional[int] = None,
+        use_decoder: Optional[bool] = None,
+        normalize_text: Optional[bool] = None,
+        speaker_audio: Optional[np.ndarray] = None,
+        speaker_text: Optional[str] = None,
+        speaker_sample: Optional[str] = None,
+        split: bool = True,
+        voice_from_first: bool = True,
+        chunk_timeout_s: Optional[float] = None,
+    ) -> Iterator[np.ndarray]:
+        """Speech for `text` as float32 chunks (24 kHz mono) while the server generates it, from the
+        decoupled `stream_model`; the chunks joined equal `synthesize(text, ...)` for one sentence.
 
-        Not implemented yet: it needs the decoupled model (gRPC bidirectional stream,
-        `start_stream` / `async_stream_infer`, same inputs as `synthesize`)."""
-        raise NotImplementedError("streaming needs the decoupled 'chattts_stream' model, which is not served yet")
+        Same keywords as `synthesize`. Sentences are streamed one after the other; with
+        `voice_from_first` (and no reference given) sentence 1 is streamed as it comes and its audio
+        is the voice reference of the rest (`synthesize` sends sentence 1 again with that reference).
+        Errors raise `ChatTTSError` from the iterator, also mid-stream. UNAVAILABLE is retried like
+        `synthesize` only while no chunk of that request was yielded. `chunk_timeout_s` (default
+        `timeout_s`) bounds the wait for each chunk (DEADLINE_EXCEEDED). Leaving the loop early, or
+        closing the iterator, cancels the request on the server.
+        """
+        options = {k: v for k, v in locals().items() if k in OPTION_INPUTS}
+        sentences = _prepare(text, options, split)  # checked now, not at the first next()
+        return self._stream(sentences, options, voice_from_first, self._chunk_timeout(chunk_timeout_s))
+
+    def _stream(self, sentences, options, voice_from_first: bool, timeout_s: float) -> Iterator[np.ndarray]:
+        need_reference = _voice_reference_needed(sentences, options, voice_from_first)
+        for sentence in sentences:
+            pieces: List[np.ndarray] = []
+            with contextlib.closing(self._stream_one(build_inputs(sentence, options), timeout_s)) as chunks:
+                for chunk in chunks:
+                    if need_reference:
+                        pieces.append(chunk)
+                    yield chunk
+            if need_reference:
+                options = _with_voice_reference(options, _join(pieces) if pieces else _NO_AUDIO, sentence)
+                need_reference = False
+
+    def _stream_one(self, arrays: Mapping[str, np.ndarray], timeout_s: float) -> Iterator[np.ndarray]:
+        """One request's non-empty chunks, with retries before the first one."""
+        attempt = 0
+        while True:
+            session, final, yielded = None, False, False
+            try:
+                session = self._transport.open_stream(self.stream_model, timeout_s)
+                session.send(arrays)
+                while not final:
+                    chunk, final = session.receive()
+                    if chunk.size:
+                        yielded = True
+                        yield chunk
+                return
+            except Exception as exc:
+                err = self._stream_failure(exc, attempt, yielded)
+                if err is not None:
+                    raise err from exc
+            finally:  # also on GeneratorExit (the caller stopped early): cancel
+                if session is not None:
+                    session.close(cancel=not final)
+            self._sleep(self.retry_policy.delay(attempt))
+            attempt += 1
 
 
 class AsyncChatTTSClient(_ClientBase):
@@ -487,10 +958,13 @@ class AsyncChatTTSClient(_ClientBase):
         *,
         max_backoff_s: float = MAX_BACKOFF_S,
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        stream_model: str = STREAM_MODEL,
         transport: Any = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
-        super().__init__(url, protocol, model, timeout_s, retries, backoff_s, max_backoff_s, max_concurrency)
+        super().__init__(
+            url, protocol, model, timeout_s, retries, backoff_s, max_backoff_s, max_concurrency, stream_model
+        )
         self._transport = transport  # created on first use: aio channels/sessions belong to a running loop
         self._sleep = sleep
         self._semaphore: Optional[asyncio.Semaphore] = None
@@ -620,6 +1094,74 @@ class AsyncChatTTSClient(_ClientBase):
             return []
         return await self._infer_many(texts, options, return_exceptions, on_result)
 
-    def stream(self, text: str, **options: Any):
-        """Async-iterator counterpart of `ChatTTSClient.stream` (not implemented yet)."""
-        raise NotImplementedError("streaming needs the decoupled 'chattts_stream' model, which is not served yet")
+    def stream(
+        self,
+        text: str,
+        *,
+        speaker: Optional[str] = None,
+        seed: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
+        top_k: Optional[int] = None,
+        repetition_penalty: Optional[float] = None,
+        max_new_tokens: Optional[int] = None,
+        min_new_tokens: Optional[int] = None,
+        prompt: Optional[str] = None,
+        refine_text: Optional[bool] = None,
+        refine_prompt: Optional[str] = None,
+        refine_temperature: Optional[float] = None,
+        refine_top_p: Optional[float] = None,
+        refine_top_k: Optional[int] = None,
+        refine_repetition_penalty: Optional[float] = None,
+        refine_max_new_tokens: Optional[int] = None,
+        use_decoder: Optional[bool] = None,
+        normalize_text: Optional[bool] = None,
+        speaker_audio: Optional[np.ndarray] = None,
+        speaker_text: Optional[str] = None,
+        speaker_sample: Optional[str] = None,
+        split: bool = True,
+        voice_from_first: bool = True,
+        chunk_timeout_s: Optional[float] = None,
+    ) -> AsyncIterator[np.ndarray]:
+        """See `ChatTTSClient.stream`: `async for chunk in client.stream(...)`. Breaking out of the loop
+        cancels the request once the generator is collected; `contextlib.aclosing(client.stream(...))`
+        (or cancelling the task) cancels it at once."""
+        options = {k: v for k, v in locals().items() if k in OPTION_INPUTS}
+        sentences = _prepare(text, options, split)
+        return self._stream(sentences, options, voice_from_first, self._chunk_timeout(chunk_timeout_s))
+
+    async def _stream(self, sentences, options, voice_from_first: bool, timeout_s: float) -> AsyncIterator[np.ndarray]:
+        need_reference = _voice_reference_needed(sentences, options, voice_from_first)
+        for sentence in sentences:
+            pieces: List[np.ndarray] = []
+            async with contextlib.aclosing(self._stream_one(build_inputs(sentence, options), timeout_s)) as chunks:
+                async for chunk in chunks:
+                    if need_reference:
+                        pieces.append(chunk)
+                    yield chunk
+            if need_reference:
+                options = _with_voice_reference(options, _join(pieces) if pieces else _NO_AUDIO, sentence)
+                need_reference = False
+
+    async def _stream_one(self, arrays: Mapping[str, np.ndarray], timeout_s: float) -> AsyncIterator[np.ndarray]:
+        attempt = 0
+        while True:
+            session, final, yielded = None, False, False
+            try:
+                session = self._get_transport().open_stream(self.stream_model, timeout_s)
+                await session.send(arrays)
+                while not final:
+                    chunk, final = await session.receive()
+                    if chunk.size:
+                        yielded = True
+                        yield chunk
+                return
+            except Exception as exc:  # CancelledError is a BaseException: cancelled below, not retried
+                err = self._stream_failure(exc, attempt, yielded)
+                if err is not None:
+                    raise err from exc
+            finally:
+                if session is not None:
+                    session.close(cancel=not final)
+            await self._sleep(self.retry_policy.delay(attempt))
+            attempt += 1

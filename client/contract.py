@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -142,11 +142,54 @@ def requested_outputs(module) -> List[Any]:
     return [module.InferRequestedOutput(AUDIO_OUTPUT)]
 
 
+def _audio_row(audio: np.ndarray) -> np.ndarray:
+    if audio.ndim != 2 or audio.shape[0] != 1:
+        raise ChatTTSError(INTERNAL, f"{AUDIO_OUTPUT} has shape {audio.shape}, expected [1, N]")
+    return np.array(audio[0], dtype=np.float32)
+
+
 def audio_from_result(result) -> np.ndarray:
     """AUDIO of one response as an owned, writable 1-D float32 array."""
     audio = result.as_numpy(AUDIO_OUTPUT)
     if audio is None:
         raise ChatTTSError(INTERNAL, f"response has no {AUDIO_OUTPUT} output")
-    if audio.ndim != 2 or audio.shape[0] != 1:
-        raise ChatTTSError(INTERNAL, f"{AUDIO_OUTPUT} has shape {audio.shape}, expected [1, N]")
-    return np.array(audio[0], dtype=np.float32)
+    return _audio_row(audio)
+
+
+# --- the decoupled STREAM_MODEL: same inputs, one AUDIO chunk per response ----------------------
+FINAL_PARAMETER = "triton_final_response"
+
+
+def chunk_from_result(result) -> Tuple[np.ndarray, bool]:
+    """(AUDIO chunk, is the last response) of one gRPC stream response. An empty final response
+    (no outputs) is a 0-sample last chunk."""
+    params = result.get_response().parameters
+    final = FINAL_PARAMETER in params and params[FINAL_PARAMETER].bool_param
+    audio = result.as_numpy(AUDIO_OUTPUT)
+    if audio is None:
+        if final:
+            return np.zeros(0, np.float32), True
+        raise ChatTTSError(INTERNAL, f"stream response has no {AUDIO_OUTPUT} output")
+    return _audio_row(audio), final
+
+
+def to_json_inputs(arrays: Mapping[str, np.ndarray]) -> Dict[str, Any]:
+    """Body of an HTTP generate_stream request: name -> scalar ([1, 1] inputs) or list ([1, N])."""
+    body: Dict[str, Any] = {}
+    for name, arr in arrays.items():
+        if list(C.ENSEMBLE_INPUTS[name][1]) == [-1]:
+            body[name] = arr.reshape(-1).tolist()
+        else:
+            value = arr.reshape(-1)[0]
+            body[name] = value.decode("utf-8") if isinstance(value, bytes) else value.item()
+    return body
+
+
+def chunk_from_json(event: Mapping[str, Any]) -> np.ndarray:
+    """AUDIO of one generate_stream event (a flat list; [] for a 0-sample chunk)."""
+    if AUDIO_OUTPUT not in event:
+        raise ChatTTSError(INTERNAL, f"stream event has no {AUDIO_OUTPUT}: {sorted(event)}")
+    try:
+        return np.asarray(event[AUDIO_OUTPUT], dtype=np.float32).reshape(-1)
+    except (TypeError, ValueError) as e:
+        raise ChatTTSError(INTERNAL, f"stream event {AUDIO_OUTPUT} is not a list of numbers ({e})") from None

@@ -7,6 +7,7 @@ and connection failures surface as plain OSErrors. `to_chattts_error` folds all 
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Optional
 
@@ -17,6 +18,7 @@ DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 NOT_FOUND = "NOT_FOUND"
 INTERNAL = "INTERNAL"
 UNKNOWN = "UNKNOWN"
+CANCELLED = "CANCELLED"
 CLIENT_ERROR = "CLIENT_ERROR"  # raised by tritonclient itself, before anything reached a server
 
 HTTP_STATUS = {
@@ -24,7 +26,7 @@ HTTP_STATUS = {
     "404": NOT_FOUND,
     "408": DEADLINE_EXCEEDED,
     "429": "RESOURCE_EXHAUSTED",
-    "499": "CANCELLED",
+    "499": CANCELLED,
     "500": INTERNAL,
     "501": "UNIMPLEMENTED",
     "502": UNAVAILABLE,  # a proxy in front of a server that is down
@@ -100,3 +102,37 @@ def to_chattts_error(exc: BaseException, where: str = "") -> ChatTTSError:
     if isinstance(exc, OSError) or _is_aiohttp_connection_error(exc):
         return ChatTTSError(UNAVAILABLE, prefix + f"connection failed ({type(exc).__name__}: {exc})")
     return ChatTTSError(UNKNOWN, prefix + f"{type(exc).__name__}: {exc}")
+
+
+# Triton 2.51 sends the error of a streamed request as a message only (gRPC ModelStreamInferResponse
+# error_message, HTTP SSE `{"error": ...}`, HTTP 400 whatever the code): the status is read from it.
+# A message may name its status first ("UNAVAILABLE: ..."); else the server's wording decides, and
+# what is left is the server's input validation.
+_STATUS_PREFIX = re.compile(r"^\[?([A-Z_]+)\]?:?\s")
+_KNOWN_STATUSES = frozenset({UNAVAILABLE, INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND, INTERNAL, UNKNOWN, CANCELLED,
+                             "RESOURCE_EXHAUSTED", "UNIMPLEMENTED"})  # fmt: skip
+_STREAM_HINTS = (
+    (UNAVAILABLE, ("retry later", "retry on another instance", "shutting down", "exceeds maximum queue size")),
+    (NOT_FOUND, ("unknown model",)),
+    (INTERNAL, ("internal error", "failed to process the request", "stub process")),
+    (CANCELLED, ("cancelled",)),
+)
+
+
+def stream_error_status(message: str) -> str:
+    """Canonical status of a streamed request's error message (see above)."""
+    m = _STATUS_PREFIX.match(message)
+    if m and m.group(1) in _KNOWN_STATUSES:
+        return m.group(1)
+    low = message.lower()
+    for status, hints in _STREAM_HINTS:
+        if any(h in low for h in hints):
+            return status
+    return INVALID_ARGUMENT
+
+
+def stream_error(message: str, status: Optional[str] = None):
+    """The InferenceServerException to raise for an error response of a stream."""
+    from tritonclient.utils import InferenceServerException
+
+    return InferenceServerException(message, status=status or stream_error_status(message))

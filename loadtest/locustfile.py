@@ -6,10 +6,18 @@ Every request is reported to Locust (request_type "grpc"/"http", name "<model> <
 response_length = audio samples * 4); at test stop the TTS figures (audio seconds, real-time factor,
 failures by Triton status) are printed when Locust quits and, with --tts-stats-out, written as JSON.
 
+Streaming users `TritonGrpcStreamUser` / `TritonHttpStreamUser` (`ChatTTSClient.stream` on the decoupled
+--tts-stream-model; gRPC stream / HTTP server-sent events) report three entries per request:
+"stream first chunk" (time to the first audio), "stream chunk gap" (one per later chunk: time since
+the previous one) and "stream total" (the whole request, its failures, response_length = samples * 4);
+the TTS summary adds their percentiles and how many streams would have stalled a player that starts
+at the first chunk.
+
     locust -f loadtest/locustfile.py --headless -u 4 -r 1 -t 60s --host 127.0.0.1:8001 TritonGrpcUser
 
-or `python -m loadtest.run` (see there). Options: --tts-model, --tts-corpus, --tts-max-new-tokens,
---tts-min-new-tokens, --tts-seed, --tts-timeout, --tts-stats-out (also as CHATTTS_* env variables).
+or `python -m loadtest.run` (see there). Options: --tts-model, --tts-stream-model, --tts-corpus,
+--tts-max-new-tokens, --tts-min-new-tokens, --tts-seed, --tts-timeout (per request; per chunk for
+streams), --tts-stats-out (also as CHATTTS_* env variables).
 """
 
 # Order matters: locust monkey-patches the standard library with gevent on import, and gRPC must be
@@ -32,8 +40,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # locust only adds
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402
 
-from client.client import DEFAULT_URLS  # noqa: E402
-from client.contract import MODEL, audio_from_result, build_inputs, requested_outputs, to_infer_inputs  # noqa: E402
+from client.client import DEFAULT_URLS, ChatTTSClient  # noqa: E402
+from client.contract import (  # noqa: E402
+    MODEL,
+    SAMPLE_RATE,
+    STREAM_MODEL,
+    audio_from_result,
+    build_inputs,
+    requested_outputs,
+    to_infer_inputs,
+)
 from client.errors import to_chattts_error  # noqa: E402
 from loadtest.corpus import DEFAULT_CORPUS, length_bucket, load_corpus  # noqa: E402
 from loadtest.tts_stats import TTSStats, format_summary, write_json  # noqa: E402
@@ -46,6 +62,8 @@ _state = {"started": None, "wall_s": None, "corpus": None, "rng": random.Random(
 def _add_arguments(parser):
     g = parser.add_argument_group("chattts")
     g.add_argument("--tts-model", default=MODEL, env_var="CHATTTS_MODEL", help="Triton model name")
+    g.add_argument("--tts-stream-model", default=STREAM_MODEL, env_var="CHATTTS_STREAM_MODEL",
+                   help="decoupled model of the streaming users")  # fmt: skip
     g.add_argument("--tts-corpus", default=str(DEFAULT_CORPUS), env_var="CHATTTS_CORPUS", help="utterances, one per line")
     g.add_argument("--tts-max-new-tokens", type=int, default=None, env_var="CHATTTS_MAX_NEW_TOKENS",
                    help="MAX_NEW_TOKENS of every request (with --tts-min-new-tokens: force a length)")  # fmt: skip
@@ -123,13 +141,19 @@ class _TritonUser(User):
     def make_client(self):
         raise NotImplementedError
 
+    def next_text(self) -> str:
+        return _state["rng"].choice(_state["corpus"] or load_corpus())
+
+
+class _TritonUnaryUser(_TritonUser):
+    abstract = True
+
     def infer(self, inputs):
         raise NotImplementedError
 
     @task
     def synthesize(self):
-        corpus = _state["corpus"] or load_corpus()
-        text = _state["rng"].choice(corpus)
+        text = self.next_text()
         inputs = to_infer_inputs(self.module, build_inputs(text, self.options))
         samples, error = 0, None
         start = time.perf_counter()
@@ -152,7 +176,7 @@ class _TritonUser(User):
             TTS.record_failure(error.status)
 
 
-class TritonGrpcUser(_TritonUser):
+class TritonGrpcUser(_TritonUnaryUser):
     protocol = "grpc"
     module = grpcclient
 
@@ -165,7 +189,7 @@ class TritonGrpcUser(_TritonUser):
         )
 
 
-class TritonHttpUser(_TritonUser):
+class TritonHttpUser(_TritonUnaryUser):
     protocol = "http"
     module = httpclient
 
@@ -176,3 +200,58 @@ class TritonHttpUser(_TritonUser):
 
     def infer(self, inputs):
         return self.client.infer(self.model, inputs, outputs=requested_outputs(httpclient))
+
+
+class _TritonStreamUser(_TritonUser):
+    """Streams each utterance through `ChatTTSClient.stream` (one request, no retries)."""
+
+    abstract = True
+    FIRST, GAP, TOTAL = "stream first chunk", "stream chunk gap", "stream total"
+
+    def make_client(self):
+        opts = self.environment.parsed_options
+        self.model = opts.tts_stream_model if opts else STREAM_MODEL
+        return ChatTTSClient(self.url, protocol=self.protocol, stream_model=self.model, timeout_s=self.timeout_s, retries=0)
+
+    def _fire(self, name: str, seconds: float, length: int = 0, error=None, **context) -> None:
+        self.environment.events.request.fire(
+            request_type=self.protocol, name=name, response_time=seconds * 1000.0,
+            response_length=length, exception=error, context=context,
+        )  # fmt: skip
+
+    @task
+    def stream(self):
+        text = self.next_text()
+        samples, error, gaps, stalled = 0, None, [], False
+        start = time.perf_counter()
+        first = last = None
+        try:
+            for chunk in self.client.stream(text, split=False, **self.options):
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                    self._fire(self.FIRST, now - start, chunk.size * 4)
+                else:
+                    gaps.append(now - last)
+                    self._fire(self.GAP, now - last, chunk.size * 4)
+                    # a player started at the first chunk has run dry if the audio so far is shorter than the wait
+                    stalled = stalled or now > first + samples / SAMPLE_RATE
+                samples += chunk.size
+                last = now
+        except Exception as exc:  # every failure is reported, none kills the user
+            error = to_chattts_error(exc, self.protocol)
+        elapsed = time.perf_counter() - start
+        self._fire(self.TOTAL, elapsed, samples * 4, error, text_chars=len(text), bucket=length_bucket(text))
+        if error is None:
+            TTS.record_success(elapsed, samples)
+            TTS.record_stream(None if first is None else first - start, gaps, stalled)
+        else:
+            TTS.record_failure(error.status)
+
+
+class TritonGrpcStreamUser(_TritonStreamUser):
+    protocol = "grpc"
+
+
+class TritonHttpStreamUser(_TritonStreamUser):
+    protocol = "http"

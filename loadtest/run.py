@@ -4,8 +4,10 @@
         --protocol grpc --out build/loadtest
 
 writes OUT/stats_stats.csv (+ _failures, _exceptions, _stats_history), OUT/report.html and
-OUT/tts_stats.json (audio seconds, real-time factor, failures by status). Checks first that the server
-and model are ready, so an unreachable server is one clear error, not thousands of failed requests.
+OUT/tts_stats.json (audio seconds, real-time factor, failures by status). `--stream` runs the
+streaming users on the decoupled `chattts_stream` model instead (first-chunk latency, chunk gaps,
+stalls). Checks first that the server and model are ready, so an unreachable server is one clear
+error, not thousands of failed requests.
 Exit status: Locust's (0 = no failed request), 1 if the server is not ready, 2 bad arguments.
 """
 
@@ -20,11 +22,12 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from client.client import DEFAULT_URLS, PROTOCOLS, ChatTTSClient
-from client.contract import MODEL
+from client.contract import MODEL, STREAM_MODEL
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 USER_CLASSES = {"grpc": "TritonGrpcUser", "http": "TritonHttpUser"}
+STREAM_USER_CLASSES = {"grpc": "TritonGrpcStreamUser", "http": "TritonHttpStreamUser"}
 DURATION_RE = re.compile(r"^(\d+h)?(\d+m)?(\d+s?)?$")
 EXIT_NOT_READY = 1
 
@@ -43,17 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spawn-rate", type=float, default=1.0, help="users started per second")
     p.add_argument("--duration", type=_duration, default="60s", help="run time, e.g. 30s, 5m")
     p.add_argument("--out", default="build/loadtest", help="output folder")
-    p.add_argument("--model", default=MODEL)
+    p.add_argument("--model", help=f"default {MODEL}, or {STREAM_MODEL} with --stream")
+    p.add_argument("--stream", action="store_true", help="streaming users (first chunk, chunk gaps)")
     p.add_argument("--corpus", help="utterances, one per line (default loadtest/corpus.txt)")
     p.add_argument("--max-new-tokens", type=int, help="MAX_NEW_TOKENS of every request")
     p.add_argument("--min-new-tokens", type=int, help="MIN_NEW_TOKENS of every request (equal to max: fixed length)")
     p.add_argument("--seed", type=int, help="SEED of every request and of the utterance order")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (per chunk with --stream)")
     p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds to let in-flight requests finish at the end")
     p.add_argument("--wait-ready", type=float, default=30.0, help="seconds to wait for the server to be ready")
     p.add_argument("--locustfile", default=str(LOCUSTFILE))
     p.add_argument("locust_args", nargs=argparse.REMAINDER, help="after --: passed to locust unchanged")
     return p
+
+
+def model_of(args: argparse.Namespace) -> str:
+    return args.model or (STREAM_MODEL if args.stream else MODEL)
 
 
 def locust_command(args: argparse.Namespace, host: str, out: Path) -> List[str]:
@@ -68,7 +76,7 @@ def locust_command(args: argparse.Namespace, host: str, out: Path) -> List[str]:
         "--host", host,
         "--csv", str(out / "stats"),
         "--html", str(out / "report.html"),
-        "--tts-model", args.model,
+        "--tts-stream-model" if args.stream else "--tts-model", model_of(args),
         "--tts-timeout", f"{args.timeout:g}",
         "--tts-stats-out", str(out / "tts_stats.json"),
     ]  # fmt: skip
@@ -81,7 +89,7 @@ def locust_command(args: argparse.Namespace, host: str, out: Path) -> List[str]:
         if value is not None:
             cmd += [flag, str(value)]
     extra = [a for a in (args.locust_args or []) if a != "--"]
-    return cmd + extra + [USER_CLASSES[args.protocol]]
+    return cmd + extra + [(STREAM_USER_CLASSES if args.stream else USER_CLASSES)[args.protocol]]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -94,7 +102,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.locustfile = str(Path(args.locustfile).resolve())
     out.mkdir(parents=True, exist_ok=True)
 
-    with ChatTTSClient(host, protocol=args.protocol, model=args.model, retries=0) as probe:
+    with ChatTTSClient(host, protocol=args.protocol, model=model_of(args), retries=0) as probe:
         try:
             probe.wait_until_ready(timeout_s=args.wait_ready)
         except Exception as e:

@@ -1,6 +1,7 @@
 """TTS figures that generic load-test tools do not give: audio produced, real-time factor, and
-failures by Triton status. Shared by the Locust file (where workers ship their share to the master)
-and the sweep."""
+failures by Triton status; for streams also time to the first chunk, gaps between chunks and
+playback stalls. Shared by the Locust file (where workers ship their share to the master) and the
+sweep."""
 
 from __future__ import annotations
 
@@ -36,10 +37,24 @@ class TTSStats:
     audio_samples: List[int] = field(default_factory=list)
     failures: Counter = field(default_factory=Counter)
     sample_rate: int = SAMPLE_RATE
+    # successful streams only
+    first_chunk_s: List[float] = field(default_factory=list)
+    chunk_gaps_s: List[float] = field(default_factory=list)
+    streams: int = 0
+    stalled_streams: int = 0
 
     def record_success(self, latency_s: float, audio_samples: int) -> None:
         self.latencies_s.append(float(latency_s))
         self.audio_samples.append(int(audio_samples))
+
+    def record_stream(self, first_chunk_s: Optional[float], chunk_gaps_s: Iterable[float], stalled: bool) -> None:
+        """A successful stream: time to its first chunk (None: no audio), the gaps between its chunks,
+        and whether a player started at the first chunk would have run out of audio."""
+        self.streams += 1
+        self.stalled_streams += int(bool(stalled))
+        if first_chunk_s is not None:
+            self.first_chunk_s.append(float(first_chunk_s))
+        self.chunk_gaps_s.extend(float(g) for g in chunk_gaps_s)
 
     def record_failure(self, status: str) -> None:
         self.failures[status] += 1
@@ -48,11 +63,16 @@ class TTSStats:
         self.latencies_s.clear()
         self.audio_samples.clear()
         self.failures.clear()
+        self.first_chunk_s.clear()
+        self.chunk_gaps_s.clear()
+        self.streams = self.stalled_streams = 0
 
     # Locust workers send what they gathered since their last report; the master merges it.
     def drain(self) -> dict:
         data = {"latencies_s": list(self.latencies_s), "audio_samples": list(self.audio_samples),
-                "failures": dict(self.failures)}  # fmt: skip
+                "failures": dict(self.failures), "first_chunk_s": list(self.first_chunk_s),
+                "chunk_gaps_s": list(self.chunk_gaps_s), "streams": self.streams,
+                "stalled_streams": self.stalled_streams}  # fmt: skip
         self.reset()
         return data
 
@@ -62,6 +82,10 @@ class TTSStats:
         self.latencies_s.extend(data.get("latencies_s", []))
         self.audio_samples.extend(data.get("audio_samples", []))
         self.failures.update(data.get("failures", {}))
+        self.first_chunk_s.extend(data.get("first_chunk_s", []))
+        self.chunk_gaps_s.extend(data.get("chunk_gaps_s", []))
+        self.streams += int(data.get("streams", 0))
+        self.stalled_streams += int(data.get("stalled_streams", 0))
 
     def summary(self, wall_s: Optional[float] = None) -> dict:
         """Totals and percentiles; `wall_s` (test duration) adds audio seconds per wall second."""
@@ -82,6 +106,14 @@ class TTSStats:
         for q in PERCENTILES:
             p = percentile(self.latencies_s, q)
             out[f"latency_p{q}_ms"] = None if p is None else p * 1000.0
+        if self.streams:
+            out["streams"] = self.streams
+            out["stalled_streams"] = self.stalled_streams
+            for name, values in (("first_chunk", self.first_chunk_s), ("chunk_gap", self.chunk_gaps_s)):
+                for q in PERCENTILES:
+                    p = percentile(values, q)
+                    out[f"{name}_p{q}_ms"] = None if p is None else p * 1000.0
+            out["chunk_gap_max_ms"] = max(self.chunk_gaps_s) * 1000.0 if self.chunk_gaps_s else None
         if wall_s:
             out["wall_seconds"] = wall_s
             out["audio_seconds_per_second"] = audio_s / wall_s
@@ -103,6 +135,11 @@ def format_summary(s: dict) -> str:
         f"  real-time factor (wall / audio seconds, per request)  p50 {_fmt(s['rtf_p50'])}  p90 {_fmt(s['rtf_p90'])}",
         "  latency ms  " + "  ".join(f"p{q} {_fmt(s[f'latency_p{q}_ms'], '.0f')}" for q in PERCENTILES),
     ]
+    if s.get("streams"):
+        for name, label in (("first_chunk", "first chunk"), ("chunk_gap", "chunk gap")):
+            lines.append(f"  {label} ms  " + "  ".join(f"p{q} {_fmt(s[f'{name}_p{q}_ms'], '.0f')}" for q in PERCENTILES)
+                         + (f"  max {_fmt(s['chunk_gap_max_ms'], '.0f')}" if name == "chunk_gap" else ""))  # fmt: skip
+        lines.append(f"  streams {s['streams']}  stalled a player started at the first chunk: {s['stalled_streams']}")
     if s["empty_audio"]:
         lines.append(f"  WARNING: {s['empty_audio']} successful responses had no audio samples")
     return "\n".join(lines)

@@ -554,13 +554,13 @@ def test_async_long_text_matches_sync():
     assert np.array_equal(asyncio.run(main()), expected)
 
 
-def test_constructor_errors_and_stream_placeholder():
-    for kwargs in ({"protocol": "udp"}, {"url": "http://h:1"}, {"timeout_s": 0}, {"retries": -1}, {"max_concurrency": 0}):
+def test_constructor_errors():
+    for kwargs in ({"protocol": "udp"}, {"url": "http://h:1"}, {"timeout_s": 0}, {"retries": -1}, {"max_concurrency": 0},
+                   {"stream_model": ""}):  # fmt: skip
         with pytest.raises(ValueError):
             ChatTTSClient(**{"url": "h:1", **kwargs})
     c = ChatTTSClient("x:1", transport=FakeTransport())
-    with pytest.raises(NotImplementedError, match="chattts_stream"):
-        c.stream("hi")
+    assert c.stream_model == "chattts_stream" and "chattts_stream" in c.stream_where
     assert ChatTTSClient(protocol="http", transport=FakeTransport()).url == "localhost:8000"
 
 

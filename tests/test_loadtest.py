@@ -42,6 +42,27 @@ def test_tts_stats_summary_merge_and_drain():
     assert "audio produced 3.0 s" in text and "p50 1.000" in text and "UNAVAILABLE" in text
 
 
+def test_stream_figures_merge_and_summary():
+    worker, master = TTSStats(), TTSStats()
+    worker.record_success(1.0, SAMPLE_RATE)
+    worker.record_stream(0.2, [0.1, 0.3], stalled=False)
+    worker.record_success(2.0, SAMPLE_RATE)
+    worker.record_stream(0.4, [0.9], stalled=True)
+    master.merge(json.loads(json.dumps(worker.drain())))
+    assert "streams" not in worker.summary() and worker.streams == 0
+    s = master.summary()
+    assert (s["streams"], s["stalled_streams"]) == (2, 1)
+    assert s["first_chunk_p50_ms"] == pytest.approx(300.0) and s["chunk_gap_max_ms"] == pytest.approx(900.0)
+    assert s["chunk_gap_p50_ms"] == pytest.approx(300.0)
+    text = format_summary(s)
+    assert "first chunk ms  p50 300" in text and "max 900" in text and "streams 2" in text
+    master.merge({"latencies_s": [1.0], "audio_samples": [1], "failures": {}})  # an older worker's report
+    assert master.summary()["successes"] == 3
+    no_audio = TTSStats()
+    no_audio.record_stream(None, [], False)
+    assert no_audio.summary()["first_chunk_p50_ms"] is None and "n/a" in format_summary(no_audio.summary())
+
+
 def test_rtf_and_percentile_edges():
     assert real_time_factor(1.0, 0) is None and real_time_factor(2.0, SAMPLE_RATE) == 2.0
     assert percentile([], 50) is None and percentile([1, 2, 3, 4], 50) == 2.5
@@ -184,9 +205,17 @@ def test_locust_command(tmp_path):
     assert flags["--users"] == "3" and flags["--run-time"] == "15s" and flags["--host"] == "h:8000"
     assert flags["--csv"] == str(tmp_path / "stats") and flags["--html"] == str(tmp_path / "report.html")
     assert flags["--tts-max-new-tokens"] == "20" and flags["--tts-seed"] == "4" and "--tts-min-new-tokens" not in flags
-    assert flags["--loglevel"] == "WARNING"
+    assert flags["--loglevel"] == "WARNING" and flags["--tts-model"] == "chattts"
     with pytest.raises(SystemExit):
         lt_run.build_parser().parse_args(["--duration", "soon"])
+    args = lt_run.build_parser().parse_args(["--stream"])
+    cmd = lt_run.locust_command(args, "h:8001", tmp_path)
+    flags = dict(zip(cmd, cmd[1:]))
+    assert cmd[-1] == "TritonGrpcStreamUser" and flags["--tts-stream-model"] == "chattts_stream"
+    assert "--tts-model" not in flags
+    args = lt_run.build_parser().parse_args(["--stream", "--protocol", "http", "--model", "m"])
+    cmd = lt_run.locust_command(args, "h:8000", tmp_path)
+    assert cmd[-1] == "TritonHttpStreamUser" and dict(zip(cmd, cmd[1:]))["--tts-stream-model"] == "m"
 
 
 def test_locustfile_loads_under_gevent_with_both_users():
@@ -195,13 +224,41 @@ def test_locustfile_loads_under_gevent_with_both_users():
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert "TritonGrpcUser" in out.stdout and "TritonHttpUser" in out.stdout
+    users = ("TritonGrpcUser", "TritonHttpUser", "TritonGrpcStreamUser", "TritonHttpStreamUser")
+    assert all(u in out.stdout for u in users)
     check = subprocess.run(
-        [sys.executable, "-c", "import runpy, sys; runpy.run_path('loadtest/locustfile.py'); "
-         "print('torch' in sys.modules)"],
+        [sys.executable, "-c", "import runpy, sys; g = runpy.run_path('loadtest/locustfile.py'); "
+         f"print([[t.__name__ for t in g[u].tasks] for u in {users!r}]); print('torch' in sys.modules)"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert check.returncode == 0 and check.stdout.strip().endswith("False"), check.stderr
+    # one task each: a streaming user does not also run the unary request
+    assert check.stdout.splitlines()[-2] == str([["synthesize"], ["synthesize"], ["stream"], ["stream"]])
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_locust_stream_users_report_first_chunk_gaps_and_total(protocol, tmp_path):
+    """The streaming users under gevent, against the in-process fake stream servers (no Triton)."""
+    from tests.test_client_stream import FakeStreamServers
+
+    servers = FakeStreamServers()
+    try:
+        user = "TritonGrpcStreamUser" if protocol == "grpc" else "TritonHttpStreamUser"
+        cmd = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", "2", "-r", "2",
+               "-t", "3s", "--stop-timeout", "10", "--host", servers.url(protocol), "--csv", str(tmp_path / "stats"),
+               "--tts-stats-out", str(tmp_path / "tts.json"), user]  # fmt: skip
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        servers.stop()
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with (tmp_path / "stats_stats.csv").open() as f:
+        rows = {r["Name"]: r for r in csv.DictReader(f)}
+    assert {"stream first chunk", "stream chunk gap", "stream total"} <= set(rows)
+    assert all(r["Type"] == protocol for n, r in rows.items() if n != "Aggregated")
+    assert int(rows["stream total"]["Failure Count"]) == 0 and int(rows["stream total"]["Request Count"]) > 0
+    assert int(rows["stream chunk gap"]["Request Count"]) > int(rows["stream total"]["Request Count"])
+    tts = json.loads((tmp_path / "tts.json").read_text())
+    assert tts["streams"] == tts["successes"] > 0 and tts["first_chunk_p50_ms"] > 0 and tts["failures"] == 0
 
 
 def test_runner_refuses_an_unreachable_server(tmp_path, capsys):
@@ -227,6 +284,26 @@ def test_locust_headless_run_has_no_failures(served_tiny, protocol, tmp_path):
     tts = json.loads((tmp_path / "tts_stats.json").read_text())
     assert tts["failures"] == 0 and tts["successes"] > 0 and tts["audio_seconds"] > 0 and tts["rtf_p50"] > 0
     assert (tmp_path / "report.html").stat().st_size > 0
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_locust_stream_run_against_chattts_stream(served_tiny, protocol, tmp_path):
+    if not (Path(served_tiny.model_repository) / "chattts_stream").is_dir():
+        pytest.skip("the served repository has no chattts_stream model")
+    host = served_tiny.grpc_url if protocol == "grpc" else served_tiny.http_url
+    cmd = [sys.executable, "-m", "loadtest.run", "--stream", "--host", host, "--protocol", protocol, "--users", "2",
+           "--spawn-rate", "2", "--duration", "10s", "--max-new-tokens", "80", "--min-new-tokens", "80",
+           "--seed", "1", "--out", str(tmp_path)]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with (tmp_path / "stats_stats.csv").open() as f:
+        rows = {r["Name"]: r for r in csv.DictReader(f)}
+    assert int(rows["stream total"]["Request Count"]) > 0 and int(rows["Aggregated"]["Failure Count"]) == 0
+    # every finished stream had a first chunk (one cut off at the stop may count only that)
+    assert int(rows["stream first chunk"]["Request Count"]) >= int(rows["stream total"]["Request Count"])
+    tts = json.loads((tmp_path / "tts_stats.json").read_text())
+    assert tts["failures"] == 0 and tts["streams"] > 0 and tts["first_chunk_p50_ms"] > 0
 
 
 @pytest.mark.e2e
