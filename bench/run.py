@@ -96,6 +96,7 @@ async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float) 
     gaps: List[float] = []
     total: List[float] = []
     errors = 0
+    messages: List[str] = []
     async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=600, max_concurrency=concurrency) as client:
         async def one(seed: int, record: bool) -> None:
             nonlocal errors
@@ -107,8 +108,11 @@ async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float) 
                     if record:
                         (gaps if n else first).append(now - last)
                     last, n = now, n + 1
-            except Exception:  # noqa: BLE001  counted, the run goes on
+            except Exception as e:  # noqa: BLE001  counted, the run goes on
                 errors += record
+                if len(messages) < 3:
+                    messages.append(f"{type(e).__name__}: {e}"[:300])
+                    log(f"stream error: {messages[-1]}")
                 return
             if record:
                 total.append(time.perf_counter() - t0)
@@ -126,7 +130,7 @@ async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float) 
     row = {"concurrency": concurrency, "streams": len(total), "errors": errors,
            "first_chunk_p50_ms": _pct(first, 50), "first_chunk_p99_ms": _pct(first, 99),
            "chunk_gap_p50_ms": _pct(gaps, 50), "chunk_gap_p99_ms": _pct(gaps, 99),
-           "stream_p50_ms": _pct(total, 50), "stream_p99_ms": _pct(total, 99)}
+           "stream_p50_ms": _pct(total, 50), "stream_p99_ms": _pct(total, 99), "error_messages": messages}
     log(f"stream concurrency {concurrency}: first chunk p50 {row['first_chunk_p50_ms']} ms, "
         f"p99 {row['first_chunk_p99_ms']} ms, whole stream p50 {row['stream_p50_ms']} ms, errors {errors}")
     return row
