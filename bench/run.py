@@ -117,7 +117,7 @@ async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float) 
             if record:
                 total.append(time.perf_counter() - t0)
 
-        await asyncio.gather(*(one(i, False) for i in range(min(concurrency, 4))))  # warm-up
+        await asyncio.gather(*(one(i, False) for i in range(concurrency)))  # warm-up: graphs of every batch size
         stop = time.monotonic() + seconds
 
         async def worker(i: int) -> None:

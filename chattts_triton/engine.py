@@ -720,7 +720,9 @@ class CudaGraphs:
             self._warm(mode, bb, lb)
         cur.wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+        # thread_local: other threads of the process (the stream model's vocoder) keep using the GPU
+        # during a capture; the default "global" mode fails their calls with cudaErrorStreamCaptureUnsupported
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             hit = e.step_core(0, bb, lb, mode, e.n_live)
         log.info("captured %s decode graph batch=%d attn_len=%d", mode, bb, lb)
 
