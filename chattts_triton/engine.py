@@ -264,6 +264,8 @@ class Engine:
     # -- loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.device.type == "cuda":  # the current device is per thread: graphs and streams use it
+            torch.cuda.set_device(self.device)
         while self._run_once():
             pass
 

@@ -195,6 +195,8 @@ class Artifact:
 
 def device_for(kind: str, device_id: int) -> torch.device:
     if kind.upper().endswith("GPU") and torch.cuda.is_available():
+        # an instance on GPU 1 must not create its graphs, streams and pools on GPU 0 (the default)
+        torch.cuda.set_device(device_id)
         return torch.device("cuda", device_id)
     # Log what the stub process gets: intra-op threads decide CPU step time.
     log.info("CPU instance: torch uses %d threads of %d cores", torch.get_num_threads(), len(os.sched_getaffinity(0)))

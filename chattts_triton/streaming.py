@@ -181,6 +181,8 @@ class StreamService:
     # -- codec thread ---------------------------------------------------------------------------
     def _codec_loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.voc.device.type == "cuda":  # per thread, like the engine's
+            torch.cuda.set_device(self.voc.device)
         while True:
             try:
                 events = [self.events.get(timeout=CANCEL_POLL_S)]
