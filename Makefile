@@ -71,7 +71,7 @@ configure: setup ## set instance groups of REPO: GPUS=0,1 INSTANCES=2 (empty GPU
 serve: setup ## run Triton on REPO in the foreground, bound to 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)
 	$(PY) -m chattts_triton.serve --repo $(REPO) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --log-file $(BUILD)/tritonserver.log
 
-demo: export ## set up, export (ASSETS=DIR or synthetic noise), serve, synthesise build/demo.wav over gRPC, stop
+demo: export ## set up, export (ASSETS=DIR or synthetic noise), serve, synthesise build/demo.wav over gRPC, stream it, stop
 	$(PY) -m client.demo --repo $(REPO) --out $(BUILD)/demo.wav $(SYNTHETIC)
 
 loadtest: setup ## Locust (headless) against a running server: HOST= PROTOCOL=grpc|http USERS= SPAWN_RATE= DURATION= -> build/loadtest

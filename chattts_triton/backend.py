@@ -73,17 +73,26 @@ class ModelContext:
         return {n: pb.get_output_tensor_by_name(resp, n).as_numpy() for n in outputs}
 
 
-def _error(pb_utils, exc: BaseException):
+def _status(exc: BaseException):
+    """(TritonError code attribute, gRPC status name, message) of a service's exception."""
     from .streaming import Cancelled
 
     if isinstance(exc, Overloaded):
-        return pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)
+        return "UNAVAILABLE", "UNAVAILABLE", str(exc)
     if isinstance(exc, Cancelled):
-        return pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, "CANCELLED", pb_utils.TritonError.UNAVAILABLE))
+        return "CANCELLED", "CANCELLED", str(exc)
     if isinstance(exc, (InputError, ValueError)):
-        return pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+        return "INVALID_ARG", "INVALID_ARGUMENT", str(exc)
     log.error("internal error: %r", exc)
-    return pb_utils.TritonError(f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
+    return "INTERNAL", "INTERNAL", f"internal error: {exc}"
+
+
+def _error(pb_utils, exc: BaseException, name_status: bool = False):
+    """The TritonError of `exc`. name_status prefixes the status name: Triton 2.51 delivers a
+    decoupled model's error as a message only (gRPC stream and SSE lose the code)."""
+    code, name, msg = _status(exc)
+    codes = pb_utils.TritonError
+    return codes(f"{name}: {msg}" if name_status else msg, getattr(codes, code, codes.UNAVAILABLE))
 
 
 def _gauge(pb_utils, name: str, description: str, model: str):
@@ -193,7 +202,7 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
                 deliver(pb_utils.InferenceResponse(output_tensors=tensors), final)
 
             def fail(exc: BaseException) -> None:
-                deliver(pb_utils.InferenceResponse(error=_error(pb_utils, exc)), True)
+                deliver(pb_utils.InferenceResponse(error=_error(pb_utils, exc, name_status=True)), True)
 
             def cancelled() -> bool:
                 try:

@@ -20,6 +20,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -31,7 +32,7 @@ from .services import Outputs, Overloaded, get_bool
 
 log = logging.getLogger(__name__)
 
-CANCEL_POLL_S = 0.05  # the codec thread checks cancellations at least this often
+CANCEL_POLL_S = 0.05  # the codec thread checks cancellations this often
 
 
 class Cancelled(RuntimeError):
@@ -127,6 +128,7 @@ class StreamService:
         self.admitted = 0  # streams started and not ended (any thread; under lock)
         self.lock = threading.Lock()
         self.stopping = False
+        self.polled = 0.0  # when cancellations were last polled
         self.thread = threading.Thread(target=self._codec_loop, name="chattts-stream-codec", daemon=True)
         self.thread.start()
 
@@ -222,9 +224,12 @@ class StreamService:
                     stream.hiddens.append(torch.from_numpy(payload["HIDDENS"][0, n:]))
                 stream.done = True
             touched.append(stream)
-        for s in self.streams:
-            if not s.done and s.call.cancelled():
-                s.req.cancel()  # the engine frees the slot at its next step and reports "cancelled"
+        now = time.monotonic()
+        if now - self.polled >= CANCEL_POLL_S:  # each poll is a round trip to Triton: not per event
+            self.polled = now
+            for s in self.streams:
+                if not s.done and s.call.cancelled():
+                    s.req.cancel()  # the engine frees the slot at its next step and reports "cancelled"
         due = []
         for s in dict.fromkeys(touched):
             if s.ended:

@@ -1,4 +1,4 @@
-"""`make demo`: start Triton on an exported repository, synthesise one sentence over gRPC, stop.
+"""`make demo`: start Triton on an exported repository, synthesise one sentence over gRPC, stream it, stop.
 
     python -m client.demo --repo build/repo --out build/demo.wav [--text "..."] [--synthetic]
 """
@@ -28,10 +28,12 @@ def main(argv=None) -> int:
     ap.add_argument("--synthetic", action="store_true", help="the repository holds random weights: warn, cap the length")
     a = ap.parse_args(argv)
 
+    import numpy as np
+
     from chattts_triton.config import SAMPLE_RATE
     from chattts_triton.tritonserver import TritonServer
     from client.audio import save_wav
-    from client.client import ChatTTSClient
+    from client.client import ChatTTSClient, split_sentences
 
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if a.synthetic:
@@ -48,10 +50,22 @@ def main(argv=None) -> int:
         t1 = time.perf_counter()
         with ChatTTSClient(server.grpc_url, protocol="grpc", timeout_s=600) as client:
             audio = client.synthesize(a.text, **options)
-        took = time.perf_counter() - t1
-        save_wav(a.out, audio)
-    seconds = audio.size / SAMPLE_RATE
-    say(f"[demo] {a.text!r} → {a.out}: {seconds:.2f} s of audio in {took:.2f} s (RTF {took / max(seconds, 1e-9):.2f})")
+            took = time.perf_counter() - t1
+            save_wav(a.out, audio)
+            seconds = audio.size / SAMPLE_RATE
+            say(f"[demo] {a.text!r} → {a.out}: {seconds:.2f} s of audio in {took:.2f} s (RTF {took / max(seconds, 1e-9):.2f})")
+            t2 = time.perf_counter()
+            chunks, first = [], None
+            for chunk in client.stream(a.text, **options):  # chattts_stream: the same audio in chunks
+                first = first if first is not None else time.perf_counter() - t2
+                chunks.append(chunk)
+            streamed = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+            say(f"[demo] streamed: {len(chunks)} chunks, first after {first or 0:.2f} s, all after {time.perf_counter() - t2:.2f} s")
+            if len(split_sentences(a.text)) == 1:  # several: the voice of sentence 1 is re-used differently
+                same = streamed.shape == audio.shape and float(np.abs(streamed - audio).max(initial=0.0)) <= 1e-3
+                say(f"[demo] the stream is {'equal to' if same else 'DIFFERENT from'} the synthesised audio")
+                if not same:
+                    return 1
     if a.synthetic:
         say(WARNING)
     return 0
