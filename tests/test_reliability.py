@@ -327,7 +327,8 @@ def test_plain_triton_sigterm_fails_ensemble_requests_in_flight(tiny_assets, tmp
     step once signalled. If this starts passing requests, a newer Triton fixed it: drop the workaround."""
     server = private_server(tiny_assets, tmp_path, gpt_slots=2, exit_timeout_s=60)
     with server:
-        req = dict(TEXT="你好", MAX_NEW_TOKENS=FRAMES, MIN_NEW_TOKENS=FRAMES)
+        # still generating when the signal comes (FRAMES can finish within the 1 s wait on a fast box)
+        req = dict(TEXT="你好", MAX_NEW_TOKENS=1500, MIN_NEW_TOKENS=1500)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(grpc_synth, server.grpc_url, SEED=i, **req) for i in range(2)]
             time.sleep(1.0)
