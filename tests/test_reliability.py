@@ -167,14 +167,14 @@ def test_extreme_but_valid_sampling_values_give_finite_audio(served_tiny):
 
 # --- 2. overload ---------------------------------------------------------------------------------
 FRAMES = 400  # long enough that a request is clearly slower than a rejection on the tiny CPU model
-OVERLOAD_FRAMES = 600  # ≈ 13 s of audio
+OVERLOAD_FRAMES = 1800  # ≈ 38 s of audio: an admitted request clearly outlasts a rejection on the faster engine
 
 
 @pytest.fixture(scope="module")
 def small_server(tiny_assets, tmp_path_factory):
     """2 engine slots, at most 4 generations in flight, short Triton queues with a timeout."""
     server = private_server(tiny_assets, tmp_path_factory.mktemp("small"), gpt_slots=2, gpt_max_pending=4,
-                            max_queue_size=8, queue_timeout_us=5_000_000, gpt_context=1024)
+                            max_queue_size=8, queue_timeout_us=5_000_000, gpt_context=2048)
     with server:
         yield server
 
