@@ -225,7 +225,7 @@ def test_overload_rejects_excess_quickly_and_completes_admitted(small_server):
 
 def test_max_new_tokens_beyond_the_context_is_invalid(small_server):
     with pytest.raises(InferenceServerException) as e:
-        grpc_synth(small_server.grpc_url, TEXT="你好", MAX_NEW_TOKENS=2040)  # context 2048
+        grpc_synth(small_server.grpc_url, TEXT="你好", MAX_NEW_TOKENS=2048)  # + the prompt > the 2048-token context
     assert _invalid(e.value) and "context" in e.value.message()
 
 
