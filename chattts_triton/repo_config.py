@@ -113,6 +113,15 @@ def _param(cfg, key: str, value) -> None:
     cfg.parameters[key].string_value = str(value)
 
 
+def _engine_params(cfg, dep: "Deployment", slots: int, pending: int) -> None:
+    """What `backend.gpt_service` reads: the parameters of a model that hosts a GPT engine."""
+    _param(cfg, "max_slots", slots)
+    _param(cfg, "max_context", dep.gpt_context)
+    _param(cfg, "max_pending", pending)
+    _param(cfg, "max_new_tokens", LIMITS.max_new_tokens)
+    _param(cfg, "dtype", dep.dtype)
+
+
 def _python_model(name: str, dep: Deployment, instances: int, gpu: bool) -> mc.ModelConfig:
     cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=dep.max_batch_size)
     db = cfg.dynamic_batching
@@ -146,11 +155,7 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     _io(gpt.input, _contract(GPT_FROM_ENSEMBLE), h, optional_contract)
     _io(gpt.input, GPT_EXTRA_INPUTS, h, optional=tuple(GPT_EXTRA_INPUTS))
     _io(gpt.output, GPT_OUTPUTS, h, output=True)
-    _param(gpt, "max_slots", dep.slots())
-    _param(gpt, "max_context", dep.gpt_context)
-    _param(gpt, "max_pending", dep.max_pending())
-    _param(gpt, "max_new_tokens", LIMITS.max_new_tokens)
-    _param(gpt, "dtype", dep.dtype)
+    _engine_params(gpt, dep, dep.slots(), dep.max_pending())
 
     voc = _python_model(VOCODER, dep, max(1, dep.instances), gpu=True)
     _io(voc.input, {"CODES": GPT_OUTPUTS["CODES"], "HIDDENS": GPT_OUTPUTS["HIDDENS"]}, h)
@@ -184,11 +189,7 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     stream.dynamic_batching.max_queue_delay_microseconds = 0  # a stream's first chunk must not wait for others
     _io(stream.input, {n: s[:2] for n, s in ENSEMBLE_INPUTS.items()}, h, optional_contract)
     _io(stream.output, ENSEMBLE_OUTPUTS, h, output=True)
-    _param(stream, "max_slots", dep.stream_slot_count())
-    _param(stream, "max_context", dep.gpt_context)
-    _param(stream, "max_pending", dep.stream_pending())
-    _param(stream, "max_new_tokens", LIMITS.max_new_tokens)
-    _param(stream, "dtype", dep.dtype)
+    _engine_params(stream, dep, dep.stream_slot_count(), dep.stream_pending())
     _param(stream, "artifact_format", dep.artifact_format)
     _param(stream, "first_chunk_frames", dep.stream_first_chunk_frames)
     _param(stream, "chunk_frames", dep.stream_chunk_frames)
