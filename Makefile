@@ -62,11 +62,11 @@ $(BUILD)/assets-$(SIZE)/.complete: | setup
 
 assets: $(BUILD)/assets-$(SIZE)/.complete ## write random-weight assets of the upstream architecture (SIZE=full|tiny)
 
-export: setup $(ASSETS_DEP) ## export ASSETS=DIR (default: synthetic) into REPO (FORMATS, DTYPE, GPUS, INSTANCES)
-	$(PY) -m export --assets $(ASSETS_DIR) --out $(REPO) --formats $(FORMATS) --dtype $(DTYPE) --gpus "$(GPUS)" --instances $(INSTANCES)
+export: setup $(ASSETS_DEP) ## export ASSETS=DIR (default: synthetic) into REPO (FORMATS, DTYPE, GPUS, INSTANCES, GPT_COMPILE=1)
+	$(PY) -m export --assets $(ASSETS_DIR) --out $(REPO) --formats $(FORMATS) --dtype $(DTYPE) --gpus "$(GPUS)" --instances $(INSTANCES) $(if $(GPT_COMPILE),--gpt-compile)
 
-configure: setup ## set instance groups of REPO: GPUS=0,1 INSTANCES=2 (empty GPUS: CPU)
-	$(PY) -m chattts_triton.repo_config --repo $(REPO) --gpus "$(GPUS)" --instances $(INSTANCES)
+configure: setup ## set instance groups of REPO: GPUS=0,1 INSTANCES=2 (empty GPUS: CPU), GPT_COMPILE=1|0
+	$(PY) -m chattts_triton.repo_config --repo $(REPO) --gpus "$(GPUS)" --instances $(INSTANCES) $(if $(GPT_COMPILE),$(if $(filter 0,$(GPT_COMPILE)),--no-gpt-compile,--gpt-compile))
 
 serve: setup ## run Triton on REPO in the foreground, bound to 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)
 	$(PY) -m chattts_triton.serve --repo $(REPO) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --log-file $(BUILD)/tritonserver.log

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see bench/bundle.py):
-#   bash bench/gpu_session.sh STAGE...   stages: setup test bench
+#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step
 # Writes logs and results under $OUT (or build/gpu-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -21,6 +21,8 @@ for stage in "$@"; do
       python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_gpu.py -s 2>&1 | tee "$OUT/test_gpu.log" ;;
     bench)
       python3 -m bench.run --assets build/assets-full --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
+    step)
+      python3 -m bench.step --assets build/assets-full --out "$OUT" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

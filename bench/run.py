@@ -288,6 +288,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hold-seconds", type=float, default=0.0, help="then this long at --hold-concurrency (GPU memory over time)")
     ap.add_argument("--hold-concurrency", type=int, default=256)
     ap.add_argument("--stream-lookahead", type=int, default=0, help="chattts_stream context frames (0: exact)")
+    ap.add_argument("--gpt-compile", action="store_true", help="serve the GPT decode step through torch.compile")
     a = ap.parse_args(argv)
 
     import torch
@@ -316,8 +317,10 @@ def main(argv=None) -> int:
     per_engine = max(a.max_concurrency, a.hold_concurrency if a.hold_seconds else 0, 8)
     dep = Deployment(gpus=gpus, gpt_slots=-(-per_engine // max(1, len(gpus))), gpt_context=512,
                      max_batch_size=max(64, min(per_engine, 512)), max_queue_size=4096,
-                     stream_slots=max(streams + [2]), stream_lookahead_frames=a.stream_lookahead)
+                     stream_slots=max(streams + [2]), stream_lookahead_frames=a.stream_lookahead,
+                     gpt_compile=a.gpt_compile)
     res["stream_lookahead_frames"] = a.stream_lookahead or "exact"
+    res["gpt_compile"] = a.gpt_compile
     if a.max_concurrency or streams or a.hold_seconds:
         log(f"exporting {a.assets} → {a.repo} ({a.dtype})")
         export_repository(a.assets, a.repo, ["torchscript"], a.dtype, "cpu", dep, progress=log)

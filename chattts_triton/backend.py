@@ -265,6 +265,7 @@ def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None):
         text_eos_id=int(ctx.manifest["tokens"]["text_eos_id"]),
         spk_emb_id=int(ctx.manifest["tokens"]["spk_emb_id"]),
         max_pending=ctx.param("max_pending", 0, cast=int),
+        compile_step=bool(ctx.param("compile_step", 0, cast=int)),
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
@@ -141,14 +142,18 @@ class Engine:
         cuda_graphs: bool = True,
         admit_batch: int = 32,
         admit_wait_steps: int = 4,
+        compile_step: bool = False,
         start: bool = True,
     ):
         """admit_batch / admit_wait_steps: while requests are running, waiting ones are admitted (one
         batched prefill) once `admit_batch` of them (or as many as there are free slots) wait, or the
-        oldest has waited `admit_wait_steps` decode steps; an idle engine admits at once."""
+        oldest has waited `admit_wait_steps` decode steps; an idle engine admits at once.
+        compile_step: see `compile_step` (the model must be the eager module)."""
         _check_model(model)
         self.model = model
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # the engine thread needs the index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_slots = max_slots
         self.max_context = max_context
         self.max_new_tokens = max_new_tokens
@@ -177,10 +182,14 @@ class Engine:
         self.cache_dtype = cache_dtype
         self.cuda_graphs = cuda_graphs
         self.graphs: Optional[CudaGraphs] = None
+        self.graph_step: Optional[Callable] = None  # compile_step's compiled step_core for graph buckets
+        self.compiled_frozen = False
         self.allocated = False
         self._ready = threading.Event()
         self._alloc_error: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
+        if compile_step:
+            self.compile_step()
         if start:
             self.start()
             self._ready.wait()
@@ -212,6 +221,61 @@ class Engine:
         self.n_live = torch.zeros((), dtype=torch.int64, device=dev)  # rows ≥ this in a graph bucket are padding
         self.graphs = CudaGraphs(self) if (self.cuda_graphs and self.device.type == "cuda") else None
         self.allocated = True
+
+    def compile_step(self, dynamic: bool = True, backend: str = "inductor") -> None:
+        """Graph buckets run the decode step compiled by torch.compile (inductor: fused norm, RoPE
+        and sampling kernels, still replayed from CUDA graphs; H200 bf16: 1.70 → 1.09 ms per step at
+        batch 1, bench/step.py). Needs the eager module, not TorchScript. dynamic: one compile for
+        all buckets (batch 1 still gets its own); else one per bucket. Call `freeze_compiled` once the
+        buckets in use are warm: a bucket that would need a recompile then runs the plain step
+        instead of stalling every running request for the tens of seconds a compile takes."""
+        if isinstance(self.model, torch.jit.ScriptModule):
+            raise EngineError("compile_step needs the eager GPT module (chattts_triton.gpt), not TorchScript")
+        import torch._dynamo as dynamo
+        import torch._inductor.config as inductor_config
+
+        cfg = dynamo.config
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(cfg, name):  # one compile per (mode, batch bucket, length bucket) unless dynamic
+                setattr(cfg, name, max(getattr(cfg, name), 4096))
+        # autotuning a kernel that writes in place clones its arguments per tried config: for the
+        # KV-cache writes that is the whole multi-GB cache (seen on the H200: > 3 minutes, no result)
+        inductor_config.triton.autotune_pointwise = False
+        self.graph_step = torch.compile(self.step_core, dynamic=dynamic, backend=backend)
+
+    def freeze_compiled(self) -> None:
+        self.compiled_frozen = True
+
+    def warm_up(self, text_eos_id: Optional[int] = None, freeze: bool = True, timeout: float = 1800.0) -> None:
+        """Run what a server meets first before any client does: TorchScript's specialising runs,
+        and with graph buckets, per mode (code; text when `text_eos_id` is given) a request alone and
+        two together, so the compiled step (batch 1 and the dynamic batch ≥ 2 variant) and their
+        first CUDA graphs exist; then `freeze_compiled`. Runs the loop itself when the engine thread
+        is not started."""
+        modes = [("code", AUDIO_EOS)] + ([("text", text_eos_id)] if text_eos_id is not None else [])
+        if self.graphs is None:  # nothing to capture or compile: TorchScript's specialising runs only
+            modes, rounds, tokens = modes[:1], (1, 1), 4
+        else:  # 16 tokens each: the second of a pair is admitted while the first still runs
+            rounds, tokens = (1, 1, 2), 16
+        for mode, eos in modes:
+            for n in rounds:
+                results: List[GenResult] = []
+                for i in range(n):
+                    params = SamplingParams(1.0, None, None, 1.0, tokens, tokens, seed=i)
+                    self.submit(GenRequest(torch.arange(1, 9), params, results.append, mode=mode, eos_id=eos, want_hidden=False))
+                deadline = time.monotonic() + timeout
+                while len(results) < n:
+                    if time.monotonic() > deadline:
+                        raise EngineError(f"engine warm-up ({mode}, {n} requests) did not finish in {timeout:.0f} s")
+                    if self.thread is None:
+                        self._run_once(block=False)
+                    else:
+                        time.sleep(0.01)
+                for r in results:
+                    if r.error is not None:
+                        raise r.error
+        if freeze and self.graph_step is not None:
+            self.freeze_compiled()
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -732,19 +796,28 @@ class CudaGraphs:
         self.e._set_live(b)
         return run()
 
+    def _step(self, mode: str, bb: int, lb: int) -> Tensor:
+        e = self.e
+        if e.graph_step is None:
+            return e.step_core(0, bb, lb, mode, e.n_live)
+        # frozen: a bucket the warm-up did not compile for runs the plain step (still in a graph)
+        stance = "eager_on_recompile" if e.compiled_frozen else "default"
+        with torch.compiler.set_stance(stance):
+            return e.graph_step(0, bb, lb, mode, e.n_live)
+
     def _warm(self, mode: str, bb: int, lb: int) -> None:
         # n_live = 0: every row is padding, so a live row only gets the writes (its KV at its current
         # position, its next token/hidden) that its next real step makes again before reading them
         e = self.e
         e._set_live(0)
         for _ in range(3):
-            e.step_core(0, bb, lb, mode, e.n_live)
+            self._step(mode, bb, lb)
 
     def _capture(self, mode: str, bb: int, lb: int) -> Callable[[], Tensor]:
         e = self.e
         if not self.capture:
             self._warm(mode, bb, lb)
-            return lambda: e.step_core(0, bb, lb, mode, e.n_live)
+            return lambda: self._step(mode, bb, lb)
         cur = torch.cuda.current_stream(e.device)
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream):
@@ -754,7 +827,7 @@ class CudaGraphs:
         # thread_local: other threads of the process (the stream model's vocoder) keep using the GPU
         # during a capture; the default "global" mode fails their calls with cudaErrorStreamCaptureUnsupported
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-            hit = e.step_core(0, bb, lb, mode, e.n_live)
+            hit = self._step(mode, bb, lb)
         log.info("captured %s decode graph batch=%d attn_len=%d", mode, bb, lb)
 
         def run() -> Tensor:

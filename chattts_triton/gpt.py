@@ -11,7 +11,7 @@ Cache layout: k_cache / v_cache [layers, slots, context, kv_heads, head_dim].
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +57,9 @@ class DecoderLayer(nn.Module):
         sin: Tensor,
         k_cache: Tensor,
         v_cache: Tensor,
+        layer: int,
         write_index: Tensor,
+        write_at: List[Optional[Tensor]],
         slot_start: int,
         attn_len: int,
         mask: Tensor,
@@ -71,13 +73,21 @@ class DecoderLayer(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         # write this step's keys/values into each request's slot, then attend over the slots in
         # place: rows are the contiguous slots slot_start.., so a view, no gather, feeds the attention
-        s, c = k_cache.shape[0], k_cache.shape[1]
-        flat_k = k_cache.view(s * c, self.kv_heads, self.head_dim)
-        flat_v = v_cache.view(s * c, self.kv_heads, self.head_dim)
-        flat_k.index_copy_(0, write_index, k.reshape(b * t, self.kv_heads, self.head_dim).to(k_cache.dtype))
-        flat_v.index_copy_(0, write_index, v.reshape(b * t, self.kv_heads, self.head_dim).to(v_cache.dtype))
-        keys = k_cache.narrow(0, slot_start, b).narrow(1, 0, attn_len).to(q.dtype)
-        values = v_cache.narrow(0, slot_start, b).narrow(1, 0, attn_len).to(q.dtype)
+        k = k.reshape(b * t, self.kv_heads, self.head_dim).to(k_cache.dtype)
+        v = v.reshape(b * t, self.kv_heads, self.head_dim).to(v_cache.dtype)
+        if torch.jit.is_scripting():  # the exported path, as measured (bench/results/2026-11-30-h200-step.md)
+            s, c = k_cache.shape[1], k_cache.shape[2]
+            k_cache.select(0, layer).view(s * c, self.kv_heads, self.head_dim).index_copy_(0, write_index, k)
+            v_cache.select(0, layer).view(s * c, self.kv_heads, self.head_dim).index_copy_(0, write_index, v)
+        else:  # torch.compile: one index_put_ on the whole cache stays in place (through a view,
+            # the compiled step copied the 16 GB cache every step)
+            layer_ids = write_at[0]
+            assert layer_ids is not None
+            at: List[Optional[Tensor]] = [layer_ids.narrow(0, layer, 1), write_at[1], write_at[2]]
+            k_cache.index_put_(at, k)
+            v_cache.index_put_(at, v)
+        keys = k_cache.select(0, layer).narrow(0, slot_start, b).narrow(1, 0, attn_len).to(q.dtype)
+        values = v_cache.select(0, layer).narrow(0, slot_start, b).narrow(1, 0, attn_len).to(q.dtype)
         rep = self.heads // self.kv_heads
         if rep > 1:
             keys = keys.repeat_interleave(rep, dim=2)
@@ -155,7 +165,11 @@ class ChatTTSGPT(nn.Module):
         pos = torch.where(valid, positions, torch.zeros_like(positions))
         # padding goes to the slot's last place: it is rewritten before it can ever be attended
         place = torch.where(valid, pos, torch.full_like(pos, context - 1))
-        write_index = (slots.unsqueeze(1) * context + place).reshape(b * t)
+        write_index = (slots.unsqueeze(1) * context + place).reshape(b * t)  # within a layer (TorchScript)
+        write_at: List[Optional[Tensor]] = []
+        if not torch.jit.is_scripting():  # (layer ids, slot, place) for torch.compile's index_put_
+            layer_ids = torch.arange(self.layers_n, dtype=torch.int64, device=x.device)
+            write_at = [layer_ids, slots.unsqueeze(1).expand(b, t).reshape(b * t), place.reshape(b * t)]
         freqs = pos.unsqueeze(-1).float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(x.dtype).unsqueeze(2)
@@ -165,7 +179,7 @@ class ChatTTSGPT(nn.Module):
         mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
         mask = mask.masked_fill(~allowed, float("-inf")).unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], write_index, slot_start, attn_len, mask)
+            x = layer(x, cos, sin, k_cache, v_cache, i, write_index, write_at, slot_start, attn_len, mask)
         return self.norm(x)
 
     @torch.jit.export
@@ -218,3 +232,20 @@ def load_gpt(folder: Path, arch: Arch) -> ChatTTSGPT:
             raise AssetError(f"{k}: shape {tuple(v.shape)} does not match the architecture {tuple(expected[k].shape)}")
     model.load_state_dict(sd, strict=True)
     return model.eval()
+
+
+def eager_from_script(script, arch: Arch) -> ChatTTSGPT:
+    """The plain module holding an exported gpt.pt's weights (what torch.compile traces: it cannot
+    trace TorchScript). Cast before loading, as the export did, so buffers match too."""
+    sd = dict(script.state_dict())
+    dtype, device = sd["norm.weight"].dtype, sd["norm.weight"].device
+    model = ChatTTSGPT(arch).to(dtype)
+    # TorchScript keeps the non-persistent buffers in its state_dict: take them as exported
+    buffers = {k: sd.pop(k) for k in ("inv_freq", "code_offsets") if k in sd}
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as e:  # e.g. an int8 (CPU-only) export
+        raise AssetError(f"gpt.pt does not hold plain {dtype} weights of this architecture: {e}") from None
+    for k, v in buffers.items():
+        getattr(model, k).copy_(v)
+    return model.to(device).eval()

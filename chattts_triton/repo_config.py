@@ -69,6 +69,7 @@ class Deployment:
     stream_first_chunk_frames: int = 8  # code frames (21.3 ms of audio each) in the first chunk
     stream_chunk_frames: int = 32  # ... in each later chunk (more when generation runs ahead)
     stream_lookahead_frames: int = 0  # context each side of a chunk; 0: exact (codec.stream_lookahead_codes)
+    gpt_compile: bool = False  # GPU: decode step through torch.compile (≈ 1 min more start-up; bench/README.md)
 
     @property
     def kind(self) -> str:
@@ -120,6 +121,7 @@ def _engine_params(cfg, dep: "Deployment", slots: int, pending: int) -> None:
     _param(cfg, "max_pending", pending)
     _param(cfg, "max_new_tokens", LIMITS.max_new_tokens)
     _param(cfg, "dtype", dep.dtype)
+    _param(cfg, "compile_step", int(dep.gpt_compile))
 
 
 def _python_model(name: str, dep: Deployment, instances: int, gpu: bool) -> mc.ModelConfig:
@@ -236,6 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-first-chunk-frames", type=int, help="code frames (21.3 ms each) in a stream's first chunk")
     ap.add_argument("--stream-chunk-frames", type=int, help="code frames in later chunks")
     ap.add_argument("--stream-lookahead-frames", type=int, help="context frames each side of a chunk (0: exact)")
+    ap.add_argument("--gpt-compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="GPU instances run the decode step through torch.compile (faster steps, ≈ 1 min more start-up)")
     a = ap.parse_args(argv)
     from .config import Arch
 
@@ -247,7 +251,7 @@ def main(argv=None) -> int:
     dep.instances = a.instances
     for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "gpt_slots", "gpt_context", "gpt_max_pending",
               "stream_slots", "stream_max_pending", "stream_first_chunk_frames", "stream_chunk_frames",
-              "stream_lookahead_frames"):
+              "stream_lookahead_frames", "gpt_compile"):
         v = getattr(a, k)
         if v is not None:
             setattr(dep, k, v)

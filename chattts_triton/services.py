@@ -14,6 +14,7 @@ import math
 import os
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -39,6 +40,7 @@ from .config import (
     samples_for_codes,
 )
 from .engine import Engine, GenRequest, GenResult, SamplingParams
+from .gpt import eager_from_script
 from .serve import DRAIN_FILE_ENV
 from .text import InputError
 
@@ -316,11 +318,16 @@ class PreprocessService:
 DTYPES = {k: getattr(torch, v) for k, v in PRECISIONS.items()}
 
 
+def compile_applies(device: torch.device) -> bool:
+    return device.type == "cuda"  # the compiled step runs in the CUDA-graph buckets only
+
+
 class GPTService:
     """Prompt tensors + sampling inputs → codes (and hidden states) through the in-flight engine."""
 
     def __init__(self, model_path: Path, arch: Arch, device: torch.device, dtype: str, max_slots: int,
-                 max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int, max_pending: int = 0):
+                 max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int, max_pending: int = 0,
+                 compile_step: bool = False):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if dtype in CPU_ONLY_PRECISIONS and device.type != "cpu":
@@ -331,15 +338,32 @@ class GPTService:
         self.max_new_tokens = max_new_tokens
         # execute() returns at once, so Triton's queue never fills: bound running + waiting here (0: no bound)
         self.max_pending = max_pending
-        model = torch.jit.load(str(model_path), map_location=device).eval()
-        self.engine = Engine(
-            model, max_slots=max_slots, max_context=max_context, max_new_tokens=max_new_tokens,
-            hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=DTYPES[dtype],
-            compute_dtype=DTYPES[dtype],
-        )
-        # TorchScript specialises on its first runs: pay that before the first client does
-        for _ in range(2):
-            self.engine.generate(GenRequest(torch.arange(1, 9), SamplingParams(1.0, None, None, 1.0, 4, 4, seed=0), None))
+        script = torch.jit.load(str(model_path), map_location=device).eval()
+
+        def start(model, compiled: bool) -> Engine:
+            t0 = time.perf_counter()
+            engine = Engine(
+                model, max_slots=max_slots, max_context=max_context, max_new_tokens=max_new_tokens,
+                hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=DTYPES[dtype],
+                compute_dtype=DTYPES[dtype], compile_step=compiled,
+            )
+            try:
+                engine.warm_up(text_eos_id=text_eos_id)  # specialise / compile before the first client
+                if compiled and engine.graphs is not None and None in engine.graphs.graphs.values():
+                    raise RuntimeError("a warm-up bucket could not be compiled and captured (see the log above)")
+            except BaseException:
+                engine.stop(drain=False, timeout=60)
+                raise
+            log.info("GPT engine warm (%s) in %.1f s", "compiled step" if compiled else "TorchScript", time.perf_counter() - t0)
+            return engine
+
+        engine = None
+        if compile_step and compile_applies(device):
+            try:
+                engine = start(eager_from_script(script, arch), True)
+            except Exception:  # noqa: BLE001  e.g. no C compiler for inductor in the image: serve anyway
+                log.exception("compiling the GPT decode step failed; serving the TorchScript step instead")
+        self.engine = engine or start(script, False)
 
     def execute(self, calls: Sequence[Call]) -> None:
         for c in calls:

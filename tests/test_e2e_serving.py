@@ -57,6 +57,25 @@ def test_configure_sets_gpu_instance_groups(tiny_repo, tmp_path):
     assert voc.instance_group[0].kind == voc.instance_group[0].KIND_CPU
 
 
+def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo, tmp_path):
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def compile_params():
+        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["compile_step"].string_value
+                for m in (rc.GPT, rc.STREAM)]
+
+    assert compile_params() == ["0", "0"]
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-compile"]) == 0
+    assert compile_params() == ["1", "1"]
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-slots", "64"]) == 0  # kept unless told
+    assert compile_params() == ["1", "1"]
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-gpt-compile"]) == 0
+    assert compile_params() == ["0", "0"]
+
+
 def test_forced_length_gives_exactly_that_many_samples(served_tiny):
     for n in (1, 7, 40):
         audio = synth(served_tiny, TEXT="你好", MIN_NEW_TOKENS=n, MAX_NEW_TOKENS=n, SEED=1)

@@ -415,6 +415,93 @@ def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs):
     assert torch.equal(eng.pi, eng._free_pi.expand(8, -1)) and (eng.pf == 1).all()  # free slots are reset
 
 
+def test_eager_module_from_the_exported_torchscript_computes_the_same(tiny):
+    """torch.compile traces the plain module rebuilt from gpt.pt's weights, buffers included."""
+    from chattts_triton.gpt import eager_from_script
+
+    arch, _, _, ours = tiny
+    for dtype in (torch.float32, torch.bfloat16):
+        script = torch.jit.script(load_gpt_like(ours, arch, dtype))
+        eager = eager_from_script(script, arch)
+        assert not isinstance(eager, torch.jit.ScriptModule)
+        assert eager.inv_freq.dtype == script.inv_freq.dtype and torch.equal(eager.inv_freq, script.inv_freq)
+        torch.manual_seed(1)
+        ids = torch.randint(0, arch.num_text_tokens, (2, 9))
+        outs = []
+        for m in (script, eager):
+            kc, vc = m.new_cache(4, 32, dtype, torch.device("cpu"))
+            with torch.no_grad():
+                outs.append(m(m.embed_text(ids), torch.arange(9).expand(2, 9), 1, kc, vc, 9))
+        assert torch.equal(outs[0], outs[1])
+
+
+def load_gpt_like(model, arch, dtype):
+    from chattts_triton.gpt import ChatTTSGPT
+
+    m = ChatTTSGPT(arch).to(dtype)
+    m.load_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()})
+    return m.eval()
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compile(tiny):
+    """The graph buckets through torch.compile (aot_eager here: dynamo and the functionalised
+    in-place cache writes; the GPU test runs inductor) give every request of the mixed scenario
+    (finish orders, compaction, streaming, a refine-text row, batch sizes 1..10, prompts up to 150
+    tokens so attention lengths cross a bucket) exactly its plain-step tokens, and after
+    `warm_up` (code and text, 1 and 2 requests) nothing compiles again."""
+    import torch._dynamo
+    from chattts_triton.engine import CudaGraphs
+
+    arch, _, _, ours = tiny
+    g = torch.Generator().manual_seed(3)
+    specs = scenario_specs() + [dict(ids=torch.randint(0, 21000, (150,), generator=g),
+                                     params=SamplingParams(0.3, 0.7, 20, 1.05, 20, 20, seed=77))]
+    plain = make_engine(ours, arch, max_slots=16, start=False)
+    plain.graphs = CudaGraphs(plain, capture=False)
+    expected = drive(plain, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2, 5])
+
+    torch._dynamo.reset()
+    eng = make_engine(ours, arch, max_slots=16, start=False)
+    eng.graphs = CudaGraphs(eng, capture=False)
+    eng.compile_step(backend="aot_eager")
+    eng.warm_up(text_eos_id=21140, freeze=False)
+    warm = _graphs_compiled()
+    assert warm >= 3  # code batch 1, batch ≥ 2 (dynamic), text
+    got = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2, 5])
+    assert _graphs_compiled() == warm
+    check_same_as_alone(expected, got)
+    assert eng.active == 0 and eng.pending == 0
+
+
+def test_frozen_compiled_step_runs_an_unwarmed_mode_plainly_instead_of_compiling(tiny):
+    """After freeze, a bucket the warm-up never compiled (text mode here) runs the plain step: no
+    compile (which would stall every running request), same tokens."""
+    import torch._dynamo
+    from chattts_triton.engine import CudaGraphs
+
+    arch, _, _, ours = tiny
+    spec = [dict(ids=torch.arange(3, 14), params=SamplingParams(0.7, 0.7, 20, 1.0, 12, 4, seed=9), mode="text", eos=21140)]
+    plain = make_engine(ours, arch, start=False)
+    plain.graphs = CudaGraphs(plain, capture=False)
+    expected = drive(plain, spec)
+    torch._dynamo.reset()
+    eng = make_engine(ours, arch, start=False)
+    eng.graphs = CudaGraphs(eng, capture=False)
+    eng.compile_step(backend="aot_eager")
+    eng.warm_up(text_eos_id=None)  # code only, then frozen
+    assert eng.compiled_frozen
+    warm = _graphs_compiled()
+    got = drive(eng, spec)
+    assert _graphs_compiled() == warm
+    check_same_as_alone(expected, got)
+
+
 def test_padding_row_over_a_slot_left_by_refine_text(tiny):
     """A free slot that held text-vocabulary tokens pads a code-only bucket: its lookups stay in
     range and the live rows are unaffected."""
@@ -502,3 +589,36 @@ def test_model_with_the_old_slots_signature_is_refused(tiny):
 
     with pytest.raises(EngineError, match="re-export"):
         make_engine(Old(), arch, start=False)
+
+
+@pytest.mark.parametrize("compile_fails", [False, True])
+def test_gpt_service_compiles_the_step_or_falls_back_to_torchscript(tiny_repo, monkeypatch, caplog, compile_fails):
+    """`compile_step` serves the eager module through torch.compile; if compiling fails at warm-up
+    (say, no C compiler in the image) the model still loads, on the exported TorchScript step."""
+    from chattts_triton import services
+    from chattts_triton.config import Arch
+    from chattts_triton.repo_config import GPT, read_manifest
+
+    man = read_manifest(tiny_repo)
+    arch = Arch.from_json(man["arch"])
+    monkeypatch.setattr(services, "compile_applies", lambda device: True)  # CPU stands in for CUDA here
+    real_warm_up = Engine.warm_up
+
+    def warm_up(self, *args, **kw):
+        if compile_fails and self.graph_step is not None:
+            raise RuntimeError("inductor: no working C compiler")
+        return real_warm_up(self, *args, **kw)
+
+    monkeypatch.setattr(Engine, "warm_up", warm_up)
+    caplog.set_level(logging.INFO)
+    svc = services.GPTService(tiny_repo / GPT / "1" / "gpt.pt", arch, torch.device("cpu"), "fp32", max_slots=2,
+                              max_context=256, max_new_tokens=32, text_eos_id=man["tokens"]["text_eos_id"],
+                              spk_emb_id=man["tokens"]["spk_emb_id"], compile_step=True)
+    try:
+        assert isinstance(svc.engine.model, torch.jit.ScriptModule) == compile_fails
+        assert (svc.engine.graph_step is None) == compile_fails
+        assert ("serving the TorchScript step instead" in caplog.text) == compile_fails
+        r = svc.engine.generate(GenRequest(torch.arange(1, 9), greedy(6, 6), None))
+        assert r.finish_reason == "max_tokens" and r.tokens.shape == (6, arch.num_vq)
+    finally:
+        svc.engine.stop()

@@ -20,15 +20,19 @@ def _engine(model, arch, graphs, dtype=torch.float32, slots=8, **kw):
                   num_vq=arch.num_vq, device="cuda", cache_dtype=dtype, compute_dtype=dtype, cuda_graphs=graphs, **kw)
 
 
-def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets, compiled):
+    """TorchScript graphs, or the step compiled by inductor (`--gpt-compile`), against upstream."""
     from tests.test_gpt_engine import upstream_generate, upstream_gpt
 
     arch, emb, g = upstream_gpt(full_assets)
     emb, g = emb.cuda(), g.cuda()
     g.device = g.device_gpt = torch.device("cuda")
-    model = torch.jit.script(load_gpt(full_assets, arch).cuda())
-    eng = _engine(model, arch, graphs=True)
+    model = load_gpt(full_assets, arch).cuda()
+    eng = _engine(model if compiled else torch.jit.script(model), arch, graphs=True, compile_step=compiled)
     try:
+        if compiled:
+            eng.warm_up()
         for i, (n, m) in enumerate([(100, 50), (37, 0)]):
             ids = torch.randint(0, 21000, (20 + 7 * i,))
             up_ids, up_h = upstream_generate(emb, g, ids.cuda(), n, m)
@@ -39,14 +43,16 @@ def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets):
         eng.stop()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_request_alone_equals_request_in_a_graphed_batch(full_assets, dtype):
+@pytest.mark.parametrize("dtype,compiled", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_request_alone_equals_request_in_a_graphed_batch(full_assets, dtype, compiled):
     arch = infer_arch(full_assets)
-    model = torch.jit.script(load_gpt(full_assets, arch).to(dtype).cuda())
+    model = load_gpt(full_assets, arch).to(dtype).cuda()
     prompts = [torch.randint(0, 21000, (5 + 3 * i,)) for i in range(12)]
     params = [SamplingParams(0.3, 0.7, 20, 1.05, 40 + 5 * i, 10, seed=i) for i in range(12)]
-    eng = _engine(model, arch, True, dtype, slots=16)
+    eng = _engine(model if compiled else torch.jit.script(model), arch, True, dtype, slots=16, compile_step=compiled)
     try:
+        if compiled:
+            eng.warm_up()
         alone = [eng.generate(GenRequest(prompts[i], params[i], None)) for i in range(12)]
         batched = [None] * 12
         threads = [threading.Thread(target=lambda i=i: batched.__setitem__(i, eng.generate(GenRequest(prompts[i], params[i], None)))) for i in range(12)]
@@ -59,7 +65,7 @@ def test_request_alone_equals_request_in_a_graphed_batch(full_assets, dtype):
     same = sum(torch.equal(a.tokens, b.tokens) for a, b in zip(alone, batched))
     first_diff = [next((k for k in range(min(len(a.tokens), len(b.tokens))) if not torch.equal(a.tokens[k], b.tokens[k])), None)
                   for a, b in zip(alone, batched)]
-    print(f"{dtype}: {same}/12 requests identical alone vs in a batch of 12; first differing step: {first_diff}")
+    print(f"{dtype} compiled={compiled}: {same}/12 requests identical alone vs in a batch of 12; first differing step: {first_diff}")
     if dtype == torch.float32:
         assert same == 12
 

@@ -1,0 +1,121 @@
+"""Decode-step time of the engine, per batch size, for each way of running the GPT.
+
+    python -m bench.step --assets build/assets-full --out OUT [--batches 1,8,64,256,512]
+                         [--variants script,eager,compile] [--attn-len 256]
+
+No Triton: one `Engine` on one GPU, the decode step of `--attn-len` captured in a CUDA graph per
+batch size exactly as the server does (`CudaGraphs`), replays timed with CUDA events (median of
+`--iters`). For `script`/`eager` also times the GPT forward alone (graph of `model(...)`), so the rest of
+the step (embedding, heads, sampling, bookkeeping) is the difference. Writes OUT/step-<variant>.json.
+Variants: `script` = the exported TorchScript (what `chattts_gpt` serves by default), `eager` =
+the same module unscripted, `compile` = the engine step compiled by torch.compile (inductor), one
+compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all buckets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _time_graph(fn, iters: int) -> float:
+    """Median ms of `fn` replays (fn launches a captured graph)."""
+    times = []
+    for _ in range(5):
+        fn()
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _forward_graph(engine, b: int, attn_len: int):
+    m = engine.model
+    x = torch.randn(b, 1, engine.hidden, device=engine.device, dtype=engine.compute_dtype)
+    pos = torch.full((b, 1), attn_len - 1, dtype=torch.int64, device=engine.device)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            m(x, pos, 0, engine.k_cache, engine.v_cache, attn_len)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        m(x, pos, 0, engine.k_cache, engine.v_cache, attn_len)
+    return g.replay
+
+
+def run_variant(variant: str, args, arch, dtype) -> dict:
+    from chattts_triton.engine import Engine
+    from chattts_triton.gpt import load_gpt
+
+    model = load_gpt(args.assets, arch).to(dtype).to("cuda").eval()
+    if variant == "script":
+        model = torch.jit.script(model)
+    elif variant not in ("eager", "compile", "compile_dynamic"):
+        raise SystemExit(f"unknown variant {variant}")
+    engine = Engine(model, max_slots=max(args.batches), max_context=args.context, max_new_tokens=args.max_new_tokens,
+                    hidden=arch.gpt.hidden, num_vq=arch.num_vq, device="cuda", cache_dtype=dtype,
+                    compute_dtype=dtype, start=False)
+    if variant.startswith("compile"):
+        engine.compile_step(dynamic=variant == "compile_dynamic")
+    out = {"variant": variant, "attn_len": args.attn_len, "dtype": str(dtype), "batches": {}}
+    for b in args.batches:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            run = engine.graphs._capture("code", b, args.attn_len)
+            engine._set_live(0)  # every row padding: same work, but no count advances past the cache
+            torch.cuda.synchronize()
+            capture_s = time.perf_counter() - t0
+            step_ms = _time_graph(run, args.iters)
+            row = {"step_ms": round(step_ms, 4), "capture_s": round(capture_s, 2)}
+            if not variant.startswith("compile"):  # the compiled step has no separate forward to time
+                fwd_ms = _time_graph(_forward_graph(engine, b, args.attn_len), args.iters)
+                row.update(forward_ms=round(fwd_ms, 4), rest_ms=round(step_ms - fwd_ms, 4))
+        out["batches"][b] = row
+        print(f"[{variant}] batch {b:4d}: {row}", flush=True)
+    out["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--assets", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--batches", default="1,8,64,256,512")
+    ap.add_argument("--variants", default="script,eager,compile")
+    ap.add_argument("--attn-len", type=int, default=256)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.step needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from chattts_triton.assets import infer_arch
+
+    args.batches = [int(b) for b in args.batches.split(",")]
+    arch = infer_arch(args.assets, {})
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    args.out.mkdir(parents=True, exist_ok=True)
+    for v in args.variants.split(","):
+        res = run_variant(v, args, arch, dtype)
+        res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, command=" ".join(sys.argv))
+        (args.out / f"step-{v}.json").write_text(json.dumps(res, indent=1))
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
