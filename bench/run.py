@@ -226,12 +226,15 @@ def to_markdown(res: dict) -> str:
                 f"{h['gpu_memory_max_mib']} MiB, growth over the second half {h['gpu_memory_growth_second_half_mib']} MiB.", ""]
     rows = res.get("served") or []
     if rows:
-        out += ["## served (chattts-triton)", "", "| concurrency | p50 ms | p90 ms | p99 ms | utterances/s | RTF p50 | errors | GPU MiB |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += ["## served (chattts-triton)", "", "| concurrency | p50 ms | p90 ms | p99 ms | utterances/s | RTF p50 | errors | GPU MiB "
+                "| GPT step ms | GPT batch | GPT busy |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             f = lambda k, s=".0f": "" if r.get(k) is None else format(r[k], s)  # noqa: E731
             out.append(f"| {r['concurrency']} | {f('latency_p50_ms')} | {f('latency_p90_ms')} | {f('latency_p99_ms')} | "
-                       f"{f('throughput_utt_s', '.1f')} | {f('rtf_p50', '.3f')} | {r['error_rate']:.1%} | {f('gpu_memory_mib')} |")
+                       f"{f('throughput_utt_s', '.1f')} | {f('rtf_p50', '.3f')} | {r['error_rate']:.1%} | {f('gpu_memory_mib')} | "
+                       f"{f('engine_step_ms', '.2f')} | {f('engine_batch', '.1f')} | {f('engine_busy', '.0%')} |")
+        out += ["", "GPT step ms: mean wall time of one decode step of the GPT engines (host work included), GPT batch: "
+                "mean rows per step, GPT busy: share of the window the engine loops were stepping or prefilling."]
     return "\n".join(out) + "\n"
 
 

@@ -34,6 +34,7 @@ class ModelContext:
     def __init__(self, args: Dict[str, str], pb_utils):
         self.config = json.loads(args["model_config"])
         self.name = args["model_name"]
+        self.instance_name = args.get("model_instance_name", self.name)
         self.version_dir = Path(args["model_repository"]) / args["model_version"]
         self.repo_dir = Path(args["model_repository"]).parent
         self.instance_kind = args.get("model_instance_kind", "CPU")
@@ -95,16 +96,28 @@ def _error(pb_utils, exc: BaseException, name_status: bool = False):
     return codes(f"{name}: {msg}" if name_status else msg, getattr(codes, code, codes.UNAVAILABLE))
 
 
-def _gauge(pb_utils, name: str, description: str, model: str):
-    """A custom-metric gauge labelled with the model (None where the backend lacks metrics)."""
+def _gauge(pb_utils, name: str, description: str, ctx: ModelContext):
+    """A custom-metric gauge labelled with the model and its instance (None where the backend lacks
+    metrics). The instance label matters: instances of one model are separate processes, and with
+    the same labels they would all write one series (seen on Triton 2.51: two vocoder instances, one
+    `chattts_inflight_requests` line), so the drain would read one instance's count for all."""
     try:
         family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
-        return family, family.Metric(labels={"model": model})
+        return family, family.Metric(labels={"model": ctx.name, "instance": ctx.instance_name})
     except Exception:  # noqa: BLE001  metrics disabled or an older stub: the drain then waits on Triton only
         return None
 
 
 STATS_PERIOD_S = 0.25  # how often a service's stats() refresh its gauges
+STAT_HELP = {
+    "engine_active": "generations running in this instance's engine",
+    "engine_waiting": "generations waiting for an engine slot",
+    "engine_steps": "decode steps so far (cumulative)",
+    "engine_step_rows": "rows (generations) summed over decode steps (cumulative); / engine_steps = mean batch",
+    "engine_step_seconds": "wall time in decode steps, host work included (cumulative)",
+    "engine_prefill_seconds": "wall time in prefills (cumulative); with engine_step_seconds, the engine's busy time",
+    "streams": "streams in flight in this instance",
+}
 
 
 def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
@@ -118,11 +131,11 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
             self.service = factory(self.ctx)
             self.inflight = 0
             self.idle = threading.Condition()
-            self.gauge = _gauge(pb_utils, INFLIGHT_METRIC, "requests admitted and not yet answered", self.ctx.name)
+            self.gauge = _gauge(pb_utils, INFLIGHT_METRIC, "requests admitted and not yet answered", self.ctx)
             self.decoupled = bool(self.ctx.config.get("model_transaction_policy", {}).get("decoupled"))
             self.closed = threading.Event()
             if hasattr(self.service, "stats"):  # e.g. engine slots in use: a cancel shows up here
-                self.stat_gauges = {k: _gauge(pb_utils, f"chattts_{k}", f"{k} of this model instance", self.ctx.name)
+                self.stat_gauges = {k: _gauge(pb_utils, f"chattts_{k}", STAT_HELP.get(k, f"{k} of this model instance"), self.ctx)
                                     for k in self.service.stats()}
                 threading.Thread(target=self._publish_stats, name="chattts-stats", daemon=True).start()
 

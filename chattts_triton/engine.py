@@ -179,6 +179,10 @@ class Engine:
         self.cv = threading.Condition()
         self.stopping = False
         self.steps = 0
+        # cumulative, for metrics: busy time = step + prefill seconds; mean batch = step_rows / steps
+        self.step_rows = 0
+        self.step_seconds = 0.0
+        self.prefill_seconds = 0.0
         self.cache_dtype = cache_dtype
         self.cuda_graphs = cuda_graphs
         self.graphs: Optional[CudaGraphs] = None
@@ -322,6 +326,11 @@ class Engine:
             raise TimeoutError("generation timed out")
         return box[0]
 
+    def stats(self) -> Dict[str, float]:
+        return {"engine_active": self.active, "engine_waiting": self.pending, "engine_steps": self.steps,
+                "engine_step_rows": self.step_rows, "engine_step_seconds": round(self.step_seconds, 6),
+                "engine_prefill_seconds": round(self.prefill_seconds, 6)}
+
     @property
     def active(self) -> int:
         return len(self.rows)
@@ -374,9 +383,14 @@ class Engine:
         try:
             with torch.inference_mode():
                 if admitted:
+                    t0 = time.perf_counter()
                     self._prefill(admitted)
+                    self.prefill_seconds += time.perf_counter() - t0
                 if self.rows:
+                    t0, b = time.perf_counter(), len(self.rows)
                     self._decode_step()
+                    self.step_seconds += time.perf_counter() - t0
+                    self.step_rows += b
         except Exception as e:  # fail the requests in flight, keep serving the next ones
             log.exception("engine step failed")
             self._fail_all(e)

@@ -365,6 +365,10 @@ class GPTService:
                 log.exception("compiling the GPT decode step failed; serving the TorchScript step instead")
         self.engine = engine or start(script, False)
 
+    def stats(self) -> Dict[str, float]:
+        """Published as the instance's `chattts_*` gauges (backend.STAT_HELP)."""
+        return self.engine.stats()
+
     def execute(self, calls: Sequence[Call]) -> None:
         for c in calls:
             try:

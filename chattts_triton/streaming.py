@@ -275,8 +275,8 @@ class StreamService:
             self._finish(s, error=error)
 
     # -- stats and lifecycle --------------------------------------------------------------------
-    def stats(self) -> Dict[str, int]:
-        return {"streams": self.admitted, "engine_active": self.gpt.engine.active, "engine_waiting": self.gpt.engine.pending}
+    def stats(self) -> Dict[str, float]:
+        return {"streams": self.admitted, **self.gpt.stats()}
 
     def close(self) -> None:
         """Stop taking streams, let the running ones finish, then stop the codec thread."""

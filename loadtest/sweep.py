@@ -18,6 +18,7 @@ import asyncio
 import csv
 import json
 import random
+import re
 import sys
 import time
 import urllib.request
@@ -33,6 +34,11 @@ from loadtest.tts_stats import percentile, real_time_factor
 
 ERROR_PAUSE_S = 0.05  # a failing worker pauses briefly instead of spinning on an unreachable server
 GPU_MEMORY_METRIC = "nv_gpu_memory_used_bytes"
+# cumulative gauges of each GPT engine instance (chattts_triton.backend.STAT_HELP)
+ENGINE_COUNTERS = ("engine_steps", "engine_step_rows", "engine_step_seconds", "engine_prefill_seconds")
+ENGINE_MODEL = "chattts_gpt"
+_ENGINE_LINE = re.compile(r"chattts_(engine_\w+)\{([^}]*)\} (\S+)$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 DEFAULT_METRICS_PORT = 8002
 
 
@@ -170,6 +176,33 @@ def parse_gpu_memory_bytes(metrics_text: str) -> Optional[float]:
     return sum(values) if values else None
 
 
+def parse_engine_counters(metrics_text: str, model: str = ENGINE_MODEL) -> Dict[str, Dict[str, float]]:
+    """{instance: {counter: value}} of the engines' cumulative counters in Prometheus text."""
+    out: Dict[str, Dict[str, float]] = {}
+    for line in metrics_text.splitlines():
+        m = _ENGINE_LINE.match(line)
+        if not m or m.group(1) not in ENGINE_COUNTERS:
+            continue
+        labels = dict(_LABEL.findall(m.group(2)))
+        if labels.get("model") == model:
+            out.setdefault(labels.get("instance", ""), {})[m.group(1)] = float(m.group(3))
+    return out
+
+
+def engine_window(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str, float]], seconds: float) -> dict:
+    """Over a window: mean wall ms of a decode step, mean rows per step, and the share of the
+    window the engines were busy (stepping or prefilling; 1.0 = the GPT loop never waited)."""
+    if not after or seconds <= 0:
+        return {"engine_step_ms": None, "engine_batch": None, "engine_busy": None}
+    d = {k: sum(after[i].get(k, 0.0) - before.get(i, {}).get(k, 0.0) for i in after) for k in ENGINE_COUNTERS}
+    steps = d["engine_steps"]
+    return {
+        "engine_step_ms": 1000.0 * d["engine_step_seconds"] / steps if steps else None,
+        "engine_batch": d["engine_step_rows"] / steps if steps else None,
+        "engine_busy": (d["engine_step_seconds"] + d["engine_prefill_seconds"]) / (seconds * len(after)),
+    }
+
+
 def default_metrics_url(url: str) -> str:
     host = url.rsplit(":", 1)[0] if ":" in url else url
     return f"{host}:{DEFAULT_METRICS_PORT}"
@@ -212,14 +245,19 @@ def metrics_endpoint(metrics_url: str) -> str:
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the server is not behind http_proxy
 
 
-def _fetch_gpu_memory(metrics_url: Optional[str]) -> Optional[float]:
+def _fetch_metrics(metrics_url: Optional[str]) -> str:
+    """Triton's Prometheus text, or "" where it is disabled or unreachable."""
     if not metrics_url:
-        return None
+        return ""
     try:
         with _NO_PROXY.open(metrics_endpoint(metrics_url), timeout=2.0) as r:
-            return parse_gpu_memory_bytes(r.read().decode("utf-8", "replace"))
+            return r.read().decode("utf-8", "replace")
     except (OSError, ValueError):
-        return None
+        return ""
+
+
+def _fetch_gpu_memory(metrics_url: Optional[str]) -> Optional[float]:
+    return parse_gpu_memory_bytes(_fetch_metrics(metrics_url))
 
 
 async def _statistics(client: AsyncChatTTSClient, log) -> Optional[dict]:
@@ -290,18 +328,19 @@ async def run_step(client: AsyncChatTTSClient, cfg: SweepConfig, concurrency: in
     try:
         stable, settle_s = await _settle(step, cfg, log)
         before = await _statistics(client, log)
-        gpu = [_fetch_gpu_memory(cfg.metrics_url)]
+        metrics = [_fetch_metrics(cfg.metrics_url)]
         t0 = time.monotonic()
         await asyncio.sleep(cfg.step_seconds)
         t1 = time.monotonic()
-        gpu.append(_fetch_gpu_memory(cfg.metrics_url))
+        metrics.append(_fetch_metrics(cfg.metrics_url))
         after = await _statistics(client, log)
     finally:
         await step.stop(drain_s=cfg.timeout_s)
     row = {"concurrency": concurrency, "stable": stable, "settle_s": settle_s, "duration_s": t1 - t0}
     row.update(summarize_window(completions_between(step.completions, t0, t1), t1 - t0))
-    known = [g for g in gpu if g is not None]
+    known = [g for g in map(parse_gpu_memory_bytes, metrics) if g is not None]
     row["gpu_memory_mib"] = max(known) / 2**20 if known else None
+    row.update(engine_window(*map(parse_engine_counters, metrics), t1 - t0))
     row["triton"] = diff_model_statistics(before, after) if before and after else {}
     return row
 
@@ -322,6 +361,8 @@ async def run_sweep(cfg: SweepConfig, log=print) -> List[dict]:
             log(
                 f"concurrency {c}: p50 {_f(row['latency_p50_ms'], '.0f')} ms  p90 {_f(row['latency_p90_ms'], '.0f')} ms  "
                 f"{row['throughput_utt_s']:.2f} utt/s  RTF p50 {_f(row['rtf_p50'])}  errors {row['error_rate']:.1%}"
+                + (f"  GPT step {_f(row['engine_step_ms'], '.2f')} ms batch {_f(row['engine_batch'], '.1f')} "
+                   f"busy {_f(row['engine_busy'], '.0%')}" if row.get("engine_step_ms") is not None else "")
                 + ("" if row["stable"] else "  (unstable)")
             )
             if row["error_rate"] > cfg.max_error_rate:
@@ -347,6 +388,9 @@ MAIN_COLUMNS = [
     ("requests", "requests", "d"),
     ("error_rate", "errors", ".1%"),
     ("gpu_memory_mib", "GPU MiB", ".0f"),
+    ("engine_step_ms", "GPT step ms", ".2f"),
+    ("engine_batch", "GPT batch", ".1f"),
+    ("engine_busy", "GPT busy", ".0%"),
     ("stable", "stable", ""),
 ]
 TRITON_COLUMNS = [

@@ -622,3 +622,16 @@ def test_gpt_service_compiles_the_step_or_falls_back_to_torchscript(tiny_repo, m
         assert r.finish_reason == "max_tokens" and r.tokens.shape == (6, arch.num_vq)
     finally:
         svc.engine.stop()
+
+
+def test_engine_counts_its_steps_rows_and_busy_time(tiny):
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, start=False)
+    s0 = eng.stats()
+    assert s0["engine_steps"] == 0 and s0["engine_active"] == 0 and s0["engine_step_seconds"] == 0
+    specs = [dict(ids=torch.arange(1, 9), params=greedy(n, n, seed=i)) for i, n in enumerate((10, 20))]
+    drive(eng, specs)  # both admitted by one prefill
+    s = eng.stats()
+    # each first token comes from the prefill: 9 steps with both rows, then 10 with one
+    assert s["engine_steps"] == 19 and s["engine_step_rows"] == 9 * 2 + 10
+    assert s["engine_step_seconds"] > 0 and s["engine_prefill_seconds"] > 0 and s["engine_active"] == 0

@@ -175,7 +175,7 @@ def test_sweep_reports(tmp_path):
     cfg = sweep.SweepConfig(url="h:1", step_seconds=10)
     paths = sweep.write_outputs(tmp_path, rows, cfg)
     md = paths["md"].read_text()
-    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | yes |" in md
+    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | yes |" in md
     assert "| 4 | chattts | 40 | 10 | 4.00 | 1.0 | 20.0 | 4×10 |" in md
     with paths["csv"].open() as f:
         table = list(csv.DictReader(f))
@@ -324,3 +324,29 @@ def test_sweep_produces_table_and_plot(served_tiny, tmp_path):
     assert "| 1 |" in md and "| 2 |" in md and "avg batch" in md
     assert (tmp_path / "sweep.csv").read_text().startswith("concurrency,")
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
+    from loadtest.sweep import engine_window, parse_engine_counters
+
+    def text(a_steps, a_rows, a_step_s, b_steps, b_rows, b_step_s, prefill_s):
+        rows = []
+        for inst, (steps, rows_, step_s) in {"chattts_gpt_0_0": (a_steps, a_rows, a_step_s),
+                                             "chattts_gpt_1_0": (b_steps, b_rows, b_step_s)}.items():
+            rows += [f'chattts_engine_steps{{instance="{inst}",model="chattts_gpt"}} {steps}',
+                     f'chattts_engine_step_rows{{instance="{inst}",model="chattts_gpt"}} {rows_}',
+                     f'chattts_engine_step_seconds{{model="chattts_gpt",instance="{inst}"}} {step_s}',
+                     f'chattts_engine_prefill_seconds{{instance="{inst}",model="chattts_gpt"}} {prefill_s}',
+                     f'chattts_engine_active{{instance="{inst}",model="chattts_gpt"}} 7']
+        rows.append('chattts_engine_steps{instance="chattts_stream_0_0",model="chattts_stream"} 999')
+        return "# HELP chattts_engine_steps x\n" + "\n".join(rows) + "\n"
+
+    before = parse_engine_counters(text(100, 1000, 0.5, 50, 100, 0.2, 0.1))
+    assert set(before) == {"chattts_gpt_0_0", "chattts_gpt_1_0"}
+    assert "engine_active" not in before["chattts_gpt_0_0"]
+    after = parse_engine_counters(text(300, 3000, 1.3, 250, 900, 1.0, 0.3))
+    w = engine_window(before, after, 2.0)
+    assert w["engine_step_ms"] == pytest.approx(1000 * (0.8 + 0.8) / (200 + 200))
+    assert w["engine_batch"] == pytest.approx((2000 + 800) / 400)
+    assert w["engine_busy"] == pytest.approx((0.8 + 0.8 + 0.2 + 0.2) / (2.0 * 2))
+    assert engine_window({}, {}, 2.0)["engine_step_ms"] is None

@@ -172,9 +172,10 @@ OVERLOAD_FRAMES = 1800  # ≈ 38 s of audio: an admitted request clearly outlast
 
 @pytest.fixture(scope="module")
 def small_server(tiny_assets, tmp_path_factory):
-    """2 engine slots, at most 4 generations in flight, short Triton queues with a timeout."""
+    """2 engine slots, at most 4 generations in flight, short Triton queues with a timeout; two
+    instances of each batching model (preprocess, vocoder), so the drain counts across instances."""
     server = private_server(tiny_assets, tmp_path_factory.mktemp("small"), gpt_slots=2, gpt_max_pending=4,
-                            max_queue_size=8, queue_timeout_us=5_000_000, gpt_context=2048)
+                            max_queue_size=8, queue_timeout_us=5_000_000, gpt_context=2048, instances=2)
     with server:
         yield server
 
@@ -227,6 +228,34 @@ def test_max_new_tokens_beyond_the_context_is_invalid(small_server):
     with pytest.raises(InferenceServerException) as e:
         grpc_synth(small_server.grpc_url, TEXT="你好", MAX_NEW_TOKENS=2048)  # + the prompt > the 2048-token context
     assert _invalid(e.value) and "context" in e.value.message()
+
+
+def test_every_instance_publishes_its_own_gauges_and_the_engine_counters_advance(small_server):
+    """Instances of one model are separate processes: each needs its own series (else the drain
+    reads one instance's in-flight count for all). The GPT engine's counters follow its work."""
+    import urllib.request
+
+    from loadtest.sweep import engine_window, parse_engine_counters
+
+    def text():
+        with urllib.request.urlopen(small_server.metrics_url, timeout=5) as r:
+            return r.read().decode()
+
+    lines = [line for line in text().splitlines() if line.startswith("chattts_inflight_requests{")]
+    assert lines and all('instance="' in line for line in lines)
+    vocoder = {line.split('instance="')[1].split('"')[0] for line in lines if f'model="{rc.VOCODER}"' in line}
+    assert len(vocoder) == 2
+    before = parse_engine_counters(text())
+    assert list(before) and all(set(c) == {"engine_steps", "engine_step_rows", "engine_step_seconds",
+                                           "engine_prefill_seconds"} for c in before.values())
+    t0 = time.monotonic()
+    grpc_synth(small_server.grpc_url, TEXT="你好", SEED=1, MAX_NEW_TOKENS=40, MIN_NEW_TOKENS=40)
+    time.sleep(0.6)  # the gauges refresh every 0.25 s
+    after = parse_engine_counters(text())
+    steps = sum(c["engine_steps"] for c in after.values()) - sum(c["engine_steps"] for c in before.values())
+    assert steps >= 39  # the first token comes from the prefill
+    w = engine_window(before, after, time.monotonic() - t0)
+    assert w["engine_batch"] == pytest.approx(1.0) and 0 < w["engine_step_ms"] and 0 < w["engine_busy"] <= 1
 
 
 def test_configs_bound_every_queue():
