@@ -86,11 +86,32 @@ def _pct(values: List[float], q: float) -> Optional[float]:
     return float(np.percentile(values, q)) * 1000 if values else None
 
 
-async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float) -> dict:
-    """Closed-loop `chattts_stream` clients: time to first chunk, gaps between chunks, whole stream."""
+STREAM_COUNTERS = ("stream_first_chunks", "stream_first_tokens_seconds", "stream_first_chunk_seconds",
+                   "stream_chunks", "stream_codec_calls", "stream_codec_seconds")
+
+
+def stream_window(before: dict, after: dict) -> dict:
+    """Server-side means over a run of `chattts_stream`'s counters: where a first chunk's time goes."""
+    from loadtest.sweep import counter_deltas
+
+    d = {k: 0.0 for k in STREAM_COUNTERS}
+    d.update(counter_deltas(before, after))
+    firsts, calls = d["stream_first_chunks"], d["stream_codec_calls"]
+    return {
+        "server_first_tokens_ms": 1000 * d["stream_first_tokens_seconds"] / firsts if firsts else None,
+        "server_first_chunk_ms": 1000 * d["stream_first_chunk_seconds"] / firsts if firsts else None,
+        "codec_call_ms": 1000 * d["stream_codec_seconds"] / calls if calls else None,
+        "chunks_per_codec_call": d["stream_chunks"] / calls if calls else None,
+    }
+
+
+async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, metrics_url: str = "") -> dict:
+    """Closed-loop `chattts_stream` clients: time to first chunk, gaps between chunks, whole stream;
+    with `metrics_url`, the server's own split of the first chunk's time (`stream_window`)."""
     import asyncio
 
     from client.client import AsyncChatTTSClient
+    from loadtest.sweep import _fetch_metrics, parse_counters
 
     first: List[float] = []
     gaps: List[float] = []
@@ -118,6 +139,7 @@ async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float) 
                 total.append(time.perf_counter() - t0)
 
         await asyncio.gather(*(one(i, False) for i in range(concurrency)))  # warm-up: graphs of every batch size
+        counters = [parse_counters(_fetch_metrics(metrics_url), STREAM_COUNTERS, "chattts_stream")]
         stop = time.monotonic() + seconds
 
         async def worker(i: int) -> None:
@@ -131,8 +153,11 @@ async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float) 
            "first_chunk_p50_ms": _pct(first, 50), "first_chunk_p99_ms": _pct(first, 99),
            "chunk_gap_p50_ms": _pct(gaps, 50), "chunk_gap_p99_ms": _pct(gaps, 99),
            "stream_p50_ms": _pct(total, 50), "stream_p99_ms": _pct(total, 99), "error_messages": messages}
+    row.update(stream_window(counters[0], parse_counters(_fetch_metrics(metrics_url), STREAM_COUNTERS, "chattts_stream")))
     log(f"stream concurrency {concurrency}: first chunk p50 {row['first_chunk_p50_ms']} ms, "
-        f"p99 {row['first_chunk_p99_ms']} ms, whole stream p50 {row['stream_p50_ms']} ms, errors {errors}")
+        f"p99 {row['first_chunk_p99_ms']} ms, whole stream p50 {row['stream_p50_ms']} ms, errors {errors}; server: "
+        f"first tokens {row['server_first_tokens_ms']} ms, first chunk {row['server_first_chunk_ms']} ms (means), "
+        f"codec call {row['codec_call_ms']} ms for {row['chunks_per_codec_call']} chunks")
     return row
 
 
@@ -193,7 +218,8 @@ def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, s
                 metrics_url=server.metrics_url, max_new_tokens=tokens, min_new_tokens=tokens, seed=1, timeout_s=600,
             )
             out["served"] = asyncio.run(run_sweep(cfg, log=log))
-        out["stream"] = [asyncio.run(bench_stream(server.grpc_url, tokens, c, stream_s)) for c in stream_concurrency]
+        out["stream"] = [asyncio.run(bench_stream(server.grpc_url, tokens, c, stream_s, server.metrics_url))
+                         for c in stream_concurrency]
         if hold_s > 0:
             out["hold"] = asyncio.run(hold(server.grpc_url, server.metrics_url, tokens, hold_concurrency, hold_s))
     return out
@@ -213,11 +239,14 @@ def to_markdown(res: dict) -> str:
     rows = res.get("stream") or []
     if rows:
         out += ["## streaming (`chattts_stream`, gRPC)", "", "| concurrency | first chunk p50 ms | first chunk p99 ms | "
-                "chunk gap p50 ms | chunk gap p99 ms | whole stream p50 ms | streams | errors |", "|---|---|---|---|---|---|---|---|"]
+                "chunk gap p50 ms | chunk gap p99 ms | whole stream p50 ms | streams | errors | server: first tokens ms "
+                "| server: first chunk ms | codec call ms | chunks per codec call |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            f = lambda k: "" if r.get(k) is None else format(r[k], ".0f")  # noqa: E731
+            f = lambda k, s=".0f": "" if r.get(k) is None else format(r[k], s)  # noqa: E731
             out.append(f"| {r['concurrency']} | {f('first_chunk_p50_ms')} | {f('first_chunk_p99_ms')} | {f('chunk_gap_p50_ms')} | "
-                       f"{f('chunk_gap_p99_ms')} | {f('stream_p50_ms')} | {r['streams']} | {r['errors']} |")
+                       f"{f('chunk_gap_p99_ms')} | {f('stream_p50_ms')} | {r['streams']} | {r['errors']} | "
+                       f"{f('server_first_tokens_ms')} | {f('server_first_chunk_ms')} | {f('codec_call_ms', '.1f')} | "
+                       f"{f('chunks_per_codec_call', '.1f')} |")
         out.append("")
     h = res.get("hold")
     if h:

@@ -117,6 +117,12 @@ STAT_HELP = {
     "engine_step_seconds": "wall time in decode steps, host work included (cumulative)",
     "engine_prefill_seconds": "wall time in prefills (cumulative); with engine_step_seconds, the engine's busy time",
     "streams": "streams in flight in this instance",
+    "stream_first_chunks": "streams whose first chunk was sent (cumulative)",
+    "stream_first_tokens_seconds": "summed time from a stream's start to its first tokens reaching the codec (cumulative)",
+    "stream_first_chunk_seconds": "summed time from a stream's start to its first chunk sent (cumulative)",
+    "stream_chunks": "chunks decoded (cumulative)",
+    "stream_codec_calls": "vocoder calls of the codec thread, each for all due windows (cumulative)",
+    "stream_codec_seconds": "wall time in those vocoder calls (cumulative)",
 }
 
 

@@ -94,10 +94,13 @@ class ChunkPlanner:
 
 
 class _Stream:
-    __slots__ = ("call", "planner", "use_decoder", "codes", "hiddens", "req", "done", "error", "ended")
+    __slots__ = ("call", "planner", "use_decoder", "codes", "hiddens", "req", "done", "error", "ended", "t_start",
+                 "t_tokens")
 
-    def __init__(self, call: StreamCall, planner: ChunkPlanner, use_decoder: bool):
+    def __init__(self, call: StreamCall, planner: ChunkPlanner, use_decoder: bool, t_start: float = 0.0):
         self.call, self.planner, self.use_decoder = call, planner, use_decoder
+        self.t_start = t_start  # when its preprocessing began (monotonic)
+        self.t_tokens: Optional[float] = None  # when its first tokens reached the codec thread
         self.codes: List[torch.Tensor] = []
         self.hiddens: List[torch.Tensor] = []
         self.req = None
@@ -129,6 +132,10 @@ class StreamService:
         self.lock = threading.Lock()
         self.stopping = False
         self.polled = 0.0  # when cancellations were last polled
+        # cumulative, for metrics (written by the codec thread): where a first chunk's time goes
+        self.counters = {"stream_first_chunks": 0, "stream_first_tokens_seconds": 0.0,
+                         "stream_first_chunk_seconds": 0.0, "stream_chunks": 0, "stream_codec_calls": 0,
+                         "stream_codec_seconds": 0.0}
         self.thread = threading.Thread(target=self._codec_loop, name="chattts-stream-codec", daemon=True)
         self.thread.start()
 
@@ -150,13 +157,14 @@ class StreamService:
 
     def _start(self, call: StreamCall) -> None:
         stream = None
+        t_start = time.monotonic()
         try:
             if call.cancelled():
                 raise Cancelled("request cancelled")
             inputs = dict(call.inputs)
             inputs.update(self.pre.prepare(call.inputs))
             stream = _Stream(call, ChunkPlanner(self.first_chunk, self.chunk, self.lookahead),
-                             get_bool(inputs, "USE_DECODER", USE_DECODER_DEFAULT))
+                             get_bool(inputs, "USE_DECODER", USE_DECODER_DEFAULT), t_start)
             req = self.gpt.request(inputs, lambda result, s=stream: self.events.put((s, "done", result)))
             req.on_tokens = lambda toks, hid, s=stream: self.events.put((s, "tokens", (toks, hid)))
             req.stream_every = stream.planner.tokens_needed()
@@ -212,6 +220,8 @@ class StreamService:
                 self.streams.append(stream)
             elif kind == "tokens":
                 toks, hid = payload
+                if stream.t_tokens is None:
+                    stream.t_tokens = time.monotonic()
                 stream.codes.append(toks)
                 if hid is not None:
                     stream.hiddens.append(hid)
@@ -243,6 +253,7 @@ class StreamService:
         if not due:
             return
         items = [(s.use_decoder, s.window_input(w)) for s, w in due]
+        t0 = time.monotonic()
         try:
             audios = self.voc.synthesize(items)
         except Exception as e:  # noqa: BLE001
@@ -251,8 +262,12 @@ class StreamService:
                 s.req.cancel()
                 self._finish(s, error=e)
             return
+        c = self.counters
+        c["stream_codec_calls"] += 1
+        c["stream_codec_seconds"] += time.monotonic() - t0
         for (s, w), audio in zip(due, audios):
             chunk = {"AUDIO": np.ascontiguousarray(audio[w.first:w.last], dtype=np.float32).reshape(1, -1)}
+            c["stream_chunks"] += 1
             if w.final:
                 self._finish(s, outputs=chunk)
             else:
@@ -262,6 +277,11 @@ class StreamService:
                     log.exception("sending a stream chunk failed")
                     s.req.cancel()
                 s.req.stream_every = max(1, s.planner.tokens_needed() - s.frames())
+            if w.start == 0 and w.first == 0:  # the stream's first chunk: sent from its first sample
+                now = time.monotonic()
+                c["stream_first_chunks"] += 1
+                c["stream_first_chunk_seconds"] += now - s.t_start
+                c["stream_first_tokens_seconds"] += (s.t_tokens or now) - s.t_start
 
     def _finish(self, s: _Stream, error: Optional[BaseException] = None, outputs: Optional[Outputs] = None) -> None:
         s.ended = True
@@ -276,7 +296,7 @@ class StreamService:
 
     # -- stats and lifecycle --------------------------------------------------------------------
     def stats(self) -> Dict[str, float]:
-        return {"streams": self.admitted, **self.gpt.stats()}
+        return {"streams": self.admitted, **self.gpt.stats(), **{k: round(v, 6) for k, v in self.counters.items()}}
 
     def close(self) -> None:
         """Stop taking streams, let the running ones finish, then stop the codec thread."""

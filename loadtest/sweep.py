@@ -37,7 +37,7 @@ GPU_MEMORY_METRIC = "nv_gpu_memory_used_bytes"
 # cumulative gauges of each GPT engine instance (chattts_triton.backend.STAT_HELP)
 ENGINE_COUNTERS = ("engine_steps", "engine_step_rows", "engine_step_seconds", "engine_prefill_seconds")
 ENGINE_MODEL = "chattts_gpt"
-_ENGINE_LINE = re.compile(r"chattts_(engine_\w+)\{([^}]*)\} (\S+)$")
+_COUNTER_LINE = re.compile(r"chattts_(\w+)\{([^}]*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 DEFAULT_METRICS_PORT = 8002
 
@@ -176,12 +176,12 @@ def parse_gpu_memory_bytes(metrics_text: str) -> Optional[float]:
     return sum(values) if values else None
 
 
-def parse_engine_counters(metrics_text: str, model: str = ENGINE_MODEL) -> Dict[str, Dict[str, float]]:
-    """{instance: {counter: value}} of the engines' cumulative counters in Prometheus text."""
+def parse_counters(metrics_text: str, names: Sequence[str], model: str) -> Dict[str, Dict[str, float]]:
+    """{instance: {name: value}} of a model's `chattts_<name>` gauges in Prometheus text."""
     out: Dict[str, Dict[str, float]] = {}
     for line in metrics_text.splitlines():
-        m = _ENGINE_LINE.match(line)
-        if not m or m.group(1) not in ENGINE_COUNTERS:
+        m = _COUNTER_LINE.match(line)
+        if not m or m.group(1) not in names:
             continue
         labels = dict(_LABEL.findall(m.group(2)))
         if labels.get("model") == model:
@@ -189,12 +189,24 @@ def parse_engine_counters(metrics_text: str, model: str = ENGINE_MODEL) -> Dict[
     return out
 
 
+def parse_engine_counters(metrics_text: str, model: str = ENGINE_MODEL) -> Dict[str, Dict[str, float]]:
+    """{instance: {counter: value}} of the engines' cumulative counters (backend.STAT_HELP)."""
+    return parse_counters(metrics_text, ENGINE_COUNTERS, model)
+
+
+def counter_deltas(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+    """Each counter's increase, summed over the instances."""
+    names = {k for c in after.values() for k in c}
+    return {k: sum(after[i].get(k, 0.0) - before.get(i, {}).get(k, 0.0) for i in after) for k in names}
+
+
 def engine_window(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str, float]], seconds: float) -> dict:
     """Over a window: mean wall ms of a decode step, mean rows per step, and the share of the
     window the engines were busy (stepping or prefilling; 1.0 = the GPT loop never waited)."""
     if not after or seconds <= 0:
         return {"engine_step_ms": None, "engine_batch": None, "engine_busy": None}
-    d = {k: sum(after[i].get(k, 0.0) - before.get(i, {}).get(k, 0.0) for i in after) for k in ENGINE_COUNTERS}
+    d = {k: 0.0 for k in ENGINE_COUNTERS}
+    d.update(counter_deltas(before, after))
     steps = d["engine_steps"]
     return {
         "engine_step_ms": 1000.0 * d["engine_step_seconds"] / steps if steps else None,

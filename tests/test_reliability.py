@@ -245,6 +245,7 @@ def test_every_instance_publishes_its_own_gauges_and_the_engine_counters_advance
     assert lines and all('instance="' in line for line in lines)
     vocoder = {line.split('instance="')[1].split('"')[0] for line in lines if f'model="{rc.VOCODER}"' in line}
     assert len(vocoder) == 2
+    time.sleep(0.6)  # the gauges refresh every 0.25 s: let earlier requests' counts land first
     before = parse_engine_counters(text())
     assert list(before) and all(set(c) == {"engine_steps", "engine_step_rows", "engine_step_seconds",
                                            "engine_prefill_seconds"} for c in before.values())

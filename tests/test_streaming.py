@@ -324,6 +324,30 @@ def test_grpc_bad_input_gets_an_error_that_ends_the_stream(served_tiny):
     assert not chunks and error is not None and "INVALID_ARGUMENT: TEXT" in str(error)
 
 
+def test_stream_counters_split_the_first_chunk_time_on_the_server(served_tiny):
+    """chattts_stream's cumulative counters: one more first chunk per stream, its time at least the
+    time its first tokens took, the codec's calls and chunks; read as bench.run reads them."""
+    from bench.run import STREAM_COUNTERS, stream_window
+    from loadtest.sweep import _fetch_metrics, parse_counters
+
+    def read():
+        return parse_counters(_fetch_metrics(served_tiny.metrics_url), STREAM_COUNTERS, rc.STREAM)
+
+    time.sleep(0.6)  # the gauges refresh every 0.25 s: let earlier streams' counts land first
+    before = read()
+    assert before and all(set(c) == set(STREAM_COUNTERS) for c in before.values())
+    chunks, error = grpc_stream(served_tiny, contract(n=120, seed=4))
+    assert error is None and len(chunks) > 2
+    time.sleep(0.6)  # the gauges refresh every 0.25 s
+    after = read()
+    firsts = sum(c["stream_first_chunks"] for c in after.values()) - sum(c["stream_first_chunks"] for c in before.values())
+    chunk_count = sum(c["stream_chunks"] for c in after.values()) - sum(c["stream_chunks"] for c in before.values())
+    assert firsts == 1 and chunk_count == len(chunks)
+    w = stream_window(before, after)
+    assert 0 < w["server_first_tokens_ms"] <= w["server_first_chunk_ms"] and w["codec_call_ms"] > 0
+    assert w["chunks_per_codec_call"] == pytest.approx(1.0)  # one stream: one window per call
+
+
 def test_grpc_cancel_frees_the_stream_slot_in_triton_metrics(served_tiny):
     chunks, error = grpc_stream(served_tiny, contract(n=2000, seed=3), cancel_after=1)
     assert error is None and len(chunks) == 1
