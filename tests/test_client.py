@@ -185,13 +185,15 @@ class _QuietHTTPServer(ThreadingHTTPServer):
 
 
 class FakeServers:
-    def __init__(self):
-        self.model = FakeModel()
+    """A gRPC and an HTTP stand-in of Triton on free ports, answering from one fake model."""
+
+    def __init__(self, model=None, servicer=None, http_handler=None):
+        self.model = model if model is not None else FakeModel()
         self.grpc = grpc.server(concurrent.futures.ThreadPoolExecutor(16))
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_GrpcServicer(self.model), self.grpc)
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server((servicer or _GrpcServicer)(self.model), self.grpc)
         self.grpc_url = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
         self.grpc.start()
-        self.http = _QuietHTTPServer(("127.0.0.1", 0), _http_handler(self.model))
+        self.http = _QuietHTTPServer(("127.0.0.1", 0), (http_handler or _http_handler)(self.model))
         self.http_url = f"127.0.0.1:{self.http.server_address[1]}"
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 

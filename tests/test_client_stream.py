@@ -10,7 +10,6 @@ a real tritonserver on the tiny-weight repository (`served_tiny`).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import gc
 import inspect
@@ -27,7 +26,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from chattts_triton import config as C
@@ -41,10 +40,10 @@ from tests.test_client import (
     OPTIONAL,
     AsyncSleeps,
     FakeModel,
+    FakeServers,
     Sleeps,
     _GrpcServicer,
     _http_handler,
-    _QuietHTTPServer,
     decode_tensor,
     free_port,
     sample_value,
@@ -545,24 +544,9 @@ def _stream_http_handler(model: FakeStreamModel):
     return Handler
 
 
-class FakeStreamServers:
+class FakeStreamServers(FakeServers):
     def __init__(self):
-        self.model = FakeStreamModel()
-        self.grpc = grpc.server(concurrent.futures.ThreadPoolExecutor(16))
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_StreamServicer(self.model), self.grpc)
-        self.grpc_url = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
-        self.grpc.start()
-        self.http = _QuietHTTPServer(("127.0.0.1", 0), _stream_http_handler(self.model))
-        self.http_url = f"127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-
-    def url(self, protocol: str) -> str:
-        return self.grpc_url if protocol == "grpc" else self.http_url
-
-    def stop(self):
-        self.grpc.stop(grace=0)
-        self.http.shutdown()
-        self.http.server_close()
+        super().__init__(FakeStreamModel(), _StreamServicer, _stream_http_handler)
 
 
 @pytest.fixture(scope="module")
