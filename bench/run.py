@@ -111,7 +111,8 @@ async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, 
     import asyncio
 
     from client.client import AsyncChatTTSClient
-    from loadtest.sweep import _fetch_metrics, parse_counters
+    from chattts_triton.repo_config import STREAM
+    from loadtest.sweep import fetch_metrics, parse_counters
 
     first: List[float] = []
     gaps: List[float] = []
@@ -139,7 +140,7 @@ async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, 
                 total.append(time.perf_counter() - t0)
 
         await asyncio.gather(*(one(i, False) for i in range(concurrency)))  # warm-up: graphs of every batch size
-        counters = [parse_counters(_fetch_metrics(metrics_url), STREAM_COUNTERS, "chattts_stream")]
+        counters = [parse_counters(fetch_metrics(metrics_url), STREAM_COUNTERS, STREAM)]
         stop = time.monotonic() + seconds
 
         async def worker(i: int) -> None:
@@ -153,7 +154,7 @@ async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, 
            "first_chunk_p50_ms": _pct(first, 50), "first_chunk_p99_ms": _pct(first, 99),
            "chunk_gap_p50_ms": _pct(gaps, 50), "chunk_gap_p99_ms": _pct(gaps, 99),
            "stream_p50_ms": _pct(total, 50), "stream_p99_ms": _pct(total, 99), "error_messages": messages}
-    row.update(stream_window(counters[0], parse_counters(_fetch_metrics(metrics_url), STREAM_COUNTERS, "chattts_stream")))
+    row.update(stream_window(counters[0], parse_counters(fetch_metrics(metrics_url), STREAM_COUNTERS, STREAM)))
     log(f"stream concurrency {concurrency}: first chunk p50 {row['first_chunk_p50_ms']} ms, "
         f"p99 {row['first_chunk_p99_ms']} ms, whole stream p50 {row['stream_p50_ms']} ms, errors {errors}; server: "
         f"first tokens {row['server_first_tokens_ms']} ms, first chunk {row['server_first_chunk_ms']} ms (means), "

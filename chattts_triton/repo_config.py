@@ -69,7 +69,7 @@ class Deployment:
     stream_first_chunk_frames: int = 8  # code frames (21.3 ms of audio each) in the first chunk
     stream_chunk_frames: int = 32  # ... in each later chunk (more when generation runs ahead)
     stream_lookahead_frames: int = 0  # context each side of a chunk; 0: exact (codec.stream_lookahead_codes)
-    gpt_compile: bool = False  # GPU: decode step through torch.compile (≈ 1 min more start-up; bench/README.md)
+    gpt_compile: bool = False  # GPU: decode step through torch.compile (compiles at start-up; bench/README.md)
 
     @property
     def kind(self) -> str:
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-chunk-frames", type=int, help="code frames in later chunks")
     ap.add_argument("--stream-lookahead-frames", type=int, help="context frames each side of a chunk (0: exact)")
     ap.add_argument("--gpt-compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="GPU instances run the decode step through torch.compile (faster steps, ≈ 1 min more start-up)")
+                    help="GPU instances run the decode step through torch.compile (faster steps; each GPU instance compiles at start-up, ≈ 1.5 min measured)")
     a = ap.parse_args(argv)
     from .config import Arch
 

@@ -358,7 +358,9 @@ class GPTService:
             return engine
 
         engine = None
-        if compile_step and compile_applies(device):
+        if compile_step and not compile_applies(device):
+            log.info("compile_step is for GPU instances; this %s instance serves the TorchScript step", device.type)
+        elif compile_step:
             try:
                 engine = start(eager_from_script(script, arch), True)
             except Exception:  # noqa: BLE001  e.g. no C compiler for inductor in the image: serve anyway

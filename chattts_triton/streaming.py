@@ -97,7 +97,7 @@ class _Stream:
     __slots__ = ("call", "planner", "use_decoder", "codes", "hiddens", "req", "done", "error", "ended", "t_start",
                  "t_tokens")
 
-    def __init__(self, call: StreamCall, planner: ChunkPlanner, use_decoder: bool, t_start: float = 0.0):
+    def __init__(self, call: StreamCall, planner: ChunkPlanner, use_decoder: bool, t_start: float):
         self.call, self.planner, self.use_decoder = call, planner, use_decoder
         self.t_start = t_start  # when its preprocessing began (monotonic)
         self.t_tokens: Optional[float] = None  # when its first tokens reached the codec thread

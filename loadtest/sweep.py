@@ -257,7 +257,7 @@ def metrics_endpoint(metrics_url: str) -> str:
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the server is not behind http_proxy
 
 
-def _fetch_metrics(metrics_url: Optional[str]) -> str:
+def fetch_metrics(metrics_url: Optional[str]) -> str:
     """Triton's Prometheus text, or "" where it is disabled or unreachable."""
     if not metrics_url:
         return ""
@@ -269,7 +269,7 @@ def _fetch_metrics(metrics_url: Optional[str]) -> str:
 
 
 def _fetch_gpu_memory(metrics_url: Optional[str]) -> Optional[float]:
-    return parse_gpu_memory_bytes(_fetch_metrics(metrics_url))
+    return parse_gpu_memory_bytes(fetch_metrics(metrics_url))
 
 
 async def _statistics(client: AsyncChatTTSClient, log) -> Optional[dict]:
@@ -340,11 +340,11 @@ async def run_step(client: AsyncChatTTSClient, cfg: SweepConfig, concurrency: in
     try:
         stable, settle_s = await _settle(step, cfg, log)
         before = await _statistics(client, log)
-        metrics = [_fetch_metrics(cfg.metrics_url)]
+        metrics = [fetch_metrics(cfg.metrics_url)]
         t0 = time.monotonic()
         await asyncio.sleep(cfg.step_seconds)
         t1 = time.monotonic()
-        metrics.append(_fetch_metrics(cfg.metrics_url))
+        metrics.append(fetch_metrics(cfg.metrics_url))
         after = await _statistics(client, log)
     finally:
         await step.stop(drain_s=cfg.timeout_s)

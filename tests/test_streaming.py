@@ -328,10 +328,10 @@ def test_stream_counters_split_the_first_chunk_time_on_the_server(served_tiny):
     """chattts_stream's cumulative counters: one more first chunk per stream, its time at least the
     time its first tokens took, the codec's calls and chunks; read as bench.run reads them."""
     from bench.run import STREAM_COUNTERS, stream_window
-    from loadtest.sweep import _fetch_metrics, parse_counters
+    from loadtest.sweep import fetch_metrics, parse_counters
 
     def read():
-        return parse_counters(_fetch_metrics(served_tiny.metrics_url), STREAM_COUNTERS, rc.STREAM)
+        return parse_counters(fetch_metrics(served_tiny.metrics_url), STREAM_COUNTERS, rc.STREAM)
 
     time.sleep(0.6)  # the gauges refresh every 0.25 s: let earlier streams' counts land first
     before = read()
