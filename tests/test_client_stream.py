@@ -461,7 +461,14 @@ class _StreamServicer(_GrpcServicer):
             empty_final = request.parameters["triton_enable_empty_final_response"].bool_param
             with self.model.lock:
                 self.model.params.append(empty_final)
-            for step in self.model.plan(inputs, {t.name: t.datatype for t in request.inputs}):
+            steps = self.model.plan(inputs, {t.name: t.datatype for t in request.inputs})
+            if any(step[0] == "hang" for step in steps):
+                # gRPC may drop the response generator without resuming it once the client cancels
+                # (a write that fails is not retried): the RPC's termination callback sees every cancel
+                hang = {"timed_out": False}
+                text = inputs["TEXT"][0, 0]
+                context.add_callback(lambda: hang["timed_out"] or self.model.was_cancelled(text))
+            for step in steps:
                 if step[0] == "error":
                     yield service_pb2.ModelStreamInferResponse(error_message=step[1])
                     break
@@ -469,7 +476,7 @@ class _StreamServicer(_GrpcServicer):
                     deadline = time.monotonic() + 10
                     while context.is_active() and time.monotonic() < deadline:
                         time.sleep(0.01)
-                    self.model.was_cancelled(inputs["TEXT"][0, 0])
+                    hang["timed_out"] = context.is_active()
                     return
                 if step[0] == "stall":
                     time.sleep(step[1])
