@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from chattts_triton.repo_config import Deployment
+
 TEXT = "四川美食确实以辣闻名，但也有不辣的选择。"
 
 
@@ -239,7 +241,9 @@ def to_markdown(res: dict) -> str:
             out.append("")
     rows = res.get("stream") or []
     if rows:
-        out += ["## streaming (`chattts_stream`, gRPC)", "", "| concurrency | first chunk p50 ms | first chunk p99 ms | "
+        sched = (f"lookahead {res.get('stream_lookahead_frames', 'exact')}, first chunk's lookahead "
+                 f"{res.get('stream_first_lookahead_frames', 'as later chunks')}, fade {res.get('stream_fade_frames', 0)} frames")
+        out += ["## streaming (`chattts_stream`, gRPC)", "", f"Schedule: {sched}.", "", "| concurrency | first chunk p50 ms | first chunk p99 ms | "
                 "chunk gap p50 ms | chunk gap p99 ms | whole stream p50 ms | streams | errors | server: first tokens ms "
                 "| server: first chunk ms | codec call ms | chunks per codec call |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
@@ -321,6 +325,10 @@ def main(argv=None) -> int:
     ap.add_argument("--hold-seconds", type=float, default=0.0, help="then this long at --hold-concurrency (GPU memory over time)")
     ap.add_argument("--hold-concurrency", type=int, default=256)
     ap.add_argument("--stream-lookahead", type=int, default=0, help="chattts_stream context frames (0: exact)")
+    _d = Deployment()
+    ap.add_argument("--stream-first-lookahead", type=int, default=_d.stream_first_lookahead_frames,
+                    help="right context of a stream's first chunk (0: as later chunks)")
+    ap.add_argument("--stream-fade", type=int, default=_d.stream_fade_frames, help="frames cross-faded at each seam")
     ap.add_argument("--gpt-compile", action="store_true", help="serve the GPT decode step through torch.compile")
     a = ap.parse_args(argv)
 
@@ -342,8 +350,6 @@ def main(argv=None) -> int:
 
     from export.__main__ import export_repository
 
-    from chattts_triton.repo_config import Deployment
-
     gpus = [int(g) for g in a.gpus.split(",") if g.strip()] if dev.startswith("cuda") else []
     streams = [int(c) for c in a.stream_concurrency.split(",") if c]
     res["gpus"] = gpus
@@ -351,8 +357,11 @@ def main(argv=None) -> int:
     dep = Deployment(gpus=gpus, gpt_slots=-(-per_engine // max(1, len(gpus))), gpt_context=512,
                      max_batch_size=max(64, min(per_engine, 512)), max_queue_size=4096,
                      stream_slots=max(streams + [2]), stream_lookahead_frames=a.stream_lookahead,
+                     stream_first_lookahead_frames=a.stream_first_lookahead, stream_fade_frames=a.stream_fade,
                      gpt_compile=a.gpt_compile)
     res["stream_lookahead_frames"] = a.stream_lookahead or "exact"
+    res["stream_first_lookahead_frames"] = a.stream_first_lookahead or "as later chunks"
+    res["stream_fade_frames"] = a.stream_fade
     res["gpt_compile"] = a.gpt_compile
     if a.max_concurrency or streams or a.hold_seconds:
         log(f"exporting {a.assets} → {a.repo} ({a.dtype})")

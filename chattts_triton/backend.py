@@ -46,6 +46,22 @@ class ModelContext:
         self.manifest = json.loads(manifest.read_text(encoding="utf-8"))
         self.arch = Arch.from_json(self.manifest["arch"])
 
+    @classmethod
+    def from_repo(cls, repo: Path, model: str, kind: str = "CPU", device_id: int = 0, **params) -> "ModelContext":
+        """The context Triton would give `model` of an exported repository, outside Triton
+        (tests, benches); `params` override its config parameters."""
+        from google.protobuf import json_format
+
+        from .repo_config import parse_pbtxt
+
+        cfg = parse_pbtxt((Path(repo) / model / "config.pbtxt").read_text(encoding="utf-8"))
+        for k, v in params.items():
+            cfg.parameters[k].string_value = str(v)
+        args = {"model_config": json.dumps(json_format.MessageToDict(cfg, preserving_proto_field_name=True)),
+                "model_name": model, "model_repository": str(Path(repo) / model), "model_version": "1",
+                "model_instance_kind": kind, "model_instance_device_id": str(device_id)}
+        return cls(args, pb_utils=None)
+
     def param(self, key: str, default=None, cast: Callable = str):
         entry = self.config.get("parameters", {}).get(key)
         if entry is None:
@@ -297,21 +313,22 @@ def vocoder_service(ctx: ModelContext, version_dir: Optional[Path] = None):
 
 def stream_service(ctx: ModelContext):
     """`chattts_stream`: its own engine; the artifacts are read from the composing models' folders."""
-    from .codec import stream_lookahead_codes
     from .repo_config import GPT, PREPROCESS, VOCODER
     from .serve import DRAIN_FILE_ENV
     from .services import PreprocessService, device_for, refine_request
-    from .streaming import StreamService
+    from .streaming import StreamService, stream_schedule
 
     version = lambda model: ctx.repo_dir / model / "1"  # noqa: E731
+    schedule = stream_schedule(ctx.arch, ctx.param("first_chunk_frames", cast=int), ctx.param("chunk_frames", cast=int),
+                               ctx.param("lookahead_frames", 0, cast=int), ctx.param("first_lookahead_frames", 0, cast=int),
+                               ctx.param("fade_frames", 0, cast=int))
     gpt = gpt_service(ctx, version(GPT))
     pre = PreprocessService(
         version(PREPROCESS), ctx.arch, device_for(ctx.instance_kind, ctx.device_id), ctx.param("artifact_format", "torchscript"),
         refine=lambda ids, params: gpt.call(refine_request(ids, params))["CODES"][0, :, 0],
     )
     voc = vocoder_service(ctx, version(VOCODER))
-    lookahead = ctx.param("lookahead_frames", 0, cast=int) or stream_lookahead_codes(ctx.arch)
     return StreamService(
-        pre, gpt, voc, first_chunk=ctx.param("first_chunk_frames", cast=int), chunk=ctx.param("chunk_frames", cast=int),
-        lookahead=lookahead, max_streams=ctx.param("max_pending", cast=int), drain_file=os.environ.get(DRAIN_FILE_ENV, ""),
+        pre, gpt, voc, **schedule,
+        max_streams=ctx.param("max_pending", cast=int), drain_file=os.environ.get(DRAIN_FILE_ENV, ""),
     )

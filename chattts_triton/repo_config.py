@@ -69,6 +69,8 @@ class Deployment:
     stream_first_chunk_frames: int = 8  # code frames (21.3 ms of audio each) in the first chunk
     stream_chunk_frames: int = 32  # ... in each later chunk (more when generation runs ahead)
     stream_lookahead_frames: int = 0  # context each side of a chunk; 0: exact (codec.stream_lookahead_codes)
+    stream_first_lookahead_frames: int = 8  # right context of the first chunk; 0: as the later chunks
+    stream_fade_frames: int = 4  # frames cross-faded at each seam (streaming.py)
     gpt_compile: bool = False  # GPU: decode step through torch.compile (compiles at start-up; bench/README.md)
 
     @property
@@ -186,6 +188,10 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     step(GPT, GPT_FROM_ENSEMBLE, prompt, {n: f"_{n}" for n in GPT_OUTPUTS})
     step(VOCODER, VOCODER_FROM_ENSEMBLE, {n: f"_{n}" for n in GPT_OUTPUTS}, {"AUDIO": "AUDIO"})
 
+    from .streaming import stream_schedule  # refuse a schedule the model would refuse at load
+
+    stream_schedule(arch, dep.stream_first_chunk_frames, dep.stream_chunk_frames, dep.stream_lookahead_frames,
+                    dep.stream_first_lookahead_frames, dep.stream_fade_frames)
     stream = _python_model(STREAM, dep, 1, gpu=True)  # one engine per device, like the GPT
     stream.model_transaction_policy.decoupled = True
     stream.dynamic_batching.max_queue_delay_microseconds = 0  # a stream's first chunk must not wait for others
@@ -196,6 +202,8 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     _param(stream, "first_chunk_frames", dep.stream_first_chunk_frames)
     _param(stream, "chunk_frames", dep.stream_chunk_frames)
     _param(stream, "lookahead_frames", dep.stream_lookahead_frames)
+    _param(stream, "first_lookahead_frames", dep.stream_first_lookahead_frames)
+    _param(stream, "fade_frames", dep.stream_fade_frames)
     return {ENSEMBLE: ens, PREPROCESS: pre, GPT: gpt, VOCODER: voc, STREAM: stream}
 
 
@@ -238,6 +246,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-first-chunk-frames", type=int, help="code frames (21.3 ms each) in a stream's first chunk")
     ap.add_argument("--stream-chunk-frames", type=int, help="code frames in later chunks")
     ap.add_argument("--stream-lookahead-frames", type=int, help="context frames each side of a chunk (0: exact)")
+    ap.add_argument("--stream-first-lookahead-frames", type=int,
+                    help="right context of a stream's first chunk (0: as later chunks, exact by default)")
+    ap.add_argument("--stream-fade-frames", type=int, help="frames cross-faded at each chunk seam (0: hard cut)")
     ap.add_argument("--gpt-compile", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU instances run the decode step through torch.compile (faster steps; each GPU instance compiles at start-up, ≈ 1.5 min measured)")
     a = ap.parse_args(argv)
@@ -251,11 +262,14 @@ def main(argv=None) -> int:
     dep.instances = a.instances
     for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "gpt_slots", "gpt_context", "gpt_max_pending",
               "stream_slots", "stream_max_pending", "stream_first_chunk_frames", "stream_chunk_frames",
-              "stream_lookahead_frames", "gpt_compile"):
+              "stream_lookahead_frames", "stream_first_lookahead_frames", "stream_fade_frames", "gpt_compile"):
         v = getattr(a, k)
         if v is not None:
             setattr(dep, k, v)
-    write_configs(a.repo, Arch.from_json(man["arch"]), dep)
+    try:
+        write_configs(a.repo, Arch.from_json(man["arch"]), dep)
+    except ValueError as e:
+        ap.error(str(e))
     man["deployment"] = asdict(dep)
     (a.repo / MANIFEST).write_text(json.dumps(man, indent=2, ensure_ascii=False), encoding="utf-8")
     print(f"configured {a.repo}: {dep.kind} gpus={dep.gpus or '-'} instances={dep.instances}")

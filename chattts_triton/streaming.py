@@ -7,6 +7,17 @@ whole-utterance decode, so the concatenated chunks equal the `chattts` audio for
 (up to float rounding of a different batch shape). A smaller lookahead sends earlier at the cost of
 an approximation at the seams.
 
+The first chunk may have its own, shorter lookahead (`first_lookahead`): it is sent after
+`first_chunk + first_lookahead` frames instead of `first_chunk + lookahead`. Its samples are then the
+first window's decode, which sees fewer frames to its right than the whole-utterance decode does.
+With `fade` frames each window also decodes the `fade` frames after the samples it sends and holds
+them; the next window's first `fade` frames are a raised-cosine blend from the held samples to its
+own. Every blended sample is a convex combination of two decodes of the same frames, so it is never
+further from the whole-utterance audio than the worse of the two, and the stream has no step at the
+seam: between consecutive samples it moves by at most what one of the two decodes moves plus
+π / (2 · fade samples) times their difference there (tests/test_streaming.py checks both bounds).
+With the later chunks exact, everything after the first chunk's fade equals the whole-utterance audio.
+
 `StreamService` runs one utterance per stream on its own in-flight engine (a decoupled Triton
 model cannot be a step of the non-streaming ensemble: an ensemble with a decoupled step is
 decoupled itself and gRPC ModelInfer refuses it), the preprocess steps and the vocoder in-process.
@@ -22,7 +33,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -52,50 +63,105 @@ class StreamCall:
 
 @dataclass(frozen=True)
 class Window:
-    """Decode code frames [start, stop) and send samples [first, last) of its audio."""
+    """Decode code frames [start, stop) and send samples [first, last) of its audio; hold the `hold`
+    samples after `last` to fade into the next window's first samples."""
 
     start: int
     stop: int
     first: int
     last: int
     final: bool
+    hold: int = 0
 
 
 class ChunkPlanner:
-    """Which window to decode, and which of its samples to send, as code frames arrive."""
+    """Which window to decode, and which of its samples to send, as code frames arrive.
+    `lookahead`: context frames on each side of a chunk; `first_lookahead`: right context of the
+    first chunk (None: `lookahead`); `fade`: frames cross-faded at each seam (module docstring)."""
 
-    def __init__(self, first_chunk: int, chunk: int, lookahead: int):
-        if first_chunk < 1 or chunk < 1 or lookahead < 1:
-            raise ValueError(f"chunk sizes and lookahead must be ≥ 1 code frame, got {first_chunk}, {chunk}, {lookahead}")
+    def __init__(self, first_chunk: int, chunk: int, lookahead: int, first_lookahead: Optional[int] = None,
+                 fade: int = 0):
+        first_lookahead = lookahead if first_lookahead is None else first_lookahead
+        if min(first_chunk, chunk, lookahead, first_lookahead) < 1:
+            raise ValueError("chunk sizes and lookaheads must be ≥ 1 code frame, got first chunk "
+                             f"{first_chunk}, chunk {chunk}, lookahead {lookahead}, first lookahead {first_lookahead}")
+        if not 0 <= fade <= min(chunk, lookahead, first_lookahead):
+            raise ValueError(f"fade must be 0..{min(chunk, lookahead, first_lookahead)} frames (at most the chunk "
+                             f"and either lookahead: the held frames must be decoded and re-sent), got {fade}")
         self.first_chunk, self.chunk, self.lookahead = first_chunk, chunk, lookahead
+        self.first_lookahead, self.fade = first_lookahead, fade
         self.sent = 0  # code frames whose samples were sent (all samples, once final)
         self.finished = False
 
+    def _right(self) -> int:
+        return self.first_lookahead if self.sent == 0 else self.lookahead
+
     def tokens_needed(self) -> int:
         """Frames that must exist before the next non-final chunk can be sent."""
-        return self.sent + (self.first_chunk if self.sent == 0 else self.chunk) + self.lookahead
+        return self.sent + (self.first_chunk if self.sent == 0 else self.chunk) + self._right()
 
     def next(self, frames: int, done: bool) -> Optional[Window]:
         """The window to send now, given `frames` generated so far (`done`: no more will come)."""
         if self.finished:
             return None
         start = max(0, self.sent - self.lookahead)
+        first = (self.sent - start) * SAMPLES_PER_CODE
         if done:
             self.finished = True
-            return Window(start, frames, (self.sent - start) * SAMPLES_PER_CODE,
-                          samples_for_codes(frames) - start * SAMPLES_PER_CODE, True)
+            return Window(start, frames, first, samples_for_codes(frames) - start * SAMPLES_PER_CODE, True)
         if frames < self.tokens_needed():
             return None
-        end = frames - self.lookahead  # everything that already has its full right context
-        w = Window(start, min(frames, end + self.lookahead), (self.sent - start) * SAMPLES_PER_CODE,
-                   (end - start) * SAMPLES_PER_CODE, False)
+        end = frames - self._right()  # everything that already has its right context
+        w = Window(start, frames, first, (end - start) * SAMPLES_PER_CODE, False, self.fade * SAMPLES_PER_CODE)
         self.sent = end
         return w
 
 
+def stream_schedule(arch, first_chunk: int, chunk: int, lookahead: int = 0, first_lookahead: int = 0,
+                    fade: int = 0) -> Dict[str, int]:
+    """The ChunkPlanner arguments a `chattts_stream` instance runs with, from its config values:
+    lookahead 0 is the codec's receptive field (exact chunks), first_lookahead 0 is the later chunks'
+    lookahead, and either is capped at the receptive field (more context only delays a chunk).
+    Raises ValueError on a schedule the planner refuses."""
+    from .codec import stream_lookahead_codes
+
+    exact = stream_lookahead_codes(arch)
+    look = min(lookahead or exact, exact)
+    schedule = dict(first_chunk=first_chunk, chunk=chunk, lookahead=look,
+                    first_lookahead=min(first_lookahead or look, exact), fade=fade)
+    ChunkPlanner(**schedule)
+    return schedule
+
+
+def fade_in(n: int) -> np.ndarray:
+    """Raised-cosine weights of the newer window over n samples: 0 < w < 1, rising, symmetric
+    (w[i] + w[n-1-i] = 1); consecutive weights differ by at most π / (2n)."""
+    return (0.5 - 0.5 * np.cos(np.pi * (np.arange(n) + 0.5) / n)).astype(np.float32)
+
+
+def crossfade(held: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """`new` with its first len(held) samples faded in from `held` (the same samples, decoded by the
+    previous window)."""
+    k = min(held.shape[0], new.shape[0])
+    out = np.array(new, dtype=np.float32, copy=True)
+    w = fade_in(k)
+    out[:k] = (1.0 - w) * held[:k] + w * new[:k]
+    return out
+
+
+def chunk_samples(w: Window, audio: np.ndarray, held: Optional[np.ndarray]) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """What window `w` sends from its decoded `audio` (faded in from the previous window's `held`
+    samples), and what it holds for the next window."""
+    samples = audio[w.first:w.last]
+    if held is not None:
+        samples = crossfade(held, samples)
+    return np.ascontiguousarray(samples, dtype=np.float32), (
+        np.array(audio[w.last:w.last + w.hold], dtype=np.float32) if w.hold else None)
+
+
 class _Stream:
     __slots__ = ("call", "planner", "use_decoder", "codes", "hiddens", "req", "done", "error", "ended", "t_start",
-                 "t_tokens")
+                 "t_tokens", "held")
 
     def __init__(self, call: StreamCall, planner: ChunkPlanner, use_decoder: bool, t_start: float):
         self.call, self.planner, self.use_decoder = call, planner, use_decoder
@@ -107,6 +173,7 @@ class _Stream:
         self.done = False
         self.error: Optional[BaseException] = None
         self.ended = False
+        self.held: Optional[np.ndarray] = None  # the last window's samples past its chunk, to fade from
 
     def frames(self) -> int:
         return sum(int(c.shape[0]) for c in self.codes)
@@ -120,10 +187,11 @@ class StreamService:
     """`chattts_stream`: contract inputs → audio chunks, through its own engine and codec."""
 
     def __init__(self, preprocess, gpt, vocoder, first_chunk: int, chunk: int, lookahead: int,
-                 max_streams: int, drain_file: str = ""):
-        ChunkPlanner(first_chunk, chunk, lookahead)  # validate the schedule at start, not per request
+                 max_streams: int, drain_file: str = "", first_lookahead: Optional[int] = None, fade: int = 0):
+        self.schedule = dict(first_chunk=first_chunk, chunk=chunk, lookahead=lookahead,
+                             first_lookahead=first_lookahead, fade=fade)
+        ChunkPlanner(**self.schedule)  # validate the schedule at start, not per request
         self.pre, self.gpt, self.voc = preprocess, gpt, vocoder
-        self.first_chunk, self.chunk, self.lookahead = first_chunk, chunk, lookahead
         self.max_streams = max_streams
         self.drain_file = drain_file
         self.events: "queue.Queue" = queue.Queue()
@@ -163,7 +231,7 @@ class StreamService:
                 raise Cancelled("request cancelled")
             inputs = dict(call.inputs)
             inputs.update(self.pre.prepare(call.inputs))
-            stream = _Stream(call, ChunkPlanner(self.first_chunk, self.chunk, self.lookahead),
+            stream = _Stream(call, ChunkPlanner(**self.schedule),
                              get_bool(inputs, "USE_DECODER", USE_DECODER_DEFAULT), t_start)
             req = self.gpt.request(inputs, lambda result, s=stream: self.events.put((s, "done", result)))
             req.on_tokens = lambda toks, hid, s=stream: self.events.put((s, "tokens", (toks, hid)))
@@ -266,7 +334,8 @@ class StreamService:
         c["stream_codec_calls"] += 1
         c["stream_codec_seconds"] += time.monotonic() - t0
         for (s, w), audio in zip(due, audios):
-            chunk = {"AUDIO": np.ascontiguousarray(audio[w.first:w.last], dtype=np.float32).reshape(1, -1)}
+            samples, s.held = chunk_samples(w, audio, s.held)
+            chunk = {"AUDIO": samples.reshape(1, -1)}
             c["stream_chunks"] += 1
             if w.final:
                 self._finish(s, outputs=chunk)

@@ -76,6 +76,26 @@ def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo
     assert compile_params() == ["0", "0"]
 
 
+def test_configure_stream_schedule_persists_and_refuses_a_fade_longer_than_the_lookahead(tiny_repo, tmp_path, capsys):
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def params():
+        p = rc.parse_pbtxt((repo / rc.STREAM / "config.pbtxt").read_text()).parameters
+        return {k: p[k].string_value for k in ("first_chunk_frames", "first_lookahead_frames", "fade_frames")}
+
+    assert params() == {"first_chunk_frames": "8", "first_lookahead_frames": "8", "fade_frames": "4"}
+    assert rc.main(["--repo", str(repo), "--stream-first-lookahead-frames", "0", "--stream-fade-frames", "2"]) == 0
+    assert rc.main(["--repo", str(repo), "--stream-first-chunk-frames", "4"]) == 0  # the others are kept
+    assert params() == {"first_chunk_frames": "4", "first_lookahead_frames": "0", "fade_frames": "2"}
+    with pytest.raises(SystemExit):
+        rc.main(["--repo", str(repo), "--stream-first-lookahead-frames", "2", "--stream-fade-frames", "3"])
+    assert "fade must be" in capsys.readouterr().err
+    assert params()["fade_frames"] == "2"  # nothing written
+
+
 def test_forced_length_gives_exactly_that_many_samples(served_tiny):
     for n in (1, 7, 40):
         audio = synth(served_tiny, TEXT="你好", MIN_NEW_TOKENS=n, MAX_NEW_TOKENS=n, SEED=1)

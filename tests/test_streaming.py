@@ -13,13 +13,12 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from google.protobuf import json_format
 
 from chattts_triton import repo_config as rc
 from chattts_triton.codec import ConvNeXtBlock, load_codecs, stream_lookahead_codes
 from chattts_triton.config import FULL_ARCH, SAMPLES_PER_CODE, TINY_ARCH, samples_for_codes
 from chattts_triton.services import VocoderService
-from chattts_triton.streaming import Cancelled, ChunkPlanner, StreamCall
+from chattts_triton.streaming import Cancelled, ChunkPlanner, StreamCall, chunk_samples, crossfade, fade_in
 
 TEXT = "你好，欢迎使用流式合成。"
 
@@ -40,21 +39,29 @@ def plan_all(planner: ChunkPlanner, total: int, arrivals):
 
 
 @pytest.mark.parametrize("total", [0, 1, 2, 30, 61, 62, 200])
-@pytest.mark.parametrize("first,chunk,look", [(8, 32, 53), (1, 1, 1), (3, 5, 14)])
-def test_planned_chunks_tile_the_utterance_and_see_their_full_context(total, first, chunk, look):
+@pytest.mark.parametrize("first,chunk,look,first_look,fade",
+                         [(8, 32, 53, None, 0), (1, 1, 1, None, 0), (3, 5, 14, None, 0), (8, 32, 53, 8, 4),
+                          (3, 5, 14, 2, 2), (2, 3, 4, 1, 1)])
+def test_planned_chunks_tile_the_utterance_and_see_their_context(total, first, chunk, look, first_look, fade):
     rng = random.Random(total * 7 + first)
-    planner = ChunkPlanner(first, chunk, look)
+    planner = ChunkPlanner(first, chunk, look, first_look, fade)
     wins = plan_all(planner, total, [rng.randint(1, 9) for _ in range(1000)])
     assert wins[-1][1].final and all(not w.final for _, w in wins[:-1])
-    pos = 0
-    for n, w in wins:
+    pos, held = 0, 0
+    for k, (n, w) in enumerate(wins):
         g0, g1 = w.start * SAMPLES_PER_CODE + w.first, w.start * SAMPLES_PER_CODE + w.last
         assert g0 == pos and g1 >= g0  # contiguous, no overlap, no gap
+        assert g1 - g0 >= held  # the samples the previous window held are faded into this one's
         pos = g1
         assert w.stop <= n and w.last <= samples_for_codes(w.stop - w.start)
-        if not w.final:  # every sent sample has `look` frames of context on both sides inside the window
+        if not w.final:  # sent samples see `look` frames on the left and their lookahead on the right
+            right = (first_look or look) if k == 0 else look
             assert w.start == 0 or g0 >= (w.start + look) * SAMPLES_PER_CODE
-            assert g1 <= (w.stop - look) * SAMPLES_PER_CODE
+            assert g1 <= (w.stop - right) * SAMPLES_PER_CODE
+            assert w.hold == fade * SAMPLES_PER_CODE  # held samples: decoded in this window, right context ≥ right - fade
+            assert w.last + w.hold <= (w.stop - w.start - right + fade) * SAMPLES_PER_CODE
+        held = min(w.hold, samples_for_codes(w.stop - w.start) - w.last)
+    assert wins[-1][1].hold == 0
     assert pos == samples_for_codes(total)
     assert planner.next(total, True) is None  # nothing after the final chunk
 
@@ -63,10 +70,40 @@ def test_first_chunk_waits_only_for_its_frames_plus_lookahead():
     p = ChunkPlanner(8, 32, 53)
     assert p.tokens_needed() == 61 and p.next(60, False) is None
     w = p.next(61, False)
-    assert (w.start, w.stop, w.first, w.last) == (0, 61, 0, 8 * SAMPLES_PER_CODE)
+    assert (w.start, w.stop, w.first, w.last, w.hold) == (0, 61, 0, 8 * SAMPLES_PER_CODE, 0)
     assert p.tokens_needed() == 8 + 32 + 53
-    with pytest.raises(ValueError):
-        ChunkPlanner(8, 32, 0)
+    p = ChunkPlanner(8, 32, 53, first_lookahead=8, fade=4)  # the served default on full-size weights
+    assert p.tokens_needed() == 16 and p.next(15, False) is None
+    w = p.next(16, False)
+    assert (w.start, w.stop, w.first, w.last, w.hold) == (0, 16, 0, 8 * SAMPLES_PER_CODE, 4 * SAMPLES_PER_CODE)
+    assert p.tokens_needed() == 8 + 32 + 53  # the later chunks keep the full lookahead
+    for bad in [(8, 32, 0), (8, 32, 53, 0), (8, 32, 53, 8, 9), (8, 3, 53, 8, 4), (8, 32, 2, 8, 4), (8, 32, 53, 8, -1)]:
+        with pytest.raises(ValueError):
+            ChunkPlanner(*bad)
+
+
+def test_stream_schedule_reads_zero_as_exact_and_caps_at_the_receptive_field():
+    from chattts_triton.streaming import stream_schedule
+
+    exact = stream_lookahead_codes(FULL_ARCH)
+    assert stream_schedule(FULL_ARCH, 8, 32) == dict(first_chunk=8, chunk=32, lookahead=exact, first_lookahead=exact, fade=0)
+    assert stream_schedule(FULL_ARCH, 8, 32, 0, 8, 4)["first_lookahead"] == 8
+    assert stream_schedule(FULL_ARCH, 8, 32, 500, 500, 4)["lookahead"] == exact
+    assert stream_schedule(FULL_ARCH, 8, 32, 12, 0, 4)["first_lookahead"] == 12
+    with pytest.raises(ValueError, match="fade"):
+        stream_schedule(FULL_ARCH, 8, 32, 0, 2, 4)
+
+
+def test_fade_weights_rise_smoothly_and_sum_to_one_with_their_mirror():
+    for n in (1, 2, 7, 2048):
+        w = fade_in(n).astype(np.float64)
+        assert w.shape == (n,) and (w > 0).all() and (w < 1).all() and (np.diff(w) > 0).all()
+        assert np.allclose(w + w[::-1], 1.0, atol=1e-6)
+        assert np.abs(np.diff(np.concatenate([[0.0], w, [1.0]]))).max() <= np.pi / (2 * n) + 1e-6
+    held, new = np.full(4, 2.0, np.float32), np.arange(6, dtype=np.float32)
+    out = crossfade(held, new)
+    assert np.array_equal(out[4:], new[4:]) and np.array_equal(new, np.arange(6))  # the input is untouched
+    assert np.allclose(out[:4], (1 - fade_in(4)) * 2.0 + fade_in(4) * new[:4])
 
 
 def test_lookahead_is_the_codec_receptive_field():
@@ -102,15 +139,19 @@ def _vocoder(assets, layer_scale: float) -> VocoderService:
     return voc
 
 
-def _streamed(voc, x, use_decoder, look, first=3, chunk=7):
-    planner = ChunkPlanner(first, chunk, look)
-    out, n = [], 0
-    for n in range(1, x.shape[0] + 1):
-        w = planner.next(n, False)
+def _streamed(voc, x, use_decoder, look, first=3, chunk=7, first_look=None, fade=0, windows=None):
+    """The stream StreamService sends for frames x arriving one by one (its planner and chunk_samples);
+    `windows` collects (window, decoded audio)."""
+    planner = ChunkPlanner(first, chunk, look, first_look, fade)
+    out, held = [], None
+    for n in range(1, x.shape[0] + 2):
+        w = planner.next(min(n, x.shape[0]), n > x.shape[0])
         if w is not None:
-            out.append(voc.synthesize([(use_decoder, x[w.start:w.stop])])[0][w.first:w.last])
-    w = planner.next(x.shape[0], True)
-    out.append(voc.synthesize([(use_decoder, x[w.start:w.stop])])[0][w.first:w.last])
+            audio = voc.synthesize([(use_decoder, x[w.start:w.stop])])[0]
+            chunk, held = chunk_samples(w, audio, held)
+            out.append(chunk)
+            if windows is not None:
+                windows.append((w, audio))
     return np.concatenate(out), len(out)
 
 
@@ -129,18 +170,66 @@ def test_windowed_decode_equals_the_whole_decode_only_with_the_full_lookahead(ti
     assert np.abs(short - whole).max() > 1e-4  # less context changes the seams: the radius is real
 
 
+@pytest.mark.parametrize("use_decoder", [True, False])
+def test_short_first_lookahead_fades_into_the_exact_stream_within_the_stated_bounds(tiny_assets, use_decoder):
+    """The first chunk is the first window's decode (fewer frames to its right than the whole decode
+    sees); its held frames fade into the second window's; everything after equals the whole decode.
+    Bounds: in the fade every sample is a convex blend of the two windows' decodes, so its error is at
+    most the larger of theirs, and between consecutive samples the stream moves by at most what one of
+    the two decodes moves plus π / (2K) times their difference (K: faded samples)."""
+    voc = _vocoder(tiny_assets, layer_scale=0.5)
+    g = torch.Generator().manual_seed(3)
+    n, first, fade, S = 90, 3, 2, SAMPLES_PER_CODE
+    x = torch.randn(n, TINY_ARCH.gpt.hidden, generator=g) if use_decoder else torch.randint(0, 625, (n, 4), generator=g)
+    whole = voc.synthesize([(use_decoder, x)])[0]
+    look = stream_lookahead_codes(TINY_ARCH)
+    wins = []
+    streamed, chunks = _streamed(voc, x, use_decoder, look, first=first, chunk=7, first_look=2, fade=fade, windows=wins)
+    assert chunks > 5 and streamed.shape == whole.shape
+
+    def placed(w, audio):  # a window's decode at its place in the utterance (NaN outside it)
+        out = np.full(whole.shape, np.nan, np.float32)
+        out[w.start * S:w.start * S + audio.shape[0]] = audio
+        return out
+
+    a, b = placed(*wins[0]), placed(*wins[1])
+    seam = first * S
+    k = min(wins[0][0].hold, wins[0][1].shape[0] - wins[0][0].last)  # a window's audio ends half a frame early
+    assert k >= (fade - 1) * S
+    assert np.abs(streamed[:seam] - a[:seam]).max() <= 1e-6  # the first chunk is the first window's decode
+    assert np.abs(streamed[:seam] - whole[:seam]).max() > 1e-4  # ... which is an approximation here
+    assert np.abs(streamed[seam + k:] - whole[seam + k:]).max() <= 1e-5  # exact after the fade
+    wt = fade_in(k)
+    assert np.abs(streamed[seam:seam + k] - ((1 - wt) * a[seam:seam + k] + wt * b[seam:seam + k])).max() <= 1e-6
+    err = np.abs(streamed - whole)[seam:seam + k]
+    assert (err <= np.maximum(np.abs(a - whole), np.abs(b - whole))[seam:seam + k] + 1e-6).all()
+    i = np.arange(seam, seam + k + 1)  # every step into, inside and out of the fade
+    step = np.abs(streamed[i] - streamed[i - 1])
+    # past the fade only b's step counts (fmax skips the NaN where a has ended)
+    bound = np.fmax(np.abs(a[i] - a[i - 1]), np.abs(b[i] - b[i - 1])) + np.pi / (2 * k) * np.abs(b[i - 1] - a[i - 1])
+    assert (step <= bound + 1e-6).all()
+
+
+def test_stream_error_bench_measures_the_first_chunk_against_the_whole_decode(tiny_repo, tmp_path):
+    from bench import stream_error
+
+    out = tmp_path / "err"
+    argv = ["--repo", str(tiny_repo), "--first-lookahead", "1,0", "--fade", "1", "--first-chunk", "3", "--chunk", "7",
+            "--tokens", "40", "--seeds", "1", "--out", str(out)]
+    assert stream_error.main(argv + ["--layer-scale", "0.5"]) == 0
+    rows = json.loads((tmp_path / "err.json").read_text())["rows"]
+    assert [r["first_chunk_after_frames"] for r in rows] == [4, 3 + stream_lookahead_codes(TINY_ARCH)]
+    assert rows[0]["first_chunk_max_err"] > 1e-3 and rows[0]["first_chunk_snr_db"] < 40  # one frame of lookahead
+    assert rows[1]["first_chunk_max_err"] <= 1e-5 and rows[1]["fade_max_err"] <= 1e-5  # exact
+    assert "| 1 | 1 | 4 |" in (tmp_path / "err.md").read_text()
+
+
 # --- the service, without Triton ------------------------------------------------------------------
 def stream_context(repo, **params):
-    """The ModelContext Triton would give chattts_stream (config as Triton's JSON)."""
+    """The ModelContext Triton would give chattts_stream."""
     from chattts_triton.backend import ModelContext
 
-    cfg = rc.parse_pbtxt((repo / rc.STREAM / "config.pbtxt").read_text(encoding="utf-8"))
-    for k, v in params.items():
-        cfg.parameters[k].string_value = str(v)
-    args = {"model_config": json.dumps(json_format.MessageToDict(cfg, preserving_proto_field_name=True)),
-            "model_name": rc.STREAM, "model_repository": str(repo / rc.STREAM), "model_version": "1",
-            "model_instance_kind": "CPU"}
-    return ModelContext(args, pb_utils=None)
+    return ModelContext.from_repo(repo, rc.STREAM, **params)
 
 
 class Recorder:
@@ -177,7 +266,9 @@ def contract(text=TEXT, seed=5, n=None, **extra):
 def stream_service(tiny_repo):
     from chattts_triton.backend import stream_service as factory
 
-    svc = factory(stream_context(tiny_repo, first_chunk_frames=4, chunk_frames=8, max_slots=4, max_pending=16))
+    # exact chunks (first lookahead 0: as the later ones), with the served fade between them
+    svc = factory(stream_context(tiny_repo, first_chunk_frames=4, chunk_frames=8, first_lookahead_frames=0, fade_frames=4,
+                                 max_slots=4, max_pending=16))
     yield svc
     svc.close()
 
@@ -300,7 +391,12 @@ def test_grpc_stream_equals_the_ensemble_audio(served_tiny):
     assert error is None and len(chunks) > 2
     audio = np.concatenate(chunks)
     ref = unary(served_tiny, contract(n=70, seed=11))
-    assert audio.shape == ref.shape and np.abs(audio - ref).max() <= 1e-3
+    assert audio.shape == ref.shape
+    # the served default approximates the first chunk and its fade only (bounded in-process above)...
+    exact_from = len(chunks[0]) + rc.Deployment().stream_fade_frames * SAMPLES_PER_CODE
+    assert np.abs(audio[exact_from:] - ref[exact_from:]).max() <= 1e-3
+    # ... whose error, on upstream-initialised decoders (layer scales 1e-6), is below the same bound
+    assert np.abs(audio - ref).max() <= 1e-3
 
 
 def test_http_sse_stream_equals_the_grpc_stream(served_tiny):
