@@ -113,3 +113,21 @@ def test_decode_step_syncs_the_host_once(full_assets):
     syncs = [x for x in w if "called a synchronizing" in str(x.message)]  # not the "prototype feature" notice
     assert len(syncs) == 10, [str(x.message) for x in syncs]
     eng.stop(drain=False)
+
+
+def test_stream_first_chunk_leaves_while_the_utterance_is_generated_on_gpu(tiny_repo):
+    """On the H200 (2026-11-30) the chunks of a lone stream left in one burst at its end; the CPU
+    sends the first after its frames plus lookahead (tests/test_streaming.py). Same check on CUDA."""
+    from chattts_triton.backend import ModelContext, stream_service
+    from chattts_triton.repo_config import STREAM
+    from tests.test_streaming import first_chunk_steps
+
+    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", first_chunk_frames=4, chunk_frames=8,
+                                                max_slots=4, max_pending=8))
+    try:
+        first_chunk_steps(svc, n=40)  # warm-up: graph capture, first codec calls
+        steps, frames = first_chunk_steps(svc)
+        print(f"first chunk: {frames} frames, sent after {steps} engine steps of 200; counters {svc.counters}")
+        assert steps < 100, f"the first chunk waited for {steps} of 200 steps"
+    finally:
+        svc.close()

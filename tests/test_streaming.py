@@ -233,13 +233,18 @@ def stream_context(repo, **params):
 
 
 class Recorder:
-    def __init__(self, inputs, cancel_after: int = -1):
+    """A StreamCall that keeps the chunks; `steps_at` notes a counter (say the engine's steps) at each send."""
+
+    def __init__(self, inputs, cancel_after: int = -1, steps_at=None):
         self.chunks, self.error, self.final = [], None, 0
         self.cancel_after = cancel_after
+        self.steps_at, self.steps = steps_at, []
         self.ended = threading.Event()
         self.call = StreamCall(inputs, self.send, self.fail, self.cancelled)
 
     def send(self, outputs, final):
+        if self.steps_at is not None:
+            self.steps.append(self.steps_at())
         self.chunks.append(outputs["AUDIO"].reshape(-1))
         self.final += final
         if final:
@@ -292,6 +297,22 @@ def test_stream_service_chunks_equal_the_offline_audio(stream_service, n):
     assert np.abs(audio - ref).max() <= 1e-5
     if n == 60:
         assert len(rec.chunks) > 3
+
+
+def first_chunk_steps(svc, n: int = 200):
+    """Engine steps run when a lone stream's first chunk was sent, and the first chunk's frames."""
+    engine = svc.gpt.engine
+    rec = Recorder(contract(n=n), steps_at=lambda: engine.steps)
+    before = engine.steps
+    svc.execute([rec.call])
+    assert rec.ended.wait(120) and rec.error is None and len(rec.chunks) > 2
+    return rec.steps[0] - before, len(rec.chunks[0]) // SAMPLES_PER_CODE
+
+
+def test_the_first_chunk_leaves_while_the_utterance_is_generated(stream_service):
+    steps, frames = first_chunk_steps(stream_service)
+    first, look = 4, stream_lookahead_codes(TINY_ARCH)  # the fixture's schedule: exact
+    assert frames >= first and first + look - 1 <= steps < 100, (steps, frames)  # not a burst at the end
 
 
 def test_bad_input_ends_the_stream_with_one_error(stream_service):
