@@ -473,3 +473,18 @@ def test_grpc_cancel_frees_the_stream_slot_in_triton_metrics(served_tiny):
     # and the model still serves
     chunks, error = grpc_stream(served_tiny, contract(n=5))
     assert error is None and np.concatenate(chunks).shape == (samples_for_codes(5),)
+
+
+def test_demo_compares_the_stream_exactly_after_the_first_chunk_and_fade():
+    from client.demo import compare_stream
+
+    rng = np.random.default_rng(0)
+    audio = rng.standard_normal(5000).astype(np.float32)
+    streamed = audio.copy()
+    streamed[:1000] += 0.01 * rng.standard_normal(1000).astype(np.float32)  # an approximate first chunk
+    same, msg = compare_stream(streamed, audio, 1000)
+    assert same and "SNR 40 dB" in msg
+    assert compare_stream(audio.copy(), audio, 0)[0]
+    assert "exact" in compare_stream(audio.copy(), audio, 1000)[1]
+    assert not compare_stream(streamed, audio, 500)[0]  # approximate samples past the exact start
+    assert not compare_stream(streamed[:-1], audio, 1000)[0]
