@@ -86,7 +86,8 @@ def measure(voc, arch, hiddens: List[np.ndarray], first_chunk: int, chunk: int, 
         fade_ref.append(whole[g1:g1 + k])
     fe, fr = np.concatenate(first_err), np.concatenate(first_ref)
     de, dr = np.concatenate(fade_err), np.concatenate(fade_ref)
-    return {"first_lookahead": schedule["first_lookahead"], "fade": fade, "first_chunk_frames": first_chunk,
+    return {"first_lookahead": schedule["first_lookahead"], "fade": a.hold // SAMPLES_PER_CODE,  # exact: none
+            "first_chunk_frames": first_chunk,
             "first_chunk_after_frames": first_chunk + schedule["first_lookahead"],
             "first_chunk_max_err": float(np.abs(fe).max()), "first_chunk_snr_db": snr_db(fr, fe),
             "fade_max_err": float(np.abs(de).max()) if de.size else 0.0,
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
                 print(f"generated utterance {len(hiddens)}", file=sys.stderr)
         rows = []
         for la in lookaheads:
-            fade = min(a.fade, la) if la else a.fade  # a fade cannot be longer than the lookahead
+            fade = min(a.fade, la - 1) if la else a.fade  # a fade must be shorter than the lookahead
             rows.append(measure(svc.voc, arch, hiddens, a.first_chunk, a.chunk, la, fade))
             print(to_markdown({"repo": str(a.repo), "date": "", "utterances": len(hiddens), "tokens": a.tokens,
                                "layer_scale": a.layer_scale, "rows": rows[-1:]}).splitlines()[-1], file=sys.stderr)

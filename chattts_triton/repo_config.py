@@ -255,7 +255,8 @@ def main(argv=None) -> int:
     from .config import Arch
 
     man = read_manifest(a.repo)
-    dep = Deployment(**man["deployment"])
+    # a repository exported before the early first chunk keeps its exact chunks unless told
+    dep = Deployment(**{"stream_first_lookahead_frames": 0, "stream_fade_frames": 0, **man["deployment"]})
     dep.gpus = [int(g) for g in a.gpus.split(",") if g.strip() != ""]
     if a.instances < 1:
         ap.error("--instances must be ≥ 1")

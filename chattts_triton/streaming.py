@@ -10,9 +10,9 @@ an approximation at the seams.
 The first chunk may have its own, shorter lookahead (`first_lookahead`): it is sent after
 `first_chunk + first_lookahead` frames instead of `first_chunk + lookahead`. Its samples are then the
 first window's decode, which sees fewer frames to its right than the whole-utterance decode does.
-With `fade` frames each window also decodes the `fade` frames after the samples it sends and holds
-them; the next window's first `fade` frames are a raised-cosine blend from the held samples to its
-own. Every blended sample is a convex combination of two decodes of the same frames, so it is never
+With `fade` frames each approximate window (right context below the receptive field) also decodes the
+`fade` frames after the samples it sends and holds them; the next window's first `fade` frames are a
+raised-cosine blend from the held samples to its own. Exact windows hold nothing: their seams are exact. Every blended sample is a convex combination of two decodes of the same frames, so it is never
 further from the whole-utterance audio than the worse of the two, and the stream has no step at the
 seam: between consecutive samples it moves by at most what one of the two decodes moves plus
 π / (2 · fade samples) times their difference there (tests/test_streaming.py checks both bounds).
@@ -77,19 +77,23 @@ class Window:
 class ChunkPlanner:
     """Which window to decode, and which of its samples to send, as code frames arrive.
     `lookahead`: context frames on each side of a chunk; `first_lookahead`: right context of the
-    first chunk (None: `lookahead`); `fade`: frames cross-faded at each seam (module docstring)."""
+    first chunk (None: `lookahead`); `fade`: frames cross-faded at each seam (module docstring);
+    `exact`: the lookahead from which a window's decode equals the whole one
+    (codec.stream_lookahead_codes): such windows hold nothing, their seams need no fade (None: every
+    window holds)."""
 
     def __init__(self, first_chunk: int, chunk: int, lookahead: int, first_lookahead: Optional[int] = None,
-                 fade: int = 0):
+                 fade: int = 0, exact: Optional[int] = None):
         first_lookahead = lookahead if first_lookahead is None else first_lookahead
         if min(first_chunk, chunk, lookahead, first_lookahead) < 1:
             raise ValueError("chunk sizes and lookaheads must be ≥ 1 code frame, got first chunk "
                              f"{first_chunk}, chunk {chunk}, lookahead {lookahead}, first lookahead {first_lookahead}")
-        if not 0 <= fade <= min(chunk, lookahead, first_lookahead):
-            raise ValueError(f"fade must be 0..{min(chunk, lookahead, first_lookahead)} frames (at most the chunk "
-                             f"and either lookahead: the held frames must be decoded and re-sent), got {fade}")
+        most = min(chunk, lookahead - 1, first_lookahead - 1)
+        if not 0 <= fade <= most:
+            raise ValueError(f"fade must be 0..{most} frames (at most the chunk, and shorter than either lookahead: "
+                             f"the held frames need frames to their right), got {fade}")
         self.first_chunk, self.chunk, self.lookahead = first_chunk, chunk, lookahead
-        self.first_lookahead, self.fade = first_lookahead, fade
+        self.first_lookahead, self.fade, self.exact = first_lookahead, fade, exact
         self.sent = 0  # code frames whose samples were sent (all samples, once final)
         self.finished = False
 
@@ -111,8 +115,10 @@ class ChunkPlanner:
             return Window(start, frames, first, samples_for_codes(frames) - start * SAMPLES_PER_CODE, True)
         if frames < self.tokens_needed():
             return None
-        end = frames - self._right()  # everything that already has its right context
-        w = Window(start, frames, first, (end - start) * SAMPLES_PER_CODE, False, self.fade * SAMPLES_PER_CODE)
+        right = self._right()
+        end = frames - right  # everything that already has its right context
+        hold = self.fade if self.exact is None or right < self.exact else 0
+        w = Window(start, frames, first, (end - start) * SAMPLES_PER_CODE, False, hold * SAMPLES_PER_CODE)
         self.sent = end
         return w
 
@@ -128,7 +134,7 @@ def stream_schedule(arch, first_chunk: int, chunk: int, lookahead: int = 0, firs
     exact = stream_lookahead_codes(arch)
     look = min(lookahead or exact, exact)
     schedule = dict(first_chunk=first_chunk, chunk=chunk, lookahead=look,
-                    first_lookahead=min(first_lookahead or look, exact), fade=fade)
+                    first_lookahead=min(first_lookahead or look, exact), fade=fade, exact=exact)
     ChunkPlanner(**schedule)
     return schedule
 
@@ -187,9 +193,10 @@ class StreamService:
     """`chattts_stream`: contract inputs → audio chunks, through its own engine and codec."""
 
     def __init__(self, preprocess, gpt, vocoder, first_chunk: int, chunk: int, lookahead: int,
-                 max_streams: int, drain_file: str = "", first_lookahead: Optional[int] = None, fade: int = 0):
+                 max_streams: int, drain_file: str = "", first_lookahead: Optional[int] = None, fade: int = 0,
+                 exact: Optional[int] = None):
         self.schedule = dict(first_chunk=first_chunk, chunk=chunk, lookahead=lookahead,
-                             first_lookahead=first_lookahead, fade=fade)
+                             first_lookahead=first_lookahead, fade=fade, exact=exact)
         ChunkPlanner(**self.schedule)  # validate the schedule at start, not per request
         self.pre, self.gpt, self.voc = preprocess, gpt, vocoder
         self.max_streams = max_streams

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +95,13 @@ def test_configure_stream_schedule_persists_and_refuses_a_fade_longer_than_the_l
         rc.main(["--repo", str(repo), "--stream-first-lookahead-frames", "2", "--stream-fade-frames", "3"])
     assert "fade must be" in capsys.readouterr().err
     assert params()["fade_frames"] == "2"  # nothing written
+    manifest = repo / rc.MANIFEST  # exported before the early first chunk: it keeps exact chunks
+    man = json.loads(manifest.read_text())
+    for k in ("stream_first_lookahead_frames", "stream_fade_frames"):
+        del man["deployment"][k]
+    manifest.write_text(json.dumps(man))
+    assert rc.main(["--repo", str(repo), "--gpus", ""]) == 0
+    assert params()["first_lookahead_frames"] == "0" and params()["fade_frames"] == "0"
 
 
 def test_forced_length_gives_exactly_that_many_samples(served_tiny):
