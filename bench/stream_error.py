@@ -29,6 +29,7 @@ from chattts_triton.backend import ModelContext, stream_service
 from chattts_triton.config import SAMPLES_PER_CODE
 from chattts_triton.repo_config import STREAM, Deployment
 from chattts_triton.streaming import ChunkPlanner, chunk_samples, stream_schedule
+from client.audio import snr_db
 
 TEXTS = ["四川美食确实以辣闻名，但也有不辣的选择。", "Hello, this is a streaming test of the first chunk."]
 
@@ -61,12 +62,6 @@ def raise_layer_scales(voc, scale: float, seed: int = 1) -> int:
     return count
 
 
-def snr_db(ref: np.ndarray, err: np.ndarray) -> float:
-    e = float(np.sqrt(np.mean(err.astype(np.float64) ** 2)))
-    r = float(np.sqrt(np.mean(ref.astype(np.float64) ** 2)))
-    return float("inf") if e == 0 else 20 * np.log10(max(r, 1e-12) / e)
-
-
 def measure(voc, arch, hiddens: List[np.ndarray], first_chunk: int, chunk: int, first_lookahead: int, fade: int) -> Dict:
     schedule = stream_schedule(arch, first_chunk, chunk, 0, first_lookahead, fade)
     first_err, fade_err, first_ref, fade_ref = [], [], [], []
@@ -91,7 +86,7 @@ def measure(voc, arch, hiddens: List[np.ndarray], first_chunk: int, chunk: int, 
             "first_chunk_after_frames": first_chunk + schedule["first_lookahead"],
             "first_chunk_max_err": float(np.abs(fe).max()), "first_chunk_snr_db": snr_db(fr, fe),
             "fade_max_err": float(np.abs(de).max()) if de.size else 0.0,
-            "fade_snr_db": snr_db(dr, de) if de.size else float("inf"), "audio_rms": float(np.sqrt(np.mean(fr ** 2)))}
+            "fade_snr_db": snr_db(dr, de), "audio_rms": float(np.sqrt(np.mean(fr ** 2)))}
 
 
 def to_markdown(res: Dict) -> str:
@@ -118,7 +113,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layer-scale", type=float, default=None, help="synthetic weights only: raise the ConvNeXt layer scales")
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     a = ap.parse_args(argv)
-    lookaheads = [int(v) for v in a.first_lookahead.split(",") if v.strip()]
+    try:
+        lookaheads = [int(v) for v in a.first_lookahead.split(",") if v.strip()]
+    except ValueError:
+        ap.error(f"--first-lookahead takes comma-separated frame counts, got {a.first_lookahead!r}")
+    if not (a.repo / STREAM / "config.pbtxt").is_file():
+        ap.error(f"{a.repo} is not an exported repository (no {STREAM}/config.pbtxt): run python -m export first")
 
     svc = stream_service(ModelContext.from_repo(a.repo, STREAM))
     try:
@@ -137,7 +137,10 @@ def main(argv=None) -> int:
         rows = []
         for la in lookaheads:
             fade = min(a.fade, la - 1) if la else a.fade  # a fade must be shorter than the lookahead
-            rows.append(measure(svc.voc, arch, hiddens, a.first_chunk, a.chunk, la, fade))
+            try:
+                rows.append(measure(svc.voc, arch, hiddens, a.first_chunk, a.chunk, la, fade))
+            except ValueError as e:  # a refused schedule, or too few frames for two chunks
+                ap.error(str(e))
             print(to_markdown({"repo": str(a.repo), "date": "", "utterances": len(hiddens), "tokens": a.tokens,
                                "layer_scale": a.layer_scale, "rows": rows[-1:]}).splitlines()[-1], file=sys.stderr)
     finally:

@@ -73,6 +73,19 @@ class Deployment:
     stream_fade_frames: int = 4  # frames cross-faded at each seam (streaming.py)
     gpt_compile: bool = False  # GPU: decode step through torch.compile (compiles at start-up; bench/README.md)
 
+    @classmethod
+    def from_manifest(cls, man: dict) -> "Deployment":
+        """The deployment a repository was exported or configured with; one exported before the early
+        first chunk keeps its exact chunks."""
+        return cls(**{"stream_first_lookahead_frames": 0, "stream_fade_frames": 0, **man["deployment"]})
+
+    def stream_schedule(self, arch: Arch) -> Dict[str, int]:
+        """`chattts_stream`'s ChunkPlanner arguments (streaming.stream_schedule; ValueError if refused)."""
+        from .streaming import stream_schedule  # torch: only where a schedule is needed
+
+        return stream_schedule(arch, self.stream_first_chunk_frames, self.stream_chunk_frames,
+                               self.stream_lookahead_frames, self.stream_first_lookahead_frames, self.stream_fade_frames)
+
     @property
     def kind(self) -> str:
         return "KIND_GPU" if self.gpus else "KIND_CPU"
@@ -188,10 +201,7 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     step(GPT, GPT_FROM_ENSEMBLE, prompt, {n: f"_{n}" for n in GPT_OUTPUTS})
     step(VOCODER, VOCODER_FROM_ENSEMBLE, {n: f"_{n}" for n in GPT_OUTPUTS}, {"AUDIO": "AUDIO"})
 
-    from .streaming import stream_schedule  # refuse a schedule the model would refuse at load
-
-    stream_schedule(arch, dep.stream_first_chunk_frames, dep.stream_chunk_frames, dep.stream_lookahead_frames,
-                    dep.stream_first_lookahead_frames, dep.stream_fade_frames)
+    dep.stream_schedule(arch)  # refuse a schedule the model would refuse at load
     stream = _python_model(STREAM, dep, 1, gpu=True)  # one engine per device, like the GPT
     stream.model_transaction_policy.decoupled = True
     stream.dynamic_batching.max_queue_delay_microseconds = 0  # a stream's first chunk must not wait for others
@@ -255,8 +265,7 @@ def main(argv=None) -> int:
     from .config import Arch
 
     man = read_manifest(a.repo)
-    # a repository exported before the early first chunk keeps its exact chunks unless told
-    dep = Deployment(**{"stream_first_lookahead_frames": 0, "stream_fade_frames": 0, **man["deployment"]})
+    dep = Deployment.from_manifest(man)
     dep.gpus = [int(g) for g in a.gpus.split(",") if g.strip() != ""]
     if a.instances < 1:
         ap.error("--instances must be ≥ 1")

@@ -12,7 +12,8 @@ The first chunk may have its own, shorter lookahead (`first_lookahead`): it is s
 first window's decode, which sees fewer frames to its right than the whole-utterance decode does.
 With `fade` frames each approximate window (right context below the receptive field) also decodes the
 `fade` frames after the samples it sends and holds them; the next window's first `fade` frames are a
-raised-cosine blend from the held samples to its own. Exact windows hold nothing: their seams are exact. Every blended sample is a convex combination of two decodes of the same frames, so it is never
+raised-cosine blend from the held samples to its own. Exact windows hold nothing: their seams are
+exact. Every blended sample is a convex combination of two decodes of the same frames, so it is never
 further from the whole-utterance audio than the worse of the two, and the stream has no step at the
 seam: between consecutive samples it moves by at most what one of the two decodes moves plus
 π / (2 · fade samples) times their difference there (tests/test_streaming.py checks both bounds).

@@ -21,6 +21,13 @@ class WavError(ValueError):
     """A WAV file that cannot be read or is not what the caller needs."""
 
 
+def snr_db(ref: np.ndarray, err: np.ndarray) -> float:
+    """Signal-to-error ratio in dB: the RMS of `ref` over the RMS of `err` (inf for no error)."""
+    e = float(np.sqrt(np.mean(np.asarray(err, np.float64) ** 2))) if np.size(err) else 0.0
+    r = float(np.sqrt(np.mean(np.asarray(ref, np.float64) ** 2))) if np.size(ref) else 0.0
+    return float("inf") if e == 0 else 20 * float(np.log10(max(r, 1e-12) / e))
+
+
 def to_pcm16(audio: np.ndarray) -> np.ndarray:
     """float [-1, 1] -> int16, clipping out-of-range samples instead of wrapping around."""
     return np.round(np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2")

@@ -24,15 +24,15 @@ def compare_stream(streamed, audio, exact_from: int):
     match (≤ 1e-3); before it the early first chunk and its fade approximate them, reported as SNR."""
     import numpy as np
 
+    from client.audio import snr_db
+
     if streamed.shape != audio.shape:
         return False, f"DIFFERENT from the synthesised audio: {streamed.size} samples, not {audio.size}"
     tail = float(np.abs(streamed[exact_from:] - audio[exact_from:]).max(initial=0.0))
     if tail > 1e-3:
         return False, f"DIFFERENT from the synthesised audio after sample {exact_from}: max abs difference {tail:.2e}"
-    head = (streamed[:exact_from] - audio[:exact_from]).astype(np.float64)
-    err = float(np.sqrt(np.mean(head ** 2))) if head.size else 0.0
-    ref = float(np.sqrt(np.mean(audio[:exact_from].astype(np.float64) ** 2))) if head.size else 0.0
-    snr = "exact" if err <= 1e-9 else f"SNR {20 * np.log10(max(ref, 1e-12) / err):.0f} dB"
+    ratio = snr_db(audio[:exact_from], streamed[:exact_from] - audio[:exact_from])
+    snr = "exact" if ratio > 180 else f"SNR {ratio:.0f} dB"
     return True, (f"equal to the synthesised audio (max abs difference {tail:.1e}) after its first "
                   f"{exact_from} samples (early first chunk and fade: {snr})")
 
@@ -48,8 +48,8 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from chattts_triton.config import SAMPLE_RATE, SAMPLES_PER_CODE
-    from chattts_triton.repo_config import read_manifest
+    from chattts_triton.config import SAMPLE_RATE, SAMPLES_PER_CODE, Arch
+    from chattts_triton.repo_config import Deployment, read_manifest
     from chattts_triton.tritonserver import TritonServer
     from client.audio import save_wav
     from client.client import ChatTTSClient, split_sentences
@@ -81,9 +81,10 @@ def main(argv=None) -> int:
             streamed = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
             say(f"[demo] streamed: {len(chunks)} chunks, first after {first or 0:.2f} s, all after {time.perf_counter() - t2:.2f} s")
             if len(split_sentences(a.text)) == 1:  # several: the voice of sentence 1 is re-used differently
-                dep = read_manifest(a.repo)["deployment"]
-                early = dep.get("stream_first_lookahead_frames", 0) not in (0, None) and chunks
-                exact_from = len(chunks[0]) + dep.get("stream_fade_frames", 0) * SAMPLES_PER_CODE if early else 0
+                man = read_manifest(a.repo)
+                plan = Deployment.from_manifest(man).stream_schedule(Arch.from_json(man["arch"]))
+                early = plan["first_lookahead"] < plan["exact"] and chunks  # an approximate first window
+                exact_from = len(chunks[0]) + plan["fade"] * SAMPLES_PER_CODE if early else 0
                 same, message = compare_stream(streamed, audio, exact_from)
                 say(f"[demo] the stream is {message}")
                 if not same:
