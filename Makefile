@@ -62,8 +62,8 @@ $(BUILD)/assets-$(SIZE)/.complete: | setup
 
 assets: $(BUILD)/assets-$(SIZE)/.complete ## write random-weight assets of the upstream architecture (SIZE=full|tiny)
 
-export: setup $(ASSETS_DEP) ## export ASSETS=DIR (default: synthetic) into REPO (FORMATS, DTYPE, GPUS, INSTANCES, GPT_COMPILE=1)
-	$(PY) -m export --assets $(ASSETS_DIR) --out $(REPO) --formats $(FORMATS) --dtype $(DTYPE) --gpus "$(GPUS)" --instances $(INSTANCES) $(if $(GPT_COMPILE),--gpt-compile)
+export: setup $(ASSETS_DEP) ## export ASSETS=DIR (default: synthetic) into REPO (FORMATS, DTYPE, GPUS, INSTANCES, GPT_COMPILE=0 for the TorchScript step on GPUs)
+	$(PY) -m export --assets $(ASSETS_DIR) --out $(REPO) --formats $(FORMATS) --dtype $(DTYPE) --gpus "$(GPUS)" --instances $(INSTANCES) $(if $(GPT_COMPILE),$(if $(filter 0,$(GPT_COMPILE)),--no-gpt-compile,--gpt-compile))
 
 configure: setup ## set instance groups of REPO: GPUS=0,1 INSTANCES=2 (empty GPUS: CPU), GPT_COMPILE=1|0
 	$(PY) -m chattts_triton.repo_config --repo $(REPO) --gpus "$(GPUS)" --instances $(INSTANCES) $(if $(GPT_COMPILE),$(if $(filter 0,$(GPT_COMPILE)),--no-gpt-compile,--gpt-compile))

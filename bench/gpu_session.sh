@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see bench/bundle.py):
-#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step
+#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step codec
 # Writes logs and results under $OUT (or build/gpu-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -23,6 +23,10 @@ for stage in "$@"; do
       python3 -m bench.run --assets build/assets-full --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     step)
       python3 -m bench.step --assets build/assets-full --out "$OUT" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" ;;
+    codec)
+      [ -f build/codec-repo/manifest.json ] || python3 -m export --assets build/assets-full --out build/codec-repo \
+        --formats torchscript --dtype bf16 --gpus 0 ${CODEC_EXPORT_ARGS:-} 2>&1 | tail -2
+      python3 -m bench.stream_codec --repo build/codec-repo --out "$OUT/stream-codec.json" 2>&1 | tee "$OUT/stream_codec.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

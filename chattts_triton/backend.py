@@ -131,6 +131,7 @@ STAT_HELP = {
     "engine_steps": "decode steps so far (cumulative)",
     "engine_step_rows": "rows (generations) summed over decode steps (cumulative); / engine_steps = mean batch",
     "engine_step_seconds": "wall time in decode steps, host work included (cumulative)",
+    "engine_step_device_seconds": "of engine_step_seconds, launch to the step's host sync (the GPU's part, as the host waits for it; the rest is host bookkeeping)",
     "engine_prefill_seconds": "wall time in prefills (cumulative); with engine_step_seconds, the engine's busy time",
     "streams": "streams in flight in this instance",
     "stream_first_chunks": "streams whose first chunk was sent (cumulative)",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -182,6 +183,7 @@ class Engine:
         # cumulative, for metrics: busy time = step + prefill seconds; mean batch = step_rows / steps
         self.step_rows = 0
         self.step_seconds = 0.0
+        self.step_device_seconds = 0.0  # of step_seconds: launch to the step's host sync (the rest is host bookkeeping)
         self.prefill_seconds = 0.0
         self.cache_dtype = cache_dtype
         self.cuda_graphs = cuda_graphs
@@ -192,12 +194,20 @@ class Engine:
         self._ready = threading.Event()
         self._alloc_error: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
+        self.event_sync = False  # see _host_sync
+        self._hit_pinned: Optional[Tensor] = None
+        # with a started engine, results reach on_done on their own thread: a consumer's copies to the
+        # host and its reply (the GPT model's Triton response) then overlap the next steps instead of
+        # stalling the batch (H200, 512 rows: 3.7 of 11 ms per step were host work)
+        self._results: Optional["queue.SimpleQueue"] = None
+        self._results_thread: Optional[threading.Thread] = None
         if compile_step:
             self.compile_step()
         if start:
             self.start()
             self._ready.wait()
             if self._alloc_error is not None:
+                self._results.put(None)
                 raise self._alloc_error
         else:
             self._alloc()
@@ -229,10 +239,11 @@ class Engine:
     def compile_step(self, dynamic: bool = True, backend: str = "inductor") -> None:
         """Graph buckets run the decode step compiled by torch.compile (inductor: fused norm, RoPE
         and sampling kernels, still replayed from CUDA graphs; H200 bf16: 1.70 → 1.09 ms per step at
-        batch 1, bench/step.py). Needs the eager module, not TorchScript. dynamic: one compile for
-        all buckets (batch 1 still gets its own); else one per bucket. Call `freeze_compiled` once the
-        buckets in use are warm: a bucket that would need a recompile then runs the plain step
-        instead of stalling every running request for the tens of seconds a compile takes."""
+        batch 1, bench/step.py); audio-code steps only. Needs the eager module, not TorchScript.
+        dynamic: one compile for all buckets (batch 1 still gets its own); else one per bucket. Call
+        `freeze_compiled` once the buckets in use are warm: a bucket that would need a recompile then
+        runs the plain step instead of stalling every running request for the tens of seconds a
+        compile takes."""
         if isinstance(self.model, torch.jit.ScriptModule):
             raise EngineError("compile_step needs the eager GPT module (chattts_triton.gpt), not TorchScript")
         import torch._dynamo as dynamo
@@ -283,8 +294,29 @@ class Engine:
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> None:
+        self._results = queue.SimpleQueue()
+        self._results_thread = threading.Thread(target=self._deliver_results, name="chattts-engine-results", daemon=True)
+        self._results_thread.start()
         self.thread = threading.Thread(target=self._loop, name="chattts-engine", daemon=True)
         self.thread.start()
+
+    def _deliver_results(self) -> None:
+        torch.set_grad_enabled(False)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            item = self._results.get()
+            if item is None:
+                return
+            self._call(*item)
+
+    def _hand_off(self, req: GenRequest, res: GenResult) -> None:
+        """A finished request's result to its on_done: queued for the results thread (in order) when
+        the engine runs its own thread, else called here."""
+        if self._results is not None:
+            self._results.put((req, res))
+        else:
+            self._call(req, res)
 
     def validate(self, req: GenRequest) -> None:
         p = req.params
@@ -329,6 +361,7 @@ class Engine:
     def stats(self) -> Dict[str, float]:
         return {"engine_active": self.active, "engine_waiting": self.pending, "engine_steps": self.steps,
                 "engine_step_rows": self.step_rows, "engine_step_seconds": round(self.step_seconds, 6),
+                "engine_step_device_seconds": round(self.step_device_seconds, 6),
                 "engine_prefill_seconds": round(self.prefill_seconds, 6)}
 
     @property
@@ -355,6 +388,9 @@ class Engine:
             self.cv.notify_all()
         if self.thread is not None:
             self.thread.join(timeout)
+            if not self.thread.is_alive() and self._results_thread is not None:
+                self._results.put(None)  # after every result the loop handed off
+                self._results_thread.join(timeout)
 
     # -- loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -408,7 +444,7 @@ class Engine:
 
     def _take_admissions(self) -> List[GenRequest]:
         while self.waiting and self.waiting[0].cancelled:
-            self._call(self._pop_waiting(), GenResult(None, None, "cancelled"))
+            self._hand_off(self._pop_waiting(), GenResult(None, None, "cancelled"))
         free = self.max_slots - len(self.rows)
         if not self.waiting or free <= 0 or not self._admit_now(free):
             return []
@@ -417,7 +453,7 @@ class Engine:
         while self.waiting and len(admitted) < free:
             req = self.waiting[0]
             if req.cancelled:
-                self._call(self._pop_waiting(), GenResult(None, None, "cancelled"))
+                self._hand_off(self._pop_waiting(), GenResult(None, None, "cancelled"))
                 continue
             if admitted and req.prompt_len > budget:
                 break
@@ -558,6 +594,7 @@ class Engine:
         n_text = int(self.h_text[:b].sum())
         mode = "code" if n_text == 0 else "text" if n_text == b else "mixed"
         hit = None
+        t0 = time.perf_counter()
         if self.graphs is not None and mode != "mixed":
             hit = self.graphs.step(b, attn_len, mode)
         if hit is None:
@@ -566,10 +603,26 @@ class Engine:
                 text = self.h_text[:b]
                 groups = [(m, self._h2d(torch.from_numpy(np.flatnonzero(sel)))) for m, sel in (("code", ~text), ("text", text))]
             hit = self.step_core(0, b, attn_len, mode, None, groups)
-        hit_host = hit[:b].cpu().numpy()  # the step's one host sync
+        hit_host = self._host_sync(hit[:b])
+        self.step_device_seconds += time.perf_counter() - t0
         self.steps += 1
         self._deliver()
         self._advance(0, b, hit_host)
+
+    def _host_sync(self, hit: Tensor) -> np.ndarray:
+        """The step's one host sync: its EOS flags on the host. `event_sync` (CUDA, off by default,
+        an experiment of bench/stream_codec.py): an async copy into pinned memory and a wait on an
+        event instead of a blocking copy, in case the blocking copy holds up other threads' launches."""
+        if not (self.event_sync and self.device.type == "cuda"):
+            return hit.cpu().numpy()
+        if self._hit_pinned is None:
+            self._hit_pinned = torch.empty(self.max_slots, dtype=torch.bool, pin_memory=True)
+            self._sync_event = torch.cuda.Event()
+        buf = self._hit_pinned[: hit.shape[0]]
+        buf.copy_(hit, non_blocking=True)
+        self._sync_event.record()
+        self._sync_event.synchronize()
+        return buf.numpy().copy()
 
     def step_core(self, start: int, b: int, attn_len: int, mode: str = "code", n_live: Optional[Tensor] = None,
                   groups: Optional[List[Tuple[str, Tensor]]] = None) -> Tensor:
@@ -688,7 +741,7 @@ class Engine:
             self.streaming.discard(slot)
         self._compact({i for i, _ in items})  # after the results' copies: they are queued first
         for req, res in results:
-            self._call(req, res)
+            self._hand_off(req, res)
 
     def _result(self, slot_id: int, req: GenRequest, reason: str) -> GenResult:
         n = int(self.h_n[slot_id])
@@ -746,7 +799,7 @@ class Engine:
         except Exception:  # noqa: BLE001 - the device itself may be what failed
             log.exception("resetting the slots failed")
         for req, res in results:
-            self._call(req, res)
+            self._hand_off(req, res)
 
     @staticmethod
     def _call(req: GenRequest, res: GenResult) -> None:
@@ -812,7 +865,9 @@ class CudaGraphs:
 
     def _step(self, mode: str, bb: int, lb: int) -> Tensor:
         e = self.e
-        if e.graph_step is None:
+        # text mode (refine text, rare) keeps the plain step: inductor 2.11 fails to generate its
+        # top-P scan over the 21178-id text vocabulary at a dynamic batch (H200, 2026-12-01)
+        if e.graph_step is None or mode != "code":
             return e.step_core(0, bb, lb, mode, e.n_live)
         # frozen: a bucket the warm-up did not compile for runs the plain step (still in a graph)
         stance = "eager_on_recompile" if e.compiled_frozen else "default"

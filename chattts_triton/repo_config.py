@@ -71,13 +71,15 @@ class Deployment:
     stream_lookahead_frames: int = 0  # context each side of a chunk; 0: exact (codec.stream_lookahead_codes)
     stream_first_lookahead_frames: int = 8  # right context of the first chunk; 0: as the later chunks
     stream_fade_frames: int = 4  # frames cross-faded at each seam (streaming.py)
-    gpt_compile: bool = False  # GPU: decode step through torch.compile (compiles at start-up; bench/README.md)
+    # GPU: decode step through torch.compile (H200 served, 2026-12-01: 229 vs 291 ms at concurrency 1;
+    # compiles ≈ 2 min at start-up; bench/README.md). CPU instances run the TorchScript step.
+    gpt_compile: bool = True
 
     @classmethod
     def from_manifest(cls, man: dict) -> "Deployment":
         """The deployment a repository was exported or configured with; one exported before the early
-        first chunk keeps its exact chunks."""
-        return cls(**{"stream_first_lookahead_frames": 0, "stream_fade_frames": 0, **man["deployment"]})
+        first chunk keeps its exact chunks, one exported before the compiled step its TorchScript step."""
+        return cls(**{"stream_first_lookahead_frames": 0, "stream_fade_frames": 0, "gpt_compile": False, **man["deployment"]})
 
     def stream_schedule(self, arch: Arch) -> Dict[str, int]:
         """`chattts_stream`'s ChunkPlanner arguments (streaming.stream_schedule; ValueError if refused)."""
@@ -260,7 +262,7 @@ def main(argv=None) -> int:
                     help="right context of a stream's first chunk (0: as later chunks, exact by default)")
     ap.add_argument("--stream-fade-frames", type=int, help="frames cross-faded at each chunk seam (0: hard cut)")
     ap.add_argument("--gpt-compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="GPU instances run the decode step through torch.compile (faster steps; each GPU instance compiles at start-up, ≈ 1.5 min measured)")
+                    help="GPU instances run the decode step through torch.compile (default for new exports; each GPU instance compiles at start-up, ≈ 2 min measured)")
     a = ap.parse_args(argv)
     from .config import Arch
 

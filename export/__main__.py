@@ -164,8 +164,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", default="", help="comma-separated GPU ids for the instance groups (empty: CPU)")
     ap.add_argument("--instances", type=int, default=1)
     ap.add_argument("--artifact-format", default="torchscript", choices=FORMATS, help="what the decoder/vocoder models load")
-    ap.add_argument("--gpt-compile", action="store_true",
-                    help="GPU instances run the decode step through torch.compile (faster steps; each GPU instance compiles at start-up, ≈ 1.5 min measured)")
+    ap.add_argument("--gpt-compile", action=argparse.BooleanOptionalAction, default=rc.Deployment.gpt_compile,
+                    help="GPU instances run the decode step through torch.compile (faster steps; each GPU instance "
+                         "compiles at start-up, ≈ 2 min measured; --no-gpt-compile: the TorchScript step)")
     a = ap.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:

@@ -68,12 +68,17 @@ def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo
         return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["compile_step"].string_value
                 for m in (rc.GPT, rc.STREAM)]
 
+    assert compile_params() == ["1", "1"]  # the export's default (CPU instances ignore it)
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-gpt-compile"]) == 0
+    assert compile_params() == ["0", "0"]
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-slots", "64"]) == 0  # kept unless told
     assert compile_params() == ["0", "0"]
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-compile"]) == 0
     assert compile_params() == ["1", "1"]
-    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-slots", "64"]) == 0  # kept unless told
-    assert compile_params() == ["1", "1"]
-    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-gpt-compile"]) == 0
+    man = json.loads((repo / rc.MANIFEST).read_text())  # exported before the option: TorchScript step kept
+    del man["deployment"]["gpt_compile"]
+    (repo / rc.MANIFEST).write_text(json.dumps(man))
+    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0
     assert compile_params() == ["0", "0"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -472,30 +473,37 @@ def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compi
     eng.compile_step(backend="aot_eager")
     eng.warm_up(text_eos_id=21140, freeze=False)
     warm = _graphs_compiled()
-    assert warm >= 3  # code batch 1, batch ≥ 2 (dynamic), text
+    assert warm >= 2  # code batch 1, batch ≥ 2 (dynamic); text mode runs the plain step
     got = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2, 5])
     assert _graphs_compiled() == warm
     check_same_as_alone(expected, got)
     assert eng.active == 0 and eng.pending == 0
 
 
-def test_frozen_compiled_step_runs_an_unwarmed_mode_plainly_instead_of_compiling(tiny):
-    """After freeze, a bucket the warm-up never compiled (text mode here) runs the plain step: no
-    compile (which would stall every running request), same tokens."""
+@pytest.mark.parametrize("case", ["longer_attention_bucket", "text_mode"])
+def test_frozen_compiled_step_runs_an_unwarmed_bucket_plainly_instead_of_compiling(tiny, case):
+    """A compiled engine compiles nothing after its warm-up, and the tokens stay the plain step's:
+    after freeze, a bucket the warm-up never compiled (one compile per bucket: a 150-token prompt
+    needs attention length 256, the warm-up saw 128) runs the plain step instead of stalling every
+    running request for a compile; text mode (refine text) always runs the plain step, frozen or not."""
     import torch._dynamo
     from chattts_triton.engine import CudaGraphs
 
     arch, _, _, ours = tiny
-    spec = [dict(ids=torch.arange(3, 14), params=SamplingParams(0.7, 0.7, 20, 1.0, 12, 4, seed=9), mode="text", eos=21140)]
+    if case == "text_mode":
+        spec = [dict(ids=torch.arange(3, 14), params=SamplingParams(0.7, 0.7, 20, 1.0, 12, 4, seed=9), mode="text", eos=21140)]
+    else:
+        g = torch.Generator().manual_seed(5)
+        spec = [dict(ids=torch.randint(0, 21000, (150,), generator=g), params=SamplingParams(0.3, 0.7, 20, 1.05, 12, 12, seed=8))]
     plain = make_engine(ours, arch, start=False)
     plain.graphs = CudaGraphs(plain, capture=False)
     expected = drive(plain, spec)
     torch._dynamo.reset()
     eng = make_engine(ours, arch, start=False)
     eng.graphs = CudaGraphs(eng, capture=False)
-    eng.compile_step(backend="aot_eager")
-    eng.warm_up(text_eos_id=None)  # code only, then frozen
-    assert eng.compiled_frozen
+    eng.compile_step(backend="aot_eager", dynamic=case == "text_mode")
+    eng.warm_up(text_eos_id=None, freeze=case != "text_mode")  # code only
+    assert eng.compiled_frozen == (case != "text_mode")
     warm = _graphs_compiled()
     got = drive(eng, spec)
     assert _graphs_compiled() == warm
@@ -635,3 +643,33 @@ def test_engine_counts_its_steps_rows_and_busy_time(tiny):
     # each first token comes from the prefill: 9 steps with both rows, then 10 with one
     assert s["engine_steps"] == 19 and s["engine_step_rows"] == 9 * 2 + 10
     assert s["engine_step_seconds"] > 0 and s["engine_prefill_seconds"] > 0 and s["engine_active"] == 0
+    assert 0 < s["engine_step_device_seconds"] <= s["engine_step_seconds"]
+
+
+def test_a_slow_result_consumer_does_not_hold_up_the_running_batch(tiny):
+    """A started engine hands results to their on_done on a thread of its own (the GPT model's copies
+    and Triton reply): while one request's on_done blocks, the others keep generating and finish;
+    results arrive in finish order; stop(drain) returns only once every on_done has run."""
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch)
+    release = threading.Event()
+    order, threads = [], set()
+
+    def on_done(name):
+        def cb(res):
+            threads.add(threading.current_thread().name)
+            if name == "short":
+                release.wait(60)  # the consumer of the first result is stuck
+            order.append((name, res.finish_reason, int(res.tokens.shape[0])))
+        return cb
+
+    eng.submit(GenRequest(torch.arange(1, 9), greedy(3, 3, seed=1), on_done("short")))
+    eng.submit(GenRequest(torch.arange(1, 9), greedy(40, 40, seed=2), on_done("long")))
+    deadline = time.monotonic() + 30
+    while eng.active + eng.pending and time.monotonic() < deadline:  # the long one finishes meanwhile
+        time.sleep(0.01)
+    assert eng.active == 0 and eng.pending == 0 and eng.steps >= 39 and order == []
+    release.set()
+    eng.stop(drain=True, timeout=60)
+    assert order == [("short", "max_tokens", 3), ("long", "max_tokens", 40)]
+    assert threads == {"chattts-engine-results"}

@@ -175,7 +175,7 @@ def test_sweep_reports(tmp_path):
     cfg = sweep.SweepConfig(url="h:1", step_seconds=10)
     paths = sweep.write_outputs(tmp_path, rows, cfg)
     md = paths["md"].read_text()
-    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | yes |" in md
+    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | n/a | n/a | yes |" in md
     assert "| 4 | chattts | 40 | 10 | 4.00 | 1.0 | 20.0 | 4×10 |" in md
     with paths["csv"].open() as f:
         table = list(csv.DictReader(f))
@@ -336,6 +336,7 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
             rows += [f'chattts_engine_steps{{instance="{inst}",model="chattts_gpt"}} {steps}',
                      f'chattts_engine_step_rows{{instance="{inst}",model="chattts_gpt"}} {rows_}',
                      f'chattts_engine_step_seconds{{model="chattts_gpt",instance="{inst}"}} {step_s}',
+                     f'chattts_engine_step_device_seconds{{model="chattts_gpt",instance="{inst}"}} {step_s / 2}',
                      f'chattts_engine_prefill_seconds{{instance="{inst}",model="chattts_gpt"}} {prefill_s}',
                      f'chattts_engine_active{{instance="{inst}",model="chattts_gpt"}} 7']
         rows.append('chattts_engine_steps{instance="chattts_stream_0_0",model="chattts_stream"} 999')
@@ -347,6 +348,8 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     after = parse_engine_counters(text(300, 3000, 1.3, 250, 900, 1.0, 0.3))
     w = engine_window(before, after, 2.0)
     assert w["engine_step_ms"] == pytest.approx(1000 * (0.8 + 0.8) / (200 + 200))
+    assert w["engine_step_device_ms"] == pytest.approx(1000 * (0.4 + 0.4) / (200 + 200))
+    assert w["engine_prefill_ms_per_step"] == pytest.approx(1000 * (0.2 + 0.2) / (200 + 200))
     assert w["engine_batch"] == pytest.approx((2000 + 800) / 400)
     assert w["engine_busy"] == pytest.approx((0.8 + 0.8 + 0.2 + 0.2) / (2.0 * 2))
     assert engine_window({}, {}, 2.0)["engine_step_ms"] is None

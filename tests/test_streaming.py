@@ -228,6 +228,23 @@ def test_stream_error_bench_measures_the_first_chunk_against_the_whole_decode(ti
     assert "| 1 | 0 | 4 |" in (tmp_path / "err.md").read_text()  # a fade must be shorter than the lookahead
 
 
+def test_stream_codec_bench_times_a_streams_windows_alone_and_beside_the_generating_engine(tiny_repo, tmp_path):
+    from bench import stream_codec
+
+    out = tmp_path / "codec.json"
+    assert stream_codec.main(["--repo", str(tiny_repo), "--device", "cpu", "--tokens", "40", "--repeats", "1",
+                              "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    sizes = res["windows"]
+    assert len(sizes) >= 2 and max(sizes) <= 40  # the planner's windows of one 40-frame stream
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"alone", "beside_engine", "switch_interval_0.1ms", "jit_unoptimized", "alone_again"}
+    for name, r in rows.items():
+        assert len(r["call_ms_p50_per_window"]) == len(sizes) and r["call_ms_p50"] > 0
+        assert (r["engine_step_ms"] is None) == name.startswith("alone")  # the engine stepped only beside
+    assert rows["beside_engine"]["engine_step_device_ms"] <= rows["beside_engine"]["engine_step_ms"]
+
+
 # --- the service, without Triton ------------------------------------------------------------------
 def stream_context(repo, **params):
     """The ModelContext Triton would give chattts_stream."""
