@@ -14,6 +14,7 @@ batch size; ours runs end to end through tritonserver over gRPC with closed-loop
 from __future__ import annotations
 
 import argparse
+import os
 import datetime as dt
 import json
 import logging
@@ -206,14 +207,22 @@ async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, second
 
 def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, start: int = 1,
                  stream_concurrency: List[int] = (), stream_s: float = 15.0, hold_concurrency: int = 0,
-                 hold_s: float = 0.0) -> Dict[str, object]:
+                 hold_s: float = 0.0, mps: bool = False) -> Dict[str, object]:
     import asyncio
+    import contextlib
 
+    from chattts_triton.mps import mps_daemon
     from chattts_triton.tritonserver import TritonServer
     from loadtest.sweep import SweepConfig, run_sweep
 
     out: Dict[str, object] = {}
-    with TritonServer(repo, log_file=repo.parent / "bench-tritonserver.log", startup_timeout_s=900) as server:
+    with contextlib.ExitStack() as stack:
+        env = dict(os.environ)
+        if mps:
+            env.update(stack.enter_context(mps_daemon()))
+            log(f"MPS daemon: pipe {env['CUDA_MPS_PIPE_DIRECTORY']}")
+        server = stack.enter_context(TritonServer(repo, log_file=repo.parent / "bench-tritonserver.log",
+                                                  startup_timeout_s=900, env=env))
         if max_concurrency:
             cfg = SweepConfig(
                 url=server.grpc_url, max_concurrency=max_concurrency, start_concurrency=start, step_seconds=step_s,
@@ -231,7 +240,9 @@ def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, s
 def to_markdown(res: dict) -> str:
     out = [f"# Benchmark {res['date']} on {res['device_name']}", "",
            f"{res['tokens']} forced code frames per utterance (≈ {res['tokens'] * 512 / 24000:.2f} s of audio). "
-           f"Ours: tritonserver over gRPC, dtype {res['dtype']}, closed-loop clients. Upstream: `Chat.infer` in-process.", ""]
+           f"Ours: tritonserver over gRPC, dtype {res['dtype']}, "
+           f"{'compiled GPT step (requested)' if res.get('gpt_compile') else 'TorchScript GPT step'}"
+           f"{', under an MPS daemon' if res.get('mps') else ''}, closed-loop clients. Upstream: `Chat.infer` in-process.", ""]
     for name in ("upstream_eager", "upstream_compile"):
         rows = res.get(name) or []
         if rows:
@@ -334,6 +345,12 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-fade", type=int, default=_d.stream_fade_frames, help="frames cross-faded at each seam")
     ap.add_argument("--gpt-compile", action=argparse.BooleanOptionalAction, default=Deployment.gpt_compile,
                     help="serve the GPT decode step through torch.compile (--no-gpt-compile: the TorchScript step)")
+    ap.add_argument("--gpt-admit-batch", type=int, default=Deployment.gpt_admit_batch,
+                    help="prefill waiting requests together once this many wait (engine admission policy)")
+    ap.add_argument("--gpt-admit-wait-steps", type=int, default=Deployment.gpt_admit_wait_steps,
+                    help="... or once the oldest has waited this many decode steps")
+    ap.add_argument("--mps", action="store_true",
+                    help="serve under a CUDA MPS daemon (chattts_triton.mps): the model processes share the GPU")
     a = ap.parse_args(argv)
 
     import torch
@@ -362,16 +379,19 @@ def main(argv=None) -> int:
                      max_batch_size=max(64, min(per_engine, 512)), max_queue_size=4096,
                      stream_slots=max(streams + [2]), stream_lookahead_frames=a.stream_lookahead,
                      stream_first_lookahead_frames=a.stream_first_lookahead, stream_fade_frames=a.stream_fade,
-                     gpt_compile=a.gpt_compile)
+                     gpt_compile=a.gpt_compile, gpt_admit_batch=a.gpt_admit_batch,
+                     gpt_admit_wait_steps=a.gpt_admit_wait_steps)
     res["stream_lookahead_frames"] = a.stream_lookahead or "exact"
     res["stream_first_lookahead_frames"] = a.stream_first_lookahead or "as later chunks"
     res["stream_fade_frames"] = a.stream_fade
     res["gpt_compile"] = a.gpt_compile
+    res["mps"] = a.mps
+    res["gpt_admit"] = {"batch": a.gpt_admit_batch, "wait_steps": a.gpt_admit_wait_steps}
     if a.max_concurrency or streams or a.hold_seconds:
         log(f"exporting {a.assets} → {a.repo} ({a.dtype})")
         export_repository(a.assets, a.repo, ["torchscript"], a.dtype, "cpu", dep, progress=log)
         served = bench_served(a.repo, a.tokens, a.max_concurrency, a.step_seconds, a.start_concurrency, streams,
-                              a.stream_seconds, a.hold_concurrency, a.hold_seconds)
+                              a.stream_seconds, a.hold_concurrency, a.hold_seconds, mps=a.mps)
         res.update({k: v for k, v in served.items() if v})
         save()
     plot(res, a.out / f"{stem}.png")

@@ -76,6 +76,9 @@ class KeepBusy:
         deadline = time.monotonic() + 120
         while self.engine.steps < before + 20 and time.monotonic() < deadline:  # past admission and capture
             time.sleep(0.01)
+        if self.engine.steps < before + 20:
+            self.stop.set()
+            raise RuntimeError("the engine did not start generating beside the codec within 120 s")
         return self
 
     def __exit__(self, *exc):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
-from .config import Arch
+from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, Arch
 from .repo_config import MANIFEST
 from .serve import INFLIGHT_METRIC
 from .services import Call, Overloaded
@@ -302,6 +302,8 @@ def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None):
         spk_emb_id=int(ctx.manifest["tokens"]["spk_emb_id"]),
         max_pending=ctx.param("max_pending", 0, cast=int),
         compile_step=bool(ctx.param("compile_step", 0, cast=int)),
+        admit_batch=ctx.param("admit_batch", ADMIT_BATCH, cast=int),  # repositories configured before: the defaults
+        admit_wait_steps=ctx.param("admit_wait_steps", ADMIT_WAIT_STEPS, cast=int),
     )
 
 

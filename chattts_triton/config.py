@@ -33,6 +33,10 @@ NUM_VQ = 4
 NUM_AUDIO_TOKENS = 626
 AUDIO_EOS = NUM_AUDIO_TOKENS - 1  # code 625 ends an utterance
 NUM_TEXT_TOKENS = 21178
+# engine admission while generating: prefill waiting requests together once this many wait, or once
+# the oldest has waited this many decode steps (Engine, repo_config.Deployment)
+ADMIT_BATCH = 32
+ADMIT_WAIT_STEPS = 4
 REPETITION_WINDOW = 16  # upstream CustomRepetitionPenaltyLogitsProcessorRepeat past_window
 MIN_TOKENS_TO_KEEP = 3  # upstream top-P/top-K warpers
 

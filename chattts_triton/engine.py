@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import sampling
-from .config import AUDIO_EOS, REPETITION_WINDOW
+from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, REPETITION_WINDOW
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,8 @@ class Engine:
         compute_dtype: torch.dtype = torch.float32,
         max_prefill_tokens: int = 4096,
         cuda_graphs: bool = True,
-        admit_batch: int = 32,
-        admit_wait_steps: int = 4,
+        admit_batch: int = ADMIT_BATCH,
+        admit_wait_steps: int = ADMIT_WAIT_STEPS,
         compile_step: bool = False,
         start: bool = True,
     ):
@@ -308,7 +308,8 @@ class Engine:
             item = self._results.get()
             if item is None:
                 return
-            self._call(*item)
+            with torch.inference_mode():  # as on the engine thread (results are inference tensors)
+                self._call(*item)
 
     def _hand_off(self, req: GenRequest, res: GenResult) -> None:
         """A finished request's result to its on_done: queued for the results thread (in order) when
@@ -580,7 +581,7 @@ class Engine:
             _, hm = self.sample_core(st, self.pi.index_select(0, st), h.index_select(0, r), mode)
             order += sel
             hits.append(hm)
-        got = torch.cat(hits).cpu().numpy()  # the prefill's one host sync
+        got = self._host_sync(torch.cat(hits))  # the prefill's one host sync
         out = np.zeros(len(rows), dtype=bool)
         pos = {i: j for j, i in enumerate(rows)}
         for i, v in zip(order, got):
@@ -610,7 +611,7 @@ class Engine:
         self._advance(0, b, hit_host)
 
     def _host_sync(self, hit: Tensor) -> np.ndarray:
-        """The step's one host sync: its EOS flags on the host. `event_sync` (CUDA, off by default,
+        """A step's (or prefill's) one host sync: its EOS flags on the host. `event_sync` (CUDA, off by default,
         an experiment of bench/stream_codec.py): an async copy into pinned memory and a wait on an
         event instead of a blocking copy, in case the blocking copy holds up other threads' launches."""
         if not (self.event_sync and self.device.type == "cuda"):

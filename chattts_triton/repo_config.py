@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .config import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, LIMITS, NUM_VQ, Arch
+from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, LIMITS, NUM_VQ, Arch
 
 ENSEMBLE = "chattts"
 PREPROCESS = "chattts_preprocess"
@@ -62,6 +62,8 @@ class Deployment:
     gpt_slots: Optional[int] = None  # engine slots per GPT instance (None: by device)
     gpt_context: int = 3072
     gpt_max_pending: Optional[int] = None  # generations running + waiting per GPT engine (None: 4 × slots)
+    gpt_admit_batch: int = ADMIT_BATCH  # config.py: the engine's admission policy
+    gpt_admit_wait_steps: int = ADMIT_WAIT_STEPS
     dtype: str = "fp32"
     artifact_format: str = "torchscript"  # torchscript | onnx (decoder/vocoder/DVAE)
     stream_slots: Optional[int] = None  # engine slots of each chattts_stream instance (None: by device)
@@ -133,12 +135,17 @@ def _param(cfg, key: str, value) -> None:
 
 def _engine_params(cfg, dep: "Deployment", slots: int, pending: int) -> None:
     """What `backend.gpt_service` reads: the parameters of a model that hosts a GPT engine."""
+    if dep.gpt_admit_batch < 1 or dep.gpt_admit_wait_steps < 0:
+        raise ValueError(f"gpt_admit_batch must be ≥ 1 and gpt_admit_wait_steps ≥ 0, got "
+                         f"{dep.gpt_admit_batch} and {dep.gpt_admit_wait_steps}")
     _param(cfg, "max_slots", slots)
     _param(cfg, "max_context", dep.gpt_context)
     _param(cfg, "max_pending", pending)
     _param(cfg, "max_new_tokens", LIMITS.max_new_tokens)
     _param(cfg, "dtype", dep.dtype)
     _param(cfg, "compile_step", int(dep.gpt_compile))
+    _param(cfg, "admit_batch", dep.gpt_admit_batch)
+    _param(cfg, "admit_wait_steps", dep.gpt_admit_wait_steps)
 
 
 def _python_model(name: str, dep: Deployment, instances: int, gpu: bool) -> mc.ModelConfig:
@@ -253,6 +260,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gpt-slots", type=int)
     ap.add_argument("--gpt-context", type=int)
     ap.add_argument("--gpt-max-pending", type=int, help="generations running + waiting per GPT engine before UNAVAILABLE (0: no bound)")
+    ap.add_argument("--gpt-admit-batch", type=int,
+                    help=f"while generating, prefill waiting requests together once this many wait (default {ADMIT_BATCH})")
+    ap.add_argument("--gpt-admit-wait-steps", type=int,
+                    help=f"... or once the oldest has waited this many decode steps (default {ADMIT_WAIT_STEPS})")
     ap.add_argument("--stream-slots", type=int, help="engine slots of each chattts_stream instance")
     ap.add_argument("--stream-max-pending", type=int, help="streams in flight per chattts_stream instance before UNAVAILABLE")
     ap.add_argument("--stream-first-chunk-frames", type=int, help="code frames (21.3 ms each) in a stream's first chunk")
@@ -273,6 +284,7 @@ def main(argv=None) -> int:
         ap.error("--instances must be ≥ 1")
     dep.instances = a.instances
     for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "gpt_slots", "gpt_context", "gpt_max_pending",
+              "gpt_admit_batch", "gpt_admit_wait_steps",
               "stream_slots", "stream_max_pending", "stream_first_chunk_frames", "stream_chunk_frames",
               "stream_lookahead_frames", "stream_first_lookahead_frames", "stream_fade_frames", "gpt_compile"):
         v = getattr(a, k)

@@ -33,8 +33,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
+from .mps import MpsError, mps_daemon
 from .tritonserver import LOCALHOST, TritonServer, TritonServerError, processes_in_group
 
 
@@ -171,6 +172,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    default=Path(os.environ.get(ADMIN_KEY_FILE_ENV) or Path.home() / ".chattts-triton" / "admin.key"))
     p.add_argument("--exit-timeout", type=int, default=30, help="seconds Triton may drain on shutdown")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    p.add_argument("--mps", action="store_true",
+                   help="run a CUDA MPS daemon for the server's lifetime, so the model processes share the GPU "
+                        "instead of taking turns (needs nvidia-cuda-mps-control; leave off where the host runs MPS)")
     p.add_argument(
         "--stub-pythonpath", action="append", default=[], type=Path,
         help="package folder only the python-backend stub sees, searched first (repeatable)",
@@ -190,6 +194,18 @@ def _exit_status(returncode: Optional[int]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    if not args.mps:
+        return _serve(args, {})
+    try:
+        with mps_daemon() as mps_env:
+            print(f"MPS daemon: pipe {mps_env['CUDA_MPS_PIPE_DIRECTORY']}", flush=True)
+            return _serve(args, mps_env)
+    except MpsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _serve(args: argparse.Namespace, extra_env: Dict[str, str]) -> int:
     if args.host not in (LOCALHOST, "localhost"):
         print(f"warning: binding to {args.host}: the server is reachable from other hosts", file=sys.stderr)
     restricted: List[str] = []
@@ -200,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     drain_file = Path(drain_dir) / "drain"
     server = TritonServer(
         args.repo,
-        env={**{k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV}, DRAIN_FILE_ENV: str(drain_file)},
+        env={**{k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV}, DRAIN_FILE_ENV: str(drain_file), **extra_env},
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,

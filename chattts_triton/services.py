@@ -15,6 +15,7 @@ import os
 import secrets
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -25,6 +26,8 @@ import torch
 from . import speaker as spk
 from . import text as txt
 from .config import (
+    ADMIT_BATCH,
+    ADMIT_WAIT_STEPS,
     AUDIO_EOS,
     CPU_ONLY_PRECISIONS,
     PRECISIONS,
@@ -196,6 +199,7 @@ class Artifact:
 
 
 GPU_INSTANCE_THREADS_ENV = "CHATTTS_GPU_INSTANCE_THREADS"
+EVENT_SYNC_ENV = "CHATTTS_ENGINE_EVENT_SYNC"  # "1": Engine.event_sync (CUDA; unmeasured, off by default)
 GPU_INSTANCE_THREADS = "4"  # torch intra-op threads of a GPU model instance
 
 
@@ -322,12 +326,23 @@ def compile_applies(device: torch.device) -> bool:
     return device.type == "cuda"  # the compiled step runs in the CUDA-graph buckets only
 
 
+def _release_failed_compile(device: torch.device) -> None:
+    import gc
+
+    import torch._dynamo
+
+    torch._dynamo.reset()  # its caches hold the failed engine's tensors
+    gc.collect()  # engine <-> graphs and slot cycles
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 class GPTService:
     """Prompt tensors + sampling inputs → codes (and hidden states) through the in-flight engine."""
 
     def __init__(self, model_path: Path, arch: Arch, device: torch.device, dtype: str, max_slots: int,
                  max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int, max_pending: int = 0,
-                 compile_step: bool = False):
+                 compile_step: bool = False, admit_batch: int = ADMIT_BATCH, admit_wait_steps: int = ADMIT_WAIT_STEPS):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if dtype in CPU_ONLY_PRECISIONS and device.type != "cpu":
@@ -345,8 +360,11 @@ class GPTService:
             engine = Engine(
                 model, max_slots=max_slots, max_context=max_context, max_new_tokens=max_new_tokens,
                 hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=DTYPES[dtype],
-                compute_dtype=DTYPES[dtype], compile_step=compiled,
+                compute_dtype=DTYPES[dtype], compile_step=compiled, admit_batch=admit_batch,
+                admit_wait_steps=admit_wait_steps,
             )
+            # an experiment switch for the next GPU measurement (bench/README.md, "Where the codec stalls")
+            engine.event_sync = os.environ.get(EVENT_SYNC_ENV, "") == "1"
             try:
                 engine.warm_up(text_eos_id=text_eos_id)  # specialise / compile before the first client
                 if compiled and engine.graphs is not None and None in engine.graphs.graphs.values():
@@ -364,7 +382,11 @@ class GPTService:
             try:
                 engine = start(eager_from_script(script, arch), True)
             except Exception:  # noqa: BLE001  e.g. no C compiler for inductor in the image: serve anyway
-                log.exception("compiling the GPT decode step failed; serving the TorchScript step instead")
+                # the text, not exc_info: a record keeping the traceback would keep the failed engine alive
+                log.error("compiling the GPT decode step failed; serving the TorchScript step instead\n%s",
+                          traceback.format_exc())
+            if engine is None:  # the failed engine's KV cache and graphs must not stay allocated beside the next
+                _release_failed_compile(device)
         self.engine = engine or start(script, False)
 
     def stats(self) -> Dict[str, float]:

@@ -212,7 +212,9 @@ def engine_window(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str
     steps = d["engine_steps"]
     return {
         "engine_step_ms": 1000.0 * d["engine_step_seconds"] / steps if steps else None,
-        "engine_step_device_ms": 1000.0 * d["engine_step_device_seconds"] / steps if steps else None,
+        # servers from before this counter do not publish it: n/a, not 0
+        "engine_step_device_ms": 1000.0 * d["engine_step_device_seconds"] / steps
+        if steps and all("engine_step_device_seconds" in c for c in after.values()) else None,
         "engine_prefill_ms_per_step": 1000.0 * d["engine_prefill_seconds"] / steps if steps else None,
         "engine_batch": d["engine_step_rows"] / steps if steps else None,
         "engine_busy": (d["engine_step_seconds"] + d["engine_prefill_seconds"]) / (seconds * len(after)),

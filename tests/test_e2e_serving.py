@@ -82,6 +82,28 @@ def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo
     assert compile_params() == ["0", "0"]
 
 
+def test_configure_admission_policy_reaches_the_engines_and_refuses_nonsense(tiny_repo, tmp_path, capsys):
+    import shutil
+
+    from chattts_triton.backend import ModelContext, gpt_service
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+    assert rc.main(["--repo", str(repo), "--gpt-admit-batch", "8", "--gpt-admit-wait-steps", "12"]) == 0
+    for model in (rc.GPT, rc.STREAM):
+        params = rc.parse_pbtxt((repo / model / "config.pbtxt").read_text()).parameters
+        assert (params["admit_batch"].string_value, params["admit_wait_steps"].string_value) == ("8", "12")
+    svc = gpt_service(ModelContext.from_repo(repo, rc.GPT))
+    try:
+        assert (svc.engine.admit_batch, svc.engine.admit_wait_steps) == (8, 12)
+    finally:
+        svc.close()
+    with pytest.raises(SystemExit) as e:
+        rc.main(["--repo", str(repo), "--gpt-admit-batch", "0"])
+    assert e.value.code == 2 and "gpt_admit_batch must be ≥ 1" in capsys.readouterr().err
+    assert rc.parse_pbtxt((repo / rc.GPT / "config.pbtxt").read_text()).parameters["admit_batch"].string_value == "8"
+
+
 def test_configure_stream_schedule_persists_and_refuses_a_fade_longer_than_the_lookahead(tiny_repo, tmp_path, capsys):
     import shutil
 

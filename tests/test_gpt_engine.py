@@ -602,7 +602,10 @@ def test_model_with_the_old_slots_signature_is_refused(tiny):
 @pytest.mark.parametrize("compile_fails", [False, True])
 def test_gpt_service_compiles_the_step_or_falls_back_to_torchscript(tiny_repo, monkeypatch, caplog, compile_fails):
     """`compile_step` serves the eager module through torch.compile; if compiling fails at warm-up
-    (say, no C compiler in the image) the model still loads, on the exported TorchScript step."""
+    (say, no C compiler in the image) the model still loads, on the exported TorchScript step, and the
+    failed engine (its KV cache: GBs on a GPU) is gone, not kept beside the one that serves."""
+    import weakref
+
     from chattts_triton import services
     from chattts_triton.config import Arch
     from chattts_triton.repo_config import GPT, read_manifest
@@ -618,6 +621,14 @@ def test_gpt_service_compiles_the_step_or_falls_back_to_torchscript(tiny_repo, m
         return real_warm_up(self, *args, **kw)
 
     monkeypatch.setattr(Engine, "warm_up", warm_up)
+    engines = []
+    real_init = Engine.__init__
+
+    def init(self, *args, **kw):
+        engines.append(weakref.ref(self))
+        real_init(self, *args, **kw)
+
+    monkeypatch.setattr(Engine, "__init__", init)
     caplog.set_level(logging.INFO)
     svc = services.GPTService(tiny_repo / GPT / "1" / "gpt.pt", arch, torch.device("cpu"), "fp32", max_slots=2,
                               max_context=256, max_new_tokens=32, text_eos_id=man["tokens"]["text_eos_id"],
@@ -626,6 +637,7 @@ def test_gpt_service_compiles_the_step_or_falls_back_to_torchscript(tiny_repo, m
         assert isinstance(svc.engine.model, torch.jit.ScriptModule) == compile_fails
         assert (svc.engine.graph_step is None) == compile_fails
         assert ("serving the TorchScript step instead" in caplog.text) == compile_fails
+        assert len(engines) == 1 + compile_fails and [e() for e in engines if e() is not None] == [svc.engine]
         r = svc.engine.generate(GenRequest(torch.arange(1, 9), greedy(6, 6), None))
         assert r.finish_reason == "max_tokens" and r.tokens.shape == (6, arch.num_vq)
     finally:

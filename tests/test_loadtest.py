@@ -353,3 +353,6 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     assert w["engine_batch"] == pytest.approx((2000 + 800) / 400)
     assert w["engine_busy"] == pytest.approx((0.8 + 0.8 + 0.2 + 0.2) / (2.0 * 2))
     assert engine_window({}, {}, 2.0)["engine_step_ms"] is None
+    old = {i: {k: v for k, v in c.items() if k != "engine_step_device_seconds"} for i, c in after.items()}
+    w_old = engine_window(before, old, 2.0)  # a server from before the device counter
+    assert w_old["engine_step_device_ms"] is None and w_old["engine_step_ms"] == w["engine_step_ms"]
