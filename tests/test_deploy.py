@@ -129,6 +129,9 @@ def dockerfile_problems(text: str) -> List[str]:
         problems.append(f"ENV TRITONSERVER is not {NGC_TRITONSERVER}: the launcher would not find NGC's server")
     if not envs.get("CHATTTS_TRITON_CACHE", "").startswith("/tmp/"):
         problems.append("ENV CHATTTS_TRITON_CACHE is not under /tmp: site-packages is read-only to uid 1000")
+    runs = " ".join(i["value"] for i in final_stage if i["instruction"] == "RUN")
+    if not all(pkg in runs for pkg in ("gcc", "python3-dev")):
+        problems.append("no gcc/python3-dev: the compiled GPT step (the GPU default) cannot build its kernels' launcher")
     entry = [i["value"] for i in final_stage if i["instruction"] == "ENTRYPOINT"]
     if entry and not (_exec_form(entry[-1]) or [""])[0].startswith("/"):
         problems.append("ENTRYPOINT is not an exec-form absolute path (signals would not reach the launcher)")
@@ -164,6 +167,7 @@ def test_dockerfile_base_is_the_documented_release():
         (('"--log-file=-", ', ""), "--log-file=-"),
         ((f"TRITONSERVER={NGC_TRITONSERVER}", "TRITONSERVER=/usr/bin/tritonserver"), "ENV TRITONSERVER"),
         (("CHATTTS_TRITON_CACHE=/tmp/", "CHATTTS_TRITON_CACHE=/opt/"), "CHATTTS_TRITON_CACHE"),
+        ((" gcc libc6-dev python3-dev", " libc6-dev"), "no gcc/python3-dev"),
     ],
 )
 def test_dockerfile_check_rejects(change, complaint):
