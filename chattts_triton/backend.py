@@ -133,6 +133,7 @@ STAT_HELP = {
     "engine_step_seconds": "wall time in decode steps, host work included (cumulative)",
     "engine_step_device_seconds": "of engine_step_seconds, launch to the step's host sync (the GPU's part, as the host waits for it; the rest is host bookkeeping)",
     "engine_prefill_seconds": "wall time in prefills (cumulative); with engine_step_seconds, the engine's busy time",
+    "engine_results_pending": "finished generations whose results wait for their consumer (grows if replies are stuck)",
     "streams": "streams in flight in this instance",
     "stream_first_chunks": "streams whose first chunk was sent (cumulative)",
     "stream_first_tokens_seconds": "summed time from a stream's start to its first tokens reaching the codec (cumulative)",

@@ -363,7 +363,8 @@ class Engine:
         return {"engine_active": self.active, "engine_waiting": self.pending, "engine_steps": self.steps,
                 "engine_step_rows": self.step_rows, "engine_step_seconds": round(self.step_seconds, 6),
                 "engine_step_device_seconds": round(self.step_device_seconds, 6),
-                "engine_prefill_seconds": round(self.prefill_seconds, 6)}
+                "engine_prefill_seconds": round(self.prefill_seconds, 6),
+                "engine_results_pending": self._results.qsize() if self._results is not None else 0}
 
     @property
     def active(self) -> int:
@@ -388,10 +389,11 @@ class Engine:
                     s.req.cancel()
             self.cv.notify_all()
         if self.thread is not None:
+            deadline = None if timeout is None else time.monotonic() + timeout
             self.thread.join(timeout)
             if not self.thread.is_alive() and self._results_thread is not None:
                 self._results.put(None)  # after every result the loop handed off
-                self._results_thread.join(timeout)
+                self._results_thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     # -- loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:

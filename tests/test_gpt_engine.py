@@ -681,7 +681,9 @@ def test_a_slow_result_consumer_does_not_hold_up_the_running_batch(tiny):
     while eng.active + eng.pending and time.monotonic() < deadline:  # the long one finishes meanwhile
         time.sleep(0.01)
     assert eng.active == 0 and eng.pending == 0 and eng.steps >= 39 and order == []
+    assert eng.stats()["engine_results_pending"] == 1  # the long one's, behind the stuck consumer
     release.set()
     eng.stop(drain=True, timeout=60)
     assert order == [("short", "max_tokens", 3), ("long", "max_tokens", 40)]
+    assert eng.stats()["engine_results_pending"] == 0
     assert threads == {"chattts-engine-results"}
