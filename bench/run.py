@@ -14,10 +14,10 @@ batch size; ours runs end to end through tritonserver over gRPC with closed-loop
 from __future__ import annotations
 
 import argparse
-import os
 import datetime as dt
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -339,10 +339,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hold-seconds", type=float, default=0.0, help="then this long at --hold-concurrency (GPU memory over time)")
     ap.add_argument("--hold-concurrency", type=int, default=256)
     ap.add_argument("--stream-lookahead", type=int, default=0, help="chattts_stream context frames (0: exact)")
-    _d = Deployment()
-    ap.add_argument("--stream-first-lookahead", type=int, default=_d.stream_first_lookahead_frames,
+    ap.add_argument("--stream-first-lookahead", type=int, default=Deployment.stream_first_lookahead_frames,
                     help="right context of a stream's first chunk (0: as later chunks)")
-    ap.add_argument("--stream-fade", type=int, default=_d.stream_fade_frames, help="frames cross-faded at each seam")
+    ap.add_argument("--stream-fade", type=int, default=Deployment.stream_fade_frames, help="frames cross-faded at each seam")
     ap.add_argument("--gpt-compile", action=argparse.BooleanOptionalAction, default=Deployment.gpt_compile,
                     help="serve the GPT decode step through torch.compile (--no-gpt-compile: the TorchScript step)")
     ap.add_argument("--gpt-admit-batch", type=int, default=Deployment.gpt_admit_batch,
