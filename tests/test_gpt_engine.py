@@ -680,6 +680,9 @@ def test_a_slow_result_consumer_does_not_hold_up_the_running_batch(tiny):
     deadline = time.monotonic() + 30
     while eng.active + eng.pending and time.monotonic() < deadline:  # the long one finishes meanwhile
         time.sleep(0.01)
+    # a finished row leaves `active` just before its result is queued: wait for the queue too
+    while eng.stats()["engine_results_pending"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert eng.active == 0 and eng.pending == 0 and eng.steps >= 39 and order == []
     assert eng.stats()["engine_results_pending"] == 1  # the long one's, behind the stuck consumer
     release.set()
