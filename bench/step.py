@@ -5,7 +5,8 @@
 
 No Triton: one `Engine` on one GPU, the decode step of `--attn-len` captured in a CUDA graph per
 batch size exactly as the server does (`CudaGraphs`), replays timed with CUDA events (median of
-`--iters`). For `script`/`eager` also times the GPT forward alone (graph of `model(...)`), so the rest of
+`--iters`). Then the prefill of `--prefill` shapes (prompts x tokens) as the engine admits them
+(embedding, GPT, first-token draw, its one host sync; wall ms, median), eagerly and from its graph. For `script`/`eager` also times the GPT forward alone (graph of `model(...)`), so the rest of
 the step (embedding, heads, sampling, bookkeeping) is the difference. Writes OUT/step-<variant>.json.
 Variants: `script` = the exported TorchScript (what `chattts_gpt` serves by default), `eager` =
 the same module unscripted, `compile` = the engine step compiled by torch.compile (inductor), one
@@ -55,6 +56,25 @@ def _forward_graph(engine, b: int, attn_len: int):
     return g.replay
 
 
+def _time_prefill(engine, k: int, t: int, graphed: bool, iters: int) -> float:
+    """Median wall ms of admitting k prompts of t tokens into an idle engine (`Engine._prefill`)."""
+    from chattts_triton.engine import GenRequest, SamplingParams
+
+    g = torch.Generator().manual_seed(k * 1000 + t)
+    reqs = [GenRequest(torch.randint(0, 21000, (t,), generator=g), SamplingParams(1.0, None, None, 1.0, 8, 8, seed=i),
+                       lambda r: None) for i in range(k)]
+    engine.prefill_graphs = graphed
+    times = []
+    for i in range(5 + iters):
+        t0 = time.perf_counter()
+        engine._prefill(reqs)  # ends in the first-token draw's host sync
+        if i >= 5:
+            times.append(1000 * (time.perf_counter() - t0))
+        engine.rows.clear()
+        engine._clear_free(0, k)
+    return statistics.median(times)
+
+
 def run_variant(variant: str, args, arch, dtype) -> dict:
     from chattts_triton.engine import Engine
     from chattts_triton.gpt import load_gpt
@@ -73,7 +93,7 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
     for b in args.batches:
         t0 = time.perf_counter()
         with torch.no_grad():
-            run = engine.graphs._capture("code", b, args.attn_len)
+            run = engine.graphs.decode_graph("code", b, args.attn_len)
             engine._set_live(0)  # every row padding: same work, but no count advances past the cache
             torch.cuda.synchronize()
             capture_s = time.perf_counter() - t0
@@ -84,6 +104,14 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
                 row.update(forward_ms=round(fwd_ms, 4), rest_ms=round(step_ms - fwd_ms, 4))
         out["batches"][b] = row
         print(f"[{variant}] batch {b:4d}: {row}", flush=True)
+    out["prefill"] = {}
+    with torch.inference_mode():
+        for shape in args.prefill:
+            k, t = (int(v) for v in shape.split("x"))
+            row = {"eager_ms": round(_time_prefill(engine, k, t, False, args.iters // 4), 3),
+                   "graph_ms": round(_time_prefill(engine, k, t, True, args.iters // 4), 3)}
+            out["prefill"][shape] = row
+            print(f"[{variant}] prefill {k} prompts x {t} tokens: {row}", flush=True)
     out["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
     return out
 
@@ -95,6 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,64,256,512")
     ap.add_argument("--variants", default="script,eager,compile")
     ap.add_argument("--attn-len", type=int, default=256)
+    ap.add_argument("--prefill", default="1x32,8x32,32x64", help="prefill shapes PROMPTSxTOKENS (empty: none)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--iters", type=int, default=100)
@@ -106,6 +135,7 @@ def main(argv=None) -> int:
     from chattts_triton.assets import infer_arch
 
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.prefill = [p for p in args.prefill.split(",") if p]
     arch = infer_arch(args.assets, {})
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     args.out.mkdir(parents=True, exist_ok=True)

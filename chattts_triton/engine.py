@@ -195,6 +195,10 @@ class Engine:
         self._alloc_error: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
         self.event_sync = False  # see _host_sync
+        # prompts prefilled by `model.prefill` (slots as a tensor), replayed from CUDA graphs where
+        # graphs are on: eagerly a prefill is ~600 kernel launches (H200: ≈ 25 ms, 20× a decode step)
+        self.prefill_by_slots = hasattr(model, "prefill")
+        self.prefill_graphs = True
         self._hit_pinned: Optional[Tensor] = None
         # with a started engine, results reach on_done on their own thread: a consumer's copies to the
         # host and its reply (the GPT model's Triton response) then overlap the next steps instead of
@@ -494,11 +498,23 @@ class Engine:
             if req.on_tokens is not None:
                 self.streaming.add(slot)
         self._set_params(b0, reqs)
-        x, positions, lens = self._prompt_batch(reqs)
-        h = self.model(x, positions, b0, self.k_cache, self.v_cache, x.shape[1])
-        last = self._h2d(torch.tensor([n - 1 for n in lens], dtype=torch.int64))
-        h_last = h[torch.arange(k, device=self.device), last].float()
-        self._first_step(b0, k, h_last)
+        h_last = None
+        if self.graphs is not None and self.prefill_graphs and self.prefill_by_slots:
+            h_last = self.graphs.prefill(b0, reqs)
+        if h_last is None:
+            x, positions, idx = self._prompt_batch(reqs, k, max(r.prompt_len for r in reqs), b0)
+            h_last = self.prefill_core(x, positions, idx, b0)
+        self._first_step(b0, k, h_last[:k])
+
+    def prefill_core(self, x: Tensor, positions: Tensor, idx: Tensor, b0: int = -1) -> Tensor:
+        """The final hidden state [rows, hidden] (float) of each row's last prompt position, its
+        keys and values written to slot idx[0, row] (pure tensor work: CUDA-graph safe). idx [2, rows]:
+        slots, last positions. A gpt.pt exported before `prefill` takes the slot range from b0 instead."""
+        if self.prefill_by_slots:
+            h = self.model.prefill(x, positions, idx[0], self.k_cache, self.v_cache)
+        else:
+            h = self.model(x, positions, b0, self.k_cache, self.v_cache, x.shape[1])
+        return h[torch.arange(x.shape[0], device=self.device), idx[1]].float()
 
     def _set_params(self, b0: int, reqs: List[GenRequest]) -> None:
         ints, floats = [], []
@@ -510,18 +526,24 @@ class Engine:
         self.pi.narrow(0, b0, len(reqs)).copy_(self._h2d(torch.tensor(ints, dtype=torch.int64)))
         self.pf.narrow(0, b0, len(reqs)).copy_(self._h2d(torch.tensor(floats, dtype=torch.float32)))
 
-    def _prompt_batch(self, reqs: List[GenRequest]):
-        """The admitted prompts as one padded batch [k, T, hidden] and positions [k, T] (-1 = padding):
-        one host→device copy per input kind, one embedding call per kind, one gather to lay them out."""
+    def _prompt_batch(self, reqs: List[GenRequest], rows: int, t: int, b0: int):
+        """The admitted prompts (slots b0..) as one padded batch x [rows, t, hidden], positions [rows, t]
+        (-1 = padding) and idx [2, rows] (slot, last prompt position); rows past the prompts are bucket
+        padding (all positions -1, slot b0). One host→device copy per input kind, one embedding call per
+        kind, one gather to lay them out."""
         lens = [r.prompt_len for r in reqs]
-        k, t = len(reqs), max(lens)
+        k = len(reqs)
         ids = [r.text_ids.reshape(-1).to("cpu", torch.int64) for r in reqs]
         codes = [r.audio_codes.to("cpu", torch.int64) if r.audio_codes is not None and r.audio_codes.numel() else None
                  for r in reqs]
         n_text = sum(int(i.numel()) for i in ids)
         n_code = sum(0 if c is None else int(c.shape[0]) for c in codes)
-        src = torch.full((k, t), n_text + n_code, dtype=torch.int64)  # padding points at a zero row
-        positions = torch.full((k, t), -1, dtype=torch.int64)
+        src = torch.full((rows, t), n_text + n_code, dtype=torch.int64)  # padding points at a zero row
+        positions = torch.full((rows, t), -1, dtype=torch.int64)
+        idx = torch.zeros(2, rows, dtype=torch.int64)
+        idx[0] = b0
+        idx[0, :k] += torch.arange(k)
+        idx[1, :k] = torch.tensor(lens) - 1
         spk_row = torch.full((n_text,), -1, dtype=torch.int64)
         spk: List[Tensor] = []
         ot, oc = 0, n_text
@@ -547,7 +569,7 @@ class Engine:
             parts.append(self.model.embed_code(self._h2d(torch.cat([c for c in codes if c is not None]))).to(x.dtype))
         parts.append(x.new_zeros(1, x.shape[1]))
         flat = torch.cat(parts).to(self.compute_dtype)
-        return flat[self._h2d(src)], self._h2d(positions), lens
+        return flat[self._h2d(src)], self._h2d(positions), self._h2d(idx)
 
     def _first_step(self, b0: int, k: int, h: Tensor) -> None:
         """Sample each new request's first token; upstream ensure_non_empty: an EOS there is redrawn."""
@@ -814,6 +836,8 @@ class Engine:
 
 BATCH_STEP = 32  # batch buckets: powers of two up to this, then its multiples (≤ 31 padding rows)
 LEN_STEP = 128  # attention-length buckets: multiples of this
+PREFILL_LEN_STEP = 32  # prompt-length buckets: powers of two up to this, then its multiples
+PREFILL_GRAPH_TOKENS = 4096  # larger padded prefills run eagerly
 
 
 def _bucket(n: int, step: int, largest: int) -> int:
@@ -827,19 +851,24 @@ def _bucket(n: int, step: int, largest: int) -> int:
 
 
 class CudaGraphs:
-    """Decode steps replayed from CUDA graphs.
+    """Decode steps and prefills replayed from CUDA graphs.
 
-    One graph per (mode, batch bucket, attention-length bucket), captured on first use into one
-    shared memory pool. A bucket runs slots 0..bucket-1: the live batch, then free slots as padding
-    rows (`Engine.n_live` keeps their counts from advancing; their other writes land in free slots,
-    which admission resets). What a graph runs is `Engine.step_core`, the same code as the eager
-    path; with capture=False (CPU tests) the same buckets run eagerly.
+    Decode: one graph per (mode, batch bucket, attention-length bucket). A bucket runs slots
+    0..bucket-1: the live batch, then free slots as padding rows (`Engine.n_live` keeps their counts
+    from advancing; their other writes land in free slots, which admission resets). What a graph runs
+    is `Engine.step_core`, the same code as the eager path.
+    Prefill: one graph per (prompt-count bucket, prompt-length bucket) up to PREFILL_GRAPH_TOKENS
+    padded tokens, over static inputs that each prefill copies its padded batch into; it runs
+    `Engine.prefill_core` (slots as a tensor, so one graph serves any slots).
+    All are captured on first use into one shared memory pool; with capture=False (CPU tests) the
+    same buckets run eagerly.
     """
 
     def __init__(self, engine: Engine, capture: bool = True):
         self.e = engine
         self.capture = capture
         self.graphs: Dict[tuple, Optional[Callable[[], Tensor]]] = {}
+        self.prefill_inputs: Dict[tuple, Tuple[Tensor, Tensor, Tensor]] = {}
         if capture:
             self.pool = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream(device=engine.device)
@@ -848,23 +877,50 @@ class CudaGraphs:
         e = self.e
         return _bucket(b, BATCH_STEP, e.max_slots), _bucket(max(attn_len, LEN_STEP), LEN_STEP, e.max_context)
 
+    def prefill_buckets(self, k: int, t: int) -> Tuple[int, int]:
+        e = self.e
+        return _bucket(k, BATCH_STEP, e.max_slots), _bucket(t, PREFILL_LEN_STEP, e.max_context)
+
     def step(self, b: int, attn_len: int, mode: str) -> Optional[Tensor]:
         """eos_hit [bucket] of one step of the live rows 0..b-1, or None: run it eagerly."""
-        bb, lb = self.buckets(b, attn_len)
-        key = (mode, bb, lb)
-        if key not in self.graphs:
-            try:
-                self.graphs[key] = self._capture(mode, bb, lb)
-            except RuntimeError:  # never fail requests over an optimisation: run this bucket eagerly
-                if not self.capture:  # the eager stand-in has no capture to fail: a real error
-                    raise
-                log.exception("CUDA graph capture failed for %s batch=%d attn_len=%d; running it eagerly", mode, bb, lb)
-                self.graphs[key] = None
-        run = self.graphs[key]
+        run = self.decode_graph(mode, *self.buckets(b, attn_len))
         if run is None:
             return None
         self.e._set_live(b)
         return run()
+
+    def decode_graph(self, mode: str, bb: int, lb: int) -> Optional[Callable[[], Tensor]]:
+        return self._graph((mode, bb, lb), lambda: self._warm(mode, bb, lb), lambda: self._step(mode, bb, lb))
+
+    def prefill(self, b0: int, reqs: List[GenRequest]) -> Optional[Tensor]:
+        """`Engine.prefill_core` of the prompts `reqs` into slots b0.. from the graph of their bucket:
+        [bucket rows, hidden], the first len(reqs) rows theirs; None over PREFILL_GRAPH_TOKENS."""
+        e = self.e
+        kb, tb = self.prefill_buckets(len(reqs), max(r.prompt_len for r in reqs))
+        if kb * tb > PREFILL_GRAPH_TOKENS:  # compute-bound anyway: not worth a graph per shape
+            return None
+        key = ("prefill", kb, tb)
+        inputs = e._prompt_batch(reqs, kb, tb, b0)
+        static = self.prefill_inputs.get(key)
+        if static is None:
+            static = self.prefill_inputs[key] = tuple(torch.empty_like(t) for t in inputs)
+        for buf, t in zip(static, inputs):
+            buf.copy_(t)
+        # warm-up and capture runs compute this very prefill (the same writes each time)
+        run = self._graph(key, lambda: [e.prefill_core(*static) for _ in range(3)], lambda: e.prefill_core(*static))
+        return e.prefill_core(*static) if run is None else run()
+
+    def _graph(self, key: tuple, warm: Callable[[], object], fn: Callable[[], Tensor]) -> Optional[Callable[[], Tensor]]:
+        """The replay of `fn` for `key`, captured on first use; None: run it eagerly."""
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(key, warm, fn)
+            except RuntimeError:  # never fail requests over an optimisation: run this bucket eagerly
+                if not self.capture:  # the eager stand-in has no capture to fail: a real error
+                    raise
+                log.exception("CUDA graph capture failed for %s; running it eagerly", key)
+                self.graphs[key] = None
+        return self.graphs[key]
 
     def _step(self, mode: str, bb: int, lb: int) -> Tensor:
         e = self.e
@@ -885,25 +941,25 @@ class CudaGraphs:
         for _ in range(3):
             self._step(mode, bb, lb)
 
-    def _capture(self, mode: str, bb: int, lb: int) -> Callable[[], Tensor]:
+    def _capture(self, key: tuple, warm: Callable[[], object], fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
         e = self.e
         if not self.capture:
-            self._warm(mode, bb, lb)
-            return lambda: self._step(mode, bb, lb)
+            warm()
+            return fn
         cur = torch.cuda.current_stream(e.device)
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream):
-            self._warm(mode, bb, lb)
+            warm()
         cur.wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of the process (the stream model's vocoder) keep using the GPU
         # during a capture; the default "global" mode fails their calls with cudaErrorStreamCaptureUnsupported
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-            hit = self._step(mode, bb, lb)
-        log.info("captured %s decode graph batch=%d attn_len=%d", mode, bb, lb)
+            out = fn()
+        log.info("captured graph %s", key)
 
         def run() -> Tensor:
             graph.replay()
-            return hit
+            return out
 
         return run

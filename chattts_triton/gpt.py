@@ -63,6 +63,7 @@ class DecoderLayer(nn.Module):
         slot_start: int,
         attn_len: int,
         mask: Tensor,
+        fresh: bool,
     ) -> Tensor:
         b, t, _ = x.shape
         h = self.input_layernorm(x)
@@ -86,8 +87,12 @@ class DecoderLayer(nn.Module):
             at: List[Optional[Tensor]] = [layer_ids.narrow(0, layer, 1), write_at[1], write_at[2]]
             k_cache.index_put_(at, k)
             v_cache.index_put_(at, v)
-        keys = k_cache.select(0, layer).narrow(0, slot_start, b).narrow(1, 0, attn_len).to(q.dtype)
-        values = v_cache.select(0, layer).narrow(0, slot_start, b).narrow(1, 0, attn_len).to(q.dtype)
+        if fresh:  # a prefill from position 0: its own keys are all it attends (as the cache would give them)
+            keys = k.view(b, t, self.kv_heads, self.head_dim).to(q.dtype)
+            values = v.view(b, t, self.kv_heads, self.head_dim).to(q.dtype)
+        else:
+            keys = k_cache.select(0, layer).narrow(0, slot_start, b).narrow(1, 0, attn_len).to(q.dtype)
+            values = v_cache.select(0, layer).narrow(0, slot_start, b).narrow(1, 0, attn_len).to(q.dtype)
         rep = self.heads // self.kv_heads
         if rep > 1:
             keys = keys.repeat_interleave(rep, dim=2)
@@ -158,9 +163,22 @@ class ChatTTSGPT(nn.Module):
         place and never attended); row i uses cache slot slot_start + i; attn_len = 1 + the
         largest position in the step. Returns the final-norm hidden states [B, T, hidden].
         """
+        b = x.shape[0]
+        slots = torch.arange(slot_start, slot_start + b, dtype=torch.int64, device=x.device)
+        return self._layers(x, positions, slots, slot_start, k_cache, v_cache, attn_len, False)
+
+    @torch.jit.export
+    def prefill(self, x: Tensor, positions: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """Prompts from position 0: row i is written to cache slot slots[i] and attends only its own
+        prompt (the cache holds nothing before it), so the slots are a tensor, not a range: a CUDA
+        graph of it serves any slots. positions [B, T] are 0.. then -1 (padding); a row of all -1
+        (bucket padding) computes without effect (its writes land where nothing reads them)."""
+        return self._layers(x, positions, slots, 0, k_cache, v_cache, x.shape[1], True)
+
+    def _layers(self, x: Tensor, positions: Tensor, slots: Tensor, slot_start: int, k_cache: Tensor, v_cache: Tensor,
+                attn_len: int, fresh: bool) -> Tensor:
         b, t, _ = x.shape
         context = k_cache.shape[2]
-        slots = torch.arange(slot_start, slot_start + b, dtype=torch.int64, device=x.device)
         valid = positions >= 0
         pos = torch.where(valid, positions, torch.zeros_like(positions))
         # padding goes to the slot's last place: it is rewritten before it can ever be attended
@@ -179,7 +197,7 @@ class ChatTTSGPT(nn.Module):
         mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
         mask = mask.masked_fill(~allowed, float("-inf")).unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache, v_cache, i, write_index, write_at, slot_start, attn_len, mask)
+            x = layer(x, cos, sin, k_cache, v_cache, i, write_index, write_at, slot_start, attn_len, mask, fresh)
         return self.norm(x)
 
     @torch.jit.export

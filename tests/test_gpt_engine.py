@@ -101,6 +101,76 @@ def test_prefill_and_cached_decode_match_llama_with_its_cache(tiny):
 
 
 @pytest.mark.parametrize("scripted", [False, True])
+def test_prefill_by_slot_tensor_equals_the_slot_range_forward(tiny, scripted):
+    """`prefill` (slots as a tensor, attention over the prompt's own keys: what a CUDA graph can
+    replay for any slots) computes what `forward` over the slot range does, and writes the same
+    cache; a bucket-padding row (all positions -1) writes only the unread last place of its slot."""
+    arch, _, _, ours = tiny
+    model = torch.jit.script(ours) if scripted else ours
+    g = torch.Generator().manual_seed(3)
+    lens, t, b0, context = [7, 12, 3], 12, 1, 64
+    ids = torch.randint(0, arch.num_text_tokens, (len(lens), t), generator=g)
+    pos = torch.full((len(lens) + 1, t), -1, dtype=torch.int64)
+    for i, n in enumerate(lens):
+        pos[i, :n] = torch.arange(n)
+    x = model.embed_text(torch.cat([ids, ids[:1]]))
+    with torch.no_grad():
+        kf, vf = model.new_cache(5, context, torch.float32, torch.device("cpu"))
+        for c in (kf, vf):
+            c.normal_(generator=g)  # an earlier occupant's leftovers
+        kp, vp = kf.clone(), vf.clone()
+        h_fwd = model(x[:3], pos[:3], b0, kf, vf, t)
+        slots = torch.tensor([b0, b0 + 1, b0 + 2, b0])  # the padding row points at the first slot
+        h_pre = model.prefill(x, pos, slots, kp, vp)
+    for i, n in enumerate(lens):
+        assert torch.allclose(h_pre[i, :n], h_fwd[i, :n], atol=1e-6, rtol=0)
+    read = torch.ones(context, dtype=torch.bool)
+    read[-1] = False  # padding's scratch place: rewritten before any step reads it
+    assert torch.equal(kp[:, :, read], kf[:, :, read]) and torch.equal(vp[:, :, read], vf[:, :, read])
+
+
+class _ExportWithoutPrefill(torch.nn.Module):
+    """A gpt.pt exported before `prefill` existed: the same methods less that one."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+        self.num_audio_tokens = model.num_audio_tokens
+
+    def forward(self, x, positions, slot_start: int, k_cache, v_cache, attn_len: int):
+        return self.m(x, positions, slot_start, k_cache, v_cache, attn_len)
+
+    def embed_text(self, ids):
+        return self.m.embed_text(ids)
+
+    def embed_code(self, codes):
+        return self.m.embed_code(codes)
+
+    def logits_code(self, h):
+        return self.m.logits_code(h)
+
+    def logits_text(self, h):
+        return self.m.logits_text(h)
+
+    def new_cache(self, slots: int, context: int, dtype: torch.dtype, device: torch.device):
+        return self.m.new_cache(slots, context, dtype, device)
+
+
+def test_an_export_without_prefill_is_served_through_forward(tiny):
+    from chattts_triton.engine import CudaGraphs
+
+    arch, _, _, ours = tiny
+    specs = scenario_specs()[:4]
+    want = drive(make_engine(ours, arch, max_slots=8, start=False), specs)
+    eng = make_engine(_ExportWithoutPrefill(ours), arch, max_slots=8, start=False)
+    assert not eng.prefill_by_slots
+    eng.graphs = CudaGraphs(eng, capture=False)  # graph buckets on: its prefills still run eagerly
+    got = drive(eng, specs)
+    check_same_as_alone(want, got)
+    assert not any(key[0] == "prefill" for key in eng.graphs.graphs)
+
+
+@pytest.mark.parametrize("scripted", [False, True])
 def test_engine_greedy_codes_and_hiddens_equal_upstream_generate(tiny, scripted):
     arch, emb, g, ours = tiny
     model = torch.jit.script(ours) if scripted else ours
@@ -412,6 +482,9 @@ def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs):
     assert seen["moves"] >= 3 and {"code", "mixed"} <= seen["modes"]
     if graphs == "buckets":
         assert seen["padded"] > 0
+        # the joins' prefills ran padded to their buckets (rows and prompt length)
+        prefills = [key for key in eng.graphs.graphs if key[0] == "prefill"]
+        assert prefills and any(kb > 1 for _, kb, _ in prefills)
     assert eng.active == 0 and eng.pending == 0
     assert torch.equal(eng.pi, eng._free_pi.expand(8, -1)) and (eng.pf == 1).all()  # free slots are reset
 

@@ -91,6 +91,38 @@ def test_compaction_graph_buckets_streaming_and_text_rows_equal_alone_on_gpu(tin
     assert any(v is not None for v in eng.graphs.graphs.values())
 
 
+@pytest.mark.parametrize("scripted", [True, False])  # False: the eager module a compiled-step engine holds
+def test_graphed_prefill_equals_the_eager_prefill_without_a_sync(full_assets, scripted):
+    """A prefill replayed from its bucket's graph (any slots: they are an input) computes exactly what
+    the same padded prefill computes eagerly, cache writes included, and adds no host sync."""
+    arch = infer_arch(full_assets)
+    model = load_gpt(full_assets, arch).cuda()
+    eng = _engine(torch.jit.script(model) if scripted else model, arch, True, slots=8, start=False)
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(0.3, 0.7, 20, 1.05, 20, 20, seed=0)
+    for b0, lens in ((2, (7, 20, 13)), (5, (30,)), (1, (9, 17, 3))):  # the first and last share a bucket
+        reqs = [GenRequest(torch.randint(0, 21000, (n,), generator=g), params, None) for n in lens]
+        kb, tb = eng.graphs.prefill_buckets(len(reqs), max(lens))
+        eng.k_cache.zero_()
+        eager = eng.prefill_core(*eng._prompt_batch(reqs, kb, tb, b0))[: len(reqs)].clone()
+        k_eager = eng.k_cache[:, b0 : b0 + len(reqs), : max(lens)].clone()
+        eng.k_cache.zero_()
+        first = eng.graphs.prefill(b0, reqs)[: len(reqs)].clone()  # captured now if new
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                again = eng.graphs.prefill(b0, reqs)[: len(reqs)]
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        assert eng.graphs.graphs[("prefill", kb, tb)] is not None
+        assert torch.equal(first, eager) and torch.equal(again, eager)
+        assert torch.equal(eng.k_cache[:, b0 : b0 + len(reqs), : max(lens)], k_eager)
+        assert not [x for x in w if "called a synchronizing" in str(x.message)]
+    assert len([k for k in eng.graphs.graphs if k[0] == "prefill"]) == 2
+
+
 def test_decode_step_syncs_the_host_once(full_assets):
     """Steady state with graphs, streaming consumers and a request finishing (compaction): exactly
     one synchronizing CUDA call per decode step."""
