@@ -10,7 +10,8 @@ batch size exactly as the server does (`CudaGraphs`), replays timed with CUDA ev
 the step (embedding, heads, sampling, bookkeeping) is the difference. Writes OUT/step-<variant>.json.
 Variants: `script` = the exported TorchScript (what `chattts_gpt` serves by default), `eager` =
 the same module unscripted, `compile` = the engine step compiled by torch.compile (inductor), one
-compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all buckets.
+compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all buckets; each with
+`_unfused` appended: q/k/v and gate/up as five GEMMs per layer (the model before `fuse_projections`).
 """
 
 from __future__ import annotations
@@ -79,16 +80,17 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
     from chattts_triton.engine import Engine
     from chattts_triton.gpt import load_gpt
 
-    model = load_gpt(args.assets, arch).to(dtype).to("cuda").eval()
-    if variant == "script":
+    base = variant.removesuffix("_unfused")  # "_unfused": q/k/v and gate/up as five GEMMs, as before fusing
+    model = load_gpt(args.assets, arch, fused=base == variant).to(dtype).to("cuda").eval()
+    if base == "script":
         model = torch.jit.script(model)
-    elif variant not in ("eager", "compile", "compile_dynamic"):
+    elif base not in ("eager", "compile", "compile_dynamic"):
         raise SystemExit(f"unknown variant {variant}")
     engine = Engine(model, max_slots=max(args.batches), max_context=args.context, max_new_tokens=args.max_new_tokens,
                     hidden=arch.gpt.hidden, num_vq=arch.num_vq, device="cuda", cache_dtype=dtype,
                     compute_dtype=dtype, start=False)
-    if variant.startswith("compile"):
-        engine.compile_step(dynamic=variant == "compile_dynamic")
+    if base.startswith("compile"):
+        engine.compile_step(dynamic=base == "compile_dynamic")
     out = {"variant": variant, "attn_len": args.attn_len, "dtype": str(dtype), "batches": {}}
     for b in args.batches:
         t0 = time.perf_counter()

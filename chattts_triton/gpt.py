@@ -49,6 +49,18 @@ class DecoderLayer(nn.Module):
         self.gate_proj = nn.Linear(d.hidden, d.intermediate, bias=False)
         self.up_proj = nn.Linear(d.hidden, d.intermediate, bias=False)
         self.down_proj = nn.Linear(d.intermediate, d.hidden, bias=False)
+        # fuse(): q/k/v and gate/up as one GEMM each; the separate modules are then None
+        self.qkv_proj = None
+        self.gate_up_proj = None
+
+    def fuse(self) -> None:
+        """One GEMM for q/k/v and one for gate/up instead of five: the same products (each output is
+        the same dot product), fewer and larger kernels per decode step."""
+        if self.qkv_proj is not None:
+            return
+        self.qkv_proj = _concat_linear([self.q_proj, self.k_proj, self.v_proj])
+        self.gate_up_proj = _concat_linear([self.gate_proj, self.up_proj])
+        self.q_proj = self.k_proj = self.v_proj = self.gate_proj = self.up_proj = None
 
     def forward(
         self,
@@ -67,9 +79,15 @@ class DecoderLayer(nn.Module):
     ) -> Tensor:
         b, t, _ = x.shape
         h = self.input_layernorm(x)
-        q = self.q_proj(h).view(b, t, self.heads, self.head_dim)
-        k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim)
-        v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(h).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                              self.kv_heads * self.head_dim], dim=-1)
+        else:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        v = v.view(b, t, self.kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         # write this step's keys/values into each request's slot, then attend over the slots in
@@ -102,7 +120,20 @@ class DecoderLayer(nn.Module):
         )
         x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
         h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        else:
+            assert self.gate_proj is not None and self.up_proj is not None
+            gate, up = self.gate_proj(h), self.up_proj(h)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+def _concat_linear(parts: List[Optional[nn.Linear]]) -> nn.Linear:
+    ws = [p.weight for p in parts if p is not None]
+    w = torch.cat(ws).detach()
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    return fused
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -134,6 +165,13 @@ class ChatTTSGPT(nn.Module):
         self.register_buffer(
             "code_offsets", torch.arange(arch.num_vq, dtype=torch.int64) * arch.num_audio_tokens, persistent=False
         )
+
+    @torch.jit.ignore
+    def fuse_projections(self) -> "ChatTTSGPT":
+        """Every layer's q/k/v and gate/up as one GEMM each (`DecoderLayer.fuse`)."""
+        for layer in self.layers:
+            layer.fuse()
+        return self
 
     @torch.jit.export
     def embed_text(self, ids: Tensor) -> Tensor:
@@ -213,8 +251,9 @@ def _fold_weight_norm(sd: Dict[str, Tensor], prefix: str) -> Tensor:
     return torch._weight_norm(v, g, 0)
 
 
-def load_gpt(folder: Path, arch: Arch) -> ChatTTSGPT:
-    """Build ChatTTSGPT from `gpt/model.safetensors` and `Embed.safetensors` of an asset folder."""
+def load_gpt(folder: Path, arch: Arch, fused: bool = True) -> ChatTTSGPT:
+    """Build ChatTTSGPT from `gpt/model.safetensors` and `Embed.safetensors` of an asset folder;
+    fused: q/k/v and gate/up as one GEMM each (`fuse_projections`)."""
     folder = Path(folder)
     model = ChatTTSGPT(arch)
     llama = load_safetensors(folder / "gpt/model.safetensors")
@@ -249,15 +288,21 @@ def load_gpt(folder: Path, arch: Arch) -> ChatTTSGPT:
         if tuple(v.shape) != tuple(expected[k].shape):
             raise AssetError(f"{k}: shape {tuple(v.shape)} does not match the architecture {tuple(expected[k].shape)}")
     model.load_state_dict(sd, strict=True)
+    if fused:
+        model.fuse_projections()
     return model.eval()
 
 
 def eager_from_script(script, arch: Arch) -> ChatTTSGPT:
     """The plain module holding an exported gpt.pt's weights (what torch.compile traces: it cannot
-    trace TorchScript). Cast before loading, as the export did, so buffers match too."""
+    trace TorchScript), its projections fused whether or not the export fused them. Cast before
+    loading, as the export did, so buffers match too."""
     sd = dict(script.state_dict())
     dtype, device = sd["norm.weight"].dtype, sd["norm.weight"].device
     model = ChatTTSGPT(arch).to(dtype)
+    fused_export = "layers.0.qkv_proj.weight" in sd
+    if fused_export:
+        model.fuse_projections()
     # TorchScript keeps the non-persistent buffers in its state_dict: take them as exported
     buffers = {k: sd.pop(k) for k in ("inv_freq", "code_offsets") if k in sd}
     try:
@@ -266,4 +311,6 @@ def eager_from_script(script, arch: Arch) -> ChatTTSGPT:
         raise AssetError(f"gpt.pt does not hold plain {dtype} weights of this architecture: {e}") from None
     for k, v in buffers.items():
         getattr(model, k).copy_(v)
+    if not fused_export:
+        model.fuse_projections()
     return model.to(device).eval()

@@ -50,7 +50,8 @@ def export_gpt(assets: Path, arch, out_dir: Path, dtype: str, progress: Callable
     from chattts_triton.gpt import load_gpt
 
     t0 = time.perf_counter()
-    model = load_gpt(assets, arch).to(DTYPES[dtype])
+    # int8 keeps q/k/v and gate/up apart: one quantisation scale per projection, as measured (bench/README.md)
+    model = load_gpt(assets, arch, fused=dtype != "int8").to(DTYPES[dtype])
     if dtype == "int8":  # dynamic int8 linears: ~0.5x the fp32 step time on a 2-core CPU (bench/README.md)
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     scripted = torch.jit.script(model)

@@ -489,15 +489,19 @@ def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs):
     assert torch.equal(eng.pi, eng._free_pi.expand(8, -1)) and (eng.pf == 1).all()  # free slots are reset
 
 
-def test_eager_module_from_the_exported_torchscript_computes_the_same(tiny):
-    """torch.compile traces the plain module rebuilt from gpt.pt's weights, buffers included."""
+@pytest.mark.parametrize("fused_export", [True, False])
+def test_eager_module_from_the_exported_torchscript_computes_the_same(tiny, fused_export):
+    """torch.compile traces the plain module rebuilt from gpt.pt's weights, buffers included; it has
+    its projections fused, also from a gpt.pt exported before they were (then to rounding)."""
     from chattts_triton.gpt import eager_from_script
 
     arch, _, _, ours = tiny
     for dtype in (torch.float32, torch.bfloat16):
-        script = torch.jit.script(load_gpt_like(ours, arch, dtype))
+        script = torch.jit.script(load_gpt_like(ours, arch, dtype, fused_export))
+        assert ("layers.0.qkv_proj.weight" in script.state_dict()) == fused_export
         eager = eager_from_script(script, arch)
         assert not isinstance(eager, torch.jit.ScriptModule)
+        assert all(layer.qkv_proj is not None and layer.q_proj is None for layer in eager.layers)
         assert eager.inv_freq.dtype == script.inv_freq.dtype and torch.equal(eager.inv_freq, script.inv_freq)
         torch.manual_seed(1)
         ids = torch.randint(0, arch.num_text_tokens, (2, 9))
@@ -506,14 +510,52 @@ def test_eager_module_from_the_exported_torchscript_computes_the_same(tiny):
             kc, vc = m.new_cache(4, 32, dtype, torch.device("cpu"))
             with torch.no_grad():
                 outs.append(m(m.embed_text(ids), torch.arange(9).expand(2, 9), 1, kc, vc, 9))
-        assert torch.equal(outs[0], outs[1])
+        if fused_export:
+            assert torch.equal(outs[0], outs[1])
+        else:
+            assert torch.allclose(outs[0].float(), outs[1].float(), atol=1e-5 if dtype == torch.float32 else 0.1, rtol=0)
 
 
-def load_gpt_like(model, arch, dtype):
+@pytest.mark.parametrize("scripted", [False, True])
+def test_fused_projections_compute_what_the_separate_ones_do(tiny_assets, scripted):
+    """q/k/v and gate/up as one GEMM each (the default) against the five separate ones, decode
+    steps and prefill, cache writes included (fp32: the same dot products, to rounding)."""
+    arch = infer_arch(tiny_assets)
+    sep, fused = load_gpt(tiny_assets, arch, fused=False), load_gpt(tiny_assets, arch)
+    assert sep.layers[0].qkv_proj is None and fused.layers[0].q_proj is None
+    assert sum(p.numel() for p in sep.parameters()) == sum(p.numel() for p in fused.parameters())
+    if scripted:
+        sep, fused = torch.jit.script(sep), torch.jit.script(fused)
+    torch.manual_seed(2)
+    x = sep.embed_text(torch.randint(0, arch.num_text_tokens, (3, 11)))
+    pos = torch.arange(11).expand(3, 11)
+    outs = []
+    for m in (sep, fused):
+        kc, vc = m.new_cache(4, 32, torch.float32, torch.device("cpu"))
+        with torch.no_grad():
+            h = m.prefill(x, pos, torch.tensor([3, 0, 1]), kc, vc)
+            step = m(x[:, :1], torch.full((3, 1), 11), 0, kc, vc, 12)
+        outs.append((h, step, kc, vc))
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+def load_gpt_like(model, arch, dtype, fused=True):
     from chattts_triton.gpt import ChatTTSGPT
 
     m = ChatTTSGPT(arch).to(dtype)
+    m.fuse_projections()
     m.load_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()})
+    if not fused:  # as exported before fusing: the five projections apart
+        for layer in m.layers:
+            q, k, v = layer.qkv_proj.weight.split([layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim,
+                                                   layer.kv_heads * layer.head_dim])
+            gate, up = layer.gate_up_proj.weight.chunk(2)
+            for name, w in (("q_proj", q), ("k_proj", k), ("v_proj", v), ("gate_proj", gate), ("up_proj", up)):
+                lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)
+                lin.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+                setattr(layer, name, lin)
+            layer.qkv_proj = layer.gate_up_proj = None
     return m.eval()
 
 
