@@ -3,14 +3,14 @@
 Loads the repository's `chattts_stream` (engine and codec in one process, as Triton runs it) on a GPU
 and times the codec on the windows one stream decodes (its planner's windows for `--tokens` frames),
 first with the engine idle, then while a second thread keeps the engine generating (what a served
-stream sees), under variants that each remove one suspect:
+stream sees), under variants that each remove one suspect (2026-12-01 ruled out the GIL's switch
+interval and TorchScript re-specialising; those variants are gone):
 
-  beside_engine            as served
-  switch_interval_0.1ms    sys.setswitchinterval(1e-4): the codec thread waits less for the GIL
-  codec_side_stream        the codec's kernels on their own CUDA stream, not behind the engine's steps
-  jit_unoptimized          torch.jit.optimized_execution(False): no TorchScript re-specialising per shape
-  engine_event_sync        the engine waits for each step on an event after an async copy to pinned
-                           memory, not in a blocking device-to-host copy (Engine.event_sync)
+  alone / beside_engine    as served: the codec from its CUDA graphs (`CodecGraphs`, new)
+  *_codec_eager            the codec's TorchScript run kernel by kernel, as before the graphs
+  codec_side_stream        (graphs) the codec's replays on their own CUDA stream
+  engine_event_sync_codec_eager  the engine waits for each step on an event after an async copy to
+                           pinned memory, not in a blocking device-to-host copy (Engine.event_sync)
 
 Prints one line per variant (median ms of a codec call, ms for the stream's windows together, and
 the engine's step time meanwhile) and writes OUT.json with --out.
@@ -40,7 +40,7 @@ from chattts_triton.repo_config import STREAM
 from chattts_triton.streaming import ChunkPlanner
 
 
-CUDA_ONLY = ("codec_side_stream", "engine_event_sync")
+CUDA_ONLY = ("codec_side_stream", "engine_event_sync_codec_eager")
 
 
 def stream_windows(schedule: dict, frames: int):
@@ -112,10 +112,9 @@ class StackSampler:
 def time_calls(voc, hid: torch.Tensor, wins, repeats: int, variant: str, engine=None, sampler=None):
     """Per window index: wall ms of each call; and where the calls waited (stack samples)."""
     side = torch.cuda.Stream(device=voc.device) if variant == "codec_side_stream" else None
-    ctx = torch.jit.optimized_execution(False) if variant == "jit_unoptimized" else contextlib.nullcontext()
     calls: List[List[float]] = [[] for _ in wins]
     streams, slow = [], []
-    with ctx, (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         for _ in range(repeats):
             t_stream = time.perf_counter()
             for i, w in enumerate(wins):
@@ -154,25 +153,25 @@ def main(argv=None) -> int:
         hid = torch.randn(a.tokens, svc.pre.arch.gpt.hidden, generator=torch.Generator().manual_seed(0)) * 0.1
         print(f"windows (frames): {[w.stop - w.start for w in wins]}", file=sys.stderr)
         rows = []
-        switch = sys.getswitchinterval()
-        variants = ("alone", "beside_engine", "switch_interval_0.1ms", "codec_side_stream", "jit_unoptimized",
-                    "engine_event_sync", "alone_again")
+        variants = ("alone", "beside_engine", "alone_codec_eager", "beside_engine_codec_eager", "codec_side_stream",
+                    "engine_event_sync_codec_eager", "alone_again")
         if a.device == "cpu":
             variants = tuple(v for v in variants if v not in CUDA_ONLY)
+        graphs = voc.graphs
+        print(f"codec graphs: {'on' if graphs is not None else 'off (not a CUDA TorchScript codec)'}", file=sys.stderr)
         for variant in variants:
+            voc.graphs = None if variant.endswith("_codec_eager") else graphs
             time_calls(voc, hid, wins, 1, variant)  # warm this variant's shapes
             sampler = StackSampler(threading.get_ident())
-            busy = KeepBusy(eng, a.tokens) if variant not in ("alone", "alone_again") else contextlib.nullcontext()
-            if variant == "switch_interval_0.1ms":
-                sys.setswitchinterval(1e-4)
-            eng.event_sync = variant == "engine_event_sync"
+            busy = KeepBusy(eng, a.tokens) if not variant.startswith("alone") else contextlib.nullcontext()
+            eng.event_sync = variant.startswith("engine_event_sync")
             try:
                 with busy:
                     s0 = eng.stats()
                     calls, streams, slow = time_calls(voc, hid, wins, a.repeats, variant, eng, sampler)
                     s1 = eng.stats()
             finally:
-                sys.setswitchinterval(switch)
+                voc.graphs = graphs
                 eng.event_sync = False
                 sampler.stop.set()
             steps = s1["engine_steps"] - s0["engine_steps"]

@@ -308,11 +308,11 @@ def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None):
     )
 
 
-def vocoder_service(ctx: ModelContext, version_dir: Optional[Path] = None):
+def vocoder_service(ctx: ModelContext, version_dir: Optional[Path] = None, graphs: bool = False):
     from .services import VocoderService, device_for
 
     return VocoderService(version_dir or ctx.version_dir, ctx.arch, device_for(ctx.instance_kind, ctx.device_id),
-                          ctx.param("artifact_format", "torchscript"))
+                          ctx.param("artifact_format", "torchscript"), graphs=graphs)
 
 
 def stream_service(ctx: ModelContext):
@@ -331,7 +331,8 @@ def stream_service(ctx: ModelContext):
         version(PREPROCESS), ctx.arch, device_for(ctx.instance_kind, ctx.device_id), ctx.param("artifact_format", "torchscript"),
         refine=lambda ids, params: gpt.call(refine_request(ids, params))["CODES"][0, :, 0],
     )
-    voc = vocoder_service(ctx, version(VOCODER))
+    # the stream's codec windows come in a few sizes: CUDA graphs of them (parameter codec_graphs: 0 = off)
+    voc = vocoder_service(ctx, version(VOCODER), graphs=bool(ctx.param("codec_graphs", 1, cast=int)))
     return StreamService(
         pre, gpt, voc, **schedule,
         max_streams=ctx.param("max_pending", cast=int), drain_file=os.environ.get(DRAIN_FILE_ENV, ""),

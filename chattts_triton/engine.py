@@ -28,6 +28,7 @@ from torch import Tensor
 
 from . import sampling
 from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, REPETITION_WINDOW
+from .graphs import GraphCache, bucket
 
 log = logging.getLogger(__name__)
 
@@ -840,17 +841,7 @@ PREFILL_LEN_STEP = 32  # prompt-length buckets: powers of two up to this, then i
 PREFILL_GRAPH_TOKENS = 4096  # larger padded prefills run eagerly
 
 
-def _bucket(n: int, step: int, largest: int) -> int:
-    if n <= step:
-        b = 1
-        while b < n:
-            b *= 2
-    else:
-        b = -(-n // step) * step
-    return min(b, largest)
-
-
-class CudaGraphs:
+class CudaGraphs(GraphCache):
     """Decode steps and prefills replayed from CUDA graphs.
 
     Decode: one graph per (mode, batch bucket, attention-length bucket). A bucket runs slots
@@ -865,21 +856,17 @@ class CudaGraphs:
     """
 
     def __init__(self, engine: Engine, capture: bool = True):
+        super().__init__(engine.device, capture)
         self.e = engine
-        self.capture = capture
-        self.graphs: Dict[tuple, Optional[Callable[[], Tensor]]] = {}
         self.prefill_inputs: Dict[tuple, Tuple[Tensor, Tensor, Tensor]] = {}
-        if capture:
-            self.pool = torch.cuda.graph_pool_handle()
-            self.stream = torch.cuda.Stream(device=engine.device)
 
     def buckets(self, b: int, attn_len: int) -> Tuple[int, int]:
         e = self.e
-        return _bucket(b, BATCH_STEP, e.max_slots), _bucket(max(attn_len, LEN_STEP), LEN_STEP, e.max_context)
+        return bucket(b, BATCH_STEP, e.max_slots), bucket(max(attn_len, LEN_STEP), LEN_STEP, e.max_context)
 
     def prefill_buckets(self, k: int, t: int) -> Tuple[int, int]:
         e = self.e
-        return _bucket(k, BATCH_STEP, e.max_slots), _bucket(t, PREFILL_LEN_STEP, e.max_context)
+        return bucket(k, BATCH_STEP, e.max_slots), bucket(t, PREFILL_LEN_STEP, e.max_context)
 
     def step(self, b: int, attn_len: int, mode: str) -> Optional[Tensor]:
         """eos_hit [bucket] of one step of the live rows 0..b-1, or None: run it eagerly."""
@@ -910,18 +897,6 @@ class CudaGraphs:
         run = self._graph(key, lambda: [e.prefill_core(*static) for _ in range(3)], lambda: e.prefill_core(*static))
         return e.prefill_core(*static) if run is None else run()
 
-    def _graph(self, key: tuple, warm: Callable[[], object], fn: Callable[[], Tensor]) -> Optional[Callable[[], Tensor]]:
-        """The replay of `fn` for `key`, captured on first use; None: run it eagerly."""
-        if key not in self.graphs:
-            try:
-                self.graphs[key] = self._capture(key, warm, fn)
-            except RuntimeError:  # never fail requests over an optimisation: run this bucket eagerly
-                if not self.capture:  # the eager stand-in has no capture to fail: a real error
-                    raise
-                log.exception("CUDA graph capture failed for %s; running it eagerly", key)
-                self.graphs[key] = None
-        return self.graphs[key]
-
     def _step(self, mode: str, bb: int, lb: int) -> Tensor:
         e = self.e
         # text mode (refine text, rare) keeps the plain step: inductor 2.11 fails to generate its
@@ -940,26 +915,3 @@ class CudaGraphs:
         e._set_live(0)
         for _ in range(3):
             self._step(mode, bb, lb)
-
-    def _capture(self, key: tuple, warm: Callable[[], object], fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
-        e = self.e
-        if not self.capture:
-            warm()
-            return fn
-        cur = torch.cuda.current_stream(e.device)
-        self.stream.wait_stream(cur)
-        with torch.cuda.stream(self.stream):
-            warm()
-        cur.wait_stream(self.stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads of the process (the stream model's vocoder) keep using the GPU
-        # during a capture; the default "global" mode fails their calls with cudaErrorStreamCaptureUnsupported
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-            out = fn()
-        log.info("captured graph %s", key)
-
-        def run() -> Tensor:
-            graph.replay()
-            return out
-
-        return run

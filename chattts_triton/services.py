@@ -18,7 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from .config import (
     NUM_VQ,
     REFINE_TEXT_DEFAULT,
     SAMPLE_RATE,
+    MEL_FRAMES_PER_CODE,
     USE_DECODER_DEFAULT,
     Arch,
     InferCodeParams,
@@ -43,6 +44,7 @@ from .config import (
     samples_for_codes,
 )
 from .engine import Engine, GenRequest, GenResult, SamplingParams
+from .graphs import GraphCache, bucket
 from .gpt import eager_from_script
 from .serve import DRAIN_FILE_ENV
 from .text import InputError
@@ -470,16 +472,26 @@ class GPTService:
 
 
 # --- decoder + vocoder -------------------------------------------------------------------------
-class VocoderService:
-    """Codes or hidden states → 24 kHz audio, batched across requests, each trimmed to its length."""
+CODEC_BATCH_STEP = 8  # codec graph batch buckets: powers of two up to this, then its multiples
+CODEC_FRAMES_STEP = 32  # code-frame buckets, likewise
+CODEC_GRAPH_FRAMES = 4096  # padded batches over this many code frames run eagerly
 
-    def __init__(self, version_dir: Path, arch: Arch, device: torch.device, artifact_format: str):
+
+class VocoderService:
+    """Codes or hidden states → 24 kHz audio, batched across requests, each trimmed to its length.
+    graphs (CUDA, TorchScript artifacts): batches that fit run from `CodecGraphs` (the stream model's
+    codec, whose windows come in a few sizes)."""
+
+    def __init__(self, version_dir: Path, arch: Arch, device: torch.device, artifact_format: str, graphs: bool = False):
         self.arch = arch
         self.device = device
         d = Path(version_dir)
         self.decoder = Artifact(d / "decoder", artifact_format, device)
         self.dvae = Artifact(d / "dvae_decode", artifact_format, device)
         self.vocos = Artifact(d / "vocos", artifact_format, device)
+        self.graphs: Optional[CodecGraphs] = None
+        if graphs and device.type == "cuda" and artifact_format == "torchscript":
+            self.graphs = CodecGraphs(self)
         for _ in range(2):  # warm-up, as for the GPT
             self.synthesize([(True, torch.zeros(3, arch.gpt.hidden)), (False, torch.zeros(2, NUM_VQ, dtype=torch.int64))])
 
@@ -514,7 +526,18 @@ class VocoderService:
             raise InputError("CODES out of range")
         return False, torch.from_numpy(codes.copy())
 
+    def decode(self, use_decoder: bool, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """One path's padded batch (hidden states [B, T, H] or codes [B, T, 4], lengths [B]) → audio
+        [B, samples of T frames], each item's zero past its own length."""
+        mel = (self.decoder if use_decoder else self.dvae)(x, lengths)
+        return self.vocos(mel, lengths * MEL_FRAMES_PER_CODE).float()
+
     def synthesize(self, items: List[tuple]) -> List[np.ndarray]:
+        """(use_decoder, hidden states [T, H] or codes [T, 4]) per item → its audio."""
+        if self.graphs is not None:
+            out = self.graphs.synthesize(items)
+            if out is not None:
+                return out
         mels: List[Optional[torch.Tensor]] = [None] * len(items)
         for use_decoder, net in ((True, self.decoder), (False, self.dvae)):
             idx = [i for i, (u, x) in enumerate(items) if u == use_decoder and x.shape[0] > 0]
@@ -538,3 +561,65 @@ class VocoderService:
 
     def close(self) -> None:
         pass
+
+
+class CodecGraphs(GraphCache):
+    """`VocoderService.synthesize` of one padded batch (every item through the decoder, or every one
+    through the DVAE, then Vocos) replayed from a CUDA graph per (path, batch bucket, frame bucket):
+    a codec call is one launch instead of hundreds. Beside a generating engine (the stream model) a
+    4-ms call took up to 200 ms on the H200, its launches held up one engine step at a time (the
+    suspect, bench/README). Bucket padding: zero frames, and rows of one frame (no samples)."""
+
+    def __init__(self, voc: "VocoderService", capture: bool = True):
+        super().__init__(voc.device, capture)
+        self.voc = voc
+        self.inputs: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._out_pinned: Optional[torch.Tensor] = None
+
+    def buckets(self, n: int, frames: int) -> Tuple[int, int]:
+        return bucket(n, CODEC_BATCH_STEP, CODEC_GRAPH_FRAMES), bucket(frames, CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES)
+
+    def synthesize(self, items: List[tuple]) -> Optional[List[np.ndarray]]:
+        """The items' audio, or None when they do not fit one graph (both paths, an empty item, over
+        CODEC_GRAPH_FRAMES padded frames): synthesize them eagerly."""
+        paths = {use_decoder for use_decoder, _ in items}
+        lens = [int(x.shape[0]) for _, x in items]
+        if len(paths) != 1 or min(lens) == 0:
+            return None
+        use_decoder = paths.pop()
+        bb, tb = self.buckets(len(items), max(lens))
+        if bb * tb > CODEC_GRAPH_FRAMES:
+            return None
+        key = ("decoder" if use_decoder else "dvae", bb, tb)
+        first = items[0][1]
+        batch = first.new_zeros((bb, tb) + tuple(first.shape[1:]))
+        for i, (_, x) in enumerate(items):
+            batch[i, : x.shape[0]] = x
+        lengths = torch.ones(bb, dtype=torch.int64)
+        lengths[: len(items)] = torch.tensor(lens)
+        static = self.inputs.get(key)
+        if static is None:
+            static = self.inputs[key] = (torch.zeros_like(batch, device=self.device), torch.ones_like(lengths, device=self.device))
+        for buf, t in zip(static, (batch, lengths)):
+            buf.copy_(t.pin_memory() if self.device.type == "cuda" else t, non_blocking=True)
+
+        def decode() -> torch.Tensor:
+            return self.voc.decode(use_decoder, *static)
+
+        run = self._graph(key, lambda: [decode() for _ in range(3)], decode)
+        audio = self._to_host(run() if run is not None else decode())
+        return [audio[i, : samples_for_codes(n)].numpy() for i, n in enumerate(lens)]
+
+    def _to_host(self, audio: torch.Tensor) -> torch.Tensor:
+        """An async copy into pinned memory and a wait on its event (no blocking device-to-host copy)."""
+        if self.device.type != "cuda":
+            return audio.clone()
+        n = audio.numel()
+        if self._out_pinned is None or self._out_pinned.numel() < n:
+            self._out_pinned = torch.empty(n, dtype=audio.dtype, pin_memory=True)
+        host = self._out_pinned[:n].view(audio.shape)
+        host.copy_(audio, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return host.clone()

@@ -695,7 +695,7 @@ def test_admission_batches_prefills_when_busy_and_admits_at_once_when_idle(tiny)
 
 
 def test_bucket_sizes():
-    from chattts_triton.engine import _bucket
+    from chattts_triton.graphs import bucket as _bucket
 
     assert [_bucket(n, 32, 512) for n in (1, 2, 3, 5, 32, 33, 64, 65, 500, 512)] == [1, 2, 4, 8, 32, 64, 64, 96, 512, 512]
     assert _bucket(300, 32, 300) == 300 and _bucket(129, 128, 200) == 200

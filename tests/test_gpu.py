@@ -123,6 +123,32 @@ def test_graphed_prefill_equals_the_eager_prefill_without_a_sync(full_assets, sc
     assert len([k for k in eng.graphs.graphs if k[0] == "prefill"]) == 2
 
 
+def test_codec_graphs_give_the_eager_audio_on_gpu(full_repo):
+    """The stream codec's CUDA graphs (a window's decoder + Vocos as one replay) against the same
+    TorchScript run kernel by kernel: the same audio to float rounding (cuDNN may pick other kernels
+    for the padded shape), and every bucket met is captured."""
+    import numpy as np
+
+    from chattts_triton.backend import ModelContext, vocoder_service
+    from chattts_triton.repo_config import VOCODER
+
+    ctx = ModelContext.from_repo(full_repo, VOCODER, kind="GPU")
+    arch, voc = ctx.arch, vocoder_service(ctx, graphs=True)
+    assert voc.graphs is not None
+    g = torch.Generator().manual_seed(0)
+    for sizes in ((16,), (40, 38, 24), (40, 38, 24), (150,)):
+        items = [(True, torch.randn(n, arch.gpt.hidden, generator=g) * 0.3) for n in sizes]
+        got = voc.synthesize(items)
+        graphs, voc.graphs = voc.graphs, None
+        try:
+            want = voc.synthesize(items)
+        finally:
+            voc.graphs = graphs
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
+    assert len(voc.graphs.graphs) == 3 and all(v is not None for v in voc.graphs.graphs.values())
+
+
 def test_decode_step_syncs_the_host_once(full_assets):
     """Steady state with graphs, streaming consumers and a request finishing (compaction): exactly
     one synchronizing CUDA call per decode step."""

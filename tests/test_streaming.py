@@ -16,7 +16,7 @@ import torch
 
 from chattts_triton import repo_config as rc
 from chattts_triton.codec import ConvNeXtBlock, load_codecs, stream_lookahead_codes
-from chattts_triton.config import FULL_ARCH, SAMPLES_PER_CODE, TINY_ARCH, samples_for_codes
+from chattts_triton.config import FULL_ARCH, NUM_VQ, SAMPLES_PER_CODE, TINY_ARCH, samples_for_codes
 from chattts_triton.services import VocoderService
 from chattts_triton.streaming import Cancelled, ChunkPlanner, StreamCall, chunk_samples, crossfade, fade_in
 
@@ -139,7 +139,7 @@ def _vocoder(assets, layer_scale: float) -> VocoderService:
             if isinstance(m, ConvNeXtBlock):
                 m.weight.data = layer_scale * (0.5 + torch.rand(m.weight.shape, generator=g))
     voc = VocoderService.__new__(VocoderService)
-    voc.arch, voc.device = TINY_ARCH, torch.device("cpu")
+    voc.arch, voc.device, voc.graphs = TINY_ARCH, torch.device("cpu"), None
     voc.decoder, voc.dvae, voc.vocos = _Net(nets["decoder"]), _Net(nets["dvae_decode"]), _Net(nets["vocos"])
     return voc
 
@@ -238,11 +238,42 @@ def test_stream_codec_bench_times_a_streams_windows_alone_and_beside_the_generat
     sizes = res["windows"]
     assert len(sizes) >= 2 and max(sizes) <= 40  # the planner's windows of one 40-frame stream
     rows = {r["variant"]: r for r in res["rows"]}
-    assert set(rows) == {"alone", "beside_engine", "switch_interval_0.1ms", "jit_unoptimized", "alone_again"}
+    assert set(rows) == {"alone", "beside_engine", "alone_codec_eager", "beside_engine_codec_eager", "alone_again"}
     for name, r in rows.items():
         assert len(r["call_ms_p50_per_window"]) == len(sizes) and r["call_ms_p50"] > 0
         assert (r["engine_step_ms"] is None) == name.startswith("alone")  # the engine stepped only beside
     assert rows["beside_engine"]["engine_step_device_ms"] <= rows["beside_engine"]["engine_step_ms"]
+
+
+@pytest.mark.parametrize("use_decoder", [True, False])
+def test_codec_graph_buckets_give_each_item_its_eager_batch_audio(tiny_assets, monkeypatch, use_decoder):
+    """CodecGraphs' padding (zero frames up to the frame bucket, one-frame rows up to the batch
+    bucket), run eagerly here (capture=False): each item gets the audio the eager batch gives it. A
+    batch of both paths, with an empty item, or over CODEC_GRAPH_FRAMES padded frames runs eagerly."""
+    from chattts_triton import services
+    from chattts_triton.services import CodecGraphs
+
+    voc = _vocoder(tiny_assets, 0.1)
+    g = torch.Generator().manual_seed(4)
+
+    def item(n, path=use_decoder):
+        if path:
+            return path, torch.randn(n, TINY_ARCH.gpt.hidden, generator=g) * 0.5
+        return path, torch.randint(0, TINY_ARCH.num_audio_tokens - 1, (n, NUM_VQ), generator=g)
+
+    items = [item(n) for n in (5, 17, 9)]
+    want = voc.synthesize(items)
+    voc.graphs = CodecGraphs(voc, capture=False)
+    got = voc.synthesize(items)
+    assert [a.shape for a in got] == [a.shape for a in want] == [(samples_for_codes(n),) for n in (5, 17, 9)]
+    for a, b in zip(got, want):
+        assert np.abs(a - b).max() <= 1e-5
+    key = ("decoder" if use_decoder else "dvae", 4, 32)
+    assert list(voc.graphs.graphs) == [key]
+    monkeypatch.setattr(services, "CODEC_GRAPH_FRAMES", 64)
+    for eager in ([item(5), item(4, not use_decoder)], [item(5), item(0)], [item(40), item(3)]):
+        assert [a.shape for a in voc.synthesize(eager)] == [(samples_for_codes(x.shape[0]),) for _, x in eager]
+    assert list(voc.graphs.graphs) == [key]  # none of those made a graph
 
 
 # --- the service, without Triton ------------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""CUDA graphs captured on first use, by key, into one memory pool (the engine's decode steps and
+prefills, the codec's padded batches). Plain PyTorch: no Triton here."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, Hashable, Optional
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+def bucket(n: int, step: int, largest: int) -> int:
+    """Padded size for n: powers of two up to `step`, then multiples of it, at most `largest`."""
+    if n <= step:
+        b = 1
+        while b < n:
+            b *= 2
+    else:
+        b = -(-n // step) * step
+    return min(b, largest)
+
+
+class GraphCache:
+    """Replays of `fn` by key, each captured on first use (after `warm` ran on a side stream) into
+    one pool that its graphs share: they must never run at once, so one thread replays them.
+    capture=False (CPU tests): `fn` runs eagerly, after `warm`, with the same keys and padding."""
+
+    def __init__(self, device: torch.device, capture: bool = True):
+        self.device = device
+        self.capture = capture
+        self.graphs: Dict[Hashable, Optional[Callable[[], Tensor]]] = {}
+        if capture:
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device=device)
+
+    def _graph(self, key: Hashable, warm: Callable[[], object], fn: Callable[[], Tensor]) -> Optional[Callable[[], Tensor]]:
+        """The replay of `fn` for `key`, captured on first use; None: run it eagerly."""
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(key, warm, fn)
+            except RuntimeError:  # never fail requests over an optimisation: run this bucket eagerly
+                if not self.capture:  # the eager stand-in has no capture to fail: a real error
+                    raise
+                log.exception("CUDA graph capture failed for %s; running it eagerly", key)
+                self.graphs[key] = None
+        return self.graphs[key]
+
+    def _capture(self, key: Hashable, warm: Callable[[], object], fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
+        if not self.capture:
+            warm()
+            return fn
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            warm()
+        cur.wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads of the process (the stream model's codec, the engine) keep using
+        # the GPU during a capture; the default "global" mode fails their calls with
+        # cudaErrorStreamCaptureUnsupported
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            out = fn()
+        log.info("captured CUDA graph %s", key)
+
+        def run() -> Tensor:
+            graph.replay()
+            return out
+
+        return run
