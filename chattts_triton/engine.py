@@ -28,7 +28,7 @@ from torch import Tensor
 
 from . import sampling
 from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, REPETITION_WINDOW
-from .graphs import GraphCache, bucket
+from .graphs import GraphCache, bucket, to_host
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,6 @@ class Engine:
         # graphs are on: eagerly a prefill is ~600 kernel launches (H200: ≈ 25 ms, 20× a decode step)
         self.prefill_by_slots = hasattr(model, "prefill")
         self.prefill_graphs = True
-        self._hit_pinned: Optional[Tensor] = None
         # with a started engine, results reach on_done on their own thread: a consumer's copies to the
         # host and its reply (the GPT model's Triton response) then overlap the next steps instead of
         # stalling the batch (H200, 512 rows: 3.7 of 11 ms per step were host work)
@@ -637,18 +636,10 @@ class Engine:
 
     def _host_sync(self, hit: Tensor) -> np.ndarray:
         """A step's (or prefill's) one host sync: its EOS flags on the host. `event_sync` (CUDA, off by default,
-        an experiment of bench/stream_codec.py): an async copy into pinned memory and a wait on an
-        event instead of a blocking copy, in case the blocking copy holds up other threads' launches."""
-        if not (self.event_sync and self.device.type == "cuda"):
-            return hit.cpu().numpy()
-        if self._hit_pinned is None:
-            self._hit_pinned = torch.empty(self.max_slots, dtype=torch.bool, pin_memory=True)
-            self._sync_event = torch.cuda.Event()
-        buf = self._hit_pinned[: hit.shape[0]]
-        buf.copy_(hit, non_blocking=True)
-        self._sync_event.record()
-        self._sync_event.synchronize()
-        return buf.numpy().copy()
+        an experiment of bench/stream_codec.py): `to_host`'s wait on an event instead of a blocking copy."""
+        if self.event_sync:
+            return to_host(hit).numpy()
+        return hit.cpu().numpy()
 
     def step_core(self, start: int, b: int, attn_len: int, mode: str = "code", n_live: Optional[Tensor] = None,
                   groups: Optional[List[Tuple[str, Tensor]]] = None) -> Tensor:

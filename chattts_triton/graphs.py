@@ -1,5 +1,6 @@
 """CUDA graphs captured on first use, by key, into one memory pool (the engine's decode steps and
-prefills, the codec's padded batches). Plain PyTorch: no Triton here."""
+prefills, the codec's padded batches), and device-to-host copies that wait on an event. Plain
+PyTorch: no Triton here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
+
+
+def to_host(t: Tensor) -> Tensor:
+    """`t` on the host. CUDA: an async copy into pinned memory, then a wait on an event recorded after
+    it, instead of a blocking copy (suspected of holding up other threads' launches while it waits
+    for the GPU: bench/README, fifth session). A CPU tensor is returned as it is."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host
 
 
 def bucket(n: int, step: int, largest: int) -> int:

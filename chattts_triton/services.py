@@ -44,7 +44,7 @@ from .config import (
     samples_for_codes,
 )
 from .engine import Engine, GenRequest, GenResult, SamplingParams
-from .graphs import GraphCache, bucket
+from .graphs import GraphCache, bucket, to_host
 from .gpt import eager_from_script
 from .serve import DRAIN_FILE_ENV
 from .text import InputError
@@ -459,9 +459,9 @@ class GPTService:
             if res.finish_reason in ("cancelled", "error"):
                 reply(res.error or RuntimeError(f"generation {res.finish_reason}"))
                 return
-            toks = res.tokens.cpu()
+            toks = to_host(res.tokens)
             codes = toks.unsqueeze(-1).expand(-1, NUM_VQ) if refine else toks
-            hid = res.hiddens.cpu() if res.hiddens is not None else torch.zeros(0, h)
+            hid = to_host(res.hiddens) if res.hiddens is not None else torch.zeros(0, h)
             reply({"CODES": codes.numpy().reshape(1, -1, NUM_VQ).astype(np.int64),
                    "HIDDENS": hid.numpy().reshape(1, -1, h).astype(np.float32)})
 
@@ -574,7 +574,6 @@ class CodecGraphs(GraphCache):
         super().__init__(voc.device, capture)
         self.voc = voc
         self.inputs: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
-        self._out_pinned: Optional[torch.Tensor] = None
 
     def buckets(self, n: int, frames: int) -> Tuple[int, int]:
         return bucket(n, CODEC_BATCH_STEP, CODEC_GRAPH_FRAMES), bucket(frames, CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES)
@@ -607,19 +606,6 @@ class CodecGraphs(GraphCache):
             return self.voc.decode(use_decoder, *static)
 
         run = self._graph(key, lambda: [decode() for _ in range(3)], decode)
-        audio = self._to_host(run() if run is not None else decode())
+        audio = to_host(run() if run is not None else decode())
         return [audio[i, : samples_for_codes(n)].numpy() for i, n in enumerate(lens)]
 
-    def _to_host(self, audio: torch.Tensor) -> torch.Tensor:
-        """An async copy into pinned memory and a wait on its event (no blocking device-to-host copy)."""
-        if self.device.type != "cuda":
-            return audio.clone()
-        n = audio.numel()
-        if self._out_pinned is None or self._out_pinned.numel() < n:
-            self._out_pinned = torch.empty(n, dtype=audio.dtype, pin_memory=True)
-        host = self._out_pinned[:n].view(audio.shape)
-        host.copy_(audio, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-        return host.clone()

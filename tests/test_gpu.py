@@ -149,6 +149,14 @@ def test_codec_graphs_give_the_eager_audio_on_gpu(full_repo):
     assert len(voc.graphs.graphs) == 3 and all(v is not None for v in voc.graphs.graphs.values())
 
 
+def test_to_host_copies_through_pinned_memory():
+    from chattts_triton.graphs import to_host
+
+    t = torch.randn(5, 7, device="cuda") * 3
+    host = to_host(t)
+    assert host.device.type == "cpu" and host.is_pinned() and torch.equal(host, t.cpu())
+
+
 def test_decode_step_syncs_the_host_once(full_assets):
     """Steady state with graphs, streaming consumers and a request finishing (compaction): exactly
     one synchronizing CUDA call per decode step."""
