@@ -37,21 +37,10 @@ from chattts_triton.backend import ModelContext, stream_service
 from chattts_triton.config import AUDIO_EOS
 from chattts_triton.engine import GenRequest, SamplingParams
 from chattts_triton.repo_config import STREAM
-from chattts_triton.streaming import ChunkPlanner
+from chattts_triton.streaming import stream_windows
 
 
 CUDA_ONLY = ("codec_side_stream", "engine_event_sync_codec_eager")
-
-
-def stream_windows(schedule: dict, frames: int):
-    """The windows one stream decodes when frames arrive one by one."""
-    planner, wins = ChunkPlanner(**schedule), []
-    for n in range(1, frames + 1):
-        w = planner.next(n, n == frames)
-        while w is not None:
-            wins.append(w)
-            w = planner.next(n, n == frames)
-    return wins
 
 
 class KeepBusy:

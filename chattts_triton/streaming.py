@@ -45,6 +45,7 @@ from .services import Outputs, Overloaded, get_bool
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.05  # the codec thread checks cancellations this often
+WARM_STREAM_FRAMES = 256  # codec graphs captured at start-up: the window sizes of a stream this long
 
 
 class Cancelled(RuntimeError):
@@ -122,6 +123,17 @@ class ChunkPlanner:
         w = Window(start, frames, first, (end - start) * SAMPLES_PER_CODE, False, hold * SAMPLES_PER_CODE)
         self.sent = end
         return w
+
+
+def stream_windows(schedule: Dict[str, int], frames: int) -> List[Window]:
+    """The windows one stream of `frames` code frames decodes when they arrive one by one."""
+    planner, wins = ChunkPlanner(**schedule), []
+    for n in range(1, frames + 1):
+        w = planner.next(n, n == frames)
+        while w is not None:
+            wins.append(w)
+            w = planner.next(n, n == frames)
+    return wins
 
 
 def stream_schedule(arch, first_chunk: int, chunk: int, lookahead: int = 0, first_lookahead: int = 0,
@@ -212,8 +224,18 @@ class StreamService:
         self.counters = {"stream_first_chunks": 0, "stream_first_tokens_seconds": 0.0,
                          "stream_first_chunk_seconds": 0.0, "stream_chunks": 0, "stream_codec_calls": 0,
                          "stream_codec_seconds": 0.0}
+        self.warm_codec()
         self.thread = threading.Thread(target=self._codec_loop, name="chattts-stream-codec", daemon=True)
         self.thread.start()
+
+    def warm_codec(self) -> None:
+        """With codec graphs: capture those of a lone stream's windows now, at start-up, rather than
+        in some client's first chunk (a capture runs the codec four times)."""
+        if self.voc.graphs is None:
+            return
+        hidden = self.voc.arch.gpt.hidden
+        for n in sorted({w.stop - w.start for w in stream_windows(self.schedule, WARM_STREAM_FRAMES)}):
+            self.voc.synthesize([(True, torch.zeros(n, hidden))])
 
     # -- intake (Triton's thread, then the preprocess pool) -------------------------------------
     def execute(self, calls: Sequence[StreamCall]) -> None:

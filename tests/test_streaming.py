@@ -330,6 +330,25 @@ def stream_service(tiny_repo):
     svc.close()
 
 
+def test_codec_graphs_of_a_lone_streams_windows_are_made_at_start_up(stream_service):
+    """warm_codec (run by the constructor when the codec has graphs, i.e. on a GPU) makes the graph of
+    every window size a lone stream meets, so no client's first chunk waits for a capture."""
+    from chattts_triton.graphs import bucket
+    from chattts_triton.services import CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES, CodecGraphs
+    from chattts_triton.streaming import WARM_STREAM_FRAMES, stream_windows
+
+    voc = stream_service.voc
+    assert voc.graphs is None  # a CPU instance: no graphs, nothing to warm
+    voc.graphs = CodecGraphs(voc, capture=False)
+    try:
+        stream_service.warm_codec()
+        sizes = {w.stop - w.start for w in stream_windows(stream_service.schedule, WARM_STREAM_FRAMES)}
+        assert len(sizes) >= 3  # the first window, the later ones, the last
+        assert set(voc.graphs.graphs) == {("decoder", 1, bucket(n, CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES)) for n in sizes}
+    finally:
+        voc.graphs = None
+
+
 def offline(svc, inputs):
     """The non-streamed audio of the same request: preprocess → GPT → vocoder."""
     full = dict(inputs)
