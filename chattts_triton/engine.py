@@ -269,32 +269,42 @@ class Engine:
         """Run what a server meets first before any client does: TorchScript's specialising runs,
         and with graph buckets, per mode (code; text when `text_eos_id` is given) a request alone and
         two together, so the compiled step (batch 1 and the dynamic batch ≥ 2 variant) and their
-        first CUDA graphs exist; then `freeze_compiled`. Runs the loop itself when the engine thread
-        is not started."""
+        first CUDA graphs exist, and the prefill graphs of the common buckets (PREFILL_WARM_*); then
+        `freeze_compiled`. Runs the loop itself when the engine thread is not started."""
+        deadline = time.monotonic() + timeout
         modes = [("code", AUDIO_EOS)] + ([("text", text_eos_id)] if text_eos_id is not None else [])
         if self.graphs is None:  # nothing to capture or compile: TorchScript's specialising runs only
             modes, rounds, tokens = modes[:1], (1, 1), 4
-        else:  # 16 tokens each: the second of a pair is admitted while the first still runs
+        else:  # 16 tokens each; a pair steps at batch 2
             rounds, tokens = (1, 1, 2), 16
         for mode, eos in modes:
             for n in rounds:
-                results: List[GenResult] = []
-                for i in range(n):
-                    params = SamplingParams(1.0, None, None, 1.0, tokens, tokens, seed=i)
-                    self.submit(GenRequest(torch.arange(1, 9), params, results.append, mode=mode, eos_id=eos, want_hidden=False))
-                deadline = time.monotonic() + timeout
-                while len(results) < n:
-                    if time.monotonic() > deadline:
-                        raise EngineError(f"engine warm-up ({mode}, {n} requests) did not finish in {timeout:.0f} s")
-                    if self.thread is None:
-                        self._run_once(block=False)
-                    else:
-                        time.sleep(0.01)
-                for r in results:
-                    if r.error is not None:
-                        raise r.error
+                self._warm_batch([torch.arange(1, 9)] * n, tokens, deadline, mode, eos)
+        if self.graphs is not None and self.prefill_graphs and self.prefill_by_slots:
+            for k in (k for k in PREFILL_WARM_BATCHES if k <= self.max_slots):
+                for t in (t for t in PREFILL_WARM_LENGTHS if t < self.max_context and k * t <= PREFILL_GRAPH_TOKENS):
+                    self._warm_batch([torch.arange(1, t + 1)] * k, 1, deadline)  # one prefill, no decode step
         if freeze and self.graph_step is not None:
             self.freeze_compiled()
+
+    def _warm_batch(self, prompts: List[Tensor], tokens: int, deadline: float, mode: str = "code", eos: int = AUDIO_EOS) -> None:
+        """Generate `tokens` for each prompt, all waiting before the engine looks (an idle engine admits
+        them in one prefill); raise what failed."""
+        results: List[GenResult] = []
+        with self.cv:  # re-entrant: submit takes it too
+            for i, ids in enumerate(prompts):
+                params = SamplingParams(1.0, None, None, 1.0, tokens, tokens, seed=i)
+                self.submit(GenRequest(ids, params, results.append, mode=mode, eos_id=eos, want_hidden=False))
+        while len(results) < len(prompts):
+            if time.monotonic() > deadline:
+                raise EngineError(f"engine warm-up ({mode}, {len(prompts)} requests) did not finish in time")
+            if self.thread is None:
+                self._run_once(block=False)
+            else:
+                time.sleep(0.01)
+        for r in results:
+            if r.error is not None:
+                raise r.error
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -830,6 +840,8 @@ BATCH_STEP = 32  # batch buckets: powers of two up to this, then its multiples (
 LEN_STEP = 128  # attention-length buckets: multiples of this
 PREFILL_LEN_STEP = 32  # prompt-length buckets: powers of two up to this, then its multiples
 PREFILL_GRAPH_TOKENS = 4096  # larger padded prefills run eagerly
+PREFILL_WARM_BATCHES = (1, 2, 4, 8, 16, 32)  # prefill graphs captured by warm_up: prompts per prefill ...
+PREFILL_WARM_LENGTHS = (16, 32, 64, 128)  # ... times prompt-length bucket
 
 
 class CudaGraphs(GraphCache):

@@ -589,6 +589,8 @@ def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compi
     eng.warm_up(text_eos_id=21140, freeze=False)
     warm = _graphs_compiled()
     assert warm >= 2  # code batch 1, batch ≥ 2 (dynamic); text mode runs the plain step
+    # and the common prefill buckets (here up to 16 slots): graphs before any client
+    assert {("prefill", k, t) for k in (1, 2, 4, 8, 16) for t in (16, 32, 64, 128)} <= set(eng.graphs.graphs)
     got = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2, 5])
     assert _graphs_compiled() == warm
     check_same_as_alone(expected, got)
