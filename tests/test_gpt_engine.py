@@ -761,6 +761,38 @@ def test_gpt_service_compiles_the_step_or_falls_back_to_torchscript(tiny_repo, m
         svc.engine.stop()
 
 
+@pytest.mark.parametrize("failed", ["prefill", "code"])
+def test_only_a_failed_decode_graph_sends_a_compiled_engine_back_to_torchscript(tiny_repo, monkeypatch, failed):
+    """A warm-up graph that could not be captured: a decode bucket's means the compiled step cannot be
+    served as measured (TorchScript instead); a prefill bucket's runs no compiled code and just runs
+    eagerly, so the compiled step stays. (CPU has no graphs: the warm-up's outcome is stood in for.)"""
+    import types
+
+    from chattts_triton import services
+    from chattts_triton.config import Arch
+    from chattts_triton.repo_config import GPT, read_manifest
+
+    man = read_manifest(tiny_repo)
+    monkeypatch.setattr(services, "compile_applies", lambda device: True)
+    real_warm_up = Engine.warm_up
+
+    def warm_up(self, *args, **kw):
+        real_warm_up(self, *args, **kw)
+        if self.graph_step is not None:
+            ok = lambda: None  # noqa: E731
+            self.graphs = types.SimpleNamespace(graphs={("prefill", 1, 16): None if failed == "prefill" else ok,
+                                                        ("code", 1, 128): None if failed == "code" else ok})
+
+    monkeypatch.setattr(Engine, "warm_up", warm_up)
+    svc = services.GPTService(tiny_repo / GPT / "1" / "gpt.pt", Arch.from_json(man["arch"]), torch.device("cpu"), "fp32",
+                              max_slots=2, max_context=256, max_new_tokens=32, text_eos_id=man["tokens"]["text_eos_id"],
+                              spk_emb_id=man["tokens"]["spk_emb_id"], compile_step=True)
+    try:
+        assert isinstance(svc.engine.model, torch.jit.ScriptModule) == (failed == "code")
+    finally:
+        svc.engine.stop()
+
+
 def test_engine_counts_its_steps_rows_and_busy_time(tiny):
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, start=False)
