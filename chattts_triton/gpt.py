@@ -54,8 +54,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = None
 
     def fuse(self) -> None:
-        """One GEMM for q/k/v and one for gate/up instead of five: the same products (each output is
-        the same dot product), fewer and larger kernels per decode step."""
+        """One GEMM for q/k/v and one for gate/up instead of five: each output is the same dot product
+        (equal to float rounding: a GEMM library may pick other kernels for the wider shape), in fewer
+        and larger kernels per decode step."""
         if self.qkv_proj is not None:
             return
         self.qkv_proj = _concat_linear([self.q_proj, self.k_proj, self.v_proj])
