@@ -1,7 +1,7 @@
 """Decode-step time of the engine, per batch size, for each way of running the GPT.
 
     python -m bench.step --assets build/assets-full --out OUT [--batches 1,8,64,256,512]
-                         [--variants script,eager,compile] [--attn-len 256]
+                         [--variants script,eager,compile] [--attn-len 256] [--device cpu]
 
 No Triton: one `Engine` on one GPU, the decode step of `--attn-len` captured in a CUDA graph per
 batch size exactly as the server does (`CudaGraphs`), replays timed with CUDA events (median of
@@ -41,19 +41,37 @@ def _time_graph(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def _forward_graph(engine, b: int, attn_len: int):
+def _time_wall(fn, iters: int) -> float:
+    """Median wall ms of `fn` (CPU: no graphs, nothing asynchronous)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def _forward(engine, b: int, attn_len: int):
+    """The GPT forward of a decode step of b rows at attn_len, as a callable."""
     m = engine.model
     x = torch.randn(b, 1, engine.hidden, device=engine.device, dtype=engine.compute_dtype)
     pos = torch.full((b, 1), attn_len - 1, dtype=torch.int64, device=engine.device)
+    return lambda: m(x, pos, 0, engine.k_cache, engine.v_cache, attn_len)
+
+
+def _forward_graph(engine, b: int, attn_len: int):
+    fwd = _forward(engine, b, attn_len)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(3):
-            m(x, pos, 0, engine.k_cache, engine.v_cache, attn_len)
+            fwd()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        m(x, pos, 0, engine.k_cache, engine.v_cache, attn_len)
+        fwd()
     return g.replay
 
 
@@ -81,18 +99,29 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
     from chattts_triton.gpt import load_gpt
 
     base = variant.removesuffix("_unfused")  # "_unfused": q/k/v and gate/up as five GEMMs, as before fusing
-    model = load_gpt(args.assets, arch, fused=base == variant).to(dtype).to("cuda").eval()
+    cuda = args.device == "cuda"
+    if base not in ("script", "eager", "compile", "compile_dynamic") or (base.startswith("compile") and not cuda):
+        raise SystemExit(f"unknown variant {variant}" + ("" if cuda else " on a CPU (script, eager, *_unfused)"))
+    model = load_gpt(args.assets, arch, fused=base == variant).to(dtype).to(args.device).eval()
     if base == "script":
         model = torch.jit.script(model)
-    elif base not in ("eager", "compile", "compile_dynamic"):
-        raise SystemExit(f"unknown variant {variant}")
-    engine = Engine(model, max_slots=max(args.batches), max_context=args.context, max_new_tokens=args.max_new_tokens,
-                    hidden=arch.gpt.hidden, num_vq=arch.num_vq, device="cuda", cache_dtype=dtype,
+    slots = max(args.batches + [int(shape.split("x")[0]) for shape in args.prefill])
+    engine = Engine(model, max_slots=slots, max_context=args.context, max_new_tokens=args.max_new_tokens,
+                    hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=args.device, cache_dtype=dtype,
                     compute_dtype=dtype, start=False)
     if base.startswith("compile"):
         engine.compile_step(dynamic=base == "compile_dynamic")
     out = {"variant": variant, "attn_len": args.attn_len, "dtype": str(dtype), "batches": {}}
     for b in args.batches:
+        if not cuda:  # the step as the CPU engine runs it: eager, every row padding
+            with torch.inference_mode():
+                engine._set_live(0)
+                step_ms = _time_wall(lambda: engine.step_core(0, b, args.attn_len, "code", engine.n_live), args.iters)
+                fwd_ms = _time_wall(_forward(engine, b, args.attn_len), args.iters)
+            row = {"step_ms": round(step_ms, 3), "forward_ms": round(fwd_ms, 3), "rest_ms": round(step_ms - fwd_ms, 3)}
+            out["batches"][b] = row
+            print(f"[{variant}] batch {b:4d}: {row}", flush=True)
+            continue
         t0 = time.perf_counter()
         with torch.no_grad():
             run = engine.graphs.decode_graph("code", b, args.attn_len)
@@ -110,11 +139,13 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
     with torch.inference_mode():
         for shape in args.prefill:
             k, t = (int(v) for v in shape.split("x"))
-            row = {"eager_ms": round(_time_prefill(engine, k, t, False, args.iters // 4), 3),
-                   "graph_ms": round(_time_prefill(engine, k, t, True, args.iters // 4), 3)}
+            row = {"eager_ms": round(_time_prefill(engine, k, t, False, max(3, args.iters // 4)), 3)}
+            if cuda:
+                row["graph_ms"] = round(_time_prefill(engine, k, t, True, max(3, args.iters // 4)), 3)
             out["prefill"][shape] = row
             print(f"[{variant}] prefill {k} prompts x {t} tokens: {row}", flush=True)
-    out["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    if cuda:
+        out["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
     return out
 
 
@@ -130,9 +161,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: the eager step and prefill as the CPU engine runs them (script/eager variants)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench.step needs a CUDA GPU", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench.step needs a CUDA GPU, or --device cpu", file=sys.stderr)
         return 2
     from chattts_triton.assets import infer_arch
 
@@ -143,9 +176,11 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for v in args.variants.split(","):
         res = run_variant(v, args, arch, dtype)
-        res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, command=" ".join(sys.argv))
+        res.update(gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
+                   command=" ".join(sys.argv))
         (args.out / f"step-{v}.json").write_text(json.dumps(res, indent=1))
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     return 0
 
 

@@ -793,6 +793,26 @@ def test_only_a_failed_decode_graph_sends_a_compiled_engine_back_to_torchscript(
         svc.engine.stop()
 
 
+def test_step_bench_times_steps_and_prefills_of_each_variant_on_cpu(tiny_assets, tmp_path):
+    """bench.step's CPU mode (the GPU one needs the device): one JSON per variant, a step and forward
+    time per batch, an eager prefill time per shape (more prompts than batch rows fit too)."""
+    import json
+
+    from bench import step
+
+    args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32",
+            "--batches", "1,2", "--variants", "script,script_unfused", "--iters", "2", "--prefill", "1x8,4x16",
+            "--context", "128", "--max-new-tokens", "16", "--attn-len", "32"]
+    assert step.main(args) == 0
+    for variant in ("script", "script_unfused"):
+        res = json.loads((tmp_path / f"step-{variant}.json").read_text())
+        assert res["variant"] == variant and res["gpu"] == "cpu"
+        assert set(res["batches"]) == {"1", "2"} and all(r["step_ms"] > 0 and r["forward_ms"] > 0 for r in res["batches"].values())
+        assert set(res["prefill"]) == {"1x8", "4x16"} and all(r["eager_ms"] > 0 for r in res["prefill"].values())
+    with pytest.raises(SystemExit, match="on a CPU"):  # inductor's step is a GPU variant
+        step.main([a if a != "script,script_unfused" else "compile" for a in args])
+
+
 def test_engine_counts_its_steps_rows_and_busy_time(tiny):
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, start=False)
