@@ -5,12 +5,18 @@ PyTorch: no Triton here."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable, Dict, Hashable, Optional
 
 import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
+
+# One capture at a time per process: entering torch.cuda.graph synchronises the device and empties the
+# allocator's cache, which asserts that no other capture is under way (the stream model's engine and
+# codec threads both capture)
+_CAPTURE_LOCK = threading.Lock()
 
 
 def to_host(t: Tensor) -> Tensor:
@@ -20,9 +26,9 @@ def to_host(t: Tensor) -> Tensor:
     if t.device.type != "cuda":
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
+    host.copy_(t, non_blocking=True)  # on t's device's current stream
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(t.device))
     done.synchronize()
     return host
 
@@ -67,17 +73,18 @@ class GraphCache:
         if not self.capture:
             warm()
             return fn
-        cur = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(cur)
-        with torch.cuda.stream(self.stream):
-            warm()
-        cur.wait_stream(self.stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads of the process (the stream model's codec, the engine) keep using
-        # the GPU during a capture; the default "global" mode fails their calls with
-        # cudaErrorStreamCaptureUnsupported
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-            out = fn()
+        with _CAPTURE_LOCK:
+            cur = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(cur)
+            with torch.cuda.stream(self.stream):
+                warm()
+            cur.wait_stream(self.stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads of the process (the stream model's codec, the engine) keep
+            # running eagerly or replaying during a capture; the default "global" mode fails their
+            # calls with cudaErrorStreamCaptureUnsupported
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                out = fn()
         log.info("captured CUDA graph %s", key)
 
         def run() -> Tensor:

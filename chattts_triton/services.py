@@ -570,7 +570,8 @@ class CodecGraphs(GraphCache):
     through the DVAE, then Vocos) replayed from a CUDA graph per (path, batch bucket, frame bucket):
     a codec call is one launch instead of hundreds. Beside a generating engine (the stream model) a
     4-ms call took up to 200 ms on the H200, its launches held up one engine step at a time (the
-    suspect, bench/README). Bucket padding: zero frames, and rows of one frame (no samples)."""
+    suspect, bench/README). Bucket padding: zero frames, and rows of one code frame (their samples are
+    dropped with the rest of the padding)."""
 
     def __init__(self, voc: "VocoderService", capture: bool = True):
         super().__init__(voc.device, capture)

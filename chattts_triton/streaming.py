@@ -45,7 +45,8 @@ from .services import Outputs, Overloaded, get_bool
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.05  # the codec thread checks cancellations this often
-WARM_STREAM_FRAMES = 256  # codec graphs captured at start-up: the window sizes of a stream this long
+WARM_STREAM_FRAMES = 256  # codec graphs captured at start-up: the window sizes of a stream this long,
+WARM_STREAM_BATCH = 8  # for 1, 2, 4 .. this many streams' windows in one call
 
 
 class Cancelled(RuntimeError):
@@ -229,13 +230,18 @@ class StreamService:
         self.thread.start()
 
     def warm_codec(self) -> None:
-        """With codec graphs: capture those of a lone stream's windows now, at start-up, rather than
-        in some client's first chunk (a capture runs the codec four times)."""
+        """With codec graphs: capture those of the windows of up to WARM_STREAM_BATCH streams decoded
+        together (decoder path) now, at start-up, rather than in some client's chunk (a capture runs
+        the codec four times and synchronises the whole GPU)."""
         if self.voc.graphs is None:
             return
         hidden = self.voc.arch.gpt.hidden
-        for n in sorted({w.stop - w.start for w in stream_windows(self.schedule, WARM_STREAM_FRAMES)}):
-            self.voc.synthesize([(True, torch.zeros(n, hidden))])
+        sizes = sorted({w.stop - w.start for w in stream_windows(self.schedule, WARM_STREAM_FRAMES)})
+        batch = 1
+        while batch <= min(WARM_STREAM_BATCH, self.max_streams):
+            for n in sizes:
+                self.voc.synthesize([(True, torch.zeros(n, hidden))] * batch)
+            batch *= 2
 
     # -- intake (Triton's thread, then the preprocess pool) -------------------------------------
     def execute(self, calls: Sequence[StreamCall]) -> None:

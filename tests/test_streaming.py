@@ -330,12 +330,14 @@ def stream_service(tiny_repo):
     svc.close()
 
 
-def test_codec_graphs_of_a_lone_streams_windows_are_made_at_start_up(stream_service):
+def test_codec_graphs_of_the_stream_windows_are_made_at_start_up(stream_service, tiny_repo, monkeypatch):
     """warm_codec (run by the constructor when the codec has graphs, i.e. on a GPU) makes the graph of
-    every window size a lone stream meets, so no client's first chunk waits for a capture."""
+    every window size a stream meets, for 1, 2, 4, 8 streams decoded together, so no client's chunk
+    waits for a capture."""
+    from chattts_triton.backend import stream_service as factory
     from chattts_triton.graphs import bucket
     from chattts_triton.services import CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES, CodecGraphs
-    from chattts_triton.streaming import WARM_STREAM_FRAMES, stream_windows
+    from chattts_triton.streaming import WARM_STREAM_FRAMES, StreamService, stream_windows
 
     voc = stream_service.voc
     assert voc.graphs is None  # a CPU instance: no graphs, nothing to warm
@@ -344,9 +346,17 @@ def test_codec_graphs_of_a_lone_streams_windows_are_made_at_start_up(stream_serv
         stream_service.warm_codec()
         sizes = {w.stop - w.start for w in stream_windows(stream_service.schedule, WARM_STREAM_FRAMES)}
         assert len(sizes) >= 3  # the first window, the later ones, the last
-        assert set(voc.graphs.graphs) == {("decoder", 1, bucket(n, CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES)) for n in sizes}
+        assert set(voc.graphs.graphs) == {("decoder", b, bucket(n, CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES))
+                                          for b in (1, 2, 4, 8) for n in sizes}
     finally:
         voc.graphs = None
+    calls = []
+    monkeypatch.setattr(StreamService, "warm_codec", lambda self: calls.append(self))
+    other = factory(stream_context(tiny_repo, max_slots=2, max_pending=2))
+    try:
+        assert calls == [other]  # the constructor warms
+    finally:
+        other.close()
 
 
 def offline(svc, inputs):
