@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 from typing import List
 
-import numpy as np
 import torch
 
 from chattts_triton.backend import ModelContext, stream_service

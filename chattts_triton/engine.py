@@ -882,6 +882,11 @@ class CudaGraphs(GraphCache):
     def decode_graph(self, mode: str, bb: int, lb: int) -> Optional[Callable[[], Tensor]]:
         return self._graph((mode, bb, lb), lambda: self._warm(mode, bb, lb), lambda: self._step(mode, bb, lb))
 
+    def failed_decode_buckets(self) -> List[tuple]:
+        """Decode buckets whose capture failed (they run eagerly); failed prefill buckets run no
+        compiled code and are not counted."""
+        return [key for key, run in self.graphs.items() if run is None and key[0] != "prefill"]
+
     def prefill(self, b0: int, reqs: List[GenRequest]) -> Optional[Tensor]:
         """`Engine.prefill_core` of the prompts `reqs` into slots b0.. from the graph of their bucket:
         [bucket rows, hidden], the first len(reqs) rows theirs; None over PREFILL_GRAPH_TOKENS."""

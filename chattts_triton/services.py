@@ -369,9 +369,7 @@ class GPTService:
             engine.event_sync = os.environ.get(EVENT_SYNC_ENV, "") == "1"
             try:
                 engine.warm_up(text_eos_id=text_eos_id)  # specialise / compile before the first client
-                # a decode bucket that failed (prefill graphs run no compiled code: theirs fall back alone)
-                if compiled and engine.graphs is not None and any(
-                        run is None for key, run in engine.graphs.graphs.items() if key[0] != "prefill"):
+                if compiled and engine.graphs is not None and engine.graphs.failed_decode_buckets():
                     raise RuntimeError("a warm-up bucket could not be compiled and captured (see the log above)")
             except BaseException:
                 engine.stop(drain=False, timeout=60)

@@ -766,9 +766,8 @@ def test_only_a_failed_decode_graph_sends_a_compiled_engine_back_to_torchscript(
     """A warm-up graph that could not be captured: a decode bucket's means the compiled step cannot be
     served as measured (TorchScript instead); a prefill bucket's runs no compiled code and just runs
     eagerly, so the compiled step stays. (CPU has no graphs: the warm-up's outcome is stood in for.)"""
-    import types
-
     from chattts_triton import services
+    from chattts_triton.engine import CudaGraphs
     from chattts_triton.config import Arch
     from chattts_triton.repo_config import GPT, read_manifest
 
@@ -780,8 +779,9 @@ def test_only_a_failed_decode_graph_sends_a_compiled_engine_back_to_torchscript(
         real_warm_up(self, *args, **kw)
         if self.graph_step is not None:
             ok = lambda: None  # noqa: E731
-            self.graphs = types.SimpleNamespace(graphs={("prefill", 1, 16): None if failed == "prefill" else ok,
-                                                        ("code", 1, 128): None if failed == "code" else ok})
+            self.graphs = CudaGraphs(self, capture=False)
+            self.graphs.graphs.update({("prefill", 1, 16): None if failed == "prefill" else ok,
+                                       ("code", 1, 128): None if failed == "code" else ok})
 
     monkeypatch.setattr(Engine, "warm_up", warm_up)
     svc = services.GPTService(tiny_repo / GPT / "1" / "gpt.pt", Arch.from_json(man["arch"]), torch.device("cpu"), "fp32",
