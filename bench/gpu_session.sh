@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see bench/bundle.py):
 #   bash bench/gpu_session.sh STAGE...   stages: setup test bench step codec
+# (test: PYTEST_ARGS picks the tests, default the whole GPU suite)
 # Writes logs and results under $OUT (or build/gpu-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -18,7 +19,7 @@ for stage in "$@"; do
     setup)
       [ -f build/assets-full/.complete ] || { python3 -m export.synthetic build/assets-full --size full && touch build/assets-full/.complete; } ;;
     test)
-      python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_gpu.py -s 2>&1 | tee "$OUT/test_gpu.log" ;;
+      python3 -m pytest -p no:cacheprovider -q -m gpu ${PYTEST_ARGS:-tests/test_gpu.py} -s 2>&1 | tee "$OUT/test_gpu.log" ;;
     bench)
       python3 -m bench.run --assets build/assets-full --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     step)

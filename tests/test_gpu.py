@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import queue
 import warnings
 
 import pytest
@@ -94,34 +95,46 @@ def test_compaction_graph_buckets_streaming_and_text_rows_equal_alone_on_gpu(tin
 @pytest.mark.parametrize("scripted", [True, False])  # False: the eager module a compiled-step engine holds
 def test_graphed_prefill_equals_the_eager_prefill_without_a_sync(full_assets, scripted):
     """A prefill replayed from its bucket's graph (any slots: they are an input) computes exactly what
-    the same padded prefill computes eagerly, cache writes included, and adds no host sync."""
+    the same padded prefill computes eagerly, cache writes included, and adds no host sync. Under
+    inference mode, as on the engine's thread; the eager reference runs after the capture's warm-up
+    runs, so a scripted model's JIT executor has settled on the plan the graph holds."""
     arch = infer_arch(full_assets)
     model = load_gpt(full_assets, arch).cuda()
     eng = _engine(torch.jit.script(model) if scripted else model, arch, True, slots=8, start=False)
     g = torch.Generator().manual_seed(5)
     params = SamplingParams(0.3, 0.7, 20, 1.05, 20, 20, seed=0)
-    for b0, lens in ((2, (7, 20, 13)), (5, (30,)), (1, (9, 17, 3))):  # the first and last share a bucket
-        reqs = [GenRequest(torch.randint(0, 21000, (n,), generator=g), params, None) for n in lens]
-        kb, tb = eng.graphs.prefill_buckets(len(reqs), max(lens))
+
+    def fresh_cache() -> None:
         for c in (eng.k_cache, eng.v_cache):
             c.zero_()
-        eager = eng.prefill_core(*eng._prompt_batch(reqs, kb, tb, b0))[: len(reqs)].clone()
-        cache_eager = [c[:, :, :-1].clone() for c in (eng.k_cache, eng.v_cache)]  # all but padding's scratch place
-        for c in (eng.k_cache, eng.v_cache):
-            c.zero_()
-        first = eng.graphs.prefill(b0, reqs)[: len(reqs)].clone()  # captured now if new
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                again = eng.graphs.prefill(b0, reqs)[: len(reqs)]
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        assert eng.graphs.graphs[("prefill", kb, tb)] is not None
-        assert torch.equal(first, eager) and torch.equal(again, eager)
-        assert all(torch.equal(c[:, :, :-1], e) for c, e in zip((eng.k_cache, eng.v_cache), cache_eager))
-        assert not [x for x in w if "called a synchronizing" in str(x.message)]
+
+    def cache() -> list:
+        return [c[:, :, :-1].clone() for c in (eng.k_cache, eng.v_cache)]  # all but padding's scratch place
+
+    with torch.inference_mode():
+        for b0, lens in ((2, (7, 20, 13)), (5, (30,)), (1, (9, 17, 3))):  # the first and last share a bucket
+            reqs = [GenRequest(torch.randint(0, 21000, (n,), generator=g), params, None) for n in lens]
+            kb, tb = eng.graphs.prefill_buckets(len(reqs), max(lens))
+            fresh_cache()
+            first = eng.graphs.prefill(b0, reqs)[: len(reqs)].clone()  # captured now if new
+            cache_first = cache()
+            fresh_cache()
+            eager = eng.prefill_core(*eng._prompt_batch(reqs, kb, tb, b0))[: len(reqs)].clone()
+            cache_eager = cache()
+            fresh_cache()
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    again = eng.graphs.prefill(b0, reqs)[: len(reqs)]
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            assert eng.graphs.graphs[("prefill", kb, tb)] is not None
+            assert torch.equal(first, eager) and torch.equal(again, eager)
+            assert all(torch.equal(a, e) for a, e in zip(cache_first, cache_eager))
+            assert all(torch.equal(a, e) for a, e in zip(cache(), cache_eager))
+            assert not [x for x in w if "called a synchronizing" in str(x.message)]
     assert len([k for k in eng.graphs.graphs if k[0] == "prefill"]) == 2
 
 
@@ -173,6 +186,7 @@ def test_decode_step_syncs_the_host_once(full_assets):
     for _ in range(20):  # admission, graph capture
         eng._run_once(block=False)
     torch.cuda.synchronize()
+    eng._results = queue.SimpleQueue()  # finished results wait for a consumer thread, as when started
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -181,7 +195,10 @@ def test_decode_step_syncs_the_host_once(full_assets):
                 eng._run_once(block=False)
         finally:
             torch.cuda.set_sync_debug_mode(0)
+    (req, res), = [eng._results.get_nowait() for _ in range(eng._results.qsize())]
+    eng._call(req, res)  # what the results thread does: wait for the result's copies, then deliver
     assert len(got) == 1 and eng.active == 5
+    assert got[0].tokens.device.type == "cpu" and got[0].tokens.is_pinned() and got[0].tokens.shape == (25, 4)
     syncs = [x for x in w if "called a synchronizing" in str(x.message)]  # not the "prototype feature" notice
     assert len(syncs) == 10, [str(x.message) for x in syncs]
     eng.stop(drain=False)
