@@ -242,6 +242,7 @@ def to_markdown(res: dict) -> str:
            f"{res['tokens']} forced code frames per utterance (≈ {res['tokens'] * 512 / 24000:.2f} s of audio). "
            f"Ours: tritonserver over gRPC, dtype {res['dtype']}, "
            f"{'compiled GPT step (requested)' if res.get('gpt_compile') else 'TorchScript GPT step'}"
+           f"{', vocoder from CUDA graphs' if res.get('vocoder_graphs') else ''}"
            f"{', under an MPS daemon' if res.get('mps') else ''}, closed-loop clients. Upstream: `Chat.infer` in-process.", ""]
     for name in ("upstream_eager", "upstream_compile"):
         rows = res.get(name) or []
@@ -342,6 +343,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-first-lookahead", type=int, default=Deployment.stream_first_lookahead_frames,
                     help="right context of a stream's first chunk (0: as later chunks)")
     ap.add_argument("--stream-fade", type=int, default=Deployment.stream_fade_frames, help="frames cross-faded at each seam")
+    ap.add_argument("--vocoder-graphs", action=argparse.BooleanOptionalAction, default=Deployment.vocoder_graphs,
+                    help="chattts_vocoder replays its codec from CUDA graphs")
     ap.add_argument("--gpt-compile", action=argparse.BooleanOptionalAction, default=Deployment.gpt_compile,
                     help="serve the GPT decode step through torch.compile (--no-gpt-compile: the TorchScript step)")
     ap.add_argument("--gpt-admit-batch", type=int, default=Deployment.gpt_admit_batch,
@@ -378,12 +381,13 @@ def main(argv=None) -> int:
                      max_batch_size=max(64, min(per_engine, 512)), max_queue_size=4096,
                      stream_slots=max(streams + [2]), stream_lookahead_frames=a.stream_lookahead,
                      stream_first_lookahead_frames=a.stream_first_lookahead, stream_fade_frames=a.stream_fade,
-                     gpt_compile=a.gpt_compile, gpt_admit_batch=a.gpt_admit_batch,
+                     gpt_compile=a.gpt_compile, vocoder_graphs=a.vocoder_graphs, gpt_admit_batch=a.gpt_admit_batch,
                      gpt_admit_wait_steps=a.gpt_admit_wait_steps)
     res["stream_lookahead_frames"] = a.stream_lookahead or "exact"
     res["stream_first_lookahead_frames"] = a.stream_first_lookahead or "as later chunks"
     res["stream_fade_frames"] = a.stream_fade
     res["gpt_compile"] = a.gpt_compile
+    res["vocoder_graphs"] = a.vocoder_graphs
     res["mps"] = a.mps
     res["gpt_admit"] = {"batch": a.gpt_admit_batch, "wait_steps": a.gpt_admit_wait_steps}
     if a.max_concurrency or streams or a.hold_seconds:

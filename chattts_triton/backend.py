@@ -308,8 +308,12 @@ def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None):
     )
 
 
-def vocoder_service(ctx: ModelContext, version_dir: Optional[Path] = None, graphs: bool = False):
+def vocoder_service(ctx: ModelContext, version_dir: Optional[Path] = None, graphs: Optional[bool] = None):
+    """graphs: CUDA graphs of the codec (None: the model's `codec_graphs` parameter, default off)."""
     from .services import VocoderService, device_for
+
+    if graphs is None:
+        graphs = bool(ctx.param("codec_graphs", 0, cast=int))
 
     return VocoderService(version_dir or ctx.version_dir, ctx.arch, device_for(ctx.instance_kind, ctx.device_id),
                           ctx.param("artifact_format", "torchscript"), graphs=graphs)

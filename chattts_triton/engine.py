@@ -214,6 +214,7 @@ class Engine:
         # stalling the batch (H200, 512 rows: 3.7 of 11 ms per step were host work)
         self._results: Optional["queue.SimpleQueue"] = None
         self._results_thread: Optional[threading.Thread] = None
+        self._tasks: List[Callable[[], None]] = []  # run by the engine thread between steps (graph captures)
         if compile_step:
             self.compile_step()
         if start:
@@ -295,6 +296,54 @@ class Engine:
                     self._warm_batch([torch.arange(1, t + 1)] * k, 1, deadline)  # one prefill, no decode step
         if freeze and self.graph_step is not None:
             self.freeze_compiled()
+
+    def warm_graphs(self, mode: str = "code", max_len: Optional[int] = None, timeout: float = 1800.0) -> int:
+        """Capture now, before the first client, what a load would otherwise capture as it first reaches
+        a bucket (each capture synchronises the device, stalling every running request): the decode
+        graph of every batch bucket at every attention bucket up to `max_len` (default
+        WARM_DECODE_LEN), and the prefill graphs
+        of the larger prompt counts (PREFILL_WARM_LENGTHS). A capture that fails leaves its bucket
+        eager, as in serving. Returns the number of graphs held afterwards."""
+        if self.graphs is None:
+            return 0
+        deadline = time.monotonic() + timeout
+        max_len = WARM_DECODE_LEN if max_len is None else max_len
+        if self.prefill_graphs and self.prefill_by_slots:
+            for k in bucket_sizes(BATCH_STEP, self.max_slots):
+                for t in PREFILL_WARM_LENGTHS:
+                    if k not in PREFILL_WARM_BATCHES and t < self.max_context and k * t <= PREFILL_GRAPH_TOKENS:
+                        self._warm_batch([torch.arange(1, t + 1)] * k, 1, deadline)
+        lens = sorted({self.graphs.buckets(1, n)[1] for n in range(1, min(max_len, self.max_context) + 1)})
+        keys = [(bb, lb) for lb in lens for bb in bucket_sizes(BATCH_STEP, self.max_slots)]
+        self._on_engine_thread(lambda: [self.graphs.decode_graph(mode, bb, lb) for bb, lb in keys], deadline)
+        return len(self.graphs.graphs)
+
+    def _on_engine_thread(self, fn: Callable[[], object], deadline: float) -> None:
+        """Run fn where the engine's graphs run (its thread, between two steps), wait for it, raise
+        what it raised."""
+        if self.thread is None:
+            with torch.inference_mode():
+                fn()
+            return
+        done, box = threading.Event(), []
+
+        def task() -> None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001  handed to the caller
+                box.append(e)
+            finally:
+                done.set()
+
+        with self.cv:
+            if self.stopping:
+                raise EngineError("engine is stopping")
+            self._tasks.append(task)
+            self.cv.notify_all()
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            raise EngineError("engine task did not finish in time")
+        if box:
+            raise box[0]
 
     def _warm_batch(self, prompts: List[Tensor], tokens: int, deadline: float, mode: str = "code", eos: int = AUDIO_EOS) -> None:
         """Generate `tokens` for each prompt, all waiting before the engine looks (an idle engine admits
@@ -437,11 +486,16 @@ class Engine:
         """One iteration: admit (per the admission policy) with one batched prefill, then one decode
         step of every running request. False once stopped and drained."""
         with self.cv:
-            while block and not self.waiting and not self.rows and not self.stopping:
+            while block and not self.waiting and not self.rows and not self.stopping and not self._tasks:
                 self.cv.wait()
-            if self.stopping and not self.waiting and not self.rows:
-                return False
-            admitted = self._take_admissions()
+            tasks, self._tasks = self._tasks, []
+            stop = self.stopping and not self.waiting and not self.rows
+            admitted = [] if stop else self._take_admissions()
+        for task in tasks:  # each reports its own outcome
+            with torch.inference_mode():
+                task()
+        if stop:
+            return False
         try:
             with torch.inference_mode():
                 if admitted:
@@ -858,6 +912,12 @@ PREFILL_LEN_STEP = 32  # prompt-length buckets: powers of two up to this, then i
 PREFILL_GRAPH_TOKENS = 4096  # larger padded prefills run eagerly
 PREFILL_WARM_BATCHES = (1, 2, 4, 8, 16, 32)  # prefill graphs captured by warm_up: prompts per prefill ...
 PREFILL_WARM_LENGTHS = (16, 32, 64, 128)  # ... times prompt-length bucket
+WARM_DECODE_LEN = 512  # warm_graphs: decode graphs of every batch bucket up to this attention length
+
+
+def bucket_sizes(step: int, largest: int) -> List[int]:
+    """Every bucket `bucket(n, step, largest)` takes for n = 1 .. largest."""
+    return sorted({bucket(n, step, largest) for n in range(1, largest + 1)})
 
 
 class CudaGraphs(GraphCache):

@@ -76,6 +76,7 @@ class Deployment:
     # GPU: decode step through torch.compile (H200 served, 2026-12-01: 229 vs 291 ms at concurrency 1;
     # compiles ≈ 2 min at start-up; bench/README.md). CPU instances run the TorchScript step.
     gpt_compile: bool = True
+    vocoder_graphs: bool = False  # chattts_vocoder replays its codec from CUDA graphs (GPU; unmeasured, off)
 
     @classmethod
     def from_manifest(cls, man: dict) -> "Deployment":
@@ -177,6 +178,8 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     _param(pre, "artifact_format", dep.artifact_format)
 
     gpt = _python_model(GPT, dep, 1, gpu=True)  # one engine per device: it batches in flight itself
+    # so a request waiting for Triton to form a batch only waits (2.2 ms at concurrency 1 on the H200)
+    gpt.dynamic_batching.max_queue_delay_microseconds = 0
     _io(gpt.input, PROMPT_TENSORS, h, optional=("SPK_EMB", "AUDIO_PROMPT"))
     _io(gpt.input, _contract(GPT_FROM_ENSEMBLE), h, optional_contract)
     _io(gpt.input, GPT_EXTRA_INPUTS, h, optional=tuple(GPT_EXTRA_INPUTS))
@@ -189,6 +192,7 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     _io(voc.output, VOCODER_OUTPUTS, h, output=True)
     _param(voc, "artifact_format", dep.artifact_format)
     _param(voc, "dtype", dep.dtype)
+    _param(voc, "codec_graphs", int(dep.vocoder_graphs))
 
     ens = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=dep.max_batch_size)
     _io(ens.input, {n: s[:2] for n, s in ENSEMBLE_INPUTS.items()}, h, optional_contract)
@@ -274,6 +278,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-fade-frames", type=int, help="frames cross-faded at each chunk seam (0: hard cut)")
     ap.add_argument("--gpt-compile", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU instances run the decode step through torch.compile (default for new exports; each GPU instance compiles at start-up, ≈ 2 min measured)")
+    ap.add_argument("--vocoder-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="GPU chattts_vocoder instances replay the decoder and Vocos from CUDA graphs (groups of up to 16 "
+                         "utterances of up to 512 frames; off by default until measured)")
     a = ap.parse_args(argv)
     from .config import Arch
 
@@ -286,7 +293,8 @@ def main(argv=None) -> int:
     for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "gpt_slots", "gpt_context", "gpt_max_pending",
               "gpt_admit_batch", "gpt_admit_wait_steps",
               "stream_slots", "stream_max_pending", "stream_first_chunk_frames", "stream_chunk_frames",
-              "stream_lookahead_frames", "stream_first_lookahead_frames", "stream_fade_frames", "gpt_compile"):
+              "stream_lookahead_frames", "stream_first_lookahead_frames", "stream_fade_frames", "gpt_compile",
+              "vocoder_graphs"):
         v = getattr(a, k)
         if v is not None:
             setattr(dep, k, v)

@@ -371,6 +371,9 @@ class GPTService:
                 engine.warm_up(text_eos_id=text_eos_id)  # specialise / compile before the first client
                 if compiled and engine.graphs is not None and engine.graphs.failed_decode_buckets():
                     raise RuntimeError("a warm-up bucket could not be compiled and captured (see the log above)")
+                t1 = time.perf_counter()
+                if engine.warm_graphs():  # the other buckets a load reaches (a failed one just runs eagerly)
+                    log.info("GPT engine: %d CUDA graphs captured in %.1f s", len(engine.graphs.graphs), time.perf_counter() - t1)
             except BaseException:
                 engine.stop(drain=False, timeout=60)
                 raise
@@ -473,8 +476,10 @@ class GPTService:
 
 # --- decoder + vocoder -------------------------------------------------------------------------
 CODEC_BATCH_STEP = 8  # codec graph batch buckets: powers of two up to this, then its multiples
+CODEC_GRAPH_BATCH = 16  # a codec call of more items replays several graphs of at most this many
 CODEC_FRAMES_STEP = 32  # code-frame buckets, likewise
 CODEC_GRAPH_FRAMES = 4096  # padded batches over this many code frames run eagerly
+CODEC_GRAPH_ITEM_FRAMES = 512  # ... and groups of items longer than this (bounds the buckets a server meets)
 
 
 class VocoderService:
@@ -493,7 +498,7 @@ class VocoderService:
         if graphs and device.type == "cuda" and artifact_format == "torchscript":
             self.graphs = CodecGraphs(self)
         for _ in range(2):  # warm-up, as for the GPT
-            self.synthesize([(True, torch.zeros(3, arch.gpt.hidden)), (False, torch.zeros(2, NUM_VQ, dtype=torch.int64))])
+            self.synthesize_eager([(True, torch.zeros(3, arch.gpt.hidden)), (False, torch.zeros(2, NUM_VQ, dtype=torch.int64))])
 
     def execute(self, calls: Sequence[Call]) -> None:
         items = []
@@ -535,9 +540,11 @@ class VocoderService:
     def synthesize(self, items: List[tuple]) -> List[np.ndarray]:
         """(use_decoder, hidden states [T, H] or codes [T, 4]) per item → its audio."""
         if self.graphs is not None:
-            out = self.graphs.synthesize(items)
-            if out is not None:
-                return out
+            return self.graphs.synthesize(items)
+        return self.synthesize_eager(items)
+
+    def synthesize_eager(self, items: List[tuple]) -> List[np.ndarray]:
+        """`synthesize` as one eager batch per path (any sizes, both paths, empty items)."""
         mels: List[Optional[torch.Tensor]] = [None] * len(items)
         for use_decoder, net in ((True, self.decoder), (False, self.dvae)):
             idx = [i for i, (u, x) in enumerate(items) if u == use_decoder and x.shape[0] > 0]
@@ -579,24 +586,36 @@ class CodecGraphs(GraphCache):
     def buckets(self, n: int, frames: int) -> Tuple[int, int]:
         return bucket(n, CODEC_BATCH_STEP, CODEC_GRAPH_FRAMES), bucket(frames, CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES)
 
-    def synthesize(self, items: List[tuple]) -> Optional[List[np.ndarray]]:
-        """The items' audio, or None when they do not fit one graph (both paths, an empty item, over
-        CODEC_GRAPH_FRAMES padded frames): synthesize them eagerly."""
-        paths = {use_decoder for use_decoder, _ in items}
-        lens = [int(x.shape[0]) for _, x in items]
-        if len(paths) != 1 or min(lens) == 0:
-            return None
-        use_decoder = paths.pop()
-        bb, tb = self.buckets(len(items), max(lens))
-        if bb * tb > CODEC_GRAPH_FRAMES:
+    def synthesize(self, items: List[tuple]) -> List[np.ndarray]:
+        """The items' audio: per path, the items by length in graphs of at most CODEC_GRAPH_BATCH
+        (similar lengths share a frame bucket; a call for the stream model's 64 streams is 4 replays
+        of buckets captured at start-up); a group over CODEC_GRAPH_FRAMES padded frames or of items
+        over CODEC_GRAPH_ITEM_FRAMES runs eagerly, an empty item gets empty audio."""
+        out: List[Optional[np.ndarray]] = [None] * len(items)
+        for use_decoder in (True, False):
+            idx = sorted((i for i, (u, x) in enumerate(items) if u == use_decoder and x.shape[0] > 0),
+                         key=lambda i: items[i][1].shape[0])
+            for lo in range(0, len(idx), CODEC_GRAPH_BATCH):
+                group = idx[lo : lo + CODEC_GRAPH_BATCH]
+                xs = [items[i][1] for i in group]
+                audio = self._replay(use_decoder, xs)
+                if audio is None:
+                    audio = self.voc.synthesize_eager([(use_decoder, x) for x in xs])
+                for i, a in zip(group, audio):
+                    out[i] = a
+        return [np.zeros(0, np.float32) if a is None else a for a in out]
+
+    def _replay(self, use_decoder: bool, xs: List[torch.Tensor]) -> Optional[List[np.ndarray]]:
+        lens = [int(x.shape[0]) for x in xs]
+        bb, tb = self.buckets(len(xs), max(lens))
+        if bb * tb > CODEC_GRAPH_FRAMES or tb > CODEC_GRAPH_ITEM_FRAMES:
             return None
         key = ("decoder" if use_decoder else "dvae", bb, tb)
-        first = items[0][1]
-        batch = first.new_zeros((bb, tb) + tuple(first.shape[1:]))
-        for i, (_, x) in enumerate(items):
+        batch = xs[0].new_zeros((bb, tb) + tuple(xs[0].shape[1:]))
+        for i, x in enumerate(xs):
             batch[i, : x.shape[0]] = x
         lengths = torch.ones(bb, dtype=torch.int64)
-        lengths[: len(items)] = torch.tensor(lens)
+        lengths[: len(xs)] = torch.tensor(lens)
         static = self.inputs.get(key)
         if static is None:
             static = self.inputs[key] = (torch.zeros_like(batch, device=self.device), torch.ones_like(lengths, device=self.device))

@@ -40,13 +40,13 @@ import numpy as np
 import torch
 
 from .config import SAMPLES_PER_CODE, USE_DECODER_DEFAULT, samples_for_codes
-from .services import Outputs, Overloaded, get_bool
+from .services import CODEC_GRAPH_BATCH, Outputs, Overloaded, get_bool
 
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.05  # the codec thread checks cancellations this often
-WARM_STREAM_FRAMES = 256  # codec graphs captured at start-up: the window sizes of a stream this long,
-WARM_STREAM_BATCH = 8  # for 1, 2, 4 .. this many streams' windows in one call
+WARM_STREAM_FRAMES = 256  # codec graphs captured at start-up: every frame bucket up to the largest window
+# of the streams up to this long, for 1, 2, 4 .. CODEC_GRAPH_BATCH streams' windows in one call
 
 
 class Cancelled(RuntimeError):
@@ -135,6 +135,11 @@ def stream_windows(schedule: Dict[str, int], frames: int) -> List[Window]:
             wins.append(w)
             w = planner.next(n, n == frames)
     return wins
+
+
+def largest_window(schedule: Dict[str, int], longest: int) -> int:
+    """The most code frames one window decodes, over the streams of 1 .. `longest` frames."""
+    return max(w.stop - w.start for frames in range(1, longest + 1) for w in stream_windows(schedule, frames))
 
 
 def stream_schedule(arch, first_chunk: int, chunk: int, lookahead: int = 0, first_lookahead: int = 0,
@@ -230,17 +235,19 @@ class StreamService:
         self.thread.start()
 
     def warm_codec(self) -> None:
-        """With codec graphs: capture those of the windows of up to WARM_STREAM_BATCH streams decoded
-        together (decoder path) now, at start-up, rather than in some client's chunk (a capture runs
-        the codec four times and synchronises the whole GPU)."""
-        if self.voc.graphs is None:
+        """With codec graphs: capture, now at start-up rather than in some client's chunk (a capture
+        runs the codec four times and synchronises the whole GPU), the graph of every frame bucket a
+        window can fall in, for 1, 2, 4 .. CODEC_GRAPH_BATCH windows decoded together (decoder path)."""
+        graphs = self.voc.graphs
+        if graphs is None:
             return
         hidden = self.voc.arch.gpt.hidden
-        sizes = sorted({w.stop - w.start for w in stream_windows(self.schedule, WARM_STREAM_FRAMES)})
+        largest = max(largest_window(self.schedule, WARM_STREAM_FRAMES), 1)
+        frame_buckets = sorted({graphs.buckets(1, n)[1] for n in range(1, largest + 1)})
         batch = 1
-        while batch <= min(WARM_STREAM_BATCH, self.max_streams):
-            for n in sizes:
-                self.voc.synthesize([(True, torch.zeros(n, hidden))] * batch)
+        while batch <= min(CODEC_GRAPH_BATCH, self.max_streams):
+            for tb in frame_buckets:
+                self.voc.synthesize([(True, torch.zeros(tb, hidden))] * batch)
             batch *= 2
 
     # -- intake (Triton's thread, then the preprocess pool) -------------------------------------

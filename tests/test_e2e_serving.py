@@ -82,6 +82,34 @@ def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo
     assert compile_params() == ["0", "0"]
 
 
+def test_configure_vocoder_graphs_reaches_the_vocoder_service_and_persists(tiny_repo, tmp_path, monkeypatch):
+    """--vocoder-graphs (off by default) sets chattts_vocoder's codec_graphs, which its service reads;
+    the stream model keeps its own (on). A CPU instance makes no graphs whatever the flag."""
+    import shutil
+
+    from chattts_triton import services
+    from chattts_triton.backend import ModelContext, vocoder_service
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def graphs_param():
+        return rc.parse_pbtxt((repo / rc.VOCODER / "config.pbtxt").read_text()).parameters["codec_graphs"].string_value
+
+    assert graphs_param() == "0"
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--vocoder-graphs"]) == 0
+    assert graphs_param() == "1"
+    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0  # kept unless told
+    assert graphs_param() == "1"
+    asked = []
+    monkeypatch.setattr(services.VocoderService, "__init__", lambda self, *a, graphs=False, **kw: asked.append(graphs))
+    vocoder_service(ModelContext.from_repo(repo, rc.VOCODER))
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-vocoder-graphs"]) == 0
+    vocoder_service(ModelContext.from_repo(repo, rc.VOCODER))
+    assert asked == [True, False] and graphs_param() == "0"
+    assert rc.parse_pbtxt((repo / rc.STREAM / "config.pbtxt").read_text()).parameters.get("codec_graphs") is None
+
+
 def test_configure_admission_policy_reaches_the_engines_and_refuses_nonsense(tiny_repo, tmp_path, capsys):
     import shutil
 

@@ -597,6 +597,63 @@ def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compi
     assert eng.active == 0 and eng.pending == 0
 
 
+def test_warm_graphs_captures_every_bucket_a_load_reaches_on_the_engine_thread(tiny):
+    """warm_graphs on a started engine (graphs standing in eagerly on the CPU): the decode graph of
+    every batch bucket at every attention bucket up to WARM_DECODE_LEN and the prefill graphs of the
+    prompt counts past PREFILL_WARM_BATCHES, captured on the engine's own thread (where graphs
+    replay) before any client; requests served afterwards capture nothing new and get the tokens a
+    plain engine gives them."""
+    from chattts_triton.engine import (BATCH_STEP, PREFILL_GRAPH_TOKENS, PREFILL_WARM_BATCHES, PREFILL_WARM_LENGTHS,
+                                       WARM_DECODE_LEN, CudaGraphs, bucket_sizes)
+
+    arch, _, _, ours = tiny
+    reqs = [GenRequest(torch.arange(3 + i, 20 + 2 * i), SamplingParams(0.3, 0.7, 20, 1.05, 30, 30, seed=i), None) for i in range(5)]
+    plain = make_engine(ours, arch, max_slots=80, max_context=640)
+    try:
+        want = [plain.generate(r) for r in reqs]
+    finally:
+        plain.stop()
+    eng = make_engine(ours, arch, max_slots=80, max_context=640)
+    try:
+        eng.graphs = CudaGraphs(eng, capture=False)
+        threads = set()
+        decode_graph = eng.graphs.decode_graph
+
+        def on_thread(*key):
+            threads.add(threading.current_thread().name)
+            return decode_graph(*key)
+
+        eng.graphs.decode_graph = on_thread
+        assert bucket_sizes(BATCH_STEP, 80) == [1, 2, 4, 8, 16, 32, 64, 80]
+        n = eng.warm_graphs()
+        decode = {k for k in eng.graphs.graphs if k[0] == "code"}
+        assert decode == {("code", bb, lb) for bb in (1, 2, 4, 8, 16, 32, 64, 80) for lb in (128, 256, 384, 512)}
+        assert WARM_DECODE_LEN == 512 and threads == {"chattts-engine"}
+        prefill = {k for k in eng.graphs.graphs if k[0] == "prefill"}
+        assert prefill == {("prefill", k, t) for k in (64, 80) for t in PREFILL_WARM_LENGTHS
+                           if k not in PREFILL_WARM_BATCHES and k * t <= PREFILL_GRAPH_TOKENS}
+        assert n == len(eng.graphs.graphs)
+        got = [eng.generate(GenRequest(r.text_ids, r.params, None)) for r in reqs]
+        assert {k for k in eng.graphs.graphs if k[0] == "code"} == decode
+        for a, b in zip(want, got):
+            assert torch.equal(a.tokens, b.tokens)
+    finally:
+        eng.stop()
+
+
+def test_an_engine_task_fails_its_caller_not_the_engine(tiny):
+    """_on_engine_thread: what the task raises reaches the caller; the engine serves on."""
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch)
+    try:
+        with pytest.raises(ValueError, match="bad bucket"):
+            eng._on_engine_thread(lambda: (_ for _ in ()).throw(ValueError("bad bucket")), time.monotonic() + 30)
+        r = eng.generate(GenRequest(torch.arange(1, 9), SamplingParams(0.3, 0.7, 20, 1.05, 5, 5, seed=1), None))
+        assert r.finish_reason == "max_tokens"
+    finally:
+        eng.stop()
+
+
 @pytest.mark.parametrize("case", ["longer_attention_bucket", "text_mode"])
 def test_frozen_compiled_step_runs_an_unwarmed_bucket_plainly_instead_of_compiling(tiny, case):
     """A compiled engine compiles nothing after its warm-up, and the tokens stay the plain step's:

@@ -259,6 +259,14 @@ def test_every_instance_publishes_its_own_gauges_and_the_engine_counters_advance
     assert 0 < w["engine_step_device_ms"] <= w["engine_step_ms"]
 
 
+def test_only_models_that_batch_in_triton_wait_to_form_a_batch():
+    """The GPT and stream models batch in their engines: Triton's batching delay would only add latency."""
+    cfgs = rc.build_configs(_tiny_arch(), rc.Deployment(max_queue_delay_us=1500))
+    delays = {m: cfgs[m].dynamic_batching.max_queue_delay_microseconds for m in rc.MODELS + (rc.STREAM,)}
+    assert delays[rc.GPT] == delays[rc.STREAM] == 0
+    assert delays[rc.PREPROCESS] == delays[rc.VOCODER] == 1500
+
+
 def test_configs_bound_every_queue():
     cfgs = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_slots=3))
     for m in rc.MODELS:

@@ -249,7 +249,7 @@ def test_stream_codec_bench_times_a_streams_windows_alone_and_beside_the_generat
 def test_codec_graph_buckets_give_each_item_its_eager_batch_audio(tiny_assets, monkeypatch, use_decoder):
     """CodecGraphs' padding (zero frames up to the frame bucket, one-frame rows up to the batch
     bucket), run eagerly here (capture=False): each item gets the audio the eager batch gives it. A
-    batch of both paths, with an empty item, or over CODEC_GRAPH_FRAMES padded frames runs eagerly."""
+    group over CODEC_GRAPH_FRAMES padded frames runs eagerly, an empty item gets empty audio."""
     from chattts_triton import services
     from chattts_triton.services import CodecGraphs
 
@@ -270,10 +270,46 @@ def test_codec_graph_buckets_give_each_item_its_eager_batch_audio(tiny_assets, m
         assert np.abs(a - b).max() <= 1e-5
     key = ("decoder" if use_decoder else "dvae", 4, 32)
     assert list(voc.graphs.graphs) == [key]
+    long = item(services.CODEC_GRAPH_ITEM_FRAMES + 1)  # longer than graphs go: eager
+    assert [a.shape for a in voc.synthesize([long])] == [(samples_for_codes(long[1].shape[0]),)]
+    assert list(voc.graphs.graphs) == [key]
     monkeypatch.setattr(services, "CODEC_GRAPH_FRAMES", 64)
-    for eager in ([item(5), item(4, not use_decoder)], [item(5), item(0)], [item(40), item(3)]):
-        assert [a.shape for a in voc.synthesize(eager)] == [(samples_for_codes(x.shape[0]),) for _, x in eager]
-    assert list(voc.graphs.graphs) == [key]  # none of those made a graph
+    eager = [item(40), item(3)]  # one group of 2 x 64 padded frames: over the limit
+    assert [a.shape for a in voc.synthesize(eager)] == [(samples_for_codes(40),), (samples_for_codes(3),)]
+    assert [a.shape for a in voc.synthesize([item(3), item(0)])] == [(samples_for_codes(3),), (0,)]
+    assert set(voc.graphs.graphs) == {key, (key[0], 1, 4)}  # the oversized group made none
+
+
+def test_a_codec_call_of_many_items_and_both_paths_replays_graphs_of_similar_lengths(tiny_assets):
+    """A call of more items than CODEC_GRAPH_BATCH (the stream model decodes every due window of its
+    streams in one call), of both paths and with an empty item: per path, groups of at most
+    CODEC_GRAPH_BATCH items sorted by length, each item with the audio it gets alone."""
+    from chattts_triton.services import CODEC_GRAPH_BATCH, CodecGraphs
+
+    voc = _vocoder(tiny_assets, 0.1)
+    g = torch.Generator().manual_seed(7)
+    lens = [int(n) for n in torch.randint(1, 140, (2 * CODEC_GRAPH_BATCH + 3,), generator=g)] + [0]
+    items = []
+    for j, n in enumerate(lens):
+        if j % 3:
+            items.append((True, torch.randn(n, TINY_ARCH.gpt.hidden, generator=g) * 0.5))
+        else:
+            items.append((False, torch.randint(0, TINY_ARCH.num_audio_tokens - 1, (n, NUM_VQ), generator=g)))
+    alone = [voc.synthesize([it])[0] for it in items]
+    voc.graphs = CodecGraphs(voc, capture=False)
+    got = voc.synthesize(items)
+    assert [a.shape for a in got] == [a.shape for a in alone] == [(samples_for_codes(n),) for n in lens]
+    for a, b in zip(got[:-1], alone[:-1]):  # the last is the empty one
+        assert np.abs(a - b).max() <= 1e-5
+    keys = set(voc.graphs.graphs)
+    assert {k[0] for k in keys} == {"decoder", "dvae"} and max(k[1] for k in keys) == CODEC_GRAPH_BATCH
+    # sorted by length: the decoder's first group holds its 16 shortest items, so its frame bucket
+    # is that of the 16th shortest, not of the longest
+    dec = sorted(n for (u, _), n in zip(items, lens) if u and n)
+    from chattts_triton.graphs import bucket
+    from chattts_triton.services import CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES
+
+    assert ("decoder", CODEC_GRAPH_BATCH, bucket(dec[CODEC_GRAPH_BATCH - 1], CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES)) in keys
 
 
 # --- the service, without Triton ------------------------------------------------------------------
@@ -332,11 +368,11 @@ def stream_service(tiny_repo):
 
 def test_codec_graphs_of_the_stream_windows_are_made_at_start_up(stream_service, tiny_repo, monkeypatch):
     """warm_codec (run by the constructor when the codec has graphs, i.e. on a GPU) makes the graph of
-    every window size a stream meets, for 1, 2, 4, 8 streams decoded together, so no client's chunk
-    waits for a capture."""
+    every frame bucket a window can fall in, for 1, 2, 4, 8, 16 windows decoded together, so no
+    client's chunk waits for a capture."""
     from chattts_triton.backend import stream_service as factory
     from chattts_triton.graphs import bucket
-    from chattts_triton.services import CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES, CodecGraphs
+    from chattts_triton.services import CODEC_FRAMES_STEP, CODEC_GRAPH_BATCH, CODEC_GRAPH_FRAMES, CodecGraphs
     from chattts_triton.streaming import WARM_STREAM_FRAMES, StreamService, stream_windows
 
     voc = stream_service.voc
@@ -344,10 +380,14 @@ def test_codec_graphs_of_the_stream_windows_are_made_at_start_up(stream_service,
     voc.graphs = CodecGraphs(voc, capture=False)
     try:
         stream_service.warm_codec()
-        sizes = {w.stop - w.start for w in stream_windows(stream_service.schedule, WARM_STREAM_FRAMES)}
+        sizes = {w.stop - w.start for n in range(1, WARM_STREAM_FRAMES + 1) for w in stream_windows(stream_service.schedule, n)}
         assert len(sizes) >= 3  # the first window, the later ones, the last
-        assert set(voc.graphs.graphs) == {("decoder", b, bucket(n, CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES))
-                                          for b in (1, 2, 4, 8) for n in sizes}
+        warmed = set(voc.graphs.graphs)
+        # every window of every stream, alone or with up to CODEC_GRAPH_BATCH - 1 others
+        assert {("decoder", b, bucket(n, CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES))
+                for b in (1, 2, 4, 8, 16) for n in sizes} <= warmed
+        assert CODEC_GRAPH_BATCH == 16 and stream_service.max_streams >= 16
+        assert {k[0] for k in warmed} == {"decoder"} and max(k[2] for k in warmed) == bucket(max(sizes), CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES)
     finally:
         voc.graphs = None
     calls = []
