@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
 import socket
 import time
@@ -66,28 +67,36 @@ async def _drive(url: str, concurrency: int, seconds: float, frames: int) -> flo
         return done / (time.monotonic() - t0)
 
 
+@contextlib.contextmanager
+def stand_in_server(frames: int):
+    """A stand-in gRPC server (another process) answering every ModelInfer at once with `frames`
+    code frames of audio; yields its "host:port"."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    server = ctx.Process(target=_serve, args=(port, samples_for_codes(frames), ready), daemon=True)
+    server.start()
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("the stand-in server did not start")
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.join(10)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,64,512")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--frames", type=int, default=150)
     a = ap.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    server = ctx.Process(target=_serve, args=(port, samples_for_codes(a.frames), ready), daemon=True)
-    server.start()
-    try:
-        if not ready.wait(60):
-            raise SystemExit("the stand-in server did not start")
+    with stand_in_server(a.frames) as url:
         for c in (int(x) for x in a.concurrency.split(",") if x):
-            rate = asyncio.run(_drive(f"127.0.0.1:{port}", c, a.seconds, a.frames))
+            rate = asyncio.run(_drive(url, c, a.seconds, a.frames))
             print(f"concurrency {c}: {rate:.1f} utterances/s through the client alone", flush=True)
-    finally:
-        server.terminate()
-        server.join(10)
     return 0
 
 

@@ -174,6 +174,7 @@ async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, second
 
     done = errors = 0
     samples: List[dict] = []
+    late: List[float] = []  # latencies (s) of the utterances finished in the second half: steady state
     t_start = time.monotonic()
     stop = t_start + seconds
     async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=600, max_concurrency=concurrency) as client:
@@ -181,9 +182,12 @@ async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, second
             nonlocal done, errors
             k = 0
             while time.monotonic() < stop:
+                t0 = time.monotonic()
                 try:
                     await client.synthesize(TEXT, seed=7919 * i + k, min_new_tokens=tokens, max_new_tokens=tokens)
                     done += 1
+                    if time.monotonic() - t_start >= seconds / 2:
+                        late.append(time.monotonic() - t0)
                 except Exception:  # noqa: BLE001
                     errors += 1
                 k += 1
@@ -201,6 +205,7 @@ async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, second
     half = [s["gpu_memory_mib"] for s in samples if s["gpu_memory_mib"] is not None and s["t_s"] >= seconds / 2]
     return {"concurrency": concurrency, "seconds": seconds, "utterances": done, "errors": errors,
             "throughput_utt_s": done / seconds, "samples": samples,
+            "latency_p50_ms_second_half": _pct(late, 50), "latency_p99_ms_second_half": _pct(late, 99),
             "gpu_memory_min_mib": min(mems) if mems else None, "gpu_memory_max_mib": max(mems) if mems else None,
             "gpu_memory_growth_second_half_mib": (max(half) - min(half)) if half else None}
 
@@ -268,7 +273,10 @@ def to_markdown(res: dict) -> str:
     h = res.get("hold")
     if h:
         out += [f"## {h['seconds']:.0f} s at concurrency {h['concurrency']}", "",
-                f"{h['throughput_utt_s']:.1f} utterances/s, {h['errors']} errors; GPU memory {h['gpu_memory_min_mib']}–"
+                f"{h['throughput_utt_s']:.1f} utterances/s, {h['errors']} errors"
+                + (f"; over the second half latency p50 {h['latency_p50_ms_second_half']:.0f} ms, p99 "
+                   f"{h['latency_p99_ms_second_half']:.0f} ms" if h.get("latency_p99_ms_second_half") is not None else "")
+                + f"; GPU memory {h['gpu_memory_min_mib']}–"
                 f"{h['gpu_memory_max_mib']} MiB, growth over the second half {h['gpu_memory_growth_second_half_mib']} MiB.", ""]
     rows = res.get("served") or []
     if rows:

@@ -356,3 +356,20 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     old = {i: {k: v for k, v in c.items() if k != "engine_step_device_seconds"} for i, c in after.items()}
     w_old = engine_window(before, old, 2.0)  # a server from before the device counter
     assert w_old["engine_step_device_ms"] is None and w_old["engine_step_ms"] == w["engine_step_ms"]
+
+
+def test_bench_hold_reports_the_steady_state_latency_beside_memory():
+    """bench.run's hold (GPU memory over a long constant load) also reports the latency of the
+    utterances finished in its second half, against a stand-in server that answers at once."""
+    import asyncio
+
+    from bench.client_capacity import stand_in_server
+    from bench.run import hold, to_markdown
+
+    with stand_in_server(frames=20) as url:
+        h = asyncio.run(hold(url, None, tokens=20, concurrency=4, seconds=4.0, every_s=0.5))
+    assert h["utterances"] > 20 and h["errors"] == 0 and h["samples"]
+    assert 0 < h["latency_p50_ms_second_half"] <= h["latency_p99_ms_second_half"] < 4000
+    assert h["gpu_memory_min_mib"] is None  # no metrics endpoint here
+    md = to_markdown({"date": "d", "device_name": "cpu", "tokens": 20, "dtype": "fp32", "hold": h})
+    assert f"p99 {h['latency_p99_ms_second_half']:.0f} ms" in md
