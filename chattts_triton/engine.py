@@ -315,13 +315,22 @@ class Engine:
                         self._warm_batch([torch.arange(1, t + 1)] * k, 1, deadline)
         lens = sorted({self.graphs.buckets(1, n)[1] for n in range(1, min(max_len, self.max_context) + 1)})
         keys = [(bb, lb) for lb in lens for bb in bucket_sizes(BATCH_STEP, self.max_slots)]
-        self._on_engine_thread(lambda: [self.graphs.decode_graph(mode, bb, lb) for bb, lb in keys], deadline)
+
+        def capture() -> None:
+            # a capture's warm-up steps every row of its bucket in `mode`: a live row of the other mode
+            # would be stepped with the wrong head (the lazy path only meets buckets of its rows' mode)
+            if self.rows:
+                raise EngineError("warm_graphs needs an idle engine (requests are running)")
+            for bb, lb in keys:
+                self.graphs.decode_graph(mode, bb, lb)
+
+        self._on_engine_thread(capture, deadline)
         return len(self.graphs.graphs)
 
     def _on_engine_thread(self, fn: Callable[[], object], deadline: float) -> None:
         """Run fn where the engine's graphs run (its thread, between two steps), wait for it, raise
         what it raised."""
-        if self.thread is None:
+        if self.thread is None or self.thread is threading.current_thread():
             with torch.inference_mode():
                 fn()
             return
@@ -340,8 +349,11 @@ class Engine:
                 raise EngineError("engine is stopping")
             self._tasks.append(task)
             self.cv.notify_all()
-        if not done.wait(max(0.0, deadline - time.monotonic())):
-            raise EngineError("engine task did not finish in time")
+        while not done.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if not self.thread.is_alive():
+                raise EngineError("the engine thread has ended")
+            if time.monotonic() >= deadline:
+                raise EngineError("engine task did not finish in time")
         if box:
             raise box[0]
 
@@ -834,7 +846,7 @@ class Engine:
             # steps launched meanwhile (a copy made on its own thread queues behind those and took
             # a step's time per result: ≈ 180 results/s at most on the H200)
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(self.device))  # where _d2h queued the copies
             for _, res in results:
                 if res.tokens is not None:
                     res.ready = ready
@@ -901,7 +913,12 @@ class Engine:
     @staticmethod
     def _call(req: GenRequest, res: GenResult) -> None:
         try:
-            req.on_done(res.wait())
+            res.wait()
+        except Exception as e:  # noqa: BLE001  the copies failed (a device error): fail the request, never drop it
+            log.exception("a finished result's copies failed")
+            res = GenResult(None, None, "error", error=e, steps=res.steps)
+        try:
+            req.on_done(res)
         except Exception:  # a failing callback must not take the engine down
             log.exception("generation callback failed")
 

@@ -371,12 +371,15 @@ class GPTService:
                 engine.warm_up(text_eos_id=text_eos_id)  # specialise / compile before the first client
                 if compiled and engine.graphs is not None and engine.graphs.failed_decode_buckets():
                     raise RuntimeError("a warm-up bucket could not be compiled and captured (see the log above)")
-                t1 = time.perf_counter()
-                if engine.warm_graphs():  # the other buckets a load reaches (a failed one just runs eagerly)
-                    log.info("GPT engine: %d CUDA graphs captured in %.1f s", len(engine.graphs.graphs), time.perf_counter() - t1)
             except BaseException:
                 engine.stop(drain=False, timeout=60)
                 raise
+            t1 = time.perf_counter()
+            try:  # the other buckets a load reaches; not fatal: they would be captured on first use
+                if engine.warm_graphs():
+                    log.info("GPT engine: %d CUDA graphs captured in %.1f s", len(engine.graphs.graphs), time.perf_counter() - t1)
+            except Exception:  # noqa: BLE001
+                log.exception("capturing the remaining CUDA graphs at start-up failed; they are captured on first use")
             log.info("GPT engine warm (%s) in %.1f s", "compiled step" if compiled else "TorchScript", time.perf_counter() - t0)
             return engine
 
@@ -592,17 +595,21 @@ class CodecGraphs(GraphCache):
         of buckets captured at start-up); a group over CODEC_GRAPH_FRAMES padded frames or of items
         over CODEC_GRAPH_ITEM_FRAMES runs eagerly, an empty item gets empty audio."""
         out: List[Optional[np.ndarray]] = [None] * len(items)
+        eager: List[int] = []
         for use_decoder in (True, False):
             idx = sorted((i for i, (u, x) in enumerate(items) if u == use_decoder and x.shape[0] > 0),
                          key=lambda i: items[i][1].shape[0])
             for lo in range(0, len(idx), CODEC_GRAPH_BATCH):
                 group = idx[lo : lo + CODEC_GRAPH_BATCH]
-                xs = [items[i][1] for i in group]
-                audio = self._replay(use_decoder, xs)
+                audio = self._replay(use_decoder, [items[i][1] for i in group])
                 if audio is None:
-                    audio = self.voc.synthesize_eager([(use_decoder, x) for x in xs])
+                    eager += group
+                    continue
                 for i, a in zip(group, audio):
                     out[i] = a
+        if eager:  # what did not fit a graph: one eager batch per path
+            for i, a in zip(eager, self.voc.synthesize_eager([items[i] for i in eager])):
+                out[i] = a
         return [np.zeros(0, np.float32) if a is None else a for a in out]
 
     def _replay(self, use_decoder: bool, xs: List[torch.Tensor]) -> Optional[List[np.ndarray]]:

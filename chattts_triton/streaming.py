@@ -138,7 +138,8 @@ def stream_windows(schedule: Dict[str, int], frames: int) -> List[Window]:
 
 
 def largest_window(schedule: Dict[str, int], longest: int) -> int:
-    """The most code frames one window decodes, over the streams of 1 .. `longest` frames."""
+    """The most code frames one window decodes, over the streams of 1 .. `longest` frames arriving one
+    by one (frames that arrive in a burst can make a longer window: its graph is captured when met)."""
     return max(w.stop - w.start for frames in range(1, longest + 1) for w in stream_windows(schedule, frames))
 
 
@@ -237,18 +238,18 @@ class StreamService:
     def warm_codec(self) -> None:
         """With codec graphs: capture, now at start-up rather than in some client's chunk (a capture
         runs the codec four times and synchronises the whole GPU), the graph of every frame bucket a
-        window can fall in, for 1, 2, 4 .. CODEC_GRAPH_BATCH windows decoded together (decoder path)."""
+        window can fall in, for every batch bucket of 1 .. CODEC_GRAPH_BATCH windows decoded together
+        (decoder path)."""
         graphs = self.voc.graphs
         if graphs is None:
             return
         hidden = self.voc.arch.gpt.hidden
         largest = max(largest_window(self.schedule, WARM_STREAM_FRAMES), 1)
         frame_buckets = sorted({graphs.buckets(1, n)[1] for n in range(1, largest + 1)})
-        batch = 1
-        while batch <= min(CODEC_GRAPH_BATCH, self.max_streams):
+        batches = sorted({graphs.buckets(n, 1)[0] for n in range(1, min(CODEC_GRAPH_BATCH, self.max_streams) + 1)})
+        for batch in batches:
             for tb in frame_buckets:
                 self.voc.synthesize([(True, torch.zeros(tb, hidden))] * batch)
-            batch *= 2
 
     # -- intake (Triton's thread, then the preprocess pool) -------------------------------------
     def execute(self, calls: Sequence[StreamCall]) -> None:

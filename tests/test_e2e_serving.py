@@ -107,6 +107,9 @@ def test_configure_vocoder_graphs_reaches_the_vocoder_service_and_persists(tiny_
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-vocoder-graphs"]) == 0
     vocoder_service(ModelContext.from_repo(repo, rc.VOCODER))
     assert asked == [True, False] and graphs_param() == "0"
+    monkeypatch.undo()
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--vocoder-graphs"]) == 0
+    assert vocoder_service(ModelContext.from_repo(repo, rc.VOCODER)).graphs is None  # a CPU instance
     assert rc.parse_pbtxt((repo / rc.STREAM / "config.pbtxt").read_text()).parameters.get("codec_graphs") is None
 
 

@@ -642,16 +642,52 @@ def test_warm_graphs_captures_every_bucket_a_load_reaches_on_the_engine_thread(t
 
 
 def test_an_engine_task_fails_its_caller_not_the_engine(tiny):
-    """_on_engine_thread: what the task raises reaches the caller; the engine serves on."""
+    """_on_engine_thread: what the task raises reaches the caller; a task asking for another runs it
+    in place (no wait on itself); the engine serves on."""
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch)
     try:
         with pytest.raises(ValueError, match="bad bucket"):
             eng._on_engine_thread(lambda: (_ for _ in ()).throw(ValueError("bad bucket")), time.monotonic() + 30)
+        names, t0 = [], time.monotonic()
+        inner = lambda: names.append(threading.current_thread().name)  # noqa: E731
+        eng._on_engine_thread(lambda: eng._on_engine_thread(inner, time.monotonic() + 30), time.monotonic() + 30)
+        assert names == ["chattts-engine"] and time.monotonic() - t0 < 10
         r = eng.generate(GenRequest(torch.arange(1, 9), SamplingParams(0.3, 0.7, 20, 1.05, 5, 5, seed=1), None))
         assert r.finish_reason == "max_tokens"
     finally:
         eng.stop()
+
+
+def test_warm_graphs_refuses_an_engine_with_running_requests(tiny):
+    """Its warm-up steps run every row of a bucket in one mode: with requests running it refuses
+    rather than step them."""
+    from chattts_triton.engine import CudaGraphs, EngineError
+
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, start=False)
+    eng.graphs = CudaGraphs(eng, capture=False)
+    eng.submit(GenRequest(torch.arange(1, 9), SamplingParams(0.3, 0.7, 20, 1.05, 20, 20, seed=1), None))
+    eng._run_once(block=False)
+    assert eng.active == 1
+    with pytest.raises(EngineError, match="idle"):
+        eng.warm_graphs()
+    assert not [k for k in eng.graphs.graphs if k[0] == "code" and k[2] > 128]
+
+
+def test_a_result_whose_copies_failed_reaches_its_consumer_as_an_error():
+    """Engine._call: if waiting for a finished result's host copies raises (a device error), the
+    consumer still gets one reply, an error, instead of none."""
+    from chattts_triton.engine import GenResult
+
+    class Broken:
+        def synchronize(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    got = []
+    req = GenRequest(torch.arange(1, 5), SamplingParams(0.3, 0.7, 20, 1.05, 5, 5, seed=0), got.append)
+    Engine._call(req, GenResult(torch.zeros(5, 4), None, "max_tokens", steps=5, ready=Broken()))
+    assert len(got) == 1 and got[0].finish_reason == "error" and "illegal memory" in str(got[0].error)
 
 
 @pytest.mark.parametrize("case", ["longer_attention_bucket", "text_mode"])

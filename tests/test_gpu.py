@@ -43,7 +43,7 @@ def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets, compiled):
             up_ids, up_h = upstream_generate(emb, g, ids.cuda(), n, m)
             r = eng.generate(GenRequest(text_ids=ids, params=SamplingParams(1e-5, 0.7, 20, 1.05, n, m, seed=0), on_done=None))
             assert torch.equal(r.tokens.cpu(), up_ids.cpu())
-            assert (r.hiddens - up_h).abs().max().item() <= 1e-3
+            assert (r.hiddens - up_h.cpu()).abs().max().item() <= 1e-3
     finally:
         eng.stop()
 
