@@ -290,10 +290,8 @@ class Engine:
         for mode, eos in modes:
             for n in rounds:
                 self._warm_batch([torch.arange(1, 9)] * n, tokens, deadline, mode, eos)
-        if self.graphs is not None and self.prefill_graphs and self.prefill_by_slots:
-            for k in (k for k in PREFILL_WARM_BATCHES if k <= self.max_slots):
-                for t in (t for t in PREFILL_WARM_LENGTHS if t < self.max_context and k * t <= PREFILL_GRAPH_TOKENS):
-                    self._warm_batch([torch.arange(1, t + 1)] * k, 1, deadline)  # one prefill, no decode step
+        if self.graphs is not None:
+            self._warm_prefills([k for k in PREFILL_WARM_BATCHES if k <= self.max_slots], deadline)
         if freeze and self.graph_step is not None:
             self.freeze_compiled()
 
@@ -301,18 +299,13 @@ class Engine:
         """Capture now, before the first client, what a load would otherwise capture as it first reaches
         a bucket (each capture synchronises the device, stalling every running request): the decode
         graph of every batch bucket at every attention bucket up to `max_len` (default
-        WARM_DECODE_LEN), and the prefill graphs
-        of the larger prompt counts (PREFILL_WARM_LENGTHS). A capture that fails leaves its bucket
-        eager, as in serving. Returns the number of graphs held afterwards."""
+        WARM_DECODE_LEN), and the prefill graphs of the prompt counts `warm_up` left out. A capture
+        that fails leaves its bucket eager, as in serving. Returns the number of graphs held afterwards."""
         if self.graphs is None:
             return 0
         deadline = time.monotonic() + timeout
         max_len = WARM_DECODE_LEN if max_len is None else max_len
-        if self.prefill_graphs and self.prefill_by_slots:
-            for k in bucket_sizes(BATCH_STEP, self.max_slots):
-                for t in PREFILL_WARM_LENGTHS:
-                    if k not in PREFILL_WARM_BATCHES and t < self.max_context and k * t <= PREFILL_GRAPH_TOKENS:
-                        self._warm_batch([torch.arange(1, t + 1)] * k, 1, deadline)
+        self._warm_prefills([k for k in bucket_sizes(BATCH_STEP, self.max_slots) if k not in PREFILL_WARM_BATCHES], deadline)
         lens = sorted({self.graphs.buckets(1, n)[1] for n in range(1, min(max_len, self.max_context) + 1)})
         keys = [(bb, lb) for lb in lens for bb in bucket_sizes(BATCH_STEP, self.max_slots)]
 
@@ -326,6 +319,16 @@ class Engine:
 
         self._on_engine_thread(capture, deadline)
         return len(self.graphs.graphs)
+
+    def _warm_prefills(self, counts: List[int], deadline: float) -> None:
+        """One prefill (no decode step) of k prompts per PREFILL_WARM_LENGTHS bucket that graphs take,
+        for each k in `counts`: their graphs are captured now."""
+        if not (self.prefill_graphs and self.prefill_by_slots):
+            return
+        for k in counts:
+            for t in PREFILL_WARM_LENGTHS:
+                if t < self.max_context and k * t <= PREFILL_GRAPH_TOKENS:
+                    self._warm_batch([torch.arange(1, t + 1)] * k, 1, deadline)
 
     def _on_engine_thread(self, fn: Callable[[], object], deadline: float) -> None:
         """Run fn where the engine's graphs run (its thread, between two steps), wait for it, raise

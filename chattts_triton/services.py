@@ -465,9 +465,9 @@ class GPTService:
             if res.finish_reason in ("cancelled", "error"):
                 reply(res.error or RuntimeError(f"generation {res.finish_reason}"))
                 return
-            toks = to_host(res.tokens)
+            toks = res.tokens  # host memory: the engine copies a finished request's tensors
             codes = toks.unsqueeze(-1).expand(-1, NUM_VQ) if refine else toks
-            hid = to_host(res.hiddens) if res.hiddens is not None else torch.zeros(0, h)
+            hid = res.hiddens if res.hiddens is not None else torch.zeros(0, h)
             reply({"CODES": codes.numpy().reshape(1, -1, NUM_VQ).astype(np.int64),
                    "HIDDENS": hid.numpy().reshape(1, -1, h).astype(np.float32)})
 
@@ -487,8 +487,8 @@ CODEC_GRAPH_ITEM_FRAMES = 512  # ... and groups of items longer than this (bound
 
 class VocoderService:
     """Codes or hidden states → 24 kHz audio, batched across requests, each trimmed to its length.
-    graphs (CUDA, TorchScript artifacts): batches that fit run from `CodecGraphs` (the stream model's
-    codec, whose windows come in a few sizes)."""
+    graphs (CUDA, TorchScript artifacts): groups that fit run from `CodecGraphs` (on for the stream
+    model's codec, whose windows come in a few sizes; opt-in for chattts_vocoder)."""
 
     def __init__(self, version_dir: Path, arch: Arch, device: torch.device, artifact_format: str, graphs: bool = False):
         self.arch = arch
@@ -576,9 +576,9 @@ class VocoderService:
 class CodecGraphs(GraphCache):
     """`VocoderService.synthesize` of one padded batch (every item through the decoder, or every one
     through the DVAE, then Vocos) replayed from a CUDA graph per (path, batch bucket, frame bucket):
-    a codec call is one launch instead of hundreds. Beside a generating engine (the stream model) a
-    4-ms call took up to 200 ms on the H200, its launches held up one engine step at a time (the
-    suspect, bench/README). Bucket padding: zero frames, and rows of one code frame (their samples are
+    a codec call is one launch instead of hundreds. Beside a generating engine (the stream model) an
+    eager call took 103.5 ms p50 on the H200, its launches queued behind the engine's steps, and
+    2.6 ms from its graph (bench/README, seventh session). Bucket padding: zero frames, and rows of one code frame (their samples are
     dropped with the rest of the padding)."""
 
     def __init__(self, voc: "VocoderService", capture: bool = True):
