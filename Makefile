@@ -44,7 +44,7 @@ help: ## list the targets
 $(VENV)/.installed: requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-cache-dir -r requirements.txt  # no second copy of torch's CUDA wheels in pip's cache
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 
