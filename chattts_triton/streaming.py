@@ -83,10 +83,13 @@ class ChunkPlanner:
     first chunk (None: `lookahead`); `fade`: frames cross-faded at each seam (module docstring);
     `exact`: the lookahead from which a window's decode equals the whole one
     (codec.stream_lookahead_codes): such windows hold nothing, their seams need no fade (None: every
-    window holds)."""
+    window holds); `max_window`: the most frames one window decodes (None: no cap) — frames that
+    arrive in a burst (a codec call that lagged) are sent as several windows of at most this many,
+    so a burst never needs a codec graph that was not captured at start-up. `next` then returns the
+    next window each time it is called, until it returns None."""
 
     def __init__(self, first_chunk: int, chunk: int, lookahead: int, first_lookahead: Optional[int] = None,
-                 fade: int = 0, exact: Optional[int] = None):
+                 fade: int = 0, exact: Optional[int] = None, max_window: Optional[int] = None):
         first_lookahead = lookahead if first_lookahead is None else first_lookahead
         if min(first_chunk, chunk, lookahead, first_lookahead) < 1:
             raise ValueError("chunk sizes and lookaheads must be ≥ 1 code frame, got first chunk "
@@ -95,8 +98,12 @@ class ChunkPlanner:
         if not 0 <= fade <= most:
             raise ValueError(f"fade must be 0..{most} frames (at most the chunk, and shorter than either lookahead: "
                              f"the held frames need frames to their right), got {fade}")
+        self.min_window = max(first_chunk + first_lookahead, lookahead + chunk + lookahead)  # a window without a burst
+        if max_window is not None and max_window < self.min_window:
+            raise ValueError(f"max_window must be at least {self.min_window} frames (a chunk with its left and right "
+                             f"context), got {max_window}")
         self.first_chunk, self.chunk, self.lookahead = first_chunk, chunk, lookahead
-        self.first_lookahead, self.fade, self.exact = first_lookahead, fade, exact
+        self.first_lookahead, self.fade, self.exact, self.max_window = first_lookahead, fade, exact, max_window
         self.sent = 0  # code frames whose samples were sent (all samples, once final)
         self.finished = False
 
@@ -113,12 +120,14 @@ class ChunkPlanner:
             return None
         start = max(0, self.sent - self.lookahead)
         first = (self.sent - start) * SAMPLES_PER_CODE
-        if done:
+        stop = frames if self.max_window is None else min(frames, start + self.max_window)
+        if done and stop == frames:
             self.finished = True
             return Window(start, frames, first, samples_for_codes(frames) - start * SAMPLES_PER_CODE, True)
         if frames < self.tokens_needed():
             return None
         right = self._right()
+        frames = stop
         end = frames - right  # everything that already has its right context
         hold = self.fade if self.exact is None or right < self.exact else 0
         w = Window(start, frames, first, (end - start) * SAMPLES_PER_CODE, False, hold * SAMPLES_PER_CODE)
@@ -139,7 +148,7 @@ def stream_windows(schedule: Dict[str, int], frames: int) -> List[Window]:
 
 def largest_window(schedule: Dict[str, int], longest: int) -> int:
     """The most code frames one window decodes, over the streams of 1 .. `longest` frames arriving one
-    by one (frames that arrive in a burst can make a longer window: its graph is captured when met)."""
+    by one (frames that arrive in a burst make longer windows unless `max_window` caps them)."""
     return max(w.stop - w.start for frames in range(1, longest + 1) for w in stream_windows(schedule, frames))
 
 
@@ -215,9 +224,11 @@ class StreamService:
     def __init__(self, preprocess, gpt, vocoder, first_chunk: int, chunk: int, lookahead: int,
                  max_streams: int, drain_file: str = "", first_lookahead: Optional[int] = None, fade: int = 0,
                  exact: Optional[int] = None):
-        self.schedule = dict(first_chunk=first_chunk, chunk=chunk, lookahead=lookahead,
-                             first_lookahead=first_lookahead, fade=fade, exact=exact)
-        ChunkPlanner(**self.schedule)  # validate the schedule at start, not per request
+        schedule = dict(first_chunk=first_chunk, chunk=chunk, lookahead=lookahead,
+                        first_lookahead=first_lookahead, fade=fade, exact=exact)
+        smallest = ChunkPlanner(**schedule).min_window  # validates the schedule at start, not per request
+        # bursts are split into windows no longer than the ones warm_codec captures graphs for
+        self.schedule = dict(schedule, max_window=max(largest_window(schedule, WARM_STREAM_FRAMES), smallest))
         self.pre, self.gpt, self.voc = preprocess, gpt, vocoder
         self.max_streams = max_streams
         self.drain_file = drain_file
@@ -244,8 +255,7 @@ class StreamService:
         if graphs is None:
             return
         hidden = self.voc.arch.gpt.hidden
-        largest = max(largest_window(self.schedule, WARM_STREAM_FRAMES), 1)
-        frame_buckets = sorted({graphs.buckets(1, n)[1] for n in range(1, largest + 1)})
+        frame_buckets = sorted({graphs.buckets(1, n)[1] for n in range(1, self.schedule["max_window"] + 1)})
         batches = sorted({graphs.buckets(n, 1)[0] for n in range(1, min(CODEC_GRAPH_BATCH, self.max_streams) + 1)})
         for batch in batches:
             for tb in frame_buckets:
@@ -359,9 +369,11 @@ class StreamService:
             if s.error is not None:
                 self._finish(s, error=Cancelled("request cancelled") if s.call.cancelled() else s.error)
                 continue
-            w = s.planner.next(s.frames(), s.done)
-            if w is not None:
+            frames = s.frames()
+            w = s.planner.next(frames, s.done)
+            while w is not None:  # several after a burst
                 due.append((s, w))
+                w = s.planner.next(frames, s.done)
         if not due:
             return
         items = [(s.use_decoder, s.window_input(w)) for s, w in due]

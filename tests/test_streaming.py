@@ -30,11 +30,15 @@ def plan_all(planner: ChunkPlanner, total: int, arrivals):
     for k in arrivals:
         n = min(total, n + k)
         w = planner.next(n, False)
-        if w is not None:
+        while w is not None:
             wins.append((n, w))
+            w = planner.next(n, False)
         if n == total:
             break
-    wins.append((total, planner.next(total, True)))
+    w = planner.next(total, True)
+    while w is not None:
+        wins.append((total, w))
+        w = planner.next(total, True)
     return wins
 
 
@@ -42,11 +46,19 @@ def plan_all(planner: ChunkPlanner, total: int, arrivals):
 @pytest.mark.parametrize("first,chunk,look,first_look,fade",
                          [(8, 32, 53, None, 0), (1, 1, 1, None, 0), (3, 5, 14, None, 0), (8, 32, 53, 8, 4),
                           (3, 5, 14, 3, 2), (2, 3, 4, 2, 1)])
-def test_planned_chunks_tile_the_utterance_and_see_their_context(total, first, chunk, look, first_look, fade):
+@pytest.mark.parametrize("burst,cap", [(9, None), (90, None), (90, 0), (90, 7)])
+def test_planned_chunks_tile_the_utterance_and_see_their_context(total, first, chunk, look, first_look, fade, burst, cap):
+    """Frames arrive in random bursts of up to `burst`; `cap`: max_window above the smallest allowed."""
     rng = random.Random(total * 7 + first)
-    planner = ChunkPlanner(first, chunk, look, first_look, fade)
-    wins = plan_all(planner, total, [rng.randint(1, 9) for _ in range(1000)])
+    smallest = ChunkPlanner(first, chunk, look, first_look, fade).min_window
+    max_window = None if cap is None else smallest + cap
+    planner = ChunkPlanner(first, chunk, look, first_look, fade, max_window=max_window)
+    wins = plan_all(planner, total, [rng.randint(1, burst) for _ in range(1000)])
     assert wins[-1][1].final and all(not w.final for _, w in wins[:-1])
+    if max_window is not None:
+        assert max(w.stop - w.start for _, w in wins) <= max_window
+        if total > 2 * max_window:
+            assert len(wins) > total // max_window  # the bursts were split
     pos, held = 0, 0
     for k, (n, w) in enumerate(wins):
         g0, g1 = w.start * SAMPLES_PER_CODE + w.first, w.start * SAMPLES_PER_CODE + w.last
@@ -81,9 +93,22 @@ def test_first_chunk_waits_only_for_its_frames_plus_lookahead():
     holds = [w.hold for w in (p.next(16, False), p.next(93, False), p.next(125, False), p.next(150, True))]
     assert holds == [4 * SAMPLES_PER_CODE, 0, 0, 0]  # exact windows hold nothing: their seams are exact
     for bad in [(8, 32, 0), (8, 32, 53, 0), (8, 32, 53, 8, 9), (8, 3, 53, 8, 4), (8, 32, 4, 8, 4), (8, 32, 53, 8, 8),
-                (8, 32, 53, 8, -1)]:
+                (8, 32, 53, 8, -1), (8, 32, 53, 8, 4, 53, 137)]:
         with pytest.raises(ValueError):
             ChunkPlanner(*bad)
+
+
+def test_a_burst_of_frames_is_sent_as_windows_no_longer_than_the_cap():
+    p = ChunkPlanner(8, 32, 53, first_lookahead=8, fade=4, exact=53, max_window=138)
+    assert p.min_window == 138  # 53 frames each side of a 32-frame chunk
+    wins = [p.next(300, False) for _ in range(5)]  # 300 frames at once: not one window of 300
+    assert [(w.start, w.stop, w.last // SAMPLES_PER_CODE) for w in wins[:4]] == [
+        (0, 138, 130), (77, 215, 85), (109, 247, 85), (141, 279, 85)]  # each sends what has its right context
+    assert wins[4] is None  # the next chunk needs 53 frames after the 226 sent
+    last = [p.next(400, True) for _ in range(5)]  # done with 400: still capped, the final one last
+    assert [(w.start, w.stop, w.final) for w in last[:4]] == [
+        (173, 311, False), (205, 343, False), (237, 375, False), (269, 400, True)]
+    assert last[4] is None
 
 
 def test_stream_schedule_reads_zero_as_exact_and_caps_at_the_receptive_field():
@@ -418,6 +443,30 @@ def test_stream_service_chunks_equal_the_offline_audio(stream_service, n):
     assert np.abs(audio - ref).max() <= 1e-5
     if n == 60:
         assert len(rec.chunks) > 3
+
+
+def test_frames_that_pile_up_behind_a_slow_codec_are_sent_in_capped_windows(stream_service, monkeypatch):
+    """A codec call that lags lets frames pile up; they go out as several windows of at most the
+    warmed length (no codec graph captured mid-run) and the stream still equals the offline audio."""
+    svc, calls = stream_service, []
+    synthesize = svc.voc.synthesize
+
+    def slow(items):
+        calls.append([int(x.shape[0]) for _, x in items])
+        time.sleep(0.3)  # the engine keeps generating meanwhile
+        return synthesize(items)
+
+    monkeypatch.setattr(svc.voc, "synthesize", slow)
+    cap = svc.schedule["max_window"]
+    rec = Recorder(contract(n=3 * cap))
+    svc.execute([rec.call])
+    assert rec.ended.wait(120) and rec.error is None and rec.final == 1
+    monkeypatch.undo()
+    assert max(max(c) for c in calls) <= cap
+    assert max(len(c) for c in calls) > 1  # one stream, several windows in a call: a burst was split
+    audio = np.concatenate(rec.chunks)
+    ref = offline(svc, contract(n=3 * cap))
+    assert audio.shape == ref.shape and np.abs(audio - ref).max() <= 1e-5
 
 
 def first_chunk_steps(svc, n: int = 200):
