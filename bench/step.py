@@ -12,6 +12,9 @@ Variants: `script` = the exported TorchScript (what `chattts_gpt` serves by defa
 the same module unscripted, `compile` = the engine step compiled by torch.compile (inductor), one
 compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all buckets; each with
 `_unfused` appended: q/k/v and gate/up as five GEMMs per layer (the model before `fuse_projections`).
+`--profile N`: also profile N steps of each batch launched without a graph (torch.profiler) and
+record the device kernels per step, their summed time and the most expensive kernels: where a
+launch-bound step's time goes (on a CPU, the leaf operators instead of kernels).
 """
 
 from __future__ import annotations
@@ -75,6 +78,33 @@ def _forward_graph(engine, b: int, attn_len: int):
     return g.replay
 
 
+def _profile(fn, steps: int, cuda: bool, top: int = 12) -> dict:
+    """Kernels of `steps` calls of `fn`: per step, how many and their summed ms, and the `top` kernels
+    by time (on a CPU: leaf operators, a proxy for what a GPU would launch)."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    want = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    kernels = [e for e in prof.events() if e.device_type == want and (cuda or not e.cpu_children)]
+    by_name = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by_name[e.name][0] += 1
+        by_name[e.name][1] += e.time_range.elapsed_us() / 1000
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels_per_step": round(len(kernels) / steps, 1),
+            "kernel_ms_per_step": round(sum(v[1] for v in by_name.values()) / steps, 4),
+            "top": [{"name": name[:120], "per_step": round(n / steps, 2), "ms_per_step": round(ms / steps, 4)}
+                    for name, (n, ms) in ranked]}
+
+
 def _time_prefill(engine, k: int, t: int, graphed: bool, iters: int) -> float:
     """Median wall ms of admitting k prompts of t tokens into an idle engine (`Engine._prefill`)."""
     from chattts_triton.engine import GenRequest, SamplingParams
@@ -119,6 +149,10 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
                 step_ms = _time_wall(lambda: engine.step_core(0, b, args.attn_len, "code", engine.n_live), args.iters)
                 fwd_ms = _time_wall(_forward(engine, b, args.attn_len), args.iters)
             row = {"step_ms": round(step_ms, 3), "forward_ms": round(fwd_ms, 3), "rest_ms": round(step_ms - fwd_ms, 3)}
+            if args.profile:
+                with torch.inference_mode():
+                    row["profile"] = _profile(lambda: engine.step_core(0, b, args.attn_len, "code", engine.n_live),
+                                              args.profile, cuda)
             out["batches"][b] = row
             print(f"[{variant}] batch {b:4d}: {row}", flush=True)
             continue
@@ -133,6 +167,9 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
             if not variant.startswith("compile"):  # the compiled step has no separate forward to time
                 fwd_ms = _time_graph(_forward_graph(engine, b, args.attn_len), args.iters)
                 row.update(forward_ms=round(fwd_ms, 4), rest_ms=round(step_ms - fwd_ms, 4))
+            if args.profile:  # the step's own launches, without the graph (the same kernels)
+                step = engine.graph_step or engine.step_core  # compiled variants: inductor's kernels
+                row["profile"] = _profile(lambda: step(0, b, args.attn_len, "code", engine.n_live), args.profile, cuda)
         out["batches"][b] = row
         print(f"[{variant}] batch {b:4d}: {row}", flush=True)
     out["prefill"] = {}
@@ -160,6 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile N ungraphed steps per batch: kernels per step, their time, the top ones")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: the eager step and prefill as the CPU engine runs them (script/eager variants)")

@@ -895,13 +895,20 @@ def test_step_bench_times_steps_and_prefills_of_each_variant_on_cpu(tiny_assets,
 
     args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32",
             "--batches", "1,2", "--variants", "script,script_unfused", "--iters", "2", "--prefill", "1x8,4x16",
-            "--context", "128", "--max-new-tokens", "16", "--attn-len", "32"]
+            "--context", "128", "--max-new-tokens", "16", "--attn-len", "32", "--profile", "2"]
     assert step.main(args) == 0
+    ops = {}
     for variant in ("script", "script_unfused"):
         res = json.loads((tmp_path / f"step-{variant}.json").read_text())
         assert res["variant"] == variant and res["gpu"] == "cpu"
         assert set(res["batches"]) == {"1", "2"} and all(r["step_ms"] > 0 and r["forward_ms"] > 0 for r in res["batches"].values())
+        prof = res["batches"]["1"]["profile"]
+        assert prof["kernel_ms_per_step"] > 0 and 0 < len(prof["top"]) <= 12
+        assert sum(k["per_step"] for k in prof["top"]) <= prof["kernels_per_step"]
+        ops[variant] = prof["kernels_per_step"]
         assert set(res["prefill"]) == {"1x8", "4x16"} and all(r["eager_ms"] > 0 for r in res["prefill"].values())
+    # fused projections: one GEMM for q/k/v and one for gate/up instead of five per layer
+    assert ops["script"] < ops["script_unfused"], ops
     with pytest.raises(SystemExit, match="on a CPU"):  # inductor's step is a GPU variant
         step.main([a if a != "script,script_unfused" else "compile" for a in args])
 
