@@ -357,6 +357,8 @@ def main(argv=None) -> int:
                     help="serve the GPT decode step through torch.compile (--no-gpt-compile: the TorchScript step)")
     ap.add_argument("--gpt-admit-batch", type=int, default=Deployment.gpt_admit_batch,
                     help="prefill waiting requests together once this many wait (engine admission policy)")
+    ap.add_argument("--max-queue-delay-us", type=int, default=Deployment.max_queue_delay_us,
+                    help="preprocess and vocoder batching delay (the GPT's is 0)")
     ap.add_argument("--gpt-admit-wait-steps", type=int, default=Deployment.gpt_admit_wait_steps,
                     help="... or once the oldest has waited this many decode steps")
     ap.add_argument("--mps", action="store_true",
@@ -390,7 +392,7 @@ def main(argv=None) -> int:
                      stream_slots=max(streams + [2]), stream_lookahead_frames=a.stream_lookahead,
                      stream_first_lookahead_frames=a.stream_first_lookahead, stream_fade_frames=a.stream_fade,
                      gpt_compile=a.gpt_compile, vocoder_graphs=a.vocoder_graphs, gpt_admit_batch=a.gpt_admit_batch,
-                     gpt_admit_wait_steps=a.gpt_admit_wait_steps)
+                     gpt_admit_wait_steps=a.gpt_admit_wait_steps, max_queue_delay_us=a.max_queue_delay_us)
     res["stream_lookahead_frames"] = a.stream_lookahead or "exact"
     res["stream_first_lookahead_frames"] = a.stream_first_lookahead or "as later chunks"
     res["stream_fade_frames"] = a.stream_fade
@@ -398,6 +400,7 @@ def main(argv=None) -> int:
     res["vocoder_graphs"] = a.vocoder_graphs
     res["mps"] = a.mps
     res["gpt_admit"] = {"batch": a.gpt_admit_batch, "wait_steps": a.gpt_admit_wait_steps}
+    res["max_queue_delay_us"] = a.max_queue_delay_us
     if a.max_concurrency or streams or a.hold_seconds:
         log(f"exporting {a.assets} → {a.repo} ({a.dtype})")
         export_repository(a.assets, a.repo, ["torchscript"], a.dtype, "cpu", dep, progress=log)

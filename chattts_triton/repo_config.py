@@ -150,6 +150,8 @@ def _engine_params(cfg, dep: "Deployment", slots: int, pending: int) -> None:
 
 
 def _python_model(name: str, dep: Deployment, instances: int, gpu: bool) -> mc.ModelConfig:
+    if dep.max_queue_delay_us < 0:
+        raise ValueError(f"max_queue_delay_us must be ≥ 0, got {dep.max_queue_delay_us}")
     cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=dep.max_batch_size)
     db = cfg.dynamic_batching
     db.max_queue_delay_microseconds = dep.max_queue_delay_us
@@ -261,6 +263,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch-size", type=int)
     ap.add_argument("--max-queue-size", type=int)
     ap.add_argument("--queue-timeout-us", type=int)
+    ap.add_argument("--max-queue-delay-us", type=int,
+                    help="how long chattts_preprocess and chattts_vocoder wait to form a batch (the GPT and stream "
+                         "models batch in their engines and never wait)")
     ap.add_argument("--gpt-slots", type=int)
     ap.add_argument("--gpt-context", type=int)
     ap.add_argument("--gpt-max-pending", type=int, help="generations running + waiting per GPT engine before UNAVAILABLE (0: no bound)")
@@ -290,7 +295,7 @@ def main(argv=None) -> int:
     if a.instances < 1:
         ap.error("--instances must be ≥ 1")
     dep.instances = a.instances
-    for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "gpt_slots", "gpt_context", "gpt_max_pending",
+    for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "max_queue_delay_us", "gpt_slots", "gpt_context", "gpt_max_pending",
               "gpt_admit_batch", "gpt_admit_wait_steps",
               "stream_slots", "stream_max_pending", "stream_first_chunk_frames", "stream_chunk_frames",
               "stream_lookahead_frames", "stream_first_lookahead_frames", "stream_fade_frames", "gpt_compile",

@@ -135,6 +135,27 @@ def test_configure_admission_policy_reaches_the_engines_and_refuses_nonsense(tin
     assert rc.parse_pbtxt((repo / rc.GPT / "config.pbtxt").read_text()).parameters["admit_batch"].string_value == "8"
 
 
+def test_configure_batching_delay_of_the_batching_models_only(tiny_repo, tmp_path, capsys):
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def delays():
+        return {m: rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).dynamic_batching.max_queue_delay_microseconds
+                for m in (rc.PREPROCESS, rc.GPT, rc.VOCODER, rc.STREAM)}
+
+    assert delays() == {rc.PREPROCESS: 2000, rc.GPT: 0, rc.VOCODER: 2000, rc.STREAM: 0}
+    assert rc.main(["--repo", str(repo), "--max-queue-delay-us", "0"]) == 0
+    assert set(delays().values()) == {0}
+    assert rc.main(["--repo", str(repo)]) == 0  # kept unless told
+    assert set(delays().values()) == {0}
+    with pytest.raises(SystemExit) as e:
+        rc.main(["--repo", str(repo), "--max-queue-delay-us", "-1"])
+    assert e.value.code == 2 and "max_queue_delay_us must be ≥ 0" in capsys.readouterr().err
+    assert set(delays().values()) == {0}
+
+
 def test_configure_stream_schedule_persists_and_refuses_a_fade_longer_than_the_lookahead(tiny_repo, tmp_path, capsys):
     import shutil
 
