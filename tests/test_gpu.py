@@ -220,3 +220,59 @@ def test_stream_first_chunk_leaves_while_the_utterance_is_generated_on_gpu(tiny_
         assert steps < 100, f"the first chunk waited for {steps} of 200 steps"
     finally:
         svc.close()
+
+
+def test_warm_graphs_captures_every_decode_bucket_before_a_load_on_gpu(tiny_assets):
+    """Engine.warm_graphs with real captures (the CPU test stands them in eagerly): every batch bucket
+    at every attention bucket up to WARM_DECODE_LEN is captured, none failed, and a load of several
+    batch sizes and prompt lengths afterwards captures no decode graph (each capture would stall the
+    running requests)."""
+    import time
+
+    from chattts_triton.engine import BATCH_STEP, WARM_DECODE_LEN, bucket_sizes
+
+    arch = infer_arch(tiny_assets)
+    model = torch.jit.script(load_gpt(tiny_assets, arch).cuda())
+    eng = _engine(model, arch, True, slots=40)
+    try:
+        t0 = time.monotonic()
+        eng.warm_graphs()
+        decode = {k: v for k, v in eng.graphs.graphs.items() if k[0] == "code"}
+        print(f"warm_graphs: {len(eng.graphs.graphs)} graphs in {time.monotonic() - t0:.1f} s")
+        assert set(decode) == {("code", bb, lb) for bb in bucket_sizes(BATCH_STEP, 40) for lb in (128, 256, 384, 512)}
+        assert WARM_DECODE_LEN == 512 and all(v is not None for v in decode.values())
+        done: "queue.Queue" = queue.Queue()
+        waves = [1, 3, 20]  # requests submitted together, one wave after another
+        for w, n in enumerate(waves):
+            for i in range(n):
+                prompt = torch.arange(1, 8 + 37 * i % 300)  # up to ≈ 300 + 150 positions: attention buckets to 512
+                eng.submit(GenRequest(prompt, SamplingParams(0.3, 0.7, 20, 1.05, 150, 150, seed=100 * w + i), done.put))
+            results = [done.get(timeout=600).wait() for _ in range(n)]
+            assert [r.finish_reason for r in results] == ["max_tokens"] * n
+        assert {k for k in eng.graphs.graphs if k[0] == "code"} == set(decode)
+    finally:
+        eng.stop()
+
+
+def test_stream_codec_captures_nothing_after_start_up_on_gpu(tiny_repo):
+    """chattts_stream's codec graphs are all captured by warm_codec: 20 streams at once, frames piling
+    up behind the codec calls included (windows capped at the warmed length), add no codec graph."""
+    import time
+
+    from chattts_triton.backend import ModelContext, stream_service
+    from chattts_triton.repo_config import STREAM
+    from tests.test_streaming import Recorder, contract
+
+    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", first_chunk_frames=4, chunk_frames=8,
+                                                max_slots=32, max_pending=32))
+    try:
+        warmed = set(svc.voc.graphs.graphs)
+        assert warmed and all(v is not None for v in svc.voc.graphs.graphs.values())
+        recs = [Recorder(contract(n=60 + 7 * i, seed=i)) for i in range(20)]
+        t0 = time.monotonic()
+        svc.execute([r.call for r in recs])
+        assert all(r.ended.wait(300) for r in recs) and all(r.error is None and r.final == 1 for r in recs)
+        print(f"20 streams in {time.monotonic() - t0:.2f} s; counters {svc.counters}")
+        assert set(svc.voc.graphs.graphs) == warmed, set(svc.voc.graphs.graphs) - warmed
+    finally:
+        svc.close()
