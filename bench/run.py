@@ -358,7 +358,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpt-admit-batch", type=int, default=Deployment.gpt_admit_batch,
                     help="prefill waiting requests together once this many wait (engine admission policy)")
     ap.add_argument("--max-queue-delay-us", type=int, default=Deployment.max_queue_delay_us,
-                    help="preprocess and vocoder batching delay (the GPT's is 0)")
+                    help="the vocoder's batching delay (the other models' is 0)")
     ap.add_argument("--gpt-admit-wait-steps", type=int, default=Deployment.gpt_admit_wait_steps,
                     help="... or once the oldest has waited this many decode steps")
     ap.add_argument("--mps", action="store_true",

@@ -135,7 +135,7 @@ def test_configure_admission_policy_reaches_the_engines_and_refuses_nonsense(tin
     assert rc.parse_pbtxt((repo / rc.GPT / "config.pbtxt").read_text()).parameters["admit_batch"].string_value == "8"
 
 
-def test_configure_batching_delay_of_the_batching_models_only(tiny_repo, tmp_path, capsys):
+def test_configure_batching_delay_of_the_vocoder_only(tiny_repo, tmp_path, capsys):
     import shutil
 
     repo = tmp_path / "repo"
@@ -145,7 +145,7 @@ def test_configure_batching_delay_of_the_batching_models_only(tiny_repo, tmp_pat
         return {m: rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).dynamic_batching.max_queue_delay_microseconds
                 for m in (rc.PREPROCESS, rc.GPT, rc.VOCODER, rc.STREAM)}
 
-    assert delays() == {rc.PREPROCESS: 2000, rc.GPT: 0, rc.VOCODER: 2000, rc.STREAM: 0}
+    assert delays() == {rc.PREPROCESS: 0, rc.GPT: 0, rc.VOCODER: 2000, rc.STREAM: 0}
     assert rc.main(["--repo", str(repo), "--max-queue-delay-us", "0"]) == 0
     assert set(delays().values()) == {0}
     assert rc.main(["--repo", str(repo)]) == 0  # kept unless told

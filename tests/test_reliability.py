@@ -260,11 +260,12 @@ def test_every_instance_publishes_its_own_gauges_and_the_engine_counters_advance
 
 
 def test_only_models_that_batch_in_triton_wait_to_form_a_batch():
-    """The GPT and stream models batch in their engines: Triton's batching delay would only add latency."""
+    """The GPT and stream models batch in their engines and the preprocess model prepares each request
+    on its own: Triton's batching delay would only add latency to them."""
     cfgs = rc.build_configs(_tiny_arch(), rc.Deployment(max_queue_delay_us=1500))
     delays = {m: cfgs[m].dynamic_batching.max_queue_delay_microseconds for m in rc.MODELS + (rc.STREAM,)}
-    assert delays[rc.GPT] == delays[rc.STREAM] == 0
-    assert delays[rc.PREPROCESS] == delays[rc.VOCODER] == 1500
+    assert delays[rc.GPT] == delays[rc.STREAM] == delays[rc.PREPROCESS] == 0
+    assert delays[rc.VOCODER] == 1500
 
 
 def test_configs_bound_every_queue():
