@@ -132,6 +132,8 @@ STAT_HELP = {
     "engine_step_rows": "rows (generations) summed over decode steps (cumulative); / engine_steps = mean batch",
     "engine_step_seconds": "wall time in decode steps, host work included (cumulative)",
     "engine_step_device_seconds": "of engine_step_seconds, launch to the step's host sync (the GPU's part, as the host waits for it; the rest is host bookkeeping)",
+    "engine_step_gpu_seconds": "CUDA: summed span of the sampled decode steps on the GPU's clock (cumulative; / engine_step_gpu_samples = GPU ms per step)",
+    "engine_step_gpu_samples": "CUDA: decode steps timed on the GPU's clock (one in 8; cumulative)",
     "engine_prefill_seconds": "wall time in prefills (cumulative); with engine_step_seconds, the engine's busy time",
     "engine_results_pending": "finished generations whose results wait for their consumer (grows if replies are stuck)",
     "streams": "streams in flight in this instance",

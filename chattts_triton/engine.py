@@ -194,6 +194,12 @@ class Engine:
         self.step_rows = 0
         self.step_seconds = 0.0
         self.step_device_seconds = 0.0  # of step_seconds: launch to the step's host sync (the rest is host bookkeeping)
+        # CUDA, every GPU_TIMING_EVERY-th step: the step's span on the GPU's own clock (events around its
+        # launch). Set beside step_device_seconds it separates a slow GPU (kernels, other processes' time
+        # slices) from a host that comes back late (the launch, or the GIL held by another thread)
+        self.step_gpu_seconds = 0.0
+        self.step_gpu_samples = 0
+        self._step_events: Optional[Tuple[Any, Any]] = None
         self.prefill_seconds = 0.0
         self.cache_dtype = cache_dtype
         self.cuda_graphs = cuda_graphs
@@ -450,6 +456,7 @@ class Engine:
         return {"engine_active": self.active, "engine_waiting": self.pending, "engine_steps": self.steps,
                 "engine_step_rows": self.step_rows, "engine_step_seconds": round(self.step_seconds, 6),
                 "engine_step_device_seconds": round(self.step_device_seconds, 6),
+                "engine_step_gpu_seconds": round(self.step_gpu_seconds, 6), "engine_step_gpu_samples": self.step_gpu_samples,
                 "engine_prefill_seconds": round(self.prefill_seconds, 6),
                 "engine_results_pending": self._results.qsize() if self._results is not None else 0}
 
@@ -707,6 +714,11 @@ class Engine:
         n_text = int(self.h_text[:b].sum())
         mode = "code" if n_text == 0 else "text" if n_text == b else "mixed"
         hit = None
+        timed = self.device.type == "cuda" and self.steps % GPU_TIMING_EVERY == 0
+        if timed:
+            if self._step_events is None:
+                self._step_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._step_events[0].record()
         t0 = time.perf_counter()
         if self.graphs is not None and mode != "mixed":
             hit = self.graphs.step(b, attn_len, mode)
@@ -716,8 +728,13 @@ class Engine:
                 text = self.h_text[:b]
                 groups = [(m, self._h2d(torch.from_numpy(np.flatnonzero(sel)))) for m, sel in (("code", ~text), ("text", text))]
             hit = self.step_core(0, b, attn_len, mode, None, groups)
+        if timed:
+            self._step_events[1].record()
         hit_host = self._host_sync(hit[:b])
         self.step_device_seconds += time.perf_counter() - t0
+        if timed:  # both events are done: the sync came after the second
+            self.step_gpu_seconds += self._step_events[0].elapsed_time(self._step_events[1]) / 1000
+            self.step_gpu_samples += 1
         self.steps += 1
         self._deliver()
         self._advance(0, b, hit_host)
@@ -926,6 +943,7 @@ class Engine:
             log.exception("generation callback failed")
 
 
+GPU_TIMING_EVERY = 8  # decode steps per one timed on the GPU's clock (two events and a query each)
 BATCH_STEP = 32  # batch buckets: powers of two up to this, then its multiples (≤ 31 padding rows)
 LEN_STEP = 128  # attention-length buckets: multiples of this
 PREFILL_LEN_STEP = 32  # prompt-length buckets: powers of two up to this, then its multiples

@@ -36,7 +36,7 @@ ERROR_PAUSE_S = 0.05  # a failing worker pauses briefly instead of spinning on a
 GPU_MEMORY_METRIC = "nv_gpu_memory_used_bytes"
 # cumulative gauges of each GPT engine instance (chattts_triton.backend.STAT_HELP)
 ENGINE_COUNTERS = ("engine_steps", "engine_step_rows", "engine_step_seconds", "engine_step_device_seconds",
-                   "engine_prefill_seconds")
+                   "engine_step_gpu_seconds", "engine_step_gpu_samples", "engine_prefill_seconds")
 ENGINE_MODEL = "chattts_gpt"
 _COUNTER_LINE = re.compile(r"chattts_(\w+)\{([^}]*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -205,7 +205,7 @@ def engine_window(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str
     """Over a window: mean wall ms of a decode step, mean rows per step, and the share of the
     window the engines were busy (stepping or prefilling; 1.0 = the GPT loop never waited)."""
     if not after or seconds <= 0:
-        return {"engine_step_ms": None, "engine_step_device_ms": None, "engine_prefill_ms_per_step": None,
+        return {"engine_step_ms": None, "engine_step_device_ms": None, "engine_step_gpu_ms": None, "engine_prefill_ms_per_step": None,
                 "engine_batch": None, "engine_busy": None}
     d = {k: 0.0 for k in ENGINE_COUNTERS}
     d.update(counter_deltas(before, after))
@@ -215,6 +215,9 @@ def engine_window(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str
         # servers from before this counter do not publish it: n/a, not 0
         "engine_step_device_ms": 1000.0 * d["engine_step_device_seconds"] / steps
         if steps and all("engine_step_device_seconds" in c for c in after.values()) else None,
+        # CUDA only, sampled steps: the GPU's own span of a step (device ms minus this: the host came back late)
+        "engine_step_gpu_ms": 1000.0 * d["engine_step_gpu_seconds"] / d["engine_step_gpu_samples"]
+        if d["engine_step_gpu_samples"] else None,
         "engine_prefill_ms_per_step": 1000.0 * d["engine_prefill_seconds"] / steps if steps else None,
         "engine_batch": d["engine_step_rows"] / steps if steps else None,
         "engine_busy": (d["engine_step_seconds"] + d["engine_prefill_seconds"]) / (seconds * len(after)),
@@ -379,7 +382,9 @@ async def run_sweep(cfg: SweepConfig, log=print) -> List[dict]:
             log(
                 f"concurrency {c}: p50 {_f(row['latency_p50_ms'], '.0f')} ms  p90 {_f(row['latency_p90_ms'], '.0f')} ms  "
                 f"{row['throughput_utt_s']:.2f} utt/s  RTF p50 {_f(row['rtf_p50'])}  errors {row['error_rate']:.1%}"
-                + (f"  GPT step {_f(row['engine_step_ms'], '.2f')} ms (device {_f(row.get('engine_step_device_ms'), '.2f')}, "
+                + (f"  GPT step {_f(row['engine_step_ms'], '.2f')} ms (device {_f(row.get('engine_step_device_ms'), '.2f')}"
+                   + (f", GPU clock {row['engine_step_gpu_ms']:.2f}" if row.get("engine_step_gpu_ms") is not None else "")
+                   + ", "
                    f"prefill/step {_f(row.get('engine_prefill_ms_per_step'), '.2f')}) batch {_f(row['engine_batch'], '.1f')} "
                    f"busy {_f(row['engine_busy'], '.0%')}" if row.get("engine_step_ms") is not None else "")
                 + ("" if row["stable"] else "  (unstable)")
@@ -409,6 +414,7 @@ MAIN_COLUMNS = [
     ("gpu_memory_mib", "GPU MiB", ".0f"),
     ("engine_step_ms", "GPT step ms", ".2f"),
     ("engine_step_device_ms", "of it device ms", ".2f"),
+    ("engine_step_gpu_ms", "GPU clock ms", ".2f"),
     ("engine_prefill_ms_per_step", "prefill ms/step", ".2f"),
     ("engine_batch", "GPT batch", ".1f"),
     ("engine_busy", "GPT busy", ".0%"),

@@ -925,6 +925,7 @@ def test_engine_counts_its_steps_rows_and_busy_time(tiny):
     assert s["engine_steps"] == 19 and s["engine_step_rows"] == 9 * 2 + 10
     assert s["engine_step_seconds"] > 0 and s["engine_prefill_seconds"] > 0 and s["engine_active"] == 0
     assert 0 < s["engine_step_device_seconds"] <= s["engine_step_seconds"]
+    assert s["engine_step_gpu_seconds"] == s["engine_step_gpu_samples"] == 0  # CPU: no GPU clock to read
 
 
 def test_a_slow_result_consumer_does_not_hold_up_the_running_batch(tiny):

@@ -175,7 +175,7 @@ def test_sweep_reports(tmp_path):
     cfg = sweep.SweepConfig(url="h:1", step_seconds=10)
     paths = sweep.write_outputs(tmp_path, rows, cfg)
     md = paths["md"].read_text()
-    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | n/a | n/a | yes |" in md
+    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | n/a | n/a | n/a | yes |" in md
     assert "| 4 | chattts | 40 | 10 | 4.00 | 1.0 | 20.0 | 4×10 |" in md
     with paths["csv"].open() as f:
         table = list(csv.DictReader(f))
@@ -329,7 +329,7 @@ def test_sweep_produces_table_and_plot(served_tiny, tmp_path):
 def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     from loadtest.sweep import engine_window, parse_engine_counters
 
-    def text(a_steps, a_rows, a_step_s, b_steps, b_rows, b_step_s, prefill_s):
+    def text(a_steps, a_rows, a_step_s, b_steps, b_rows, b_step_s, prefill_s, gpu=True):
         rows = []
         for inst, (steps, rows_, step_s) in {"chattts_gpt_0_0": (a_steps, a_rows, a_step_s),
                                              "chattts_gpt_1_0": (b_steps, b_rows, b_step_s)}.items():
@@ -337,6 +337,8 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
                      f'chattts_engine_step_rows{{instance="{inst}",model="chattts_gpt"}} {rows_}',
                      f'chattts_engine_step_seconds{{model="chattts_gpt",instance="{inst}"}} {step_s}',
                      f'chattts_engine_step_device_seconds{{model="chattts_gpt",instance="{inst}"}} {step_s / 2}',
+                     f'chattts_engine_step_gpu_seconds{{model="chattts_gpt",instance="{inst}"}} {step_s / 8 if gpu else 0}',
+                     f'chattts_engine_step_gpu_samples{{model="chattts_gpt",instance="{inst}"}} {steps // 8 if gpu else 0}',
                      f'chattts_engine_prefill_seconds{{instance="{inst}",model="chattts_gpt"}} {prefill_s}',
                      f'chattts_engine_active{{instance="{inst}",model="chattts_gpt"}} 7']
         rows.append('chattts_engine_steps{instance="chattts_stream_0_0",model="chattts_stream"} 999')
@@ -349,6 +351,11 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     w = engine_window(before, after, 2.0)
     assert w["engine_step_ms"] == pytest.approx(1000 * (0.8 + 0.8) / (200 + 200))
     assert w["engine_step_device_ms"] == pytest.approx(1000 * (0.4 + 0.4) / (200 + 200))
+    # sampled steps on the GPU's clock: (1.3 - 0.5) / 8 s over (300 - 100) // 8 samples, and the same for b
+    assert w["engine_step_gpu_ms"] == pytest.approx(1000 * (0.1 + 0.1) / (25 + 25))
+    cpu = engine_window(parse_engine_counters(text(100, 1000, 0.5, 50, 100, 0.2, 0.1, gpu=False)),
+                        parse_engine_counters(text(300, 3000, 1.3, 250, 900, 1.0, 0.3, gpu=False)), 2.0)
+    assert cpu["engine_step_gpu_ms"] is None and cpu["engine_step_ms"] == w["engine_step_ms"]  # no samples: n/a
     assert w["engine_prefill_ms_per_step"] == pytest.approx(1000 * (0.2 + 0.2) / (200 + 200))
     assert w["engine_batch"] == pytest.approx((2000 + 800) / 400)
     assert w["engine_busy"] == pytest.approx((0.8 + 0.8 + 0.2 + 0.2) / (2.0 * 2))
@@ -356,6 +363,8 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     old = {i: {k: v for k, v in c.items() if k != "engine_step_device_seconds"} for i, c in after.items()}
     w_old = engine_window(before, old, 2.0)  # a server from before the device counter
     assert w_old["engine_step_device_ms"] is None and w_old["engine_step_ms"] == w["engine_step_ms"]
+    old = {i: {k: v for k, v in c.items() if not k.startswith("engine_step_gpu")} for i, c in after.items()}
+    assert engine_window(before, old, 2.0)["engine_step_gpu_ms"] is None  # a server from before the GPU clock
 
 
 def test_bench_hold_reports_the_steady_state_latency_beside_memory():
