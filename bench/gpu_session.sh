@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see bench/bundle.py):
-#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step codec
+#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step codec gil
 # (test: PYTEST_ARGS picks the tests, default the whole GPU suite)
 # Writes logs and results under $OUT (or build/gpu-out).
 set -uo pipefail
@@ -28,6 +28,10 @@ for stage in "$@"; do
       [ -f build/codec-repo/manifest.json ] || python3 -m export --assets build/assets-full --out build/codec-repo \
         --formats torchscript --dtype bf16 --gpus 0 ${CODEC_EXPORT_ARGS:-} 2>&1 | tail -2
       python3 -m bench.stream_codec --repo build/codec-repo --out "$OUT/stream-codec.json" 2>&1 | tee "$OUT/stream_codec.log" ;;
+    gil)  # who holds the GIL in the GPT model's process under load (bench/gil.py; GIL_ARGS)
+      [ -f build/bench-repo/manifest.json ] || python3 -m export --assets build/assets-full --out build/bench-repo \
+        --formats torchscript --dtype bf16 --gpus 0 2>&1 | tail -2
+      python3 -m bench.gil --repo build/bench-repo --out "$OUT/gil.json" ${GIL_ARGS:---concurrency 256 --tokens 150} 2>&1 | tee "$OUT/gil.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
@@ -125,6 +126,10 @@ def _gauge(pb_utils, name: str, description: str, ctx: ModelContext):
 
 
 STATS_PERIOD_S = 0.25  # how often a service's stats() refresh its gauges
+# the in-flight gauge follows a change within this (serve's drain polls every 0.2 s): set per request,
+# its IPC round trip to the server held the GIL twice per request (py-spy: a third of the stub's main
+# thread's GIL time on the CPU), time the engine thread waits for
+INFLIGHT_PUBLISH_S = 0.05
 STAT_HELP = {
     "engine_active": "generations running in this instance's engine",
     "engine_waiting": "generations waiting for an engine slot",
@@ -158,30 +163,41 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
             self.inflight = 0
             self.idle = threading.Condition()
             self.gauge = _gauge(pb_utils, INFLIGHT_METRIC, "requests admitted and not yet answered", self.ctx)
+            self.stat_gauges = {}
             self.decoupled = bool(self.ctx.config.get("model_transaction_policy", {}).get("decoupled"))
             self.closed = threading.Event()
             if hasattr(self.service, "stats"):  # e.g. engine slots in use: a cancel shows up here
                 self.stat_gauges = {k: _gauge(pb_utils, f"chattts_{k}", STAT_HELP.get(k, f"{k} of this model instance"), self.ctx)
                                     for k in self.service.stats()}
-                threading.Thread(target=self._publish_stats, name="chattts-stats", daemon=True).start()
+            if self.gauge is not None or self.stat_gauges:
+                threading.Thread(target=self._publish, name="chattts-metrics", daemon=True).start()
 
-        def _publish_stats(self) -> None:
-            while not self.closed.wait(STATS_PERIOD_S):
+        def _publish(self) -> None:
+            """The gauges, from this thread only: the in-flight count when it changed (within
+            INFLIGHT_PUBLISH_S), the service's stats every STATS_PERIOD_S."""
+            published, stats_due = None, 0.0
+            while not self.closed.wait(INFLIGHT_PUBLISH_S):
                 try:
-                    for k, v in self.service.stats().items():
-                        g = self.stat_gauges.get(k)
-                        if g is not None:
-                            g[1].set(v)
+                    n = self.inflight
+                    if self.gauge is not None and n != published:
+                        self.gauge[1].set(n)
+                        published = n
+                    now = time.monotonic()
+                    if self.stat_gauges and now >= stats_due:
+                        stats_due = now + STATS_PERIOD_S
+                        for k, v in self.service.stats().items():
+                            g = self.stat_gauges.get(k)
+                            if g is not None:
+                                g[1].set(v)
                 except Exception:  # noqa: BLE001  metrics are best effort
-                    log.exception("publishing stats failed")
+                    log.exception("publishing metrics failed")
                     return
 
         def _count(self, delta: int) -> None:
             with self.idle:
                 self.inflight += delta
-                if self.gauge is not None:
-                    self.gauge[1].set(self.inflight)
-                self.idle.notify_all()
+                if self.inflight <= 0:
+                    self.idle.notify_all()
 
         def _reply(self, request):
             sender = request.get_response_sender()

@@ -382,3 +382,20 @@ def test_bench_hold_reports_the_steady_state_latency_beside_memory():
     assert h["gpu_memory_min_mib"] is None  # no metrics endpoint here
     md = to_markdown({"date": "d", "device_name": "cpu", "tokens": 20, "dtype": "fp32", "hold": h})
     assert f"p99 {h['latency_p99_ms_second_half']:.0f} ms" in md
+
+
+def test_gil_bench_reads_py_spy_samples_as_ms_per_request_per_thread():
+    from bench.gil import gil_ms_per_request
+
+    raw = [
+        "thread (101): MainThread;execute (backend.py:280);_count (backend.py:196) 30",
+        "thread (101): MainThread;execute (backend.py:280) 50",
+        "thread (101): MainThread 20",  # the stub's own code, no Python frame
+        "thread (102): chattts-engine;_loop (engine.py:1);_decode_step (engine.py:2) 40",
+        "",
+    ]
+    rows = gil_ms_per_request(raw, rate_hz=100, requests=10, focus=["_count", "GPTService.execute"])
+    assert list(rows) == ["MainThread", "chattts-engine"]  # most held first
+    assert rows["MainThread"] == {"held_ms": 100.0, "in _count": 30.0}  # 100 samples at 100 Hz over 10 requests
+    assert rows["chattts-engine"] == {"held_ms": 40.0}
+    assert gil_ms_per_request([], 100, 0) == {}

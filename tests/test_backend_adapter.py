@@ -1,0 +1,168 @@
+"""The python-backend adapter (`backend.make_model`) against a stand-in `triton_python_backend_utils`:
+what the real stub would see, without a server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from chattts_triton import backend
+from chattts_triton import repo_config as rc
+
+
+class FakePb:
+    """The parts of triton_python_backend_utils the adapter uses; every metric write is recorded
+    with the thread that made it (on the real stub each is an IPC round trip holding the GIL)."""
+
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+    def __init__(self):
+        self.writes = []  # (metric name, value, thread name)
+        pb = self
+
+        class TritonError(Exception):
+            UNAVAILABLE, INVALID_ARG, INTERNAL, CANCELLED = range(4)
+
+            def __init__(self, msg, code=0):
+                super().__init__(msg)
+
+        class MetricFamily:
+            GAUGE = 1
+
+            def __init__(self, name, description, kind):
+                self.name = name
+
+            def Metric(self, labels):  # noqa: N802  the stub's spelling
+                family = self
+
+                class Metric:
+                    def set(self, value):
+                        pb.writes.append((family.name, value, threading.current_thread().name))
+
+                return Metric()
+
+        class Tensor:
+            def __init__(self, name, array):
+                self.name, self.array = name, array
+
+            def as_numpy(self):
+                return self.array
+
+        class InferenceResponse:
+            def __init__(self, output_tensors=None, error=None):
+                self.output_tensors, self.error = output_tensors, error
+
+        self.TritonError, self.MetricFamily, self.Tensor, self.InferenceResponse = TritonError, MetricFamily, Tensor, InferenceResponse
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        return request.inputs.get(name)
+
+
+class FakeRequest:
+    def __init__(self, pb, value):
+        self.inputs = {"X": pb.Tensor("X", np.array([value]))}
+        self.sent = []
+
+    def get_response_sender(self):
+        request = self
+
+        class Sender:
+            def send(self, response=None, flags=0):
+                request.sent.append((response, flags))
+
+        return Sender()
+
+
+class HeldService:
+    """Keeps every call until the test answers it."""
+
+    def __init__(self):
+        self.calls = []
+        self.lock = threading.Lock()
+
+    def execute(self, calls):
+        with self.lock:
+            self.calls.extend(calls)
+
+    def stats(self):
+        with self.lock:
+            return {"engine_active": len(self.calls)}
+
+
+def _model(tiny_repo, pb, service):
+    cls = backend.make_model(pb, lambda ctx: service)
+    model = cls()
+    model.initialize({"model_config": json.dumps({"input": [{"name": "X"}], "output": [{"name": "Y"}]}),
+                      "model_name": rc.GPT, "model_repository": str(tiny_repo / rc.GPT), "model_version": "1"})
+    return model
+
+
+def _wait(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_gauges_are_written_by_the_metrics_thread_only_and_follow_the_in_flight_count(tiny_repo):
+    """A request's admission and reply only count (no metric IPC on Triton's or the results thread);
+    the metrics thread publishes the in-flight count within INFLIGHT_PUBLISH_S of a change, a few
+    writes for many requests, and the service's stats every STATS_PERIOD_S; finalize drains."""
+    pb, service = FakePb(), HeldService()
+    model = _model(tiny_repo, pb, service)
+    inflight = lambda: [v for n, v, _ in pb.writes if n == backend.INFLIGHT_METRIC]  # noqa: E731
+    requests = [FakeRequest(pb, i) for i in range(200)]
+    for lo in range(0, 200, 8):  # batches of 8, as Triton's dynamic batcher hands them over
+        assert model.execute(requests[lo:lo + 8]) is None
+    assert _wait(lambda: inflight() and inflight()[-1] == 200)
+    assert _wait(lambda: ("chattts_engine_active", 200) in [(n, v) for n, v, _ in pb.writes])
+
+    def answer(calls):
+        for c in calls:
+            c.reply({"Y": c.inputs["X"] * 2})
+
+    repliers = [threading.Thread(target=answer, args=(service.calls[k::4],), name=f"results-{k}") for k in range(4)]
+    for t in repliers:
+        t.start()
+    for t in repliers:
+        t.join()
+    assert _wait(lambda: inflight()[-1] == 0)
+    assert all(len(r.sent) == 1 and r.sent[0][1] == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL for r in requests)
+    assert [int(r.sent[0][0].output_tensors[0].array[0]) for r in requests] == [2 * i for i in range(200)]
+    assert {thread for _, _, thread in pb.writes} == {"chattts-metrics"}
+    assert len(inflight()) < 40  # not two per request
+    model.finalize()  # nothing in flight: returns at once
+
+
+def test_finalize_waits_for_the_requests_in_flight(tiny_repo):
+    pb, service = FakePb(), HeldService()
+    model = _model(tiny_repo, pb, service)
+    requests = [FakeRequest(pb, i) for i in range(3)]
+    model.execute(requests)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (model.finalize(), done.set()))
+    t.start()
+    assert not done.wait(0.3)  # three requests unanswered
+    for c in service.calls:
+        c.reply({"Y": c.inputs["X"]})
+    assert done.wait(5) and all(len(r.sent) == 1 for r in requests)
+    t.join()
+
+
+@pytest.mark.parametrize("publish_s,poll_s,polls", [(backend.INFLIGHT_PUBLISH_S, 0.2, 3)])
+def test_the_drain_sees_a_request_before_it_calls_the_server_idle(publish_s, poll_s, polls):
+    """serve.quiesce needs `polls` zero readings `poll_s` apart: a request admitted before the first
+    shows in the gauge before the last, since the gauge lags by at most `publish_s`."""
+    from chattts_triton import serve
+    import inspect
+
+    sig = inspect.signature(serve.quiesce).parameters
+    assert (sig["poll_s"].default, sig["quiet_polls"].default) == (poll_s, polls)
+    assert publish_s < (polls - 1) * poll_s
