@@ -157,7 +157,7 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
     class TritonPythonModel:
         def initialize(self, args):
             self.ctx = ModelContext(args, pb_utils)
-            self.input_names = [i["name"] for i in self.ctx.config.get("input", [])]
+            self.input_names = frozenset(i["name"] for i in self.ctx.config.get("input", []))
             self.output_names = [o["name"] for o in self.ctx.config.get("output", [])]
             self.service = factory(self.ctx)
             self.inflight = 0
@@ -201,12 +201,11 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
 
         def _reply(self, request):
             sender = request.get_response_sender()
-            sent = threading.Event()
+            once = threading.Lock()
 
             def reply(result) -> None:
-                if sent.is_set():  # one response per request, whatever a service does
+                if not once.acquire(blocking=False):  # one response per request, whatever a service does
                     return
-                sent.set()
                 try:
                     if isinstance(result, BaseException):
                         resp = pb_utils.InferenceResponse(error=_error(pb_utils, result))
@@ -271,9 +270,11 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
             calls = []
             for request in requests:
                 inputs = {}
-                for name in self.input_names:
-                    t = pb_utils.get_input_tensor_by_name(request, name)
-                    if t is not None:
+                # one pass over the request's tensors: get_input_tensor_by_name per configured input
+                # built the request's tensor list again for each (GIL time on Triton's thread)
+                for t in request.inputs():
+                    name = t.name()
+                    if name in self.input_names:
                         inputs[name] = t.as_numpy()
                 self._count(+1)
                 calls.append(self._stream(request, inputs) if self.decoupled else Call(inputs, self._reply(request)))

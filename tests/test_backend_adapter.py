@@ -47,7 +47,10 @@ class FakePb:
 
         class Tensor:
             def __init__(self, name, array):
-                self.name, self.array = name, array
+                self._name, self.array = name, array
+
+            def name(self):
+                return self._name
 
             def as_numpy(self):
                 return self.array
@@ -58,15 +61,15 @@ class FakePb:
 
         self.TritonError, self.MetricFamily, self.Tensor, self.InferenceResponse = TritonError, MetricFamily, Tensor, InferenceResponse
 
-    @staticmethod
-    def get_input_tensor_by_name(request, name):
-        return request.inputs.get(name)
 
 
 class FakeRequest:
     def __init__(self, pb, value):
-        self.inputs = {"X": pb.Tensor("X", np.array([value]))}
+        self.tensors = [pb.Tensor("X", np.array([value])), pb.Tensor("NOT_CONFIGURED", np.array([0]))]
         self.sent = []
+
+    def inputs(self):
+        return list(self.tensors)
 
     def get_response_sender(self):
         request = self
@@ -127,6 +130,7 @@ def test_gauges_are_written_by_the_metrics_thread_only_and_follow_the_in_flight_
     def answer(calls):
         for c in calls:
             c.reply({"Y": c.inputs["X"] * 2})
+            c.reply({"Y": c.inputs["X"] * 3})  # a service replying twice: the first reply is the one sent
 
     repliers = [threading.Thread(target=answer, args=(service.calls[k::4],), name=f"results-{k}") for k in range(4)]
     for t in repliers:
@@ -136,6 +140,7 @@ def test_gauges_are_written_by_the_metrics_thread_only_and_follow_the_in_flight_
     assert _wait(lambda: inflight()[-1] == 0)
     assert all(len(r.sent) == 1 and r.sent[0][1] == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL for r in requests)
     assert [int(r.sent[0][0].output_tensors[0].array[0]) for r in requests] == [2 * i for i in range(200)]
+    assert all(set(c.inputs) == {"X"} for c in service.calls)  # only the configured inputs reach the service
     assert {thread for _, _, thread in pb.writes} == {"chattts-metrics"}
     assert len(inflight()) < 40  # not two per request
     model.finalize()  # nothing in flight: returns at once
