@@ -414,9 +414,10 @@ class GPTService:
         ids_in = inputs.get("TEXT_IDS")
         if ids_in is None:
             raise InputError("TEXT_IDS is required")
-        ids = torch.as_tensor(np.asarray(ids_in, dtype=np.int64)).reshape(-1)
-        if ids.numel() == 0 or ids.min() < 0 or ids.max() >= self.arch.num_text_tokens:
+        ids_np = np.asarray(ids_in, dtype=np.int64).reshape(-1)  # checked in numpy: cheaper than torch ops here
+        if ids_np.size == 0 or ids_np.min() < 0 or ids_np.max() >= self.arch.num_text_tokens:
             raise InputError(f"TEXT_IDS must be a non-empty list of ids in [0, {self.arch.num_text_tokens})")
+        ids = torch.from_numpy(ids_np.copy())
         refine = get_bool(inputs, "REFINE", False)
         if refine:
             params = sampling_params(inputs, RefineTextParams, max_new_limit=self.max_new_tokens)
@@ -468,8 +469,8 @@ class GPTService:
             toks = res.tokens  # host memory: the engine copies a finished request's tensors
             codes = toks.unsqueeze(-1).expand(-1, NUM_VQ) if refine else toks
             hid = res.hiddens if res.hiddens is not None else torch.zeros(0, h)
-            reply({"CODES": codes.numpy().reshape(1, -1, NUM_VQ).astype(np.int64),
-                   "HIDDENS": hid.numpy().reshape(1, -1, h).astype(np.float32)})
+            reply({"CODES": codes.numpy().reshape(1, -1, NUM_VQ).astype(np.int64, copy=False),
+                   "HIDDENS": hid.numpy().reshape(1, -1, h).astype(np.float32, copy=False)})
 
         return done
 
