@@ -2,7 +2,7 @@
 
     python -m bench.gil --repo REPO [--model chattts_gpt] [--concurrency 16] [--seconds 20] [--tokens 20]
 
-Starts `tritonserver` on REPO, drives `chattts` with closed-loop gRPC clients, and samples the
+Starts `tritonserver` on REPO, drives `chattts` with closed-loop gRPC clients (`bench.run.hold`), and samples the
 model's stub process with `py-spy record --gil` (only the thread holding the GIL is sampled). Prints,
 per thread, the milliseconds of GIL held per request the model answered in the window, and how much
 of it was in the frames of `--focus` functions. The GPT engine's thread needs the GIL after every
@@ -67,19 +67,6 @@ def _successes(metrics_url: str, model: str) -> float:
                if line.startswith("nv_inference_request_success{") and f'model="{model}"' in line)
 
 
-async def _load(url: str, concurrency: int, tokens: int, stop: threading.Event) -> None:
-    from client import AsyncChatTTSClient
-
-    async with AsyncChatTTSClient(url, protocol="grpc", max_concurrency=concurrency) as c:
-        await c.wait_until_ready(timeout_s=60)
-
-        async def worker(i: int) -> None:
-            while not stop.is_set():
-                await c.synthesize("你好，欢迎使用语音合成服务。", seed=i, max_new_tokens=tokens, min_new_tokens=tokens)
-
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repo", type=Path, required=True)
@@ -98,6 +85,7 @@ def main(argv=None) -> int:
     if spy_bin is None:
         print("py-spy not found: pip install py-spy (requirements.txt pins it), or pass --py-spy", file=sys.stderr)
         return 2
+    from bench.run import hold
     from chattts_triton.tritonserver import TritonServer
 
     raw = (a.out.with_suffix(".pyspy.txt") if a.out else Path("/tmp/bench-gil.pyspy.txt"))
@@ -108,9 +96,9 @@ def main(argv=None) -> int:
         if not pids:
             print(f"no stub process of {a.model}", file=sys.stderr)
             return 2
-        stop = threading.Event()
-        loader = threading.Thread(target=lambda: asyncio.run(_load(server.grpc_url, a.concurrency, a.tokens, stop)),
-                                  daemon=True)
+        load_s = a.warmup + a.seconds + 10  # outlasts py-spy's window, start-up included
+        loader = threading.Thread(target=lambda: asyncio.run(hold(server.grpc_url, server.metrics_url, a.tokens, a.concurrency,
+                                                                  load_s, every_s=load_s)), daemon=True)
         loader.start()
         time.sleep(a.warmup)
         n0 = _successes(server.metrics_url, a.model)
@@ -118,7 +106,6 @@ def main(argv=None) -> int:
                               "--threads", "--gil", "--format", "raw", "--rate", str(a.rate), "--output", str(raw)],
                              capture_output=True, text=True)
         n = _successes(server.metrics_url, a.model) - n0
-        stop.set()
         loader.join(120)
     if spy.returncode != 0 or not raw.is_file():
         print(f"py-spy failed ({spy.returncode}): {spy.stderr.strip()[-500:]}", file=sys.stderr)

@@ -120,17 +120,16 @@ class ChunkPlanner:
             return None
         start = max(0, self.sent - self.lookahead)
         first = (self.sent - start) * SAMPLES_PER_CODE
-        stop = frames if self.max_window is None else min(frames, start + self.max_window)
+        stop = frames if self.max_window is None else min(frames, start + self.max_window)  # the window decodes [start, stop)
         if done and stop == frames:
             self.finished = True
             return Window(start, frames, first, samples_for_codes(frames) - start * SAMPLES_PER_CODE, True)
         if frames < self.tokens_needed():
             return None
         right = self._right()
-        frames = stop
-        end = frames - right  # everything that already has its right context
+        end = stop - right  # everything that already has its right context
         hold = self.fade if self.exact is None or right < self.exact else 0
-        w = Window(start, frames, first, (end - start) * SAMPLES_PER_CODE, False, hold * SAMPLES_PER_CODE)
+        w = Window(start, stop, first, (end - start) * SAMPLES_PER_CODE, False, hold * SAMPLES_PER_CODE)
         self.sent = end
         return w
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from chattts_triton import backend
 from chattts_triton import repo_config as rc
+from tests.reliability_util import wait_for
 
 
 class FakePb:
@@ -105,15 +105,6 @@ def _model(tiny_repo, pb, service):
     return model
 
 
-def _wait(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def test_gauges_are_written_by_the_metrics_thread_only_and_follow_the_in_flight_count(tiny_repo):
     """A request's admission and reply only count (no metric IPC on Triton's or the results thread);
     the metrics thread publishes the in-flight count within INFLIGHT_PUBLISH_S of a change, a few
@@ -124,8 +115,8 @@ def test_gauges_are_written_by_the_metrics_thread_only_and_follow_the_in_flight_
     requests = [FakeRequest(pb, i) for i in range(200)]
     for lo in range(0, 200, 8):  # batches of 8, as Triton's dynamic batcher hands them over
         assert model.execute(requests[lo:lo + 8]) is None
-    assert _wait(lambda: inflight() and inflight()[-1] == 200)
-    assert _wait(lambda: ("chattts_engine_active", 200) in [(n, v) for n, v, _ in pb.writes])
+    assert wait_for(lambda: inflight() and inflight()[-1] == 200, 5, 0.01)
+    assert wait_for(lambda: ("chattts_engine_active", 200) in [(n, v) for n, v, _ in pb.writes], 5, 0.01)
 
     def answer(calls):
         for c in calls:
@@ -137,7 +128,7 @@ def test_gauges_are_written_by_the_metrics_thread_only_and_follow_the_in_flight_
         t.start()
     for t in repliers:
         t.join()
-    assert _wait(lambda: inflight()[-1] == 0)
+    assert wait_for(lambda: inflight()[-1] == 0, 5, 0.01)
     assert all(len(r.sent) == 1 and r.sent[0][1] == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL for r in requests)
     assert [int(r.sent[0][0].output_tensors[0].array[0]) for r in requests] == [2 * i for i in range(200)]
     assert all(set(c.inputs) == {"X"} for c in service.calls)  # only the configured inputs reach the service

@@ -19,6 +19,7 @@ from chattts_triton.codec import ConvNeXtBlock, load_codecs, stream_lookahead_co
 from chattts_triton.config import FULL_ARCH, NUM_VQ, SAMPLES_PER_CODE, TINY_ARCH, samples_for_codes
 from chattts_triton.services import VocoderService
 from chattts_triton.streaming import Cancelled, ChunkPlanner, StreamCall, chunk_samples, crossfade, fade_in
+from tests.reliability_util import wait_for
 
 TEXT = "你好，欢迎使用流式合成。"
 
@@ -491,22 +492,13 @@ def test_bad_input_ends_the_stream_with_one_error(stream_service):
     assert rec.ended.wait(30) and rec.final == 1 and "TEXT" in str(rec.error) and not rec.chunks
 
 
-def _wait(pred, timeout=30.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
-
-
 def test_cancel_stops_generation_and_frees_the_slot(stream_service):
     engine = stream_service.gpt.engine
     rec = Recorder(contract(n=1500), cancel_after=1)
     stream_service.execute([rec.call])
     assert rec.ended.wait(60)
     assert isinstance(rec.error, Cancelled) and rec.final == 1
-    assert _wait(lambda: engine.active == 0 and stream_service.admitted == 0, 5)
+    assert wait_for(lambda: engine.active == 0 and stream_service.admitted == 0, 5)
     assert engine.steps < 1500  # it stopped long before its 1500 frames
 
 
@@ -520,7 +512,7 @@ def test_many_streams_with_random_cancels_leave_no_state(stream_service):
         assert r.ended.wait(180), "a stream never ended"
         assert r.final == 1
         assert r.error is None or isinstance(r.error, Cancelled)
-    assert _wait(lambda: engine.active == 0 and engine.pending == 0 and stream_service.admitted == 0, 5)
+    assert wait_for(lambda: engine.active == 0 and engine.pending == 0 and stream_service.admitted == 0, 5)
     assert not stream_service.streams
 
 
@@ -636,8 +628,8 @@ def test_stream_counters_split_the_first_chunk_time_on_the_server(served_tiny):
 def test_grpc_cancel_frees_the_stream_slot_in_triton_metrics(served_tiny):
     chunks, error = grpc_stream(served_tiny, contract(n=2000, seed=3), cancel_after=1)
     assert error is None and len(chunks) == 1
-    assert _wait(lambda: metric(served_tiny, "chattts_engine_active") == 0
-                 and metric(served_tiny, "chattts_streams") == 0, 10)
+    assert wait_for(lambda: metric(served_tiny, "chattts_engine_active") == 0
+                    and metric(served_tiny, "chattts_streams") == 0, 10)
     # and the model still serves
     chunks, error = grpc_stream(served_tiny, contract(n=5))
     assert error is None and np.concatenate(chunks).shape == (samples_for_codes(5),)
