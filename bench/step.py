@@ -11,7 +11,9 @@ the step (embedding, heads, sampling, bookkeeping) is the difference. Writes OUT
 Variants: `script` = the exported TorchScript (what `chattts_gpt` serves by default), `eager` =
 the same module unscripted, `compile` = the engine step compiled by torch.compile (inductor), one
 compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all buckets; each with
-`_unfused` appended: q/k/v and gate/up as five GEMMs per layer (the model before `fuse_projections`).
+`_unfused` appended: q/k/v and gate/up as five GEMMs per layer (the model before `fuse_projections`);
+`_sdpa` (eager/compile): the dense masked attention over `--attn-len` instead of each row's own keys.
+`--lengths uniform`: rows at positions spread below `--attn-len` (what the decode kernel gains in serving).
 `--profile N`: also profile N steps of each batch launched without a graph (torch.profiler) and
 record the device kernels per step, their summed time and the most expensive kernels: where a
 launch-bound step's time goes (on a CPU, the leaf operators instead of kernels).
@@ -105,6 +107,18 @@ def _profile(fn, steps: int, cuda: bool, top: int = 12) -> dict:
                     for name, (n, ms) in ranked]}
 
 
+def _set_positions(engine, b: int, attn_len: int, lengths: str) -> None:
+    """Rows 0..b-1 feed position attn_len-1 ("full") or uniform positions below it, the largest attn_len-1
+    ("uniform": a served mix; each row attends its own keys with the decode kernel)."""
+    from chattts_triton.engine import I_N, I_PLEN
+
+    g = torch.Generator().manual_seed(b)
+    pos = torch.full((b,), attn_len - 1) if lengths == "full" else torch.randint(0, attn_len, (b,), generator=g)
+    pos[0] = attn_len - 1
+    engine.pi[:b, I_PLEN] = pos.to(engine.device)
+    engine.pi[:b, I_N] = 1  # fed position = prompt length + n - 1
+
+
 def _time_prefill(engine, k: int, t: int, graphed: bool, iters: int) -> float:
     """Median wall ms of admitting k prompts of t tokens into an idle engine (`Engine._prefill`)."""
     from chattts_triton.engine import GenRequest, SamplingParams
@@ -128,21 +142,27 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
     from chattts_triton.engine import Engine
     from chattts_triton.gpt import load_gpt
 
-    base = variant.removesuffix("_unfused")  # "_unfused": q/k/v and gate/up as five GEMMs, as before fusing
+    # "_unfused": q/k/v and gate/up as five GEMMs, as before fusing; "_sdpa": the dense masked attention
+    # over the step's attention length instead of each row's own keys (`attention.decode_attention`)
+    sdpa = "_sdpa" in variant
+    base = variant.replace("_sdpa", "").removesuffix("_unfused")
+    fused = "_unfused" not in variant
     cuda = args.device == "cuda"
     if base not in ("script", "eager", "compile", "compile_dynamic") or (base.startswith("compile") and not cuda):
         raise SystemExit(f"unknown variant {variant}" + ("" if cuda else " on a CPU (script, eager, *_unfused)"))
-    model = load_gpt(args.assets, arch, fused=base == variant).to(dtype).to(args.device).eval()
+    model = load_gpt(args.assets, arch, fused=fused).to(dtype).to(args.device).eval()
     if base == "script":
         model = torch.jit.script(model)
     slots = max(args.batches + [int(shape.split("x")[0]) for shape in args.prefill])
     engine = Engine(model, max_slots=slots, max_context=args.context, max_new_tokens=args.max_new_tokens,
                     hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=args.device, cache_dtype=dtype,
-                    compute_dtype=dtype, start=False)
+                    compute_dtype=dtype, start=False, decode_kernel=False if sdpa or base == "script" else None)
     if base.startswith("compile"):
         engine.compile_step(dynamic=base == "compile_dynamic")
-    out = {"variant": variant, "attn_len": args.attn_len, "dtype": str(dtype), "batches": {}}
+    out = {"variant": variant, "attn_len": args.attn_len, "lengths": args.lengths, "dtype": str(dtype),
+           "decode_kernel": bool(getattr(engine.model, "decode_kernel", False)), "batches": {}}
     for b in args.batches:
+        _set_positions(engine, b, args.attn_len, args.lengths)
         if not cuda:  # the step as the CPU engine runs it: eager, every row padding
             with torch.inference_mode():
                 engine._set_live(0)
@@ -193,6 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,64,256,512")
     ap.add_argument("--variants", default="script,eager,compile")
     ap.add_argument("--attn-len", type=int, default=256)
+    ap.add_argument("--lengths", default="full", choices=["full", "uniform"],
+                    help="rows' positions: all at attn-len - 1, or uniform below it (a served mix)")
     ap.add_argument("--prefill", default="1x32,8x32,32x64", help="prefill shapes PROMPTSxTOKENS (empty: none)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--max-new-tokens", type=int, default=256)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import sampling
+from . import attention, sampling
 from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, REPETITION_WINDOW
 from .graphs import GraphCache, bucket, to_host
 
@@ -154,17 +154,26 @@ class Engine:
         admit_batch: int = ADMIT_BATCH,
         admit_wait_steps: int = ADMIT_WAIT_STEPS,
         compile_step: bool = False,
+        decode_kernel: Optional[bool] = None,
         start: bool = True,
     ):
         """admit_batch / admit_wait_steps: while requests are running, waiting ones are admitted (one
         batched prefill) once `admit_batch` of them (or as many as there are free slots) wait, or the
         oldest has waited `admit_wait_steps` decode steps; an idle engine admits at once.
-        compile_step: see `compile_step` (the model must be the eager module)."""
+        compile_step: see `compile_step` (the model must be the eager module).
+        decode_kernel: decode steps of the eager module read each row's own keys only
+        (`attention.decode_attention`); None: where its GPU kernel runs. TorchScript models: never."""
         _check_model(model)
         self.model = model
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # the engine thread needs the index
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if isinstance(model, torch.jit.ScriptModule) or not hasattr(model, "decode_kernel"):
+            if decode_kernel:
+                raise EngineError("decode_kernel needs the eager GPT module (chattts_triton.gpt), not TorchScript")
+        else:
+            model.decode_kernel = (attention.kernel_available(self.device, model.head_dim)
+                                   if decode_kernel is None else decode_kernel)
         self.max_slots = max_slots
         self.max_context = max_context
         self.max_new_tokens = max_new_tokens

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .assets import AssetError, load_safetensors
+from .attention import decode_attention
 from .config import Arch, GPTDims
 
 
@@ -77,6 +78,7 @@ class DecoderLayer(nn.Module):
         attn_len: int,
         mask: Tensor,
         fresh: bool,
+        lengths: Optional[Tensor],
     ) -> Tensor:
         b, t, _ = x.shape
         h = self.input_layernorm(x)
@@ -106,6 +108,11 @@ class DecoderLayer(nn.Module):
             at: List[Optional[Tensor]] = [layer_ids.narrow(0, layer, 1), write_at[1], write_at[2]]
             k_cache.index_put_(at, k)
             v_cache.index_put_(at, v)
+        if not torch.jit.is_scripting():  # (TorchScript does not compile this branch)
+            if lengths is not None:  # a decode step reading each row's own keys only
+                attn = self._decode_attention(q, k_cache, v_cache, layer, slot_start, lengths)
+                x = x + self.o_proj(attn.reshape(b, t, self.heads * self.head_dim))
+                return self._mlp(x)
         if fresh:  # a prefill from position 0: its own keys are all it attends (as the cache would give them)
             keys = k.view(b, t, self.kv_heads, self.head_dim).to(q.dtype)
             values = v.view(b, t, self.kv_heads, self.head_dim).to(q.dtype)
@@ -120,6 +127,17 @@ class DecoderLayer(nn.Module):
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
         )
         x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        return self._mlp(x)
+
+    def _decode_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, layer: int, slot_start: int,
+                          lengths: Tensor) -> Tensor:
+        """q [B, 1, heads, head_dim] → [B, heads, head_dim] over each row's first lengths[i] cached keys."""
+        b = q.shape[0]
+        keys = k_cache.select(0, layer).narrow(0, slot_start, b)
+        values = v_cache.select(0, layer).narrow(0, slot_start, b)
+        return decode_attention(q.select(1, 0).contiguous(), keys, values, lengths)
+
+    def _mlp(self, x: Tensor) -> Tensor:
         h = self.post_attention_layernorm(x)
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
@@ -152,6 +170,9 @@ class ChatTTSGPT(nn.Module):
         self.num_vq = arch.num_vq
         self.num_audio_tokens = arch.num_audio_tokens
         self.layers_n = d.layers
+        # decode steps through `attention.decode_attention` (each row's own keys); set by the engine for the
+        # eager module (torch.compile or eager on a GPU), never in TorchScript
+        self.decode_kernel = False
         self.kv_heads = d.kv_heads
         self.head_dim = d.head_dim
         self.emb_text = nn.Embedding(arch.num_text_tokens, d.hidden)
@@ -235,8 +256,12 @@ class ChatTTSGPT(nn.Module):
         allowed = key_pos.view(1, 1, attn_len) <= pos.unsqueeze(-1)  # [B, T, attn_len]
         mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
         mask = mask.masked_fill(~allowed, float("-inf")).unsqueeze(1)
+        lengths: Optional[Tensor] = None
+        if not torch.jit.is_scripting():
+            if self.decode_kernel and t == 1 and not fresh:
+                lengths = pos.select(1, 0) + 1  # keys 0..pos, as the mask allows
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache, v_cache, i, write_index, write_at, slot_start, attn_len, mask, fresh)
+            x = layer(x, cos, sin, k_cache, v_cache, i, write_index, write_at, slot_start, attn_len, mask, fresh, lengths)
         return self.norm(x)
 
     @torch.jit.export

@@ -895,12 +895,13 @@ def test_step_bench_times_steps_and_prefills_of_each_variant_on_cpu(tiny_assets,
 
     args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32",
             "--batches", "1,2", "--variants", "script,script_unfused", "--iters", "2", "--prefill", "1x8,4x16",
-            "--context", "128", "--max-new-tokens", "16", "--attn-len", "32", "--profile", "2"]
+            "--context", "128", "--max-new-tokens", "16", "--attn-len", "32", "--profile", "2", "--lengths", "uniform"]
     assert step.main(args) == 0
     ops = {}
     for variant in ("script", "script_unfused"):
         res = json.loads((tmp_path / f"step-{variant}.json").read_text())
-        assert res["variant"] == variant and res["gpu"] == "cpu"
+        assert res["variant"] == variant and res["gpu"] == "cpu" and res["lengths"] == "uniform"
+        assert res["decode_kernel"] is False  # TorchScript
         assert set(res["batches"]) == {"1", "2"} and all(r["step_ms"] > 0 and r["forward_ms"] > 0 for r in res["batches"].values())
         prof = res["batches"]["1"]["profile"]
         assert prof["kernel_ms_per_step"] > 0 and 0 < len(prof["top"]) <= 12

@@ -309,3 +309,33 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets):
         assert 0 < gpu_ms <= device_ms + 2.0
     finally:
         eng.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_reads_each_rows_own_keys_as_the_reference_does(dtype):
+    """The Triton decode attention against `attention.reference` on cache views as the model passes
+    them (one layer, slots from an offset), lengths 1..context incl. block edges, and a CUDA graph replay."""
+    from chattts_triton.attention import BLOCK_KEYS, decode_attention, kernel_available, reference
+
+    assert kernel_available(torch.device("cuda"), 64)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers, slots, context, heads, d = 3, 40, 300, 12, 64
+    cache = torch.randn(2, layers, slots, context, heads, d, device="cuda", generator=g).to(dtype)
+    b, start = 33, 5
+    keys, values = cache[0, 1].narrow(0, start, b), cache[1, 1].narrow(0, start, b)
+    q = torch.randn(b, heads, d, device="cuda", generator=g).to(dtype)
+    lengths = torch.randint(1, context + 1, (b,), device="cuda", generator=g)
+    lengths[:6] = torch.tensor([1, BLOCK_KEYS, BLOCK_KEYS + 1, context, 2 * BLOCK_KEYS, context - 1])
+    want = reference(q, keys, values, lengths).float()
+    got = decode_attention(q, keys, values, lengths)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    assert got.dtype == dtype and (got.float() - want).abs().max().item() <= tol
+    keys[0, 1:] = 1e4  # past row 0's one key: never read
+    assert torch.equal(decode_attention(q, keys, values, lengths)[0], got[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, keys, values, lengths)
+    lengths.fill_(context)  # a replay reads the lengths of its time
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (out.float() - reference(q, keys, values, lengths).float()).abs().max().item() <= tol

@@ -1,0 +1,92 @@
+"""Decode attention that reads each row's own cache length (one query per row).
+
+A decode step's rows sit at different positions: a dense attention over the step's attention-length
+bucket (`F.scaled_dot_product_attention` with a mask) reads every row's cache up to the longest
+row's bucket. At 488 rows of the served mix (prompts of 6-116 tokens, 150 frames each) that bucket is
+384 while a row holds ≈ 120 keys on average, and the keys and values are what a large step reads
+(512 rows x 384 keys x 2 x 1.5 KB x 20 layers = 12 GB a step). `decode_attention` reads only the
+keys a row attends (`lengths`): on a GPU a Triton kernel (one program per row and head, an online
+softmax in fp32 over blocks of keys); elsewhere `reference`, the same result in PyTorch (tests, CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+try:  # Triton ships with PyTorch's CUDA wheels; CPU-only installs have none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+BLOCK_KEYS = 64  # keys per loop iteration of a program
+
+
+def kernel_available(device: torch.device, head_dim: int) -> bool:
+    """Whether `decode_attention` runs the Triton kernel for this device (else `reference`)."""
+    return triton is not None and device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def reference(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
+    """q [B, H, D]; keys/values [B, C, KVH, D] (row i's cache); lengths [B]: row i attends its keys
+    0..lengths[i]-1. Returns [B, H, D] in q's dtype. Dense in PyTorch (reads all C keys)."""
+    b, h, d = q.shape
+    c, kvh = keys.shape[1], keys.shape[2]
+    k = keys.float().repeat_interleave(h // kvh, dim=2)  # [B, C, H, D]
+    v = values.float().repeat_interleave(h // kvh, dim=2)
+    s = torch.einsum("bhd,bchd->bhc", q.float(), k) / math.sqrt(d)
+    n = lengths.clamp(1, c).to(torch.int64)
+    s = s.masked_fill(torch.arange(c, device=q.device).view(1, 1, c) >= n.view(b, 1, 1), float("-inf"))
+    return torch.einsum("bhc,bchd->bhd", s.softmax(-1), v).to(q.dtype)
+
+
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
+    """`reference`'s result; on a GPU with Triton it reads only the first lengths[i] keys of row i."""
+    if not kernel_available(q.device, q.shape[-1]):
+        return reference(q, keys, values, lengths)
+    b, h, d = q.shape
+    kvh = keys.shape[2]
+    out = torch.empty_like(q)
+    _decode_kernel[(b, h)](
+        q, keys, values, out, lengths,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1),
+        keys.shape[1], (1.0 / math.sqrt(d)) * 1.4426950408889634,  # softmax in base 2
+        REP=h // kvh, D=d, BLOCK=BLOCK_KEYS, num_warps=4,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(Q, K, V, O, Lens, sqb, sqh, skb, skc, skh, svb, svc, svh, sob, soh, context, scale,
+                       REP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # the cache is larger than 2**31 elements
+        head = tl.program_id(1)
+        kv_head = head // REP
+        n = tl.minimum(tl.maximum(tl.load(Lens + row).to(tl.int32), 1), context)
+        d = tl.arange(0, D)
+        q = (tl.load(Q + row * sqb + head * sqh + d).to(tl.float32) * scale).to(tl.float32)  # inductor passes fp64
+        k_row = K + row * skb + kv_head * skh
+        v_row = V + row * svb + kv_head * svh
+        m_i = tl.full((1,), float("-inf"), tl.float32)
+        l_i = tl.zeros((1,), tl.float32)
+        acc = tl.zeros((D,), tl.float32)
+        for start in range(0, n, BLOCK):
+            keys_at = start + tl.arange(0, BLOCK)
+            live = keys_at < n
+            k = tl.load(k_row + keys_at[:, None].to(tl.int64) * skc + d[None, :], mask=live[:, None], other=0.0)
+            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+            s = tl.where(live, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            p = tl.exp2(s - m_new)
+            alpha = tl.exp2(m_i - m_new)
+            v = tl.load(v_row + keys_at[:, None].to(tl.int64) * svc + d[None, :], mask=live[:, None], other=0.0)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+        tl.store(O + row * sob + head * soh + d, (acc / l_i).to(O.dtype.element_ty))

@@ -1,0 +1,75 @@
+"""Decode attention over each row's own keys (`chattts_triton.attention`): the PyTorch reference here,
+the Triton kernel in tests/test_gpu.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chattts_triton.attention import decode_attention, kernel_available, reference
+from chattts_triton.engine import Engine, EngineError
+from tests.test_gpt_engine import check_same_as_alone, drive, make_engine, scenario_specs
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_reference_equals_sdpa_with_the_causal_mask_of_each_row(heads, kv_heads):
+    g = torch.Generator().manual_seed(0)
+    b, c, d = 6, 40, 16
+    q = torch.randn(b, heads, d, generator=g)
+    keys, values = torch.randn(b, c, kv_heads, d, generator=g), torch.randn(b, c, kv_heads, d, generator=g)
+    lengths = torch.tensor([1, 40, 17, 2, 33, 39])
+    mask = torch.where(torch.arange(c).view(1, 1, 1, c) < lengths.view(b, 1, 1, 1), 0.0, float("-inf"))
+    rep = heads // kv_heads
+    dense = F.scaled_dot_product_attention(q.unsqueeze(2), keys.repeat_interleave(rep, 2).transpose(1, 2),
+                                           values.repeat_interleave(rep, 2).transpose(1, 2), attn_mask=mask)[:, :, 0]
+    got = reference(q, keys, values, lengths)
+    assert (got - dense).abs().max() <= 1e-5
+    assert torch.equal(decode_attention(q, keys, values, lengths), got)  # no kernel on a CPU
+    # keys past a row's length do not matter
+    keys2 = keys.clone()
+    keys2[0, 1:] = 1e4
+    assert torch.equal(reference(q, keys2, values, lengths)[0], got[0])
+
+
+def test_the_kernel_is_for_gpus_with_power_of_two_heads():
+    assert not kernel_available(torch.device("cpu"), 64)
+    assert not kernel_available(torch.device("cuda"), 48)
+
+
+@pytest.mark.parametrize("graphs", ["eager", "buckets"])
+def test_decode_steps_through_each_rows_own_keys_equal_the_masked_dense_steps(tiny, graphs):
+    """The engine's decode steps with `decode_kernel` (reference on a CPU: rows at many positions,
+    padding rows, compaction, a refine-text row, streaming) give what the masked SDPA steps give."""
+    arch, _, _, ours = tiny
+    runs = []
+    for kernel in (False, True):
+        eng = make_engine(ours, arch, max_slots=8, start=False, cuda_graphs=graphs == "buckets", decode_kernel=kernel)
+        assert ours.decode_kernel is kernel
+        try:
+            runs.append(drive(eng, scenario_specs(), join=[0, 0, 3, 3, 3, 9, 9, 20, 20, 31]))
+        finally:
+            eng.stop()
+            ours.decode_kernel = False
+    check_same_as_alone(*runs)
+
+
+def test_torchscript_keeps_the_dense_attention_and_refuses_the_flag(tiny):
+    arch, _, _, ours = tiny
+    ours.decode_kernel = True
+    try:
+        scripted = torch.jit.script(ours)  # the flag's branch is not compiled into the export
+    finally:
+        ours.decode_kernel = False
+    with pytest.raises(EngineError, match="TorchScript"):
+        make_engine(scripted, arch, start=False, decode_kernel=True)
+    eng = make_engine(scripted, arch, start=False)  # auto: nothing to set on a ScriptModule
+    assert isinstance(eng, Engine)
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_assets):
+    from chattts_triton.gpt import load_gpt
+    from tests.test_gpt_engine import upstream_gpt
+
+    arch, emb, g = upstream_gpt(tiny_assets)
+    return arch, emb, g, load_gpt(tiny_assets, arch)
