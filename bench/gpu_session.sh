@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see bench/bundle.py):
-#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step codec gil
+#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step codec gil engine
 # (test: PYTEST_ARGS picks the tests, default the whole GPU suite)
 # Writes logs and results under $OUT (or build/gpu-out).
 set -uo pipefail
@@ -14,6 +14,11 @@ fi
 source "$ENV"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+export_repo() {  # DIR [export args]: the bf16 repository the GPU benches load, exported once
+  local dir="$1"; shift
+  [ -f "$dir/manifest.json" ] || python3 -m export --assets build/assets-full --out "$dir" \
+    --formats torchscript --dtype bf16 --gpus 0 "$@" 2>&1 | tail -2
+}
 for stage in "$@"; do
   case "$stage" in
     setup)
@@ -25,13 +30,14 @@ for stage in "$@"; do
     step)
       python3 -m bench.step --assets build/assets-full --out "$OUT" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" ;;
     codec)
-      [ -f build/codec-repo/manifest.json ] || python3 -m export --assets build/assets-full --out build/codec-repo \
-        --formats torchscript --dtype bf16 --gpus 0 ${CODEC_EXPORT_ARGS:-} 2>&1 | tail -2
+      export_repo build/codec-repo ${CODEC_EXPORT_ARGS:-}
       python3 -m bench.stream_codec --repo build/codec-repo --out "$OUT/stream-codec.json" 2>&1 | tee "$OUT/stream_codec.log" ;;
     gil)  # who holds the GIL in the GPT model's process under load (bench/gil.py; GIL_ARGS)
-      [ -f build/bench-repo/manifest.json ] || python3 -m export --assets build/assets-full --out build/bench-repo \
-        --formats torchscript --dtype bf16 --gpus 0 2>&1 | tail -2
+      export_repo build/bench-repo
       python3 -m bench.gil --repo build/bench-repo --out "$OUT/gil.json" ${GIL_ARGS:---concurrency 256 --tokens 150} 2>&1 | tee "$OUT/gil.log" ;;
+    engine)  # the GPT engine alone under the served load, no other process on the GPU (bench/engine_load.py; ENGINE_ARGS)
+      export_repo build/bench-repo
+      python3 -m bench.engine_load --repo build/bench-repo --out "$OUT/engine-load.json" ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine_load.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -470,7 +470,9 @@ def test_two_servers_one_stopped_mid_run_no_request_lost(tiny_repo, tmp_path):
         assert stopped.is_set() and doomed.returncode is not None
         served_before_stop = [s["served"] for s in at_stop["stats"]]
         assert all(n > 0 for n in served_before_stop), at_stop["stats"]  # both servers took requests
-        assert sum(served_before_stop) < RESUME_AT  # stopped mid-run, not after
+        # stopped before the second half was sent (on a busy box the slower server's first answer may come
+        # only as the first half ends: then nothing was in flight at the stop, and the second half still fails over)
+        assert sum(served_before_stop) <= RESUME_AT
         doomed_final, survivor_final = final
         assert doomed_final["failures"] >= 1 and not doomed_final["up"], final  # failover happened
         assert doomed_final["served"] + survivor_final["served"] == E2E_REQUESTS

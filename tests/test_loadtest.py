@@ -399,3 +399,23 @@ def test_gil_bench_reads_py_spy_samples_as_ms_per_request_per_thread():
     assert rows["MainThread"] == {"held_ms": 100.0, "in _count": 30.0}  # 100 samples at 100 Hz over 10 requests
     assert rows["chattts-engine"] == {"held_ms": 40.0}
     assert gil_ms_per_request([], 100, 0) == {}
+
+
+def test_engine_load_bench_keeps_requests_in_flight_on_the_served_engine(tiny_repo, tmp_path):
+    """bench.engine_load on a CPU: the GPT model's own service under a closed loop of corpus prompts;
+    every window's utterance ran its forced frames and the engine's figures come with it."""
+    import json
+
+    from bench import engine_load
+
+    out = tmp_path / "engine.json"
+    assert engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--concurrency", "1,3", "--seconds", "2",
+                             "--settle", "0.5", "--tokens", "8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["utterances"] > 0 and r["not_max_tokens"] == 0 and r["throughput_utt_s"] > 0
+        assert 0 < r["latency_p50_ms"] <= r["latency_p99_ms"] and r["engine_step_ms"] > 0
+        assert r["engine_step_gpu_ms"] is None  # no GPU clock on a CPU
+    assert rows[0]["engine_batch"] == pytest.approx(1.0)  # one request in flight: one row per step
+    assert 1.0 < rows[1]["engine_batch"] <= 3.0

@@ -1,0 +1,164 @@
+"""The served GPT engine alone under the sweep's closed-loop load: no Triton, no other process on the device.
+
+    python -m bench.engine_load --repo REPO [--concurrency 256,512] [--seconds 10] [--tokens 150] [--out FILE]
+
+Builds `chattts_gpt`'s service from an exported repository exactly as Triton's instance would
+(`ModelContext.from_repo` + `backend.gpt_service`: its dtype, slots, compiled step, warm-up and graphs),
+then keeps N requests in flight with prompts of the sweep's corpus (`loadtest/corpus.txt`, the
+preprocess model's prompt layout and a speaker embedding) and `--tokens` forced frames each. Per level:
+utterances/s, latency, and the engine's step, GPU-clock step and prefill per step over the window
+(`loadtest.sweep.engine_window`, the figures a served sweep reports). Beside a served sweep at the same
+concurrency this splits a served step into the engine's own GPU time and what the other model
+processes (vocoder, stream codec) take from it on a shared GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import List
+
+import numpy as np
+import torch
+
+
+def load_prompts(repo: Path) -> List[torch.Tensor]:
+    """The corpus's code prompts as the preprocess model lays them out (with a speaker embedding)."""
+    from chattts_triton import text as txt
+    from chattts_triton.repo_config import PREPROCESS
+    from loadtest.corpus import load_corpus
+
+    tok = txt.TextTokenizer(Path(repo) / PREPROCESS / "1" / "tokenizer")
+    return [torch.from_numpy(txt.build_code_prompt(tok, t, spk_emb=True).text_ids) for t in load_corpus()]
+
+
+class ClosedLoop:
+    """`concurrency` requests kept in flight: each one's completion (on the engine's results thread)
+    submits the next. Latencies of completions are kept with their finish time."""
+
+    def __init__(self, service, prompts: List[torch.Tensor], tokens: int, concurrency: int, seed: int = 0):
+        from chattts_triton.config import InferCodeParams
+        from chattts_triton.services import sampling_params
+
+        self.service, self.prompts, self.concurrency = service, prompts, concurrency
+        forced = {"MAX_NEW_TOKENS": np.array([tokens]), "MIN_NEW_TOKENS": np.array([tokens])}
+        self.params = lambda i: sampling_params({**forced, "SEED": np.array([seed + i])}, InferCodeParams())
+        g = torch.Generator().manual_seed(seed)
+        self.spk_emb = torch.randn(service.arch.gpt.hidden, generator=g)
+        self.done: List[tuple] = []  # (finish time, latency s, finish reason)
+        self.lock = threading.Lock()
+        self.stopping = False
+        self.in_flight = 0
+        self.idle = threading.Condition(self.lock)
+        self.n = 0
+
+    def _submit(self) -> None:
+        from chattts_triton.engine import GenRequest
+
+        with self.lock:
+            if self.stopping:
+                return
+            i = self.n
+            self.n += 1
+            self.in_flight += 1
+        t0 = time.perf_counter()
+        req = GenRequest(text_ids=self.prompts[i % len(self.prompts)], params=self.params(i),
+                         on_done=lambda r, t0=t0: self._done(r, t0), spk_emb=self.spk_emb,
+                         spk_emb_id=self.service.spk_emb_id)
+        self.service.engine.submit(req)
+
+    def _done(self, result, t0: float) -> None:
+        now = time.perf_counter()
+        with self.lock:
+            self.done.append((now, now - t0, result.finish_reason))
+            self.in_flight -= 1
+            self.idle.notify_all()
+        self._submit()
+
+    def start(self) -> None:
+        for _ in range(self.concurrency):
+            self._submit()
+
+    def stop(self, timeout: float = 600.0) -> None:
+        with self.lock:
+            self.stopping = True
+            if not self.idle.wait_for(lambda: self.in_flight == 0, timeout=timeout):
+                raise RuntimeError(f"{self.in_flight} requests still running {timeout:.0f} s after the load stopped")
+
+
+def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, settle_s: float) -> dict:
+    from loadtest.sweep import engine_window
+    from loadtest.tts_stats import percentile
+
+    load = ClosedLoop(service, prompts, tokens, concurrency, seed=concurrency)
+    load.start()
+    time.sleep(settle_s)  # admissions of the first wave, then a steady mix
+    before, t0 = {"0": service.engine.stats()}, time.perf_counter()
+    time.sleep(seconds)
+    after, t1 = {"0": service.engine.stats()}, time.perf_counter()
+    load.stop()
+    window = [(lat, why) for at, lat, why in load.done if t0 <= at <= t1]
+    lat_ms = [1000 * lat for lat, _ in window]
+    row = {"concurrency": concurrency, "seconds": round(t1 - t0, 3), "utterances": len(window),
+           "throughput_utt_s": len(window) / (t1 - t0),
+           "latency_p50_ms": percentile(lat_ms, 50) if lat_ms else None,
+           "latency_p99_ms": percentile(lat_ms, 99) if lat_ms else None,
+           "not_max_tokens": sum(1 for _, why in window if why != "max_tokens")}
+    row.update(engine_window(before, after, t1 - t0))
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.engine_load", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repo", type=Path, required=True, help="an exported repository (python -m export)")
+    ap.add_argument("--concurrency", default="256,512")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--settle", type=float, default=5.0, help="seconds of load before each window")
+    ap.add_argument("--tokens", type=int, default=150, help="frames forced per utterance")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="write the rows as JSON here")
+    a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --device cpu", file=sys.stderr)
+        return 2
+    from chattts_triton.backend import ModelContext, gpt_service
+    from chattts_triton.repo_config import GPT
+
+    levels = [int(c) for c in a.concurrency.split(",") if c]
+    ctx = ModelContext.from_repo(a.repo, GPT, kind="GPU" if a.device == "cuda" else "CPU", device_id=a.gpu)
+    if max(levels) > ctx.param("max_slots", cast=int):
+        print(f"note: concurrency above the model's max_slots ({ctx.param('max_slots')}) waits in the engine's queue",
+              file=sys.stderr)
+    t0 = time.perf_counter()
+    service = gpt_service(ctx)
+    print(f"[engine_load] engine ready in {time.perf_counter() - t0:.1f} s "
+          f"({'compiled step' if service.engine.graph_step is not None else 'TorchScript step'}, "
+          f"decode kernel {getattr(service.engine.model, 'decode_kernel', False)})", flush=True)
+    prompts = load_prompts(a.repo)
+    rows = []
+    try:
+        for c in levels:
+            row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle)
+            rows.append(row)
+            fmt = lambda k, spec=".2f": "n/a" if row.get(k) is None else format(row[k], spec)  # noqa: E731
+            print(f"[engine_load] concurrency {c}: {row['throughput_utt_s']:.1f} utt/s, p50 {fmt('latency_p50_ms', '.0f')} ms, "
+                  f"step {fmt('engine_step_ms')} ms (device {fmt('engine_step_device_ms')}, GPU clock "
+                  f"{fmt('engine_step_gpu_ms')}, prefill/step {fmt('engine_prefill_ms_per_step')}), "
+                  f"rows {fmt('engine_batch', '.1f')}", flush=True)
+    finally:
+        service.engine.stop()
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"repo": str(a.repo), "device": a.device, "tokens": a.tokens,
+                                     "gpu": torch.cuda.get_device_name(a.gpu) if a.device == "cuda" else "cpu",
+                                     "torch": torch.__version__, "command": " ".join(sys.argv), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
