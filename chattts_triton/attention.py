@@ -45,8 +45,9 @@ def reference(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tenso
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
     """`reference`'s result; on a GPU with Triton it reads only the first lengths[i] keys of row i."""
-    if not kernel_available(q.device, q.shape[-1]):
-        return reference(q, keys, values, lengths)
+    if not kernel_available(q.device, q.shape[-1]) or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        return reference(q, keys, values, lengths)  # (the kernel reads a head's values contiguously)
+    q = q if q.stride(-1) == 1 else q.contiguous()
     b, h, d = q.shape
     kvh = keys.shape[2]
     out = torch.empty_like(q)
