@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -55,6 +55,7 @@ class ClosedLoop:
         self.in_flight = 0
         self.idle = threading.Condition(self.lock)
         self.n = 0
+        self.error: Optional[BaseException] = None  # a request the engine refused
 
     def _submit(self) -> None:
         from chattts_triton.engine import GenRequest
@@ -69,7 +70,14 @@ class ClosedLoop:
         req = GenRequest(text_ids=self.prompts[i % len(self.prompts)], params=self.params(i),
                          on_done=lambda r, t0=t0: self._done(r, t0), spk_emb=self.spk_emb,
                          spk_emb_id=self.service.spk_emb_id)
-        self.service.engine.submit(req)
+        try:
+            self.service.engine.submit(req)
+        except Exception as e:  # e.g. prompt + --tokens beyond the model's context: stop the level, say why
+            with self.lock:
+                self.in_flight -= 1
+                self.stopping = True
+                self.error = self.error or e
+                self.idle.notify_all()
 
     def _done(self, result, t0: float) -> None:
         now = time.perf_counter()
@@ -88,6 +96,8 @@ class ClosedLoop:
             self.stopping = True
             if not self.idle.wait_for(lambda: self.in_flight == 0, timeout=timeout):
                 raise RuntimeError(f"{self.in_flight} requests still running {timeout:.0f} s after the load stopped")
+        if self.error is not None:
+            raise RuntimeError(f"the engine refused a request: {self.error}") from self.error
 
 
 def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, settle_s: float) -> dict:

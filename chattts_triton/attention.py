@@ -48,6 +48,7 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -
     if not kernel_available(q.device, q.shape[-1]) or keys.stride(-1) != 1 or values.stride(-1) != 1:
         return reference(q, keys, values, lengths)  # (the kernel reads a head's values contiguously)
     q = q if q.stride(-1) == 1 else q.contiguous()
+    lengths = lengths.contiguous()
     b, h, d = q.shape
     kvh = keys.shape[2]
     out = torch.empty_like(q)

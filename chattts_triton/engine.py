@@ -162,7 +162,8 @@ class Engine:
         oldest has waited `admit_wait_steps` decode steps; an idle engine admits at once.
         compile_step: see `compile_step` (the model must be the eager module).
         decode_kernel: decode steps of the eager module read each row's own keys only
-        (`attention.decode_attention`); None: where its GPU kernel runs. TorchScript models: never."""
+        (`attention.decode_attention`); None: where its GPU kernel runs (True elsewhere: its dense PyTorch
+        reference, for tests). TorchScript models: never."""
         _check_model(model)
         self.model = model
         self.device = torch.device(device)

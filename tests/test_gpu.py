@@ -311,16 +311,17 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets):
         eng.stop()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_reads_each_rows_own_keys_as_the_reference_does(dtype):
+@pytest.mark.parametrize("dtype,kv_heads", [(torch.float32, 12), (torch.bfloat16, 12), (torch.float32, 4)])
+def test_decode_kernel_reads_each_rows_own_keys_as_the_reference_does(dtype, kv_heads):
     """The Triton decode attention against `attention.reference` on cache views as the model passes
-    them (one layer, slots from an offset), lengths 1..context incl. block edges, and a CUDA graph replay."""
+    them (one layer, slots from an offset), lengths 1..context incl. block edges, grouped heads (12 query
+    heads on 4 key/value heads), and a CUDA graph replay."""
     from chattts_triton.attention import BLOCK_KEYS, decode_attention, kernel_available, reference
 
     assert kernel_available(torch.device("cuda"), 64)
     g = torch.Generator(device="cuda").manual_seed(0)
     layers, slots, context, heads, d = 3, 40, 300, 12, 64
-    cache = torch.randn(2, layers, slots, context, heads, d, device="cuda", generator=g).to(dtype)
+    cache = torch.randn(2, layers, slots, context, kv_heads, d, device="cuda", generator=g).to(dtype)
     b, start = 33, 5
     keys, values = cache[0, 1].narrow(0, start, b), cache[1, 1].narrow(0, start, b)
     q = torch.randn(b, heads, d, device="cuda", generator=g).to(dtype)

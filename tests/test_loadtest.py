@@ -419,3 +419,20 @@ def test_engine_load_bench_keeps_requests_in_flight_on_the_served_engine(tiny_re
         assert r["engine_step_gpu_ms"] is None  # no GPU clock on a CPU
     assert rows[0]["engine_batch"] == pytest.approx(1.0)  # one request in flight: one row per step
     assert 1.0 < rows[1]["engine_batch"] <= 3.0
+
+
+def test_engine_load_bench_says_why_when_the_engine_refuses_its_requests(tiny_repo, monkeypatch):
+    """A request the engine refuses (here: empty prompts): the level stops at once with the engine's
+    reason instead of waiting for requests that were never admitted."""
+    import time
+
+    import torch
+
+    from bench import engine_load
+
+    monkeypatch.setattr(engine_load, "load_prompts", lambda repo: [torch.zeros(0, dtype=torch.int64)])
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="refused a request: empty prompt"):
+        engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--concurrency", "2", "--seconds", "0.5",
+                          "--settle", "0.2", "--tokens", "8"])
+    assert time.monotonic() - t0 < 60
