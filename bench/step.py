@@ -160,7 +160,7 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
     if base.startswith("compile"):
         engine.compile_step(dynamic=base == "compile_dynamic")
     out = {"variant": variant, "attn_len": args.attn_len, "lengths": args.lengths, "dtype": str(dtype),
-           "decode_kernel": bool(getattr(engine.model, "decode_kernel", False)), "batches": {}}
+           "decode_kernel": engine.decode_kernel, "batches": {}}
     for b in args.batches:
         _set_positions(engine, b, args.attn_len, args.lengths)
         if not cuda:  # the step as the CPU engine runs it: eager, every row padding

@@ -169,12 +169,13 @@ class Engine:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # the engine thread needs the index
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.decode_kernel = False  # the model's decode steps read each row's own keys (attn_len unused)
         if isinstance(model, torch.jit.ScriptModule) or not hasattr(model, "decode_kernel"):
             if decode_kernel:
                 raise EngineError("decode_kernel needs the eager GPT module (chattts_triton.gpt), not TorchScript")
         else:
-            model.decode_kernel = (attention.kernel_available(self.device, model.head_dim)
-                                   if decode_kernel is None else decode_kernel)
+            model.decode_kernel = self.decode_kernel = bool(
+                attention.kernel_available(self.device, model.head_dim) if decode_kernel is None else decode_kernel)
         self.max_slots = max_slots
         self.max_context = max_context
         self.max_new_tokens = max_new_tokens
@@ -315,7 +316,7 @@ class Engine:
         """Capture now, before the first client, what a load would otherwise capture as it first reaches
         a bucket (each capture synchronises the device, stalling every running request): the decode
         graph of every batch bucket at every attention bucket up to `max_len` (default
-        WARM_DECODE_LEN), and the prefill graphs of the prompt counts `warm_up` left out. A capture
+        WARM_DECODE_LEN; with `decode_kernel` one bucket serves every length), and the prefill graphs of the prompt counts `warm_up` left out. A capture
         that fails leaves its bucket eager, as in serving. Returns the number of graphs held afterwards."""
         if self.graphs is None:
             return 0
@@ -971,7 +972,8 @@ def bucket_sizes(step: int, largest: int) -> List[int]:
 class CudaGraphs(GraphCache):
     """Decode steps and prefills replayed from CUDA graphs.
 
-    Decode: one graph per (mode, batch bucket, attention-length bucket). A bucket runs slots
+    Decode: one graph per (mode, batch bucket, attention-length bucket; with `Engine.decode_kernel` one
+    length bucket for all). A bucket runs slots
     0..bucket-1: the live batch, then free slots as padding rows (`Engine.n_live` keeps their counts
     from advancing; their other writes land in free slots, which admission resets). What a graph runs
     is `Engine.step_core`, the same code as the eager path.
@@ -989,6 +991,8 @@ class CudaGraphs(GraphCache):
 
     def buckets(self, b: int, attn_len: int) -> Tuple[int, int]:
         e = self.e
+        if e.decode_kernel:  # each row reads its own keys whatever attn_len: one graph per batch bucket
+            return bucket(b, BATCH_STEP, e.max_slots), LEN_STEP
         return bucket(b, BATCH_STEP, e.max_slots), bucket(max(attn_len, LEN_STEP), LEN_STEP, e.max_context)
 
     def prefill_buckets(self, k: int, t: int) -> Tuple[int, int]:

@@ -52,6 +52,38 @@ def test_decode_steps_through_each_rows_own_keys_equal_the_masked_dense_steps(ti
     check_same_as_alone(*runs)
 
 
+def test_with_the_decode_kernel_one_graph_per_batch_bucket_serves_every_attention_length(tiny):
+    """Rows read their own keys whatever the step's attention length: warm_graphs captures one decode
+    graph per batch bucket, and a request attending past WARM_DECODE_LEN (a new length bucket for the
+    dense step) captures nothing more and gets the tokens of a plain engine (graphs standing in eagerly)."""
+    from chattts_triton.engine import BATCH_STEP, LEN_STEP, WARM_DECODE_LEN, CudaGraphs, GenRequest, SamplingParams, bucket_sizes
+
+    arch, _, _, ours = tiny
+    g = torch.Generator().manual_seed(3)
+    reqs = [GenRequest(torch.randint(0, 21000, (90,), generator=g), SamplingParams(0.3, 0.7, 20, 1.05, 460, 460, seed=1), None),
+            GenRequest(torch.randint(0, 21000, (7,), generator=g), SamplingParams(0.3, 0.7, 20, 1.05, 40, 40, seed=2), None)]
+    assert 90 + 460 > WARM_DECODE_LEN
+    plain = make_engine(ours, arch, max_slots=40, max_context=640, max_new_tokens=500, cuda_graphs=False, decode_kernel=False)
+    try:
+        want = [plain.generate(r) for r in reqs]
+    finally:
+        plain.stop()
+    eng = make_engine(ours, arch, max_slots=40, max_context=640, max_new_tokens=500, decode_kernel=True)
+    try:
+        eng.graphs = CudaGraphs(eng, capture=False)
+        assert eng.graphs.buckets(3, 5) == eng.graphs.buckets(3, 600) == (4, LEN_STEP)
+        eng.warm_graphs()
+        decode = {k for k in eng.graphs.graphs if k[0] == "code"}
+        assert decode == {("code", bb, LEN_STEP) for bb in bucket_sizes(BATCH_STEP, 40)}
+        got = [eng.generate(GenRequest(r.text_ids, r.params, None)) for r in reqs]
+        assert {k for k in eng.graphs.graphs if k[0] == "code"} == decode
+        for a, b in zip(want, got):
+            assert torch.equal(a.tokens, b.tokens)
+    finally:
+        eng.stop()
+        ours.decode_kernel = False
+
+
 def test_torchscript_keeps_the_dense_attention_and_refuses_the_flag(tiny):
     arch, _, _, ours = tiny
     ours.decode_kernel = True
