@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from chattts_triton.attention import decode_attention, kernel_available, reference
 from chattts_triton.engine import Engine, EngineError
-from tests.test_gpt_engine import check_same_as_alone, drive, make_engine, scenario_specs
+from tests.test_gpt_engine import (assert_served_without_a_new_decode_graph, check_same_as_alone, drive, make_engine,
+                                   scenario_specs)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
@@ -75,10 +76,7 @@ def test_with_the_decode_kernel_one_graph_per_batch_bucket_serves_every_attentio
         eng.warm_graphs()
         decode = {k for k in eng.graphs.graphs if k[0] == "code"}
         assert decode == {("code", bb, LEN_STEP) for bb in bucket_sizes(BATCH_STEP, 40)}
-        got = [eng.generate(GenRequest(r.text_ids, r.params, None)) for r in reqs]
-        assert {k for k in eng.graphs.graphs if k[0] == "code"} == decode
-        for a, b in zip(want, got):
-            assert torch.equal(a.tokens, b.tokens)
+        assert_served_without_a_new_decode_graph(eng, reqs, want, decode)
     finally:
         eng.stop()
         ours.decode_kernel = False

@@ -597,6 +597,14 @@ def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compi
     assert eng.active == 0 and eng.pending == 0
 
 
+def assert_served_without_a_new_decode_graph(eng, reqs, want, decode) -> None:
+    """`reqs` served by `eng` after its warm-up: no decode graph beyond `decode`, the tokens of `want`."""
+    got = [eng.generate(GenRequest(r.text_ids, r.params, None)) for r in reqs]
+    assert {k for k in eng.graphs.graphs if k[0] == "code"} == decode
+    for a, b in zip(want, got):
+        assert torch.equal(a.tokens, b.tokens)
+
+
 def test_warm_graphs_captures_every_bucket_a_load_reaches_on_the_engine_thread(tiny):
     """warm_graphs on a started engine (graphs standing in eagerly on the CPU): the decode graph of
     every batch bucket at every attention bucket up to WARM_DECODE_LEN and the prefill graphs of the
@@ -633,10 +641,7 @@ def test_warm_graphs_captures_every_bucket_a_load_reaches_on_the_engine_thread(t
         assert prefill == {("prefill", k, t) for k in (64, 80) for t in PREFILL_WARM_LENGTHS
                            if k not in PREFILL_WARM_BATCHES and k * t <= PREFILL_GRAPH_TOKENS}
         assert n == len(eng.graphs.graphs)
-        got = [eng.generate(GenRequest(r.text_ids, r.params, None)) for r in reqs]
-        assert {k for k in eng.graphs.graphs if k[0] == "code"} == decode
-        for a, b in zip(want, got):
-            assert torch.equal(a.tokens, b.tokens)
+        assert_served_without_a_new_decode_graph(eng, reqs, want, decode)
     finally:
         eng.stop()
 
