@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     service = gpt_service(ctx)
     print(f"[engine_load] engine ready in {time.perf_counter() - t0:.1f} s "
           f"({'compiled step' if service.engine.graph_step is not None else 'TorchScript step'}, "
-          f"decode kernel {getattr(service.engine.model, 'decode_kernel', False)})", flush=True)
+          f"decode kernel {service.engine.decode_kernel})", flush=True)
     prompts = load_prompts(a.repo)
     rows = []
     try:

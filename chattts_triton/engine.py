@@ -316,8 +316,9 @@ class Engine:
         """Capture now, before the first client, what a load would otherwise capture as it first reaches
         a bucket (each capture synchronises the device, stalling every running request): the decode
         graph of every batch bucket at every attention bucket up to `max_len` (default
-        WARM_DECODE_LEN; with `decode_kernel` one bucket serves every length), and the prefill graphs of the prompt counts `warm_up` left out. A capture
-        that fails leaves its bucket eager, as in serving. Returns the number of graphs held afterwards."""
+        WARM_DECODE_LEN; with `decode_kernel` one bucket serves every length), and the prefill graphs
+        of the prompt counts `warm_up` left out. A capture that fails leaves its bucket eager, as in
+        serving. Returns the number of graphs held afterwards."""
         if self.graphs is None:
             return 0
         deadline = time.monotonic() + timeout
