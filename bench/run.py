@@ -242,13 +242,21 @@ def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, s
     return out
 
 
+def _switch_interval(us: Optional[int]) -> str:
+    if us is None:  # results from before the setting
+        return ""
+    return f", GIL switch interval {us} µs" if us else ", Python's GIL switch interval (5 ms)"
+
+
 def to_markdown(res: dict) -> str:
     out = [f"# Benchmark {res['date']} on {res['device_name']}", "",
            f"{res['tokens']} forced code frames per utterance (≈ {res['tokens'] * 512 / 24000:.2f} s of audio). "
            f"Ours: tritonserver over gRPC, dtype {res['dtype']}, "
            f"{'compiled GPT step (requested)' if res.get('gpt_compile') else 'TorchScript GPT step'}"
            f"{', vocoder from CUDA graphs' if res.get('vocoder_graphs') else ''}"
-           f"{', under an MPS daemon' if res.get('mps') else ''}, closed-loop clients. Upstream: `Chat.infer` in-process.", ""]
+           f"{', under an MPS daemon' if res.get('mps') else ''}"
+           f"{_switch_interval(res.get('gil_switch_interval_us'))}"
+           f", closed-loop clients. Upstream: `Chat.infer` in-process.", ""]
     for name in ("upstream_eager", "upstream_compile"):
         rows = res.get(name) or []
         if rows:
@@ -281,20 +289,22 @@ def to_markdown(res: dict) -> str:
     rows = res.get("served") or []
     if rows:
         out += ["## served (chattts-triton)", "", "| concurrency | p50 ms | p90 ms | p99 ms | utterances/s | RTF p50 | errors | GPU MiB "
-                "| GPT step ms | of it device ms | GPU clock ms | prefill ms/step | GPT batch | GPT busy |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| GPT step ms | of it device ms | GPU clock ms | prefill ms/step | GIL wait ms | GPT batch | GPT busy |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             f = lambda k, s=".0f": "" if r.get(k) is None else format(r[k], s)  # noqa: E731
             out.append(f"| {r['concurrency']} | {f('latency_p50_ms')} | {f('latency_p90_ms')} | {f('latency_p99_ms')} | "
                        f"{f('throughput_utt_s', '.1f')} | {f('rtf_p50', '.3f')} | {r['error_rate']:.1%} | {f('gpu_memory_mib')} | "
                        f"{f('engine_step_ms', '.2f')} | {f('engine_step_device_ms', '.2f')} | {f('engine_step_gpu_ms', '.2f')} | "
-                       f"{f('engine_prefill_ms_per_step', '.2f')} | "
+                       f"{f('engine_prefill_ms_per_step', '.2f')} | {f('engine_gil_wait_ms', '.3f')} | "
                        f"{f('engine_batch', '.1f')} | {f('engine_busy', '.0%')} |")
         out += ["", "GPT step ms: mean wall time of one decode step of the GPT engines (host work included); of it device ms: "
                 "from the step's launch to its host sync (the GPU's part as the host waits for it, the rest is host "
                 "bookkeeping); GPU clock ms: the step's span on the GPU's own clock (CUDA events, one step in 8): "
                 "far below device ms means the host came back late (launch, GIL), near it a slow GPU (kernels, other "
-                "processes' time slices); prefill ms/step: prefill wall time per decode step; GPT batch: "
+                "processes' time slices) or a host late around the launch (its events are recorded from Python); prefill ms/step: "
+                "prefill wall time per decode step; GIL wait ms: how long the engine thread waited to take the GIL "
+                "back after letting it go (one step in 8; every torch call, graph replay and host sync lets it go); GPT batch: "
                 "mean rows per step, GPT busy: share of the window the engine loops were stepping or prefilling."]
     return "\n".join(out) + "\n"
 
@@ -365,6 +375,8 @@ def main(argv=None) -> int:
                     help="the vocoder's batching delay (the other models' is 0)")
     ap.add_argument("--gpt-admit-wait-steps", type=int, default=Deployment.gpt_admit_wait_steps,
                     help="... or once the oldest has waited this many decode steps")
+    ap.add_argument("--gil-switch-interval-us", type=int, default=Deployment.gil_switch_interval_us,
+                    help="the interpreter's switch interval in the engines' processes (0: Python's 5000)")
     ap.add_argument("--mps", action="store_true",
                     help="serve under a CUDA MPS daemon (chattts_triton.mps): the model processes share the GPU")
     a = ap.parse_args(argv)
@@ -396,7 +408,8 @@ def main(argv=None) -> int:
                      stream_slots=max(streams + [2]), stream_lookahead_frames=a.stream_lookahead,
                      stream_first_lookahead_frames=a.stream_first_lookahead, stream_fade_frames=a.stream_fade,
                      gpt_compile=a.gpt_compile, vocoder_graphs=a.vocoder_graphs, gpt_admit_batch=a.gpt_admit_batch,
-                     gpt_admit_wait_steps=a.gpt_admit_wait_steps, max_queue_delay_us=a.max_queue_delay_us)
+                     gpt_admit_wait_steps=a.gpt_admit_wait_steps, max_queue_delay_us=a.max_queue_delay_us,
+                     gil_switch_interval_us=a.gil_switch_interval_us)
     res["stream_lookahead_frames"] = a.stream_lookahead or "exact"
     res["stream_first_lookahead_frames"] = a.stream_first_lookahead or "as later chunks"
     res["stream_fade_frames"] = a.stream_fade
@@ -405,6 +418,7 @@ def main(argv=None) -> int:
     res["mps"] = a.mps
     res["gpt_admit"] = {"batch": a.gpt_admit_batch, "wait_steps": a.gpt_admit_wait_steps}
     res["max_queue_delay_us"] = a.max_queue_delay_us
+    res["gil_switch_interval_us"] = a.gil_switch_interval_us
     if a.max_concurrency or streams or a.hold_seconds:
         log(f"exporting {a.assets} → {a.repo} ({a.dtype})")
         export_repository(a.assets, a.repo, ["torchscript"], a.dtype, "cpu", dep, progress=log)

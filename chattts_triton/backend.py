@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
-from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, Arch
+from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, GIL_SWITCH_INTERVAL_US, Arch
 from .repo_config import MANIFEST
 from .serve import INFLIGHT_METRIC
 from .services import Call, Overloaded
@@ -140,6 +141,8 @@ STAT_HELP = {
     "engine_step_gpu_seconds": "CUDA: summed span of the sampled decode steps on the GPU's clock (cumulative; / engine_step_gpu_samples = GPU ms per step)",
     "engine_step_gpu_samples": "CUDA: decode steps timed on the GPU's clock (one in 8; cumulative)",
     "engine_prefill_seconds": "wall time in prefills (cumulative); with engine_step_seconds, the engine's busy time",
+    "engine_gil_wait_seconds": "summed wait of the engine thread to take the GIL back after letting it go (cumulative; sampled steps)",
+    "engine_gil_wait_samples": "GIL waits sampled (one decode step in 8; cumulative)",
     "engine_results_pending": "finished generations whose results wait for their consumer (grows if replies are stuck)",
     "streams": "streams in flight in this instance",
     "stream_first_chunks": "streams whose first chunk was sent (cumulative)",
@@ -312,6 +315,8 @@ def preprocess_service(ctx: ModelContext):
 def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None):
     from .services import GPTService, device_for
 
+    set_switch_interval(ctx.param("gil_switch_interval_us", GIL_SWITCH_INTERVAL_US, cast=int))
+
     return GPTService(
         (version_dir or ctx.version_dir) / "gpt.pt", ctx.arch, device_for(ctx.instance_kind, ctx.device_id),
         dtype=ctx.param("dtype", "fp32"),
@@ -325,6 +330,15 @@ def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None):
         admit_batch=ctx.param("admit_batch", ADMIT_BATCH, cast=int),  # repositories configured before: the defaults
         admit_wait_steps=ctx.param("admit_wait_steps", ADMIT_WAIT_STEPS, cast=int),
     )
+
+
+def set_switch_interval(us: int) -> None:
+    """The process's GIL switch interval for an engine's thread (0: leave Python's). Process-wide:
+    this process hosts one engine model."""
+    if us < 0:
+        raise RuntimeError(f"parameter gil_switch_interval_us must be ≥ 0, got {us}")
+    if us:
+        sys.setswitchinterval(us / 1e6)
 
 
 def vocoder_service(ctx: ModelContext, version_dir: Optional[Path] = None, graphs: Optional[bool] = None):

@@ -37,6 +37,10 @@ NUM_TEXT_TOKENS = 21178
 # the oldest has waited this many decode steps (Engine, repo_config.Deployment)
 ADMIT_BATCH = 32
 ADMIT_WAIT_STEPS = 4
+# the interpreter's switch interval in a process that hosts a GPT engine (µs; 0: Python's 5000). The
+# engine thread lets the GIL go at every torch call, graph replay and host sync; while Triton's
+# request and reply threads want it, taking it back can wait the whole interval each time
+GIL_SWITCH_INTERVAL_US = 200
 REPETITION_WINDOW = 16  # upstream CustomRepetitionPenaltyLogitsProcessorRepeat past_window
 MIN_TOKENS_TO_KEEP = 3  # upstream top-P/top-K warpers
 

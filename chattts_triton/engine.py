@@ -211,6 +211,13 @@ class Engine:
         self.step_gpu_seconds = 0.0
         self.step_gpu_samples = 0
         self._step_events: Optional[Tuple[Any, Any]] = None
+        # every GPU_TIMING_EVERY-th step: how long this thread waits to take the GIL back once it lets
+        # it go (a `time.sleep(0)` right after the step's host sync). Each torch call, graph replay and
+        # host sync lets the GIL go; while the process's other threads (Triton's requests, replies)
+        # hold it, the engine waits up to the interpreter's switch interval each time. A GPU clock
+        # read through events recorded from Python includes such waits too
+        self.gil_wait_seconds = 0.0
+        self.gil_wait_samples = 0
         self.prefill_seconds = 0.0
         self.cache_dtype = cache_dtype
         self.cuda_graphs = cuda_graphs
@@ -470,6 +477,7 @@ class Engine:
                 "engine_step_device_seconds": round(self.step_device_seconds, 6),
                 "engine_step_gpu_seconds": round(self.step_gpu_seconds, 6), "engine_step_gpu_samples": self.step_gpu_samples,
                 "engine_prefill_seconds": round(self.prefill_seconds, 6),
+                "engine_gil_wait_seconds": round(self.gil_wait_seconds, 6), "engine_gil_wait_samples": self.gil_wait_samples,
                 "engine_results_pending": self._results.qsize() if self._results is not None else 0}
 
     @property
@@ -747,6 +755,11 @@ class Engine:
         if timed:  # both events are done: the sync came after the second
             self.step_gpu_seconds += self._step_events[0].elapsed_time(self._step_events[1]) / 1000
             self.step_gpu_samples += 1
+        if self.steps % GPU_TIMING_EVERY == 0:
+            t1 = time.perf_counter()
+            time.sleep(0)  # lets the GIL go and takes it back: the wait every release costs now
+            self.gil_wait_seconds += time.perf_counter() - t1
+            self.gil_wait_samples += 1
         self.steps += 1
         self._deliver()
         self._advance(0, b, hit_host)

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, LIMITS, NUM_VQ, Arch
+from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, ENSEMBLE_INPUTS, GIL_SWITCH_INTERVAL_US, ENSEMBLE_OUTPUTS, LIMITS, NUM_VQ, Arch
 
 ENSEMBLE = "chattts"
 PREPROCESS = "chattts_preprocess"
@@ -64,6 +64,7 @@ class Deployment:
     gpt_max_pending: Optional[int] = None  # generations running + waiting per GPT engine (None: 4 × slots)
     gpt_admit_batch: int = ADMIT_BATCH  # config.py: the engine's admission policy
     gpt_admit_wait_steps: int = ADMIT_WAIT_STEPS
+    gil_switch_interval_us: int = GIL_SWITCH_INTERVAL_US  # processes hosting an engine (GPT, stream); 0: Python's
     dtype: str = "fp32"
     artifact_format: str = "torchscript"  # torchscript | onnx (decoder/vocoder/DVAE)
     stream_slots: Optional[int] = None  # engine slots of each chattts_stream instance (None: by device)
@@ -139,6 +140,8 @@ def _engine_params(cfg, dep: "Deployment", slots: int, pending: int) -> None:
     if dep.gpt_admit_batch < 1 or dep.gpt_admit_wait_steps < 0:
         raise ValueError(f"gpt_admit_batch must be ≥ 1 and gpt_admit_wait_steps ≥ 0, got "
                          f"{dep.gpt_admit_batch} and {dep.gpt_admit_wait_steps}")
+    if not 0 <= dep.gil_switch_interval_us <= 1_000_000:
+        raise ValueError(f"gil_switch_interval_us must be in [0, 1000000] (0: Python's default), got {dep.gil_switch_interval_us}")
     _param(cfg, "max_slots", slots)
     _param(cfg, "max_context", dep.gpt_context)
     _param(cfg, "max_pending", pending)
@@ -147,6 +150,7 @@ def _engine_params(cfg, dep: "Deployment", slots: int, pending: int) -> None:
     _param(cfg, "compile_step", int(dep.gpt_compile))
     _param(cfg, "admit_batch", dep.gpt_admit_batch)
     _param(cfg, "admit_wait_steps", dep.gpt_admit_wait_steps)
+    _param(cfg, "gil_switch_interval_us", dep.gil_switch_interval_us)
 
 
 def _python_model(name: str, dep: Deployment, instances: int, gpu: bool) -> mc.ModelConfig:
@@ -276,6 +280,9 @@ def main(argv=None) -> int:
                     help=f"while generating, prefill waiting requests together once this many wait (default {ADMIT_BATCH})")
     ap.add_argument("--gpt-admit-wait-steps", type=int,
                     help=f"... or once the oldest has waited this many decode steps (default {ADMIT_WAIT_STEPS})")
+    ap.add_argument("--gil-switch-interval-us", type=int,
+                    help=f"the interpreter's switch interval in the processes hosting an engine (default "
+                         f"{GIL_SWITCH_INTERVAL_US}; 0: Python's 5000)")
     ap.add_argument("--stream-slots", type=int, help="engine slots of each chattts_stream instance")
     ap.add_argument("--stream-max-pending", type=int, help="streams in flight per chattts_stream instance before UNAVAILABLE")
     ap.add_argument("--stream-first-chunk-frames", type=int, help="code frames (21.3 ms each) in a stream's first chunk")
@@ -299,7 +306,7 @@ def main(argv=None) -> int:
         ap.error("--instances must be ≥ 1")
     dep.instances = a.instances
     for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "max_queue_delay_us", "gpt_slots", "gpt_context", "gpt_max_pending",
-              "gpt_admit_batch", "gpt_admit_wait_steps",
+              "gpt_admit_batch", "gpt_admit_wait_steps", "gil_switch_interval_us",
               "stream_slots", "stream_max_pending", "stream_first_chunk_frames", "stream_chunk_frames",
               "stream_lookahead_frames", "stream_first_lookahead_frames", "stream_fade_frames", "gpt_compile",
               "vocoder_graphs"):

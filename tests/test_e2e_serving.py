@@ -322,3 +322,36 @@ def test_int8_cpu_repository_serves(tiny_assets, tmp_path, served_tiny):
         audio = synth(server, **kw)
         assert audio.shape == (samples_for_codes(16),) and np.isfinite(audio).all()
     assert synth(served_tiny, **kw).shape == audio.shape
+
+
+def test_configure_gil_switch_interval_reaches_the_engine_processes_and_refuses_nonsense(tiny_repo, tmp_path, capsys):
+    """The switch interval is written to both engine models and set by the service factory in the
+    process that hosts the engine (0 leaves Python's own)."""
+    import shutil
+    import sys
+
+    from chattts_triton.backend import ModelContext, gpt_service
+    from chattts_triton.config import GIL_SWITCH_INTERVAL_US
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+    params = lambda model: rc.parse_pbtxt((repo / model / "config.pbtxt").read_text()).parameters  # noqa: E731
+    assert params(rc.GPT)["gil_switch_interval_us"].string_value == str(GIL_SWITCH_INTERVAL_US)
+    old = sys.getswitchinterval()
+    try:
+        assert rc.main(["--repo", str(repo), "--gil-switch-interval-us", "750"]) == 0
+        assert [params(m)["gil_switch_interval_us"].string_value for m in (rc.GPT, rc.STREAM)] == ["750", "750"]
+        assert "gil_switch_interval_us" not in params(rc.VOCODER)
+        sys.setswitchinterval(0.005)
+        gpt_service(ModelContext.from_repo(repo, rc.GPT)).close()
+        assert sys.getswitchinterval() == pytest.approx(750e-6)
+        assert rc.main(["--repo", str(repo), "--gil-switch-interval-us", "0"]) == 0
+        sys.setswitchinterval(0.005)
+        gpt_service(ModelContext.from_repo(repo, rc.GPT)).close()
+        assert sys.getswitchinterval() == pytest.approx(0.005)  # 0: Python's own left alone
+    finally:
+        sys.setswitchinterval(old)
+    with pytest.raises(SystemExit) as e:
+        rc.main(["--repo", str(repo), "--gil-switch-interval-us", "-1"])
+    assert e.value.code == 2 and "gil_switch_interval_us must be in" in capsys.readouterr().err
+    assert params(rc.GPT)["gil_switch_interval_us"].string_value == "0"

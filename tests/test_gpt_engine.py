@@ -932,6 +932,45 @@ def test_engine_counts_its_steps_rows_and_busy_time(tiny):
     assert s["engine_step_seconds"] > 0 and s["engine_prefill_seconds"] > 0 and s["engine_active"] == 0
     assert 0 < s["engine_step_device_seconds"] <= s["engine_step_seconds"]
     assert s["engine_step_gpu_seconds"] == s["engine_step_gpu_samples"] == 0  # CPU: no GPU clock to read
+    assert s["engine_gil_wait_samples"] == 3 and s["engine_gil_wait_seconds"] >= 0  # steps 0, 8 and 16 of 19
+
+
+def test_the_gil_probe_reads_the_wait_another_python_thread_causes(tiny):
+    """The engine's GIL-wait figure is the wait its thread meets: with a thread spinning in Python and a
+    20-ms switch interval, taking the GIL back after each release waits ≈ the interval; alone, ≈ 0."""
+    import sys
+    import threading
+
+    arch, _, _, ours = tiny
+    specs = [dict(ids=torch.arange(1, 9), params=greedy(40, 40, seed=0))]
+
+    def mean_wait_ms(spin: bool) -> float:
+        eng = make_engine(ours, arch, start=False)
+        stop = threading.Event()
+
+        def spinner() -> None:
+            while not stop.is_set():
+                pass
+
+        t = threading.Thread(target=spinner, daemon=True)
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(0.02)
+        try:
+            if spin:
+                t.start()
+            drive(eng, specs)
+        finally:
+            stop.set()
+            sys.setswitchinterval(old)
+            if spin:
+                t.join()
+        s = eng.stats()
+        assert s["engine_gil_wait_samples"] == 5  # steps 0, 8, .. 32 of 39
+        return 1000 * s["engine_gil_wait_seconds"] / s["engine_gil_wait_samples"]
+
+    alone, contended = mean_wait_ms(False), mean_wait_ms(True)
+    assert contended >= 10.0, contended
+    assert alone < 5.0, alone
 
 
 def test_a_slow_result_consumer_does_not_hold_up_the_running_batch(tiny):

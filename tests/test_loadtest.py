@@ -175,7 +175,7 @@ def test_sweep_reports(tmp_path):
     cfg = sweep.SweepConfig(url="h:1", step_seconds=10)
     paths = sweep.write_outputs(tmp_path, rows, cfg)
     md = paths["md"].read_text()
-    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | n/a | n/a | n/a | yes |" in md
+    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | yes |" in md
     assert "| 4 | chattts | 40 | 10 | 4.00 | 1.0 | 20.0 | 4×10 |" in md
     with paths["csv"].open() as f:
         table = list(csv.DictReader(f))
@@ -340,6 +340,8 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
                      f'chattts_engine_step_gpu_seconds{{model="chattts_gpt",instance="{inst}"}} {step_s / 8 if gpu else 0}',
                      f'chattts_engine_step_gpu_samples{{model="chattts_gpt",instance="{inst}"}} {steps // 8 if gpu else 0}',
                      f'chattts_engine_prefill_seconds{{instance="{inst}",model="chattts_gpt"}} {prefill_s}',
+                     f'chattts_engine_gil_wait_seconds{{instance="{inst}",model="chattts_gpt"}} {step_s / 100}',
+                     f'chattts_engine_gil_wait_samples{{instance="{inst}",model="chattts_gpt"}} {steps // 8}',
                      f'chattts_engine_active{{instance="{inst}",model="chattts_gpt"}} 7']
         rows.append('chattts_engine_steps{instance="chattts_stream_0_0",model="chattts_stream"} 999')
         return "# HELP chattts_engine_steps x\n" + "\n".join(rows) + "\n"
@@ -357,6 +359,9 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
                         parse_engine_counters(text(300, 3000, 1.3, 250, 900, 1.0, 0.3, gpu=False)), 2.0)
     assert cpu["engine_step_gpu_ms"] is None and cpu["engine_step_ms"] == w["engine_step_ms"]  # no samples: n/a
     assert w["engine_prefill_ms_per_step"] == pytest.approx(1000 * (0.2 + 0.2) / (200 + 200))
+    # the GIL probe, sampled like the GPU clock but on any device: (1.3 - 0.5) / 100 s over 25 samples, same for b
+    assert w["engine_gil_wait_ms"] == pytest.approx(1000 * (0.008 + 0.008) / (25 + 25))
+    assert cpu["engine_gil_wait_ms"] == w["engine_gil_wait_ms"]
     assert w["engine_batch"] == pytest.approx((2000 + 800) / 400)
     assert w["engine_busy"] == pytest.approx((0.8 + 0.8 + 0.2 + 0.2) / (2.0 * 2))
     assert engine_window({}, {}, 2.0)["engine_step_ms"] is None
@@ -365,6 +370,8 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     assert w_old["engine_step_device_ms"] is None and w_old["engine_step_ms"] == w["engine_step_ms"]
     old = {i: {k: v for k, v in c.items() if not k.startswith("engine_step_gpu")} for i, c in after.items()}
     assert engine_window(before, old, 2.0)["engine_step_gpu_ms"] is None  # a server from before the GPU clock
+    old = {i: {k: v for k, v in c.items() if not k.startswith("engine_gil")} for i, c in after.items()}
+    assert engine_window(before, old, 2.0)["engine_gil_wait_ms"] is None  # ... or before the GIL probe
 
 
 def test_bench_hold_reports_the_steady_state_latency_beside_memory():
