@@ -1,6 +1,6 @@
 """The served GPT engine alone under the sweep's closed-loop load: no Triton, no other process on the device.
 
-    python -m bench.engine_load --repo REPO [--concurrency 256,512] [--seconds 10] [--tokens 150] [--out FILE]
+    python -m bench.engine_load --repo REPO [--concurrency 256,512] [--slots N] [--seconds 10] [--tokens 150] [--out FILE]
 
 Builds `chattts_gpt`'s service from an exported repository exactly as Triton's instance would
 (`ModelContext.from_repo` + `backend.gpt_service`: its dtype, slots, compiled step, warm-up and graphs),
@@ -131,6 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=150, help="frames forced per utterance")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--slots", type=int, help="engine slots instead of the repository's max_slots (a served sweep's 512)")
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -140,7 +141,10 @@ def main(argv=None) -> int:
     from chattts_triton.repo_config import GPT
 
     levels = [int(c) for c in a.concurrency.split(",") if c]
-    ctx = ModelContext.from_repo(a.repo, GPT, kind="GPU" if a.device == "cuda" else "CPU", device_id=a.gpu)
+    if a.slots is not None and a.slots < 1:
+        ap.error("--slots must be ≥ 1")
+    overrides = {} if a.slots is None else {"max_slots": a.slots}
+    ctx = ModelContext.from_repo(a.repo, GPT, kind="GPU" if a.device == "cuda" else "CPU", device_id=a.gpu, **overrides)
     if max(levels) > ctx.param("max_slots", cast=int):
         print(f"note: concurrency above the model's max_slots ({ctx.param('max_slots')}) waits in the engine's queue",
               file=sys.stderr)
@@ -158,7 +162,7 @@ def main(argv=None) -> int:
             fmt = lambda k, spec=".2f": "n/a" if row.get(k) is None else format(row[k], spec)  # noqa: E731
             print(f"[engine_load] concurrency {c}: {row['throughput_utt_s']:.1f} utt/s, p50 {fmt('latency_p50_ms', '.0f')} ms, "
                   f"step {fmt('engine_step_ms')} ms (device {fmt('engine_step_device_ms')}, GPU clock "
-                  f"{fmt('engine_step_gpu_ms')}, prefill/step {fmt('engine_prefill_ms_per_step')}, GIL wait "
+                  f"{fmt('engine_step_gpu_ms')}, graph {fmt('engine_step_graph_ms')}, prefill/step {fmt('engine_prefill_ms_per_step')}, GIL wait "
                   f"{fmt('engine_gil_wait_ms', '.3f')}), "
                   f"rows {fmt('engine_batch', '.1f')}", flush=True)
     finally:
@@ -167,7 +171,8 @@ def main(argv=None) -> int:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"repo": str(a.repo), "device": a.device, "tokens": a.tokens,
                                      "gpu": torch.cuda.get_device_name(a.gpu) if a.device == "cuda" else "cpu",
-                                     "torch": torch.__version__, "command": " ".join(sys.argv), "rows": rows}, indent=1))
+                                     "slots": service.engine.max_slots, "torch": torch.__version__,
+                                     "command": " ".join(sys.argv), "rows": rows}, indent=1))
     return 0
 
 

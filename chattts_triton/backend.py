@@ -140,6 +140,8 @@ STAT_HELP = {
     "engine_step_device_seconds": "of engine_step_seconds, launch to the step's host sync (the GPU's part, as the host waits for it; the rest is host bookkeeping)",
     "engine_step_gpu_seconds": "CUDA: summed span of the sampled decode steps on the GPU's clock (cumulative; / engine_step_gpu_samples = GPU ms per step)",
     "engine_step_gpu_samples": "CUDA: decode steps timed on the GPU's clock (one in 8; cumulative)",
+    "engine_step_graph_seconds": "CUDA: the sampled steps replayed from a graph, on events the graph records itself (the replay alone; cumulative)",
+    "engine_step_graph_samples": "CUDA: sampled steps timed inside their graph (cumulative)",
     "engine_prefill_seconds": "wall time in prefills (cumulative); with engine_step_seconds, the engine's busy time",
     "engine_gil_wait_seconds": "summed wait of the engine thread to take the GIL back after letting it go (cumulative; sampled steps)",
     "engine_gil_wait_samples": "GIL waits sampled (one decode step in 8; cumulative)",

@@ -210,6 +210,11 @@ class Engine:
         # slices) from a host that comes back late (the launch, or the GIL held by another thread)
         self.step_gpu_seconds = 0.0
         self.step_gpu_samples = 0
+        # the same sampled steps, where replayed from a graph, on events the graph records itself
+        # (graphs.graph_events): the GPU's span of the replay alone, without the host's launch around it
+        self.step_graph_seconds = 0.0
+        self.step_graph_samples = 0
+        self._graph_timing_failed = False
         self._step_events: Optional[Tuple[Any, Any]] = None
         # every GPU_TIMING_EVERY-th step: how long this thread waits to take the GIL back once it lets
         # it go (a `time.sleep(0)` right after the step's host sync). Each torch call, graph replay and
@@ -476,6 +481,7 @@ class Engine:
                 "engine_step_rows": self.step_rows, "engine_step_seconds": round(self.step_seconds, 6),
                 "engine_step_device_seconds": round(self.step_device_seconds, 6),
                 "engine_step_gpu_seconds": round(self.step_gpu_seconds, 6), "engine_step_gpu_samples": self.step_gpu_samples,
+                "engine_step_graph_seconds": round(self.step_graph_seconds, 6), "engine_step_graph_samples": self.step_graph_samples,
                 "engine_prefill_seconds": round(self.prefill_seconds, 6),
                 "engine_gil_wait_seconds": round(self.gil_wait_seconds, 6), "engine_gil_wait_samples": self.gil_wait_samples,
                 "engine_results_pending": self._results.qsize() if self._results is not None else 0}
@@ -755,6 +761,14 @@ class Engine:
         if timed:  # both events are done: the sync came after the second
             self.step_gpu_seconds += self._step_events[0].elapsed_time(self._step_events[1]) / 1000
             self.step_gpu_samples += 1
+            inner = self.graphs.last_events if self.graphs is not None else None
+            if inner is not None and not self._graph_timing_failed:
+                try:
+                    self.step_graph_seconds += inner[0].elapsed_time(inner[1]) / 1000
+                    self.step_graph_samples += 1
+                except RuntimeError:  # a measurement must never fail the batch
+                    log.exception("reading a decode graph's own timing events failed; no more graph timings")
+                    self._graph_timing_failed = True
         if self.steps % GPU_TIMING_EVERY == 0:
             t1 = time.perf_counter()
             time.sleep(0)  # lets the GIL go and takes it back: the wait every release costs now
@@ -1002,6 +1016,7 @@ class CudaGraphs(GraphCache):
         super().__init__(engine.device, capture)
         self.e = engine
         self.prefill_inputs: Dict[tuple, Tuple[Tensor, Tensor, Tensor]] = {}
+        self.last_events = None  # see step
 
     def buckets(self, b: int, attn_len: int) -> Tuple[int, int]:
         e = self.e
@@ -1014,15 +1029,18 @@ class CudaGraphs(GraphCache):
         return bucket(k, BATCH_STEP, e.max_slots), bucket(t, PREFILL_LEN_STEP, e.max_context)
 
     def step(self, b: int, attn_len: int, mode: str) -> Optional[Tensor]:
-        """eos_hit [bucket] of one step of the live rows 0..b-1, or None: run it eagerly."""
+        """eos_hit [bucket] of one step of the live rows 0..b-1, or None: run it eagerly.
+        `last_events`: the timing events of the graph it replayed (None: eager, or untimed)."""
+        self.last_events = None
         run = self.decode_graph(mode, *self.buckets(b, attn_len))
         if run is None:
             return None
         self.e._set_live(b)
+        self.last_events = getattr(run, "events", None)
         return run()
 
     def decode_graph(self, mode: str, bb: int, lb: int) -> Optional[Callable[[], Tensor]]:
-        return self._graph((mode, bb, lb), lambda: self._warm(mode, bb, lb), lambda: self._step(mode, bb, lb))
+        return self._graph((mode, bb, lb), lambda: self._warm(mode, bb, lb), lambda: self._step(mode, bb, lb), timed=True)
 
     def failed_decode_buckets(self) -> List[tuple]:
         """Decode buckets whose capture failed (they run eagerly); failed prefill buckets run no

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Dict, Hashable, Optional
+from typing import Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -33,6 +33,16 @@ def to_host(t: Tensor) -> Tensor:
     return host
 
 
+def graph_events() -> Optional[Tuple[torch.cuda.Event, torch.cuda.Event]]:
+    """Two timing events that a capture records as nodes of its graph (`external`): each replay then
+    stamps its own start and end on the GPU's clock, whatever the host did around the launch. None
+    where this torch has no external events."""
+    try:
+        return torch.cuda.Event(enable_timing=True, external=True), torch.cuda.Event(enable_timing=True, external=True)
+    except TypeError:
+        return None
+
+
 def bucket(n: int, step: int, largest: int) -> int:
     """Padded size for n: powers of two up to `step`, then multiples of it, at most `largest`."""
     if n <= step:
@@ -57,11 +67,13 @@ class GraphCache:
             self.pool = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream(device=device)
 
-    def _graph(self, key: Hashable, warm: Callable[[], object], fn: Callable[[], Tensor]) -> Optional[Callable[[], Tensor]]:
-        """The replay of `fn` for `key`, captured on first use; None: run it eagerly."""
+    def _graph(self, key: Hashable, warm: Callable[[], object], fn: Callable[[], Tensor],
+               timed: bool = False) -> Optional[Callable[[], Tensor]]:
+        """The replay of `fn` for `key`, captured on first use; None: run it eagerly. timed: the graph
+        also records `graph_events()` around `fn`, as the replay's attribute `events` (None without)."""
         if key not in self.graphs:
             try:
-                self.graphs[key] = self._capture(key, warm, fn)
+                self.graphs[key] = self._capture(key, warm, fn, timed)
             except RuntimeError:  # never fail requests over an optimisation: run this bucket eagerly
                 if not self.capture:  # the eager stand-in has no capture to fail: a real error
                     raise
@@ -69,7 +81,8 @@ class GraphCache:
                 self.graphs[key] = None
         return self.graphs[key]
 
-    def _capture(self, key: Hashable, warm: Callable[[], object], fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
+    def _capture(self, key: Hashable, warm: Callable[[], object], fn: Callable[[], Tensor],
+                 timed: bool = False) -> Callable[[], Tensor]:
         if not self.capture:
             warm()
             return fn
@@ -79,16 +92,34 @@ class GraphCache:
             with torch.cuda.stream(self.stream):
                 warm()
             cur.wait_stream(self.stream)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: other threads of the process (the stream model's codec, the engine) keep
-            # running eagerly or replaying during a capture; the default "global" mode fails their
-            # calls with cudaErrorStreamCaptureUnsupported
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                out = fn()
+            events = graph_events() if timed else None
+            try:
+                graph, out = self._record(fn, events)
+            except RuntimeError:
+                if events is None:
+                    raise
+                # timing is a measurement: never lose the graph over it
+                log.exception("CUDA graph %s: capture with timing events failed; capturing it without", key)
+                events = None
+                graph, out = self._record(fn, None)
         log.info("captured CUDA graph %s", key)
 
         def run() -> Tensor:
             graph.replay()
             return out
 
+        run.events = events  # type: ignore[attr-defined]
         return run
+
+    def _record(self, fn: Callable[[], Tensor], events) -> Tuple[torch.cuda.CUDAGraph, Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads of the process (the stream model's codec, the engine) keep
+        # running eagerly or replaying during a capture; the default "global" mode fails their
+        # calls with cudaErrorStreamCaptureUnsupported
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            if events is not None:
+                events[0].record()
+            out = fn()
+            if events is not None:
+                events[1].record()
+        return graph, out

@@ -37,7 +37,8 @@ GPU_MEMORY_METRIC = "nv_gpu_memory_used_bytes"
 # cumulative gauges of each GPT engine instance (chattts_triton.backend.STAT_HELP)
 ENGINE_COUNTERS = ("engine_steps", "engine_step_rows", "engine_step_seconds", "engine_step_device_seconds",
                    "engine_step_gpu_seconds", "engine_step_gpu_samples", "engine_prefill_seconds",
-                   "engine_gil_wait_seconds", "engine_gil_wait_samples")
+                   "engine_gil_wait_seconds", "engine_gil_wait_samples", "engine_step_graph_seconds",
+                   "engine_step_graph_samples")
 ENGINE_MODEL = "chattts_gpt"
 _COUNTER_LINE = re.compile(r"chattts_(\w+)\{([^}]*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -207,7 +208,7 @@ def engine_window(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str
     window the engines were busy (stepping or prefilling; 1.0 = the GPT loop never waited)."""
     if not after or seconds <= 0:
         return {"engine_step_ms": None, "engine_step_device_ms": None, "engine_step_gpu_ms": None, "engine_prefill_ms_per_step": None,
-                "engine_gil_wait_ms": None, "engine_batch": None, "engine_busy": None}
+                "engine_step_graph_ms": None, "engine_gil_wait_ms": None, "engine_batch": None, "engine_busy": None}
     d = {k: 0.0 for k in ENGINE_COUNTERS}
     d.update(counter_deltas(before, after))
     steps = d["engine_steps"]
@@ -219,6 +220,10 @@ def engine_window(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str
         # CUDA only, sampled steps: the GPU's own span of a step (device ms minus this: the host came back late)
         "engine_step_gpu_ms": 1000.0 * d["engine_step_gpu_seconds"] / d["engine_step_gpu_samples"]
         if d["engine_step_gpu_samples"] else None,
+        # the same sampled steps where a graph ran them, on events inside the graph: its replay alone
+        # (GPU clock minus this: the host between the first event and the launch)
+        "engine_step_graph_ms": 1000.0 * d["engine_step_graph_seconds"] / d["engine_step_graph_samples"]
+        if d["engine_step_graph_samples"] else None,
         "engine_prefill_ms_per_step": 1000.0 * d["engine_prefill_seconds"] / steps if steps else None,
         # the engine thread's wait to take the GIL back after letting it go (sampled steps)
         "engine_gil_wait_ms": 1000.0 * d["engine_gil_wait_seconds"] / d["engine_gil_wait_samples"]
@@ -388,6 +393,7 @@ async def run_sweep(cfg: SweepConfig, log=print) -> List[dict]:
                 f"{row['throughput_utt_s']:.2f} utt/s  RTF p50 {_f(row['rtf_p50'])}  errors {row['error_rate']:.1%}"
                 + (f"  GPT step {_f(row['engine_step_ms'], '.2f')} ms (device {_f(row.get('engine_step_device_ms'), '.2f')}"
                    + (f", GPU clock {row['engine_step_gpu_ms']:.2f}" if row.get("engine_step_gpu_ms") is not None else "")
+                   + (f", graph {row['engine_step_graph_ms']:.2f}" if row.get("engine_step_graph_ms") is not None else "")
                    + ", "
                    f"prefill/step {_f(row.get('engine_prefill_ms_per_step'), '.2f')}"
                    + (f", GIL wait {row['engine_gil_wait_ms']:.3f}" if row.get("engine_gil_wait_ms") is not None else "")
@@ -421,6 +427,7 @@ MAIN_COLUMNS = [
     ("engine_step_ms", "GPT step ms", ".2f"),
     ("engine_step_device_ms", "of it device ms", ".2f"),
     ("engine_step_gpu_ms", "GPU clock ms", ".2f"),
+    ("engine_step_graph_ms", "graph ms", ".2f"),
     ("engine_prefill_ms_per_step", "prefill ms/step", ".2f"),
     ("engine_gil_wait_ms", "GIL wait ms", ".3f"),
     ("engine_batch", "GPT batch", ".1f"),

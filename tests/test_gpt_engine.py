@@ -932,6 +932,7 @@ def test_engine_counts_its_steps_rows_and_busy_time(tiny):
     assert s["engine_step_seconds"] > 0 and s["engine_prefill_seconds"] > 0 and s["engine_active"] == 0
     assert 0 < s["engine_step_device_seconds"] <= s["engine_step_seconds"]
     assert s["engine_step_gpu_seconds"] == s["engine_step_gpu_samples"] == 0  # CPU: no GPU clock to read
+    assert s["engine_step_graph_seconds"] == s["engine_step_graph_samples"] == 0
     assert s["engine_gil_wait_samples"] == 3 and s["engine_gil_wait_seconds"] >= 0  # steps 0, 8 and 16 of 19
 
 
@@ -1005,3 +1006,34 @@ def test_a_slow_result_consumer_does_not_hold_up_the_running_batch(tiny):
     assert order == [("short", "max_tokens", 3), ("long", "max_tokens", 40)]
     assert eng.stats()["engine_results_pending"] == 0
     assert threads == {"chattts-engine-results"}
+
+
+def test_a_graph_whose_timing_events_fail_to_capture_is_captured_without_them(monkeypatch):
+    """Timing is a measurement: a capture that refuses the graph's own timing events is redone
+    without them, so the bucket still replays from a graph (not eagerly) and reports no events.
+    (CUDA is stood in for: the capture calls are recorded, not made.)"""
+    import contextlib
+    from types import SimpleNamespace
+
+    from chattts_triton import graphs
+
+    cache = graphs.GraphCache(torch.device("cpu"), capture=False)
+    cache.capture, cache.stream = True, SimpleNamespace(wait_stream=lambda s: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_stream=lambda s: None))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(graphs, "graph_events", lambda: ("start", "end"))
+    tried, replays = [], []
+
+    def record(fn, events):
+        tried.append(events)
+        if events is not None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return SimpleNamespace(replay=lambda: replays.append(1)), fn()
+
+    monkeypatch.setattr(cache, "_record", record)
+    run = cache._graph("bucket", lambda: None, lambda: torch.ones(2), timed=True)
+    assert tried == [("start", "end"), None]
+    assert run is not None and run.events is None and torch.equal(run(), torch.ones(2)) and replays == [1]
+    tried.clear()
+    untimed = cache._graph("other", lambda: None, lambda: torch.zeros(1))
+    assert tried == [None] and untimed.events is None  # untimed graphs never ask for events

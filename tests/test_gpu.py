@@ -281,7 +281,8 @@ def test_stream_codec_captures_nothing_after_start_up_on_gpu(tiny_repo):
 def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets):
     """One decode step in GPU_TIMING_EVERY is timed with CUDA events: its span on the GPU's clock is
     positive and no longer than the launch-to-sync time the host saw for those steps on average
-    (within the jitter of 2 ms over 10+ samples)."""
+    (within the jitter of 2 ms over 10+ samples); the graphed ones also on the events their graph
+    records itself, a span inside the host-recorded one."""
     from chattts_triton.engine import GPU_TIMING_EVERY
 
     arch = infer_arch(tiny_assets)
@@ -300,13 +301,18 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets):
         wave()
         s1 = eng.stats()
         s = {k: s1[k] - s0[k] for k in ("engine_steps", "engine_step_gpu_samples", "engine_step_gpu_seconds",
-                                        "engine_step_device_seconds")}
+                                        "engine_step_device_seconds", "engine_step_graph_samples",
+                                        "engine_step_graph_seconds")}
         assert abs(s["engine_step_gpu_samples"] - s["engine_steps"] / GPU_TIMING_EVERY) <= 1
         assert s["engine_step_gpu_samples"] >= 10
         gpu_ms = 1000 * s["engine_step_gpu_seconds"] / s["engine_step_gpu_samples"]
         device_ms = 1000 * s["engine_step_device_seconds"] / s["engine_steps"]
-        print(f"step: device {device_ms:.3f} ms, GPU clock {gpu_ms:.3f} ms")
+        # every step of the timed wave ran from a captured graph: each sample has its graph's own span
+        assert s["engine_step_graph_samples"] == s["engine_step_gpu_samples"]
+        graph_ms = 1000 * s["engine_step_graph_seconds"] / s["engine_step_graph_samples"]
+        print(f"step: device {device_ms:.3f} ms, GPU clock {gpu_ms:.3f} ms, graph {graph_ms:.3f} ms")
         assert 0 < gpu_ms <= device_ms + 2.0
+        assert 0 < graph_ms <= gpu_ms
     finally:
         eng.stop()
 

@@ -175,7 +175,7 @@ def test_sweep_reports(tmp_path):
     cfg = sweep.SweepConfig(url="h:1", step_seconds=10)
     paths = sweep.write_outputs(tmp_path, rows, cfg)
     md = paths["md"].read_text()
-    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | yes |" in md
+    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | yes |" in md
     assert "| 4 | chattts | 40 | 10 | 4.00 | 1.0 | 20.0 | 4×10 |" in md
     with paths["csv"].open() as f:
         table = list(csv.DictReader(f))
@@ -342,6 +342,8 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
                      f'chattts_engine_prefill_seconds{{instance="{inst}",model="chattts_gpt"}} {prefill_s}',
                      f'chattts_engine_gil_wait_seconds{{instance="{inst}",model="chattts_gpt"}} {step_s / 100}',
                      f'chattts_engine_gil_wait_samples{{instance="{inst}",model="chattts_gpt"}} {steps // 8}',
+                     f'chattts_engine_step_graph_seconds{{model="chattts_gpt",instance="{inst}"}} {step_s / 16 if gpu else 0}',
+                     f'chattts_engine_step_graph_samples{{model="chattts_gpt",instance="{inst}"}} {steps // 8 if gpu else 0}',
                      f'chattts_engine_active{{instance="{inst}",model="chattts_gpt"}} 7']
         rows.append('chattts_engine_steps{instance="chattts_stream_0_0",model="chattts_stream"} 999')
         return "# HELP chattts_engine_steps x\n" + "\n".join(rows) + "\n"
@@ -355,9 +357,11 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     assert w["engine_step_device_ms"] == pytest.approx(1000 * (0.4 + 0.4) / (200 + 200))
     # sampled steps on the GPU's clock: (1.3 - 0.5) / 8 s over (300 - 100) // 8 samples, and the same for b
     assert w["engine_step_gpu_ms"] == pytest.approx(1000 * (0.1 + 0.1) / (25 + 25))
+    assert w["engine_step_graph_ms"] == pytest.approx(1000 * (0.05 + 0.05) / (25 + 25))  # inside the graphs
     cpu = engine_window(parse_engine_counters(text(100, 1000, 0.5, 50, 100, 0.2, 0.1, gpu=False)),
                         parse_engine_counters(text(300, 3000, 1.3, 250, 900, 1.0, 0.3, gpu=False)), 2.0)
     assert cpu["engine_step_gpu_ms"] is None and cpu["engine_step_ms"] == w["engine_step_ms"]  # no samples: n/a
+    assert cpu["engine_step_graph_ms"] is None
     assert w["engine_prefill_ms_per_step"] == pytest.approx(1000 * (0.2 + 0.2) / (200 + 200))
     # the GIL probe, sampled like the GPU clock but on any device: (1.3 - 0.5) / 100 s over 25 samples, same for b
     assert w["engine_gil_wait_ms"] == pytest.approx(1000 * (0.008 + 0.008) / (25 + 25))
@@ -417,15 +421,17 @@ def test_engine_load_bench_keeps_requests_in_flight_on_the_served_engine(tiny_re
 
     out = tmp_path / "engine.json"
     assert engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--concurrency", "1,3", "--seconds", "2",
-                             "--settle", "0.5", "--tokens", "8", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+                             "--settle", "0.5", "--tokens", "8", "--slots", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert res["slots"] == 2  # --slots over the repository's max_slots
     assert [r["concurrency"] for r in rows] == [1, 3]
     for r in rows:
         assert r["utterances"] > 0 and r["not_max_tokens"] == 0 and r["throughput_utt_s"] > 0
         assert 0 < r["latency_p50_ms"] <= r["latency_p99_ms"] and r["engine_step_ms"] > 0
         assert r["engine_step_gpu_ms"] is None  # no GPU clock on a CPU
     assert rows[0]["engine_batch"] == pytest.approx(1.0)  # one request in flight: one row per step
-    assert 1.0 < rows[1]["engine_batch"] <= 3.0
+    assert 1.0 < rows[1]["engine_batch"] <= 2.0  # three in flight, two slots: the third waits
 
 
 def test_engine_load_bench_says_why_when_the_engine_refuses_its_requests(tiny_repo, monkeypatch):
