@@ -162,7 +162,8 @@ def main(argv=None) -> int:
             fmt = lambda k, spec=".2f": "n/a" if row.get(k) is None else format(row[k], spec)  # noqa: E731
             print(f"[engine_load] concurrency {c}: {row['throughput_utt_s']:.1f} utt/s, p50 {fmt('latency_p50_ms', '.0f')} ms, "
                   f"step {fmt('engine_step_ms')} ms (device {fmt('engine_step_device_ms')}, GPU clock "
-                  f"{fmt('engine_step_gpu_ms')}, graph {fmt('engine_step_graph_ms')}, prefill/step {fmt('engine_prefill_ms_per_step')}, GIL wait "
+                  f"{fmt('engine_step_gpu_ms')}, graph {fmt('engine_step_graph_ms')}, prefill/step {fmt('engine_prefill_ms_per_step')} "
+                  f"({fmt('engine_prefill_ms')} ms per prefill of {fmt('engine_prefill_prompts', '.1f')}), GIL wait "
                   f"{fmt('engine_gil_wait_ms', '.3f')}), "
                   f"rows {fmt('engine_batch', '.1f')}", flush=True)
     finally:

@@ -242,6 +242,12 @@ def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, s
     return out
 
 
+def _prefills(row: dict) -> str:
+    if row.get("engine_prefill_ms") is None:
+        return ""
+    return f"{row['engine_prefill_ms']:.2f} ({row['engine_prefill_prompts']:.1f})"
+
+
 def _switch_interval(us: Optional[int]) -> str:
     if us is None:  # results from before the setting
         return ""
@@ -289,14 +295,16 @@ def to_markdown(res: dict) -> str:
     rows = res.get("served") or []
     if rows:
         out += ["## served (chattts-triton)", "", "| concurrency | p50 ms | p90 ms | p99 ms | utterances/s | RTF p50 | errors | GPU MiB "
-                "| GPT step ms | of it device ms | GPU clock ms | graph ms | prefill ms/step | GIL wait ms | GPT batch | GPT busy |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| GPT step ms | of it device ms | GPU clock ms | graph ms | prefill ms/step | ms per prefill (prompts) "
+                "| GIL wait ms | GPT batch | GPT busy |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             f = lambda k, s=".0f": "" if r.get(k) is None else format(r[k], s)  # noqa: E731
             out.append(f"| {r['concurrency']} | {f('latency_p50_ms')} | {f('latency_p90_ms')} | {f('latency_p99_ms')} | "
                        f"{f('throughput_utt_s', '.1f')} | {f('rtf_p50', '.3f')} | {r['error_rate']:.1%} | {f('gpu_memory_mib')} | "
                        f"{f('engine_step_ms', '.2f')} | {f('engine_step_device_ms', '.2f')} | {f('engine_step_gpu_ms', '.2f')} | "
-                       f"{f('engine_step_graph_ms', '.2f')} | {f('engine_prefill_ms_per_step', '.2f')} | {f('engine_gil_wait_ms', '.3f')} | "
+                       f"{f('engine_step_graph_ms', '.2f')} | {f('engine_prefill_ms_per_step', '.2f')} | "
+                       f"{_prefills(r)} | {f('engine_gil_wait_ms', '.3f')} | "
                        f"{f('engine_batch', '.1f')} | {f('engine_busy', '.0%')} |")
         out += ["", "GPT step ms: mean wall time of one decode step of the GPT engines (host work included); of it device ms: "
                 "from the step's launch to its host sync (the GPU's part as the host waits for it, the rest is host "
@@ -304,7 +312,8 @@ def to_markdown(res: dict) -> str:
                 "far below device ms means the host came back late (launch, GIL), near it a slow GPU (kernels, other "
                 "processes' time slices) or a host late around the launch (its events are recorded from Python); graph ms: "
                 "the same steps on events the step's CUDA graph records itself (the replay alone); prefill ms/step: "
-                "prefill wall time per decode step; GIL wait ms: how long the engine thread waited to take the GIL "
+                "prefill wall time per decode step; ms per prefill (prompts): one batched prefill's wall time and the prompts it "
+                "admitted; GIL wait ms: how long the engine thread waited to take the GIL "
                 "back after letting it go (one step in 8; every torch call, graph replay and host sync lets it go); GPT batch: "
                 "mean rows per step, GPT busy: share of the window the engine loops were stepping or prefilling."]
     return "\n".join(out) + "\n"

@@ -143,6 +143,8 @@ STAT_HELP = {
     "engine_step_graph_seconds": "CUDA: the sampled steps replayed from a graph, on events the graph records itself (the replay alone; cumulative)",
     "engine_step_graph_samples": "CUDA: sampled steps timed inside their graph (cumulative)",
     "engine_prefill_seconds": "wall time in prefills (cumulative); with engine_step_seconds, the engine's busy time",
+    "engine_prefills": "batched prefills (cumulative)",
+    "engine_prefill_rows": "prompts those prefills admitted (cumulative); / engine_prefills = prompts per prefill",
     "engine_gil_wait_seconds": "summed wait of the engine thread to take the GIL back after letting it go (cumulative; sampled steps)",
     "engine_gil_wait_samples": "GIL waits sampled (one decode step in 8; cumulative)",
     "engine_results_pending": "finished generations whose results wait for their consumer (grows if replies are stuck)",

@@ -224,6 +224,8 @@ class Engine:
         self.gil_wait_seconds = 0.0
         self.gil_wait_samples = 0
         self.prefill_seconds = 0.0
+        self.prefills = 0  # batched prefills run, and the prompts they admitted (size and count of prefills)
+        self.prefill_rows = 0
         self.cache_dtype = cache_dtype
         self.cuda_graphs = cuda_graphs
         self.graphs: Optional[CudaGraphs] = None
@@ -483,6 +485,7 @@ class Engine:
                 "engine_step_gpu_seconds": round(self.step_gpu_seconds, 6), "engine_step_gpu_samples": self.step_gpu_samples,
                 "engine_step_graph_seconds": round(self.step_graph_seconds, 6), "engine_step_graph_samples": self.step_graph_samples,
                 "engine_prefill_seconds": round(self.prefill_seconds, 6),
+                "engine_prefills": self.prefills, "engine_prefill_rows": self.prefill_rows,
                 "engine_gil_wait_seconds": round(self.gil_wait_seconds, 6), "engine_gil_wait_samples": self.gil_wait_samples,
                 "engine_results_pending": self._results.qsize() if self._results is not None else 0}
 
@@ -550,6 +553,8 @@ class Engine:
                     t0 = time.perf_counter()
                     self._prefill(admitted)
                     self.prefill_seconds += time.perf_counter() - t0
+                    self.prefills += 1
+                    self.prefill_rows += len(admitted)
                 if self.rows:
                     t0, b = time.perf_counter(), len(self.rows)
                     self._decode_step()

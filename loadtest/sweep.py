@@ -38,7 +38,7 @@ GPU_MEMORY_METRIC = "nv_gpu_memory_used_bytes"
 ENGINE_COUNTERS = ("engine_steps", "engine_step_rows", "engine_step_seconds", "engine_step_device_seconds",
                    "engine_step_gpu_seconds", "engine_step_gpu_samples", "engine_prefill_seconds",
                    "engine_gil_wait_seconds", "engine_gil_wait_samples", "engine_step_graph_seconds",
-                   "engine_step_graph_samples")
+                   "engine_step_graph_samples", "engine_prefills", "engine_prefill_rows")
 ENGINE_MODEL = "chattts_gpt"
 _COUNTER_LINE = re.compile(r"chattts_(\w+)\{([^}]*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -208,7 +208,8 @@ def engine_window(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str
     window the engines were busy (stepping or prefilling; 1.0 = the GPT loop never waited)."""
     if not after or seconds <= 0:
         return {"engine_step_ms": None, "engine_step_device_ms": None, "engine_step_gpu_ms": None, "engine_prefill_ms_per_step": None,
-                "engine_step_graph_ms": None, "engine_gil_wait_ms": None, "engine_batch": None, "engine_busy": None}
+                "engine_step_graph_ms": None, "engine_gil_wait_ms": None, "engine_prefill_ms": None,
+                "engine_prefill_prompts": None, "engine_batch": None, "engine_busy": None}
     d = {k: 0.0 for k in ENGINE_COUNTERS}
     d.update(counter_deltas(before, after))
     steps = d["engine_steps"]
@@ -225,6 +226,9 @@ def engine_window(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str
         "engine_step_graph_ms": 1000.0 * d["engine_step_graph_seconds"] / d["engine_step_graph_samples"]
         if d["engine_step_graph_samples"] else None,
         "engine_prefill_ms_per_step": 1000.0 * d["engine_prefill_seconds"] / steps if steps else None,
+        # per prefill: its wall ms and the prompts it admitted (few large prefills or many small ones)
+        "engine_prefill_ms": 1000.0 * d["engine_prefill_seconds"] / d["engine_prefills"] if d["engine_prefills"] else None,
+        "engine_prefill_prompts": d["engine_prefill_rows"] / d["engine_prefills"] if d["engine_prefills"] else None,
         # the engine thread's wait to take the GIL back after letting it go (sampled steps)
         "engine_gil_wait_ms": 1000.0 * d["engine_gil_wait_seconds"] / d["engine_gil_wait_samples"]
         if d["engine_gil_wait_samples"] else None,
@@ -396,6 +400,8 @@ async def run_sweep(cfg: SweepConfig, log=print) -> List[dict]:
                    + (f", graph {row['engine_step_graph_ms']:.2f}" if row.get("engine_step_graph_ms") is not None else "")
                    + ", "
                    f"prefill/step {_f(row.get('engine_prefill_ms_per_step'), '.2f')}"
+                   + (f", {row['engine_prefill_ms']:.2f} ms per prefill of {row['engine_prefill_prompts']:.1f}"
+                      if row.get("engine_prefill_ms") is not None else "")
                    + (f", GIL wait {row['engine_gil_wait_ms']:.3f}" if row.get("engine_gil_wait_ms") is not None else "")
                    + f") batch {_f(row['engine_batch'], '.1f')} "
                    f"busy {_f(row['engine_busy'], '.0%')}" if row.get("engine_step_ms") is not None else "")
@@ -429,6 +435,8 @@ MAIN_COLUMNS = [
     ("engine_step_gpu_ms", "GPU clock ms", ".2f"),
     ("engine_step_graph_ms", "graph ms", ".2f"),
     ("engine_prefill_ms_per_step", "prefill ms/step", ".2f"),
+    ("engine_prefill_ms", "ms per prefill", ".2f"),
+    ("engine_prefill_prompts", "prompts per prefill", ".1f"),
     ("engine_gil_wait_ms", "GIL wait ms", ".3f"),
     ("engine_batch", "GPT batch", ".1f"),
     ("engine_busy", "GPT busy", ".0%"),

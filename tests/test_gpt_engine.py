@@ -930,6 +930,7 @@ def test_engine_counts_its_steps_rows_and_busy_time(tiny):
     # each first token comes from the prefill: 9 steps with both rows, then 10 with one
     assert s["engine_steps"] == 19 and s["engine_step_rows"] == 9 * 2 + 10
     assert s["engine_step_seconds"] > 0 and s["engine_prefill_seconds"] > 0 and s["engine_active"] == 0
+    assert (s["engine_prefills"], s["engine_prefill_rows"]) == (1, 2)
     assert 0 < s["engine_step_device_seconds"] <= s["engine_step_seconds"]
     assert s["engine_step_gpu_seconds"] == s["engine_step_gpu_samples"] == 0  # CPU: no GPU clock to read
     assert s["engine_step_graph_seconds"] == s["engine_step_graph_samples"] == 0

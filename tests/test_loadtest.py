@@ -175,7 +175,7 @@ def test_sweep_reports(tmp_path):
     cfg = sweep.SweepConfig(url="h:1", step_seconds=10)
     paths = sweep.write_outputs(tmp_path, rows, cfg)
     md = paths["md"].read_text()
-    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | yes |" in md
+    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | yes |" in md
     assert "| 4 | chattts | 40 | 10 | 4.00 | 1.0 | 20.0 | 4×10 |" in md
     with paths["csv"].open() as f:
         table = list(csv.DictReader(f))
@@ -341,6 +341,8 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
                      f'chattts_engine_step_gpu_samples{{model="chattts_gpt",instance="{inst}"}} {steps // 8 if gpu else 0}',
                      f'chattts_engine_prefill_seconds{{instance="{inst}",model="chattts_gpt"}} {prefill_s}',
                      f'chattts_engine_gil_wait_seconds{{instance="{inst}",model="chattts_gpt"}} {step_s / 100}',
+                     f'chattts_engine_prefills{{instance="{inst}",model="chattts_gpt"}} {steps // 4}',
+                     f'chattts_engine_prefill_rows{{instance="{inst}",model="chattts_gpt"}} {steps}',
                      f'chattts_engine_gil_wait_samples{{instance="{inst}",model="chattts_gpt"}} {steps // 8}',
                      f'chattts_engine_step_graph_seconds{{model="chattts_gpt",instance="{inst}"}} {step_s / 16 if gpu else 0}',
                      f'chattts_engine_step_graph_samples{{model="chattts_gpt",instance="{inst}"}} {steps // 8 if gpu else 0}',
@@ -363,6 +365,9 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     assert cpu["engine_step_gpu_ms"] is None and cpu["engine_step_ms"] == w["engine_step_ms"]  # no samples: n/a
     assert cpu["engine_step_graph_ms"] is None
     assert w["engine_prefill_ms_per_step"] == pytest.approx(1000 * (0.2 + 0.2) / (200 + 200))
+    # per prefill: (0.3 - 0.1) s over (300 - 100) // 4 prefills, the same for b; 4 prompts each
+    assert w["engine_prefill_ms"] == pytest.approx(1000 * (0.2 + 0.2) / (50 + 50))
+    assert w["engine_prefill_prompts"] == pytest.approx(4.0)
     # the GIL probe, sampled like the GPU clock but on any device: (1.3 - 0.5) / 100 s over 25 samples, same for b
     assert w["engine_gil_wait_ms"] == pytest.approx(1000 * (0.008 + 0.008) / (25 + 25))
     assert cpu["engine_gil_wait_ms"] == w["engine_gil_wait_ms"]
@@ -374,6 +379,8 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     assert w_old["engine_step_device_ms"] is None and w_old["engine_step_ms"] == w["engine_step_ms"]
     old = {i: {k: v for k, v in c.items() if not k.startswith("engine_step_gpu")} for i, c in after.items()}
     assert engine_window(before, old, 2.0)["engine_step_gpu_ms"] is None  # a server from before the GPU clock
+    old = {i: {k: v for k, v in c.items() if k not in ("engine_prefills", "engine_prefill_rows")} for i, c in after.items()}
+    assert engine_window(before, old, 2.0)["engine_prefill_ms"] is None  # a server from before the prefill counts
     old = {i: {k: v for k, v in c.items() if not k.startswith("engine_gil")} for i, c in after.items()}
     assert engine_window(before, old, 2.0)["engine_gil_wait_ms"] is None  # ... or before the GIL probe
 
@@ -393,6 +400,30 @@ def test_bench_hold_reports_the_steady_state_latency_beside_memory():
     assert h["gpu_memory_min_mib"] is None  # no metrics endpoint here
     md = to_markdown({"date": "d", "device_name": "cpu", "tokens": 20, "dtype": "fp32", "hold": h})
     assert f"p99 {h['latency_p99_ms_second_half']:.0f} ms" in md
+
+
+def test_bench_table_puts_each_engine_figure_under_its_header():
+    """bench.run's served table: one cell per header, each figure in its own column (a row missing
+    the newer figures, as from an older server, leaves those cells empty)."""
+    from bench.run import to_markdown
+
+    row = {"concurrency": 512, "latency_p50_ms": 1426.0, "latency_p90_ms": 1459.0, "latency_p99_ms": 1486.0,
+           "throughput_utt_s": 360.45, "rtf_p50": 0.447, "error_rate": 0.0, "gpu_memory_mib": 30951.0,
+           "engine_step_ms": 6.85, "engine_step_device_ms": 6.2, "engine_step_gpu_ms": 6.15, "engine_step_graph_ms": 3.3,
+           "engine_prefill_ms_per_step": 2.28, "engine_prefill_ms": 9.12, "engine_prefill_prompts": 13.04,
+           "engine_gil_wait_ms": 0.092, "engine_batch": 485.6, "engine_busy": 0.96}
+    older = {k: v for k, v in row.items() if k not in ("engine_step_graph_ms", "engine_prefill_ms", "engine_prefill_prompts",
+                                                      "engine_gil_wait_ms")}
+    md = to_markdown({"date": "d", "device_name": "H200", "tokens": 150, "dtype": "bf16", "served": [row, older]})
+    lines = md.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| concurrency | p50 ms"))
+    names = [c.strip() for c in lines[head].strip("|").split("|")]
+    cells = [dict(zip(names, (c.strip() for c in lines[i].strip("|").split("|")))) for i in (head + 2, head + 3)]
+    assert all(len(lines[i].strip("|").split("|")) == len(names) for i in (head + 1, head + 2, head + 3))
+    assert (cells[0]["GPU clock ms"], cells[0]["graph ms"], cells[0]["prefill ms/step"]) == ("6.15", "3.30", "2.28")
+    assert (cells[0]["ms per prefill (prompts)"], cells[0]["GIL wait ms"], cells[0]["GPT batch"]) == ("9.12 (13.0)", "0.092", "485.6")
+    assert (cells[1]["graph ms"], cells[1]["ms per prefill (prompts)"], cells[1]["GIL wait ms"]) == ("", "", "")
+    assert cells[1]["GPT busy"] == "96%"
 
 
 def test_gil_bench_reads_py_spy_samples_as_ms_per_request_per_thread():
