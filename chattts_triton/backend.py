@@ -145,7 +145,7 @@ STAT_HELP = {
     "engine_prefill_seconds": "wall time in prefills (cumulative); with engine_step_seconds, the engine's busy time",
     "engine_prefills": "batched prefills (cumulative)",
     "engine_prefill_rows": "prompts those prefills admitted (cumulative); / engine_prefills = prompts per prefill",
-    "engine_gil_wait_seconds": "summed wait of the engine thread to take the GIL back after letting it go (cumulative; sampled steps)",
+    "engine_gil_wait_seconds": "summed time of the engine thread to get the GIL back after a time.sleep(0) (cumulative; sampled steps; ≈ 0.07 ms each with no wait)",
     "engine_gil_wait_samples": "GIL waits sampled (one decode step in 8; cumulative)",
     "engine_results_pending": "finished generations whose results wait for their consumer (grows if replies are stuck)",
     "streams": "streams in flight in this instance",

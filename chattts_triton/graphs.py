@@ -95,11 +95,12 @@ class GraphCache:
             events = graph_events() if timed else None
             try:
                 graph, out = self._record(fn, events)
-            except RuntimeError:
+            except RuntimeError as e:
                 if events is None:
                     raise
-                # timing is a measurement: never lose the graph over it
-                log.exception("CUDA graph %s: capture with timing events failed; capturing it without", key)
+                # timing is a measurement: never lose the graph over it (a failure of the capture itself
+                # fails again below, and _graph logs it)
+                log.warning("CUDA graph %s: capture with timing events failed (%s); capturing it without", key, e)
                 events = None
                 graph, out = self._record(fn, None)
         log.info("captured CUDA graph %s", key)

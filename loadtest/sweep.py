@@ -229,7 +229,7 @@ def engine_window(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str
         # per prefill: its wall ms and the prompts it admitted (few large prefills or many small ones)
         "engine_prefill_ms": 1000.0 * d["engine_prefill_seconds"] / d["engine_prefills"] if d["engine_prefills"] else None,
         "engine_prefill_prompts": d["engine_prefill_rows"] / d["engine_prefills"] if d["engine_prefills"] else None,
-        # the engine thread's wait to take the GIL back after letting it go (sampled steps)
+        # the engine thread's time to get the GIL back after a time.sleep(0) (sampled steps; ≈ 0.07 ms with no wait)
         "engine_gil_wait_ms": 1000.0 * d["engine_gil_wait_seconds"] / d["engine_gil_wait_samples"]
         if d["engine_gil_wait_samples"] else None,
         "engine_batch": d["engine_step_rows"] / steps if steps else None,

@@ -87,3 +87,14 @@ def upstream_full(full_assets):
     )
     assert ok
     return chat
+
+
+@pytest.fixture(autouse=True)
+def _switch_interval_restored():
+    """A GPT service sets the process's GIL switch interval (backend.gpt_service), as its Triton
+    process would: each test gets the interpreter's own back."""
+    import sys
+
+    interval = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(interval)

@@ -939,12 +939,14 @@ def test_engine_counts_its_steps_rows_and_busy_time(tiny):
 
 def test_the_gil_probe_reads_the_wait_another_python_thread_causes(tiny):
     """The engine's GIL-wait figure is the wait its thread meets: with a thread spinning in Python and a
-    20-ms switch interval, taking the GIL back after each release waits ≈ the interval; alone, ≈ 0."""
+    20-ms switch interval, taking the GIL back after a release can wait the whole interval (a mean of
+    ≥ 2 ms over 10 samples needs one of them to have waited); alone, the probe's own ≈ 0.07 ms (more on
+    a loaded box, where the sleep lets other processes run: hence the ratio, not a bound)."""
     import sys
     import threading
 
     arch, _, _, ours = tiny
-    specs = [dict(ids=torch.arange(1, 9), params=greedy(40, 40, seed=0))]
+    specs = [dict(ids=torch.arange(1, 9), params=greedy(80, 80, seed=0))]
 
     def mean_wait_ms(spin: bool) -> float:
         eng = make_engine(ours, arch, start=False)
@@ -967,12 +969,11 @@ def test_the_gil_probe_reads_the_wait_another_python_thread_causes(tiny):
             if spin:
                 t.join()
         s = eng.stats()
-        assert s["engine_gil_wait_samples"] == 5  # steps 0, 8, .. 32 of 39
+        assert s["engine_gil_wait_samples"] == 10  # steps 0, 8, .. 72 of 79
         return 1000 * s["engine_gil_wait_seconds"] / s["engine_gil_wait_samples"]
 
     alone, contended = mean_wait_ms(False), mean_wait_ms(True)
-    assert contended >= 10.0, contended
-    assert alone < 5.0, alone
+    assert contended >= max(2.0, 3 * alone), (contended, alone)
 
 
 def test_a_slow_result_consumer_does_not_hold_up_the_running_batch(tiny):
