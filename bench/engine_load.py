@@ -1,6 +1,7 @@
 """The served GPT engine alone under the sweep's closed-loop load: no Triton, no other process on the device.
 
-    python -m bench.engine_load --repo REPO [--concurrency 256,512] [--slots N] [--seconds 10] [--tokens 150] [--out FILE]
+    python -m bench.engine_load --repo REPO [--concurrency 256,512] [--slots N] [--think-ms 0] [--seconds 10]
+                                [--tokens 150] [--out FILE]
 
 Builds `chattts_gpt`'s service from an exported repository exactly as Triton's instance would
 (`ModelContext.from_repo` + `backend.gpt_service`: its dtype, slots, compiled step, warm-up and graphs),
@@ -9,13 +10,17 @@ preprocess model's prompt layout and a speaker embedding) and `--tokens` forced 
 utterances/s, latency, and the engine's step, GPU-clock step and prefill per step over the window
 (`loadtest.sweep.engine_window`, the figures a served sweep reports). Beside a served sweep at the same
 concurrency this splits a served step into the engine's own GPU time and what the other model
-processes (vocoder, stream codec) take from it on a shared GPU.
+processes (vocoder, stream codec) take from it on a shared GPU. `--think-ms T`: each client waits
+uniformly 0..2T ms between a result and its next request, as a served request's vocoder, Triton and
+gRPC time spread the arrivals (the engine's admissions, so its prefills, follow the arrivals).
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
+import random
 import sys
 import threading
 import time
@@ -40,7 +45,8 @@ class ClosedLoop:
     """`concurrency` requests kept in flight: each one's completion (on the engine's results thread)
     submits the next. Latencies of completions are kept with their finish time."""
 
-    def __init__(self, service, prompts: List[torch.Tensor], tokens: int, concurrency: int, seed: int = 0):
+    def __init__(self, service, prompts: List[torch.Tensor], tokens: int, concurrency: int, seed: int = 0,
+                 think_s: float = 0.0):
         from chattts_triton.config import InferCodeParams
         from chattts_triton.services import sampling_params
 
@@ -56,6 +62,12 @@ class ClosedLoop:
         self.idle = threading.Condition(self.lock)
         self.n = 0
         self.error: Optional[BaseException] = None  # a request the engine refused
+        # think time: next submissions due later, kept by one thread (not a thread per request: this
+        # process is the engine's, whose GIL the figures would then share with hundreds of timers)
+        self.think_s = think_s
+        self.rng = random.Random(seed)
+        self.due: List[float] = []  # heap of times a client sends its next request
+        self.thinker: Optional[threading.Thread] = None
 
     def _submit(self) -> None:
         from chattts_triton.engine import GenRequest
@@ -85,26 +97,44 @@ class ClosedLoop:
             self.done.append((now, now - t0, result.finish_reason))
             self.in_flight -= 1
             self.idle.notify_all()
+            if self.think_s > 0:
+                heapq.heappush(self.due, now + self.rng.uniform(0, 2 * self.think_s))
+                return
         self._submit()
 
+    def _think(self) -> None:
+        while True:
+            with self.lock:
+                while not self.stopping and (not self.due or self.due[0] > time.perf_counter()):
+                    self.idle.wait(None if not self.due else max(0.0, self.due[0] - time.perf_counter()))
+                if self.stopping:
+                    return
+                heapq.heappop(self.due)
+            self._submit()
+
     def start(self) -> None:
+        if self.think_s > 0:
+            self.thinker = threading.Thread(target=self._think, name="engine-load-think", daemon=True)
+            self.thinker.start()
         for _ in range(self.concurrency):
             self._submit()
 
     def stop(self, timeout: float = 600.0) -> None:
         with self.lock:
             self.stopping = True
+            self.idle.notify_all()  # the think thread ends
             if not self.idle.wait_for(lambda: self.in_flight == 0, timeout=timeout):
                 raise RuntimeError(f"{self.in_flight} requests still running {timeout:.0f} s after the load stopped")
         if self.error is not None:
             raise RuntimeError(f"the engine refused a request: {self.error}") from self.error
 
 
-def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, settle_s: float) -> dict:
+def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, settle_s: float,
+              think_s: float = 0.0) -> dict:
     from loadtest.sweep import engine_window
     from loadtest.tts_stats import percentile
 
-    load = ClosedLoop(service, prompts, tokens, concurrency, seed=concurrency)
+    load = ClosedLoop(service, prompts, tokens, concurrency, seed=concurrency, think_s=think_s)
     load.start()
     time.sleep(settle_s)  # admissions of the first wave, then a steady mix
     before, t0 = {"0": service.engine.stats()}, time.perf_counter()
@@ -113,7 +143,7 @@ def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, s
     load.stop()
     window = [(lat, why) for at, lat, why in load.done if t0 <= at <= t1]
     lat_ms = [1000 * lat for lat, _ in window]
-    row = {"concurrency": concurrency, "seconds": round(t1 - t0, 3), "utterances": len(window),
+    row = {"concurrency": concurrency, "think_ms": 1000 * think_s, "seconds": round(t1 - t0, 3), "utterances": len(window),
            "throughput_utt_s": len(window) / (t1 - t0),
            "latency_p50_ms": percentile(lat_ms, 50) if lat_ms else None,
            "latency_p99_ms": percentile(lat_ms, 99) if lat_ms else None,
@@ -132,6 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--slots", type=int, help="engine slots instead of the repository's max_slots (a served sweep's 512)")
+    ap.add_argument("--think-ms", type=float, default=0.0,
+                    help="mean wait of a client between a result and its next request (uniform 0..2x; 0: at once)")
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -143,6 +175,8 @@ def main(argv=None) -> int:
     levels = [int(c) for c in a.concurrency.split(",") if c]
     if a.slots is not None and a.slots < 1:
         ap.error("--slots must be ≥ 1")
+    if a.think_ms < 0:
+        ap.error("--think-ms must be ≥ 0")
     overrides = {} if a.slots is None else {"max_slots": a.slots}
     ctx = ModelContext.from_repo(a.repo, GPT, kind="GPU" if a.device == "cuda" else "CPU", device_id=a.gpu, **overrides)
     if max(levels) > ctx.param("max_slots", cast=int):
@@ -157,10 +191,10 @@ def main(argv=None) -> int:
     rows = []
     try:
         for c in levels:
-            row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle)
+            row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle, a.think_ms / 1000)
             rows.append(row)
             fmt = lambda k, spec=".2f": "n/a" if row.get(k) is None else format(row[k], spec)  # noqa: E731
-            print(f"[engine_load] concurrency {c}: {row['throughput_utt_s']:.1f} utt/s, p50 {fmt('latency_p50_ms', '.0f')} ms, "
+            print(f"[engine_load] concurrency {c}{f' (think {a.think_ms:g} ms)' if a.think_ms else ''}: {row['throughput_utt_s']:.1f} utt/s, p50 {fmt('latency_p50_ms', '.0f')} ms, "
                   f"step {fmt('engine_step_ms')} ms (device {fmt('engine_step_device_ms')}, GPU clock "
                   f"{fmt('engine_step_gpu_ms')}, graph {fmt('engine_step_graph_ms')}, prefill/step {fmt('engine_prefill_ms_per_step')} "
                   f"({fmt('engine_prefill_ms')} ms per prefill of {fmt('engine_prefill_prompts', '.1f')}), GIL wait "

@@ -465,6 +465,23 @@ def test_engine_load_bench_keeps_requests_in_flight_on_the_served_engine(tiny_re
     assert 1.0 < rows[1]["engine_batch"] <= 2.0  # three in flight, two slots: the third waits
 
 
+def test_engine_load_think_time_spreads_the_arrivals(tiny_repo, tmp_path):
+    """--think-ms: a client waits between a result and its next request, so fewer requests are in the
+    engine than clients (here 4 clients thinking ≈ 2 generations' time each), and the level still ends."""
+    import json
+
+    from bench import engine_load
+
+    out = tmp_path / "think.json"
+    assert engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--concurrency", "4", "--seconds", "2",
+                             "--settle", "0.5", "--tokens", "8", "--think-ms", "150", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["think_ms"] == 150 and row["utterances"] > 0 and row["not_max_tokens"] == 0
+    assert row["engine_batch"] < 3.0  # of 4 clients, most are thinking at any time
+    with pytest.raises(SystemExit):
+        engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--think-ms", "-1"])
+
+
 def test_engine_load_bench_says_why_when_the_engine_refuses_its_requests(tiny_repo, monkeypatch):
     """A request the engine refuses (here: empty prompts): the level stops at once with the engine's
     reason instead of waiting for requests that were never admitted."""
