@@ -747,8 +747,7 @@ class Engine:
         n_text = int(self.h_text[:b].sum())
         mode = "code" if n_text == 0 else "text" if n_text == b else "mixed"
         hit = None
-        if self.graphs is not None:  # a mixed step runs eagerly: no graph events of an earlier step
-            self.graphs.last_events = None
+        inner = None  # the timing events of the graph that runs this step, if one does
         timed = self.device.type == "cuda" and self.steps % GPU_TIMING_EVERY == 0
         if timed:
             if self._step_events is None:
@@ -757,6 +756,7 @@ class Engine:
         t0 = time.perf_counter()
         if self.graphs is not None and mode != "mixed":
             hit = self.graphs.step(b, attn_len, mode)
+            inner = self.graphs.last_events
         if hit is None:
             groups = None
             if mode == "mixed":  # rare (refine-text next to audio codes): eager, per-mode sampling
@@ -770,7 +770,6 @@ class Engine:
         if timed:  # both events are done: the sync came after the second
             self.step_gpu_seconds += self._step_events[0].elapsed_time(self._step_events[1]) / 1000
             self.step_gpu_samples += 1
-            inner = self.graphs.last_events if self.graphs is not None else None
             if inner is not None and not self._graph_timing_failed:
                 try:
                     self.step_graph_seconds += inner[0].elapsed_time(inner[1]) / 1000

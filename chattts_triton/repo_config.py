@@ -17,7 +17,8 @@ from typing import Dict, List, Optional, Tuple
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, ENSEMBLE_INPUTS, GIL_SWITCH_INTERVAL_US, ENSEMBLE_OUTPUTS, LIMITS, NUM_VQ, Arch
+from .config import (ADMIT_BATCH, ADMIT_WAIT_STEPS, ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, GIL_SWITCH_INTERVAL_US, LIMITS,
+                     NUM_VQ, Arch)
 
 ENSEMBLE = "chattts"
 PREPROCESS = "chattts_preprocess"
