@@ -162,8 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--slots", type=int, help="engine slots instead of the repository's max_slots (a served sweep's 512)")
-    ap.add_argument("--think-ms", type=float, default=0.0,
-                    help="mean wait of a client between a result and its next request (uniform 0..2x; 0: at once)")
+    ap.add_argument("--think-ms", default="0",
+                    help="mean wait of a client between a result and its next request (uniform 0..2x; 0: at once); "
+                         "a comma list runs every level with each")
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -175,7 +176,11 @@ def main(argv=None) -> int:
     levels = [int(c) for c in a.concurrency.split(",") if c]
     if a.slots is not None and a.slots < 1:
         ap.error("--slots must be ≥ 1")
-    if a.think_ms < 0:
+    try:
+        thinks = [float(t) for t in a.think_ms.split(",") if t]
+    except ValueError:
+        ap.error("--think-ms must be numbers of milliseconds, comma-separated")
+    if not thinks or min(thinks) < 0:
         ap.error("--think-ms must be ≥ 0")
     overrides = {} if a.slots is None else {"max_slots": a.slots}
     ctx = ModelContext.from_repo(a.repo, GPT, kind="GPU" if a.device == "cuda" else "CPU", device_id=a.gpu, **overrides)
@@ -190,11 +195,11 @@ def main(argv=None) -> int:
     prompts = load_prompts(a.repo)
     rows = []
     try:
-        for c in levels:
-            row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle, a.think_ms / 1000)
+        for think, c in ((t, c) for t in thinks for c in levels):
+            row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle, think / 1000)
             rows.append(row)
             fmt = lambda k, spec=".2f": "n/a" if row.get(k) is None else format(row[k], spec)  # noqa: E731
-            print(f"[engine_load] concurrency {c}{f' (think {a.think_ms:g} ms)' if a.think_ms else ''}: {row['throughput_utt_s']:.1f} utt/s, p50 {fmt('latency_p50_ms', '.0f')} ms, "
+            print(f"[engine_load] concurrency {c}{f' (think {think:g} ms)' if think else ''}: {row['throughput_utt_s']:.1f} utt/s, p50 {fmt('latency_p50_ms', '.0f')} ms, "
                   f"step {fmt('engine_step_ms')} ms (device {fmt('engine_step_device_ms')}, GPU clock "
                   f"{fmt('engine_step_gpu_ms')}, graph {fmt('engine_step_graph_ms')}, prefill/step {fmt('engine_prefill_ms_per_step')} "
                   f"({fmt('engine_prefill_ms')} ms per prefill of {fmt('engine_prefill_prompts', '.1f')}), GIL wait "

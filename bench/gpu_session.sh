@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see bench/bundle.py):
-#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step codec gil engine
+#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step codec codecload gil engine
 # (test: PYTEST_ARGS picks the tests, default the whole GPU suite)
 # Writes logs and results under $OUT (or build/gpu-out).
 set -uo pipefail
@@ -32,6 +32,9 @@ for stage in "$@"; do
     codec)
       export_repo build/codec-repo ${CODEC_EXPORT_ARGS:-}
       python3 -m bench.stream_codec --repo build/codec-repo --out "$OUT/stream-codec.json" 2>&1 | tee "$OUT/stream_codec.log" ;;
+    codecload)  # the decoder + Vocos alone by batch size: GPU ms per utterance (bench/codec_load.py; CODECLOAD_ARGS)
+      export_repo build/bench-repo
+      python3 -m bench.codec_load --repo build/bench-repo --out "$OUT/codec-load.json" ${CODECLOAD_ARGS:-} 2>&1 | tee "$OUT/codec_load.log" ;;
     gil)  # who holds the GIL in the GPT model's process under load (bench/gil.py; GIL_ARGS)
       export_repo build/bench-repo
       python3 -m bench.gil --repo build/bench-repo --out "$OUT/gil.json" ${GIL_ARGS:---concurrency 256 --tokens 150} 2>&1 | tee "$OUT/gil.log" ;;

@@ -144,7 +144,8 @@ async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, 
 
         await asyncio.gather(*(one(i, False) for i in range(concurrency)))  # warm-up: graphs of every batch size
         counters = [parse_counters(fetch_metrics(metrics_url), STREAM_COUNTERS, STREAM)]
-        stop = time.monotonic() + seconds
+        started = time.monotonic()
+        stop = started + seconds
 
         async def worker(i: int) -> None:
             k = 0
@@ -153,13 +154,14 @@ async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, 
                 k += 1
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    row = {"concurrency": concurrency, "streams": len(total), "errors": errors,
+        elapsed = time.monotonic() - started  # streams started in the window, finished after it too
+    row = {"concurrency": concurrency, "streams": len(total), "errors": errors, "streams_per_s": len(total) / elapsed,
            "first_chunk_p50_ms": _pct(first, 50), "first_chunk_p99_ms": _pct(first, 99),
            "chunk_gap_p50_ms": _pct(gaps, 50), "chunk_gap_p99_ms": _pct(gaps, 99),
            "stream_p50_ms": _pct(total, 50), "stream_p99_ms": _pct(total, 99), "error_messages": messages}
     row.update(stream_window(counters[0], parse_counters(fetch_metrics(metrics_url), STREAM_COUNTERS, STREAM)))
     log(f"stream concurrency {concurrency}: first chunk p50 {row['first_chunk_p50_ms']} ms, "
-        f"p99 {row['first_chunk_p99_ms']} ms, whole stream p50 {row['stream_p50_ms']} ms, errors {errors}; server: "
+        f"p99 {row['first_chunk_p99_ms']} ms, whole stream p50 {row['stream_p50_ms']} ms, {row['streams_per_s']:.1f} streams/s, errors {errors}; server: "
         f"first tokens {row['server_first_tokens_ms']} ms, first chunk {row['server_first_chunk_ms']} ms (means), "
         f"codec call {row['codec_call_ms']} ms for {row['chunks_per_codec_call']} chunks")
     return row
@@ -275,12 +277,12 @@ def to_markdown(res: dict) -> str:
         sched = (f"lookahead {res.get('stream_lookahead_frames', 'exact')}, first chunk's lookahead "
                  f"{res.get('stream_first_lookahead_frames', 'as later chunks')}, fade {res.get('stream_fade_frames', 0)} frames")
         out += ["## streaming (`chattts_stream`, gRPC)", "", f"Schedule: {sched}.", "", "| concurrency | first chunk p50 ms | first chunk p99 ms | "
-                "chunk gap p50 ms | chunk gap p99 ms | whole stream p50 ms | streams | errors | server: first tokens ms "
-                "| server: first chunk ms | codec call ms | chunks per codec call |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "chunk gap p50 ms | chunk gap p99 ms | whole stream p50 ms | streams | streams/s | errors | server: first tokens ms "
+                "| server: first chunk ms | codec call ms | chunks per codec call |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             f = lambda k, s=".0f": "" if r.get(k) is None else format(r[k], s)  # noqa: E731
             out.append(f"| {r['concurrency']} | {f('first_chunk_p50_ms')} | {f('first_chunk_p99_ms')} | {f('chunk_gap_p50_ms')} | "
-                       f"{f('chunk_gap_p99_ms')} | {f('stream_p50_ms')} | {r['streams']} | {r['errors']} | "
+                       f"{f('chunk_gap_p99_ms')} | {f('stream_p50_ms')} | {r['streams']} | {f('streams_per_s', '.1f')} | {r['errors']} | "
                        f"{f('server_first_tokens_ms')} | {f('server_first_chunk_ms')} | {f('codec_call_ms', '.1f')} | "
                        f"{f('chunks_per_codec_call', '.1f')} |")
         out.append("")

@@ -1,0 +1,92 @@
+"""What the decoder + Vocos cost per utterance by batch size: the GPU time the codec takes from the engine.
+
+    python -m bench.codec_load --repo REPO [--batches 1,4,8,16,32,64] [--frames 150] [--calls 20] [--out FILE]
+
+Builds `chattts_vocoder`'s service from an exported repository (its dtype and artifacts), then times
+`synthesize` on `--batches` items of `--frames` code frames each (the decoder path, as served by
+default): wall ms per call (host to audio on the host) and the span on the GPU's own clock (CUDA
+events), eager and from the codec's CUDA graphs. Per utterance, the GPU ms times the served rate is
+the share of the GPU the codec needs (e.g. 1 ms per utterance at 400 utt/s: 40 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def time_calls(voc, items, calls: int, graphs: bool) -> dict:
+    run = voc.synthesize if graphs else voc.synthesize_eager
+    for _ in range(3):  # warm-up (and the graphs' captures)
+        run(items)
+    walls, gpus = [], []
+    cuda = voc.device.type == "cuda"
+    for _ in range(calls):
+        if cuda:
+            torch.cuda.synchronize(voc.device)
+            ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev[0].record()
+        t0 = time.perf_counter()
+        run(items)  # returns audio on the host: synchronised
+        walls.append(time.perf_counter() - t0)
+        if cuda:
+            ev[1].record()
+            ev[1].synchronize()
+            gpus.append(ev[0].elapsed_time(ev[1]) / 1000)
+    n = len(items)
+    wall = statistics.median(walls)
+    row = {"batch": n, "graphs": graphs, "wall_ms": 1000 * wall, "wall_ms_per_utt": 1000 * wall / n}
+    if gpus:
+        gpu = statistics.median(gpus)
+        row.update(gpu_ms=1000 * gpu, gpu_ms_per_utt=1000 * gpu / n)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.codec_load", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repo", type=Path, required=True, help="an exported repository (python -m export)")
+    ap.add_argument("--batches", default="1,4,8,16,32,64")
+    ap.add_argument("--frames", type=int, default=150, help="code frames per item")
+    ap.add_argument("--calls", type=int, default=20, help="timed calls per batch (median)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="write the rows as JSON here")
+    a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --device cpu", file=sys.stderr)
+        return 2
+    batches = [int(b) for b in a.batches.split(",") if b]
+    if not batches or min(batches) < 1 or a.frames < 1 or a.calls < 1:
+        ap.error("--batches, --frames and --calls must be ≥ 1")
+    from chattts_triton.backend import ModelContext, vocoder_service
+    from chattts_triton.repo_config import VOCODER
+
+    ctx = ModelContext.from_repo(a.repo, VOCODER, kind="GPU" if a.device == "cuda" else "CPU", device_id=a.gpu)
+    voc = vocoder_service(ctx, graphs=a.device == "cuda")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    with torch.inference_mode():
+        for b in batches:
+            items = [(True, torch.randn(a.frames, voc.arch.gpt.hidden, generator=g)) for _ in range(b)]
+            for graphs in ([False, True] if voc.graphs is not None else [False]):
+                row = time_calls(voc, items, a.calls, graphs)
+                rows.append(row)
+                gpu = f", GPU {row['gpu_ms']:.2f} ms ({row['gpu_ms_per_utt']:.3f} per utterance)" if "gpu_ms" in row else ""
+                print(f"[codec_load] batch {b} {'graphs' if graphs else 'eager '}: wall {row['wall_ms']:.2f} ms "
+                      f"({row['wall_ms_per_utt']:.3f} per utterance){gpu}", flush=True)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"repo": str(a.repo), "device": a.device, "frames": a.frames,
+                                     "gpu": torch.cuda.get_device_name(a.gpu) if a.device == "cuda" else "cpu",
+                                     "torch": torch.__version__, "command": " ".join(sys.argv), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
