@@ -14,8 +14,8 @@ compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all 
 `_unfused` appended: q/k/v and gate/up as five GEMMs per layer (the model before `fuse_projections`);
 `_sdpa` (eager/compile): the dense masked attention over `--attn-len` instead of each row's own keys.
 `--lengths uniform`: rows at positions spread below `--attn-len` (what the decode kernel gains in serving).
-`--profile N`: also profile N steps of each batch launched without a graph (torch.profiler) and
-record the device kernels per step, their summed time and the most expensive kernels: where a
+`--profile N`: also profile N steps of each batch (and N prefills of each shape) launched without a
+graph (torch.profiler) and record the device kernels per step, their summed time and the most expensive kernels: where a
 launch-bound step's time goes (on a CPU, the leaf operators instead of kernels).
 """
 
@@ -119,23 +119,27 @@ def _set_positions(engine, b: int, attn_len: int, lengths: str) -> None:
     engine.pi[:b, I_N] = 1  # fed position = prompt length + n - 1
 
 
-def _time_prefill(engine, k: int, t: int, graphed: bool, iters: int) -> float:
-    """Median wall ms of admitting k prompts of t tokens into an idle engine (`Engine._prefill`)."""
+def _prefill_once(engine, k: int, t: int, graphed: bool):
+    """A callable admitting k prompts of t tokens into an idle engine (`Engine._prefill`, which ends in
+    the first-token draw's host sync), then freeing their slots."""
     from chattts_triton.engine import GenRequest, SamplingParams
 
     g = torch.Generator().manual_seed(k * 1000 + t)
     reqs = [GenRequest(torch.randint(0, 21000, (t,), generator=g), SamplingParams(1.0, None, None, 1.0, 8, 8, seed=i),
                        lambda r: None) for i in range(k)]
-    engine.prefill_graphs = graphed
-    times = []
-    for i in range(5 + iters):
-        t0 = time.perf_counter()
-        engine._prefill(reqs)  # ends in the first-token draw's host sync
-        if i >= 5:
-            times.append(1000 * (time.perf_counter() - t0))
+
+    def once() -> None:
+        engine.prefill_graphs = graphed
+        engine._prefill(reqs)
         engine.rows.clear()
         engine._clear_free(0, k)
-    return statistics.median(times)
+
+    return once
+
+
+def _time_prefill(engine, k: int, t: int, graphed: bool, iters: int) -> float:
+    """Median wall ms of admitting k prompts of t tokens into an idle engine."""
+    return _time_wall(_prefill_once(engine, k, t, graphed), iters)
 
 
 def run_variant(variant: str, args, arch, dtype) -> dict:
@@ -199,6 +203,8 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
             row = {"eager_ms": round(_time_prefill(engine, k, t, False, max(3, args.iters // 4)), 3)}
             if cuda:
                 row["graph_ms"] = round(_time_prefill(engine, k, t, True, max(3, args.iters // 4)), 3)
+            if args.profile:  # its kernels, launched eagerly (the graph replays the same ones)
+                row["profile"] = _profile(_prefill_once(engine, k, t, False), args.profile, cuda)
             out["prefill"][shape] = row
             print(f"[{variant}] prefill {k} prompts x {t} tokens: {row}", flush=True)
     if cuda:

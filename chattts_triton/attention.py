@@ -47,8 +47,24 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -
     """`reference`'s result; on a GPU with Triton it reads only the first lengths[i] keys of row i."""
     if not kernel_available(q.device, q.shape[-1]) or keys.stride(-1) != 1 or values.stride(-1) != 1:
         return reference(q, keys, values, lengths)  # (the kernel reads a head's values contiguously)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    lengths = lengths.contiguous()
+    return torch.ops.chattts_triton.decode_attention(q if q.stride(-1) == 1 else q.contiguous(), keys, values,
+                                                    lengths.contiguous())
+
+
+# An opaque operator to torch.compile: inductor calls it, and Triton's own launcher then specialises the
+# kernel on the real strides (multiples of 16: vectorised loads). Traced as a user kernel under dynamic
+# shapes, inductor passed the strides as symbols without that specialisation: 4.41 vs 1.64 ms per step's
+# 20 calls at 512 rows (H200, bench/README.md, eleventh session).
+@torch.library.custom_op("chattts_triton::decode_attention", mutates_args=())
+def _decode_attention_op(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
+    return run_kernel(q, keys, values, lengths)
+
+
+def run_kernel(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
+    """The operator's work: the Triton kernel, launched with the real strides (`reference` where it
+    cannot run, so the operator means the same on every device)."""
+    if not kernel_available(q.device, q.shape[-1]):
+        return reference(q, keys, values, lengths)
     b, h, d = q.shape
     kvh = keys.shape[2]
     out = torch.empty_like(q)
@@ -62,6 +78,11 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -
     return out
 
 
+@_decode_attention_op.register_fake
+def _(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
+    return torch.empty_like(q)
+
+
 if triton is not None:
 
     @triton.jit
@@ -72,7 +93,7 @@ if triton is not None:
         kv_head = head // REP
         n = tl.minimum(tl.maximum(tl.load(Lens + row).to(tl.int32), 1), context)
         d = tl.arange(0, D)
-        q = (tl.load(Q + row * sqb + head * sqh + d).to(tl.float32) * scale).to(tl.float32)  # inductor passes fp64
+        q = (tl.load(Q + row * sqb + head * sqh + d).to(tl.float32) * scale).to(tl.float32)
         k_row = K + row * skb + kv_head * skh
         v_row = V + row * svb + kv_head * svh
         m_i = tl.full((1,), float("-inf"), tl.float32)
