@@ -146,7 +146,7 @@ STAT_HELP = {
     "engine_prefills": "batched prefills (cumulative)",
     "engine_prefill_rows": "prompts those prefills admitted (cumulative); / engine_prefills = prompts per prefill",
     "engine_gil_wait_seconds": "summed time of the engine thread to get the GIL back after a time.sleep(0) (cumulative; sampled steps; ≈ 0.07 ms each with no wait)",
-    "engine_gil_wait_samples": "GIL waits sampled (one decode step in 8; cumulative)",
+    "engine_gil_wait_samples": "GIL waits sampled (one decode step in 64; cumulative)",
     "engine_results_pending": "finished generations whose results wait for their consumer (grows if replies are stuck)",
     "streams": "streams in flight in this instance",
     "stream_first_chunks": "streams whose first chunk was sent (cumulative)",

@@ -216,7 +216,7 @@ class Engine:
         self.step_graph_samples = 0
         self._graph_timing_failed = False
         self._step_events: Optional[Tuple[Any, Any]] = None
-        # every GPU_TIMING_EVERY-th step: how long this thread waits to take the GIL back once it lets
+        # every GIL_PROBE_EVERY-th step: how long this thread waits to take the GIL back once it lets
         # it go (a `time.sleep(0)` right after the step's host sync: ≈ 0.07 ms uncontended, Linux's
         # timer slack — long enough for a waiting thread to take the GIL, as it does during a host
         # sync; a release of a few µs is mostly taken back first). Each torch call, graph replay and
@@ -777,7 +777,7 @@ class Engine:
                 except Exception:  # noqa: BLE001  a measurement must never fail the batch
                     log.exception("reading a decode graph's own timing events failed; no more graph timings")
                     self._graph_timing_failed = True
-        if self.steps % GPU_TIMING_EVERY == 0:
+        if self.steps % GIL_PROBE_EVERY == 0:
             t1 = time.perf_counter()
             time.sleep(0)  # lets the GIL go and takes it back: the wait a release costs now
             self.gil_wait_seconds += time.perf_counter() - t1
@@ -991,6 +991,9 @@ class Engine:
 
 
 GPU_TIMING_EVERY = 8  # decode steps per one timed on the GPU's clock (two events and a query each)
+# decode steps per GIL probe: its sleep(0) costs ≈ 0.07 ms on the hot path (≈ 1 % of a step at
+# concurrency 1 when every 8th step paid it); it found no GIL wait on the H200 (bench/README.md, tenth session)
+GIL_PROBE_EVERY = 64
 BATCH_STEP = 32  # batch buckets: powers of two up to this, then its multiples (≤ 31 padding rows)
 LEN_STEP = 128  # attention-length buckets: multiples of this
 PREFILL_LEN_STEP = 32  # prompt-length buckets: powers of two up to this, then its multiples
