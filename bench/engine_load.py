@@ -165,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--think-ms", default="0",
                     help="mean wait of a client between a result and its next request (uniform 0..2x; 0: at once); "
                          "a comma list runs every level with each")
+    ap.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
+                    help="override the repository's compile_prefill (prefills through torch.compile with the step)")
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -183,6 +185,8 @@ def main(argv=None) -> int:
     if not thinks or min(thinks) < 0:
         ap.error("--think-ms must be ≥ 0")
     overrides = {} if a.slots is None else {"max_slots": a.slots}
+    if a.compile_prefill is not None:
+        overrides["compile_prefill"] = int(a.compile_prefill)
     ctx = ModelContext.from_repo(a.repo, GPT, kind="GPU" if a.device == "cuda" else "CPU", device_id=a.gpu, **overrides)
     if max(levels) > ctx.param("max_slots", cast=int):
         print(f"note: concurrency above the model's max_slots ({ctx.param('max_slots')}) waits in the engine's queue",
@@ -190,7 +194,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     service = gpt_service(ctx)
     print(f"[engine_load] engine ready in {time.perf_counter() - t0:.1f} s "
-          f"({'compiled step' if service.engine.graph_step is not None else 'TorchScript step'}, "
+          f"({'compiled step' if service.engine.graph_step is not None else 'TorchScript step'}"
+          f"{' and prefill' if service.engine.graph_prefill is not None else ''}, "
           f"decode kernel {service.engine.decode_kernel})", flush=True)
     prompts = load_prompts(a.repo)
     rows = []
@@ -211,7 +216,8 @@ def main(argv=None) -> int:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"repo": str(a.repo), "device": a.device, "tokens": a.tokens,
                                      "gpu": torch.cuda.get_device_name(a.gpu) if a.device == "cuda" else "cpu",
-                                     "slots": service.engine.max_slots, "torch": torch.__version__,
+                                     "slots": service.engine.max_slots, "compiled_prefill": service.engine.graph_prefill is not None,
+                                     "torch": torch.__version__,
                                      "command": " ".join(sys.argv), "rows": rows}, indent=1))
     return 0
 

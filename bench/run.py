@@ -261,6 +261,7 @@ def to_markdown(res: dict) -> str:
            f"{res['tokens']} forced code frames per utterance (≈ {res['tokens'] * 512 / 24000:.2f} s of audio). "
            f"Ours: tritonserver over gRPC, dtype {res['dtype']}, "
            f"{'compiled GPT step (requested)' if res.get('gpt_compile') else 'TorchScript GPT step'}"
+           f"{' and prefills' if res.get('gpt_compile') and res.get('gpt_compile_prefill') else ''}"
            f"{', vocoder from CUDA graphs' if res.get('vocoder_graphs') else ''}"
            f"{', under an MPS daemon' if res.get('mps') else ''}"
            f"{_switch_interval(res.get('gil_switch_interval_us'))}"
@@ -387,6 +388,8 @@ def main(argv=None) -> int:
                     help="the vocoder's batching delay (the other models' is 0)")
     ap.add_argument("--gpt-admit-wait-steps", type=int, default=Deployment.gpt_admit_wait_steps,
                     help="... or once the oldest has waited this many decode steps")
+    ap.add_argument("--gpt-compile-prefill", action=argparse.BooleanOptionalAction, default=Deployment.gpt_compile_prefill,
+                    help="with --gpt-compile: the GPT prefills through torch.compile too (opt-in)")
     ap.add_argument("--gil-switch-interval-us", type=int, default=Deployment.gil_switch_interval_us,
                     help="the interpreter's switch interval in the engines' processes (0: Python's 5000)")
     ap.add_argument("--mps", action="store_true",
@@ -419,13 +422,14 @@ def main(argv=None) -> int:
                      max_batch_size=max(64, min(per_engine, 512)), max_queue_size=4096,
                      stream_slots=max(streams + [2]), stream_lookahead_frames=a.stream_lookahead,
                      stream_first_lookahead_frames=a.stream_first_lookahead, stream_fade_frames=a.stream_fade,
-                     gpt_compile=a.gpt_compile, vocoder_graphs=a.vocoder_graphs, gpt_admit_batch=a.gpt_admit_batch,
+                     gpt_compile=a.gpt_compile, gpt_compile_prefill=a.gpt_compile_prefill, vocoder_graphs=a.vocoder_graphs, gpt_admit_batch=a.gpt_admit_batch,
                      gpt_admit_wait_steps=a.gpt_admit_wait_steps, max_queue_delay_us=a.max_queue_delay_us,
                      gil_switch_interval_us=a.gil_switch_interval_us)
     res["stream_lookahead_frames"] = a.stream_lookahead or "exact"
     res["stream_first_lookahead_frames"] = a.stream_first_lookahead or "as later chunks"
     res["stream_fade_frames"] = a.stream_fade
     res["gpt_compile"] = a.gpt_compile
+    res["gpt_compile_prefill"] = a.gpt_compile_prefill
     res["vocoder_graphs"] = a.vocoder_graphs
     res["mps"] = a.mps
     res["gpt_admit"] = {"batch": a.gpt_admit_batch, "wait_steps": a.gpt_admit_wait_steps}

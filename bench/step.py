@@ -13,6 +13,7 @@ the same module unscripted, `compile` = the engine step compiled by torch.compil
 compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all buckets; each with
 `_unfused` appended: q/k/v and gate/up as five GEMMs per layer (the model before `fuse_projections`);
 `_sdpa` (eager/compile): the dense masked attention over `--attn-len` instead of each row's own keys.
+`--compile-prefill`: the compile variants' prefills run compiled too (their eager and graph figures).
 `--lengths uniform`: rows at positions spread below `--attn-len` (what the decode kernel gains in serving).
 `--profile N`: also profile N steps of each batch (and N prefills of each shape) launched without a
 graph (torch.profiler) and record the device kernels per step, their summed time and the most expensive kernels: where a
@@ -162,8 +163,9 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
                     hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=args.device, cache_dtype=dtype,
                     compute_dtype=dtype, start=False, decode_kernel=False if sdpa or base == "script" else None)
     if base.startswith("compile"):
-        engine.compile_step(dynamic=base == "compile_dynamic")
+        engine.compile_step(dynamic=base == "compile_dynamic", prefill=args.compile_prefill)
     out = {"variant": variant, "attn_len": args.attn_len, "lengths": args.lengths, "dtype": str(dtype),
+           "compiled_prefill": engine.graph_prefill is not None,
            "decode_kernel": engine.decode_kernel, "batches": {}}
     for b in args.batches:
         _set_positions(engine, b, args.attn_len, args.lengths)
@@ -227,6 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile N ungraphed steps per batch: kernels per step, their time, the top ones")
+    ap.add_argument("--compile-prefill", action="store_true",
+                    help="compile variants: the prefills through torch.compile too (Engine.compile_step(prefill=True))")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: the eager step and prefill as the CPU engine runs them (script/eager variants)")

@@ -331,6 +331,7 @@ def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None):
         spk_emb_id=int(ctx.manifest["tokens"]["spk_emb_id"]),
         max_pending=ctx.param("max_pending", 0, cast=int),
         compile_step=bool(ctx.param("compile_step", 0, cast=int)),
+        compile_prefill=bool(ctx.param("compile_prefill", 0, cast=int)),  # with compile_step only
         admit_batch=ctx.param("admit_batch", ADMIT_BATCH, cast=int),  # repositories configured before: the defaults
         admit_wait_steps=ctx.param("admit_wait_steps", ADMIT_WAIT_STEPS, cast=int),
     )

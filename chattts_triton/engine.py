@@ -154,13 +154,14 @@ class Engine:
         admit_batch: int = ADMIT_BATCH,
         admit_wait_steps: int = ADMIT_WAIT_STEPS,
         compile_step: bool = False,
+        compile_prefill: bool = False,
         decode_kernel: Optional[bool] = None,
         start: bool = True,
     ):
         """admit_batch / admit_wait_steps: while requests are running, waiting ones are admitted (one
         batched prefill) once `admit_batch` of them (or as many as there are free slots) wait, or the
         oldest has waited `admit_wait_steps` decode steps; an idle engine admits at once.
-        compile_step: see `compile_step` (the model must be the eager module).
+        compile_step, compile_prefill: see `compile_step` (the model must be the eager module).
         decode_kernel: decode steps of the eager module read each row's own keys only
         (`attention.decode_attention`); None: where its GPU kernel runs (True elsewhere: its dense PyTorch
         reference, for tests). TorchScript models: never."""
@@ -232,6 +233,7 @@ class Engine:
         self.cuda_graphs = cuda_graphs
         self.graphs: Optional[CudaGraphs] = None
         self.graph_step: Optional[Callable] = None  # compile_step's compiled step_core for graph buckets
+        self.graph_prefill: Optional[Callable] = None  # compile_step(prefill=True)'s compiled prefill_core
         self.compiled_frozen = False
         self.allocated = False
         self._ready = threading.Event()
@@ -249,7 +251,7 @@ class Engine:
         self._results_thread: Optional[threading.Thread] = None
         self._tasks: List[Callable[[], None]] = []  # run by the engine thread between steps (graph captures)
         if compile_step:
-            self.compile_step()
+            self.compile_step(prefill=compile_prefill)
         if start:
             self.start()
             self._ready.wait()
@@ -283,14 +285,16 @@ class Engine:
         self.graphs = CudaGraphs(self) if (self.cuda_graphs and self.device.type == "cuda") else None
         self.allocated = True
 
-    def compile_step(self, dynamic: bool = True, backend: str = "inductor") -> None:
+    def compile_step(self, dynamic: bool = True, backend: str = "inductor", prefill: bool = False) -> None:
         """Graph buckets run the decode step compiled by torch.compile (inductor: fused norm, RoPE
         and sampling kernels, still replayed from CUDA graphs; H200 bf16: 1.70 → 1.09 ms per step at
         batch 1, bench/step.py); audio-code steps only. Needs the eager module, not TorchScript.
         dynamic: one compile for all buckets (batch 1 still gets its own); else one per bucket. Call
         `freeze_compiled` once the buckets in use are warm: a bucket that would need a recompile then
         runs the plain step instead of stalling every running request for the tens of seconds a
-        compile takes."""
+        compile takes. prefill: prefills (graphed or not) run `prefill_core` compiled too, with dynamic
+        shapes (opt-in, unmeasured: eager, a 64 x 128-token prefill spent ≈ 70 % of its 16.9 ms of kernels
+        outside the GEMMs, H200, bench/README.md eleventh session)."""
         if isinstance(self.model, torch.jit.ScriptModule):
             raise EngineError("compile_step needs the eager GPT module (chattts_triton.gpt), not TorchScript")
         import torch._dynamo as dynamo
@@ -304,6 +308,8 @@ class Engine:
         # KV-cache writes that is the whole multi-GB cache (seen on the H200: > 3 minutes, no result)
         inductor_config.triton.autotune_pointwise = False
         self.graph_step = torch.compile(self.step_core, dynamic=dynamic, backend=backend)
+        if prefill and self.prefill_by_slots:  # (a gpt.pt exported before `prefill` keeps the plain one)
+            self.graph_prefill = torch.compile(self.prefill_core, dynamic=True, backend=backend)
 
     def freeze_compiled(self) -> None:
         self.compiled_frozen = True
@@ -631,8 +637,20 @@ class Engine:
             h_last = self.graphs.prefill(b0, reqs)
         if h_last is None:
             x, positions, idx = self._prompt_batch(reqs, k, max(r.prompt_len for r in reqs), b0)
-            h_last = self.prefill_core(x, positions, idx, b0)
+            h_last = self.run_prefill(x, positions, idx, b0)
         self._first_step(b0, k, h_last[:k])
+
+    def run_prefill(self, x: Tensor, positions: Tensor, idx: Tensor, b0: int = -1) -> Tensor:
+        """`prefill_core`, compiled where `compile_step(prefill=True)` asked (frozen: a shape that would
+        recompile runs it plainly, as the step does)."""
+        if self.graph_prefill is not None:
+            try:
+                with torch.compiler.set_stance("eager_on_recompile" if self.compiled_frozen else "default"):
+                    return self.graph_prefill(x, positions, idx)
+            except Exception:  # noqa: BLE001  e.g. inductor cannot compile it here: never fail requests over it
+                log.exception("the compiled prefill failed; prefills run the plain module from now on")
+                self.graph_prefill = None
+        return self.prefill_core(x, positions, idx, b0)
 
     def prefill_core(self, x: Tensor, positions: Tensor, idx: Tensor, b0: int = -1) -> Tensor:
         """The final hidden state [rows, hidden] (float) of each row's last prompt position, its
@@ -1073,8 +1091,8 @@ class CudaGraphs(GraphCache):
         for buf, t in zip(static, inputs):
             buf.copy_(t)
         # warm-up and capture runs compute this very prefill (the same writes each time)
-        run = self._graph(key, lambda: [e.prefill_core(*static) for _ in range(3)], lambda: e.prefill_core(*static))
-        return e.prefill_core(*static) if run is None else run()
+        run = self._graph(key, lambda: [e.run_prefill(*static) for _ in range(3)], lambda: e.run_prefill(*static))
+        return e.run_prefill(*static) if run is None else run()
 
     def _step(self, mode: str, bb: int, lb: int) -> Tensor:
         e = self.e

@@ -78,6 +78,7 @@ class Deployment:
     # GPU: decode step through torch.compile (H200 served, 2026-12-01: 229 vs 291 ms at concurrency 1;
     # compiles ≈ 2 min at start-up; bench/README.md). CPU instances run the TorchScript step.
     gpt_compile: bool = True
+    gpt_compile_prefill: bool = False  # ... and the prefills (opt-in: not yet measured on a GPU)
     vocoder_graphs: bool = False  # chattts_vocoder replays its codec from CUDA graphs (GPU; unmeasured, off)
 
     @classmethod
@@ -149,6 +150,7 @@ def _engine_params(cfg, dep: "Deployment", slots: int, pending: int) -> None:
     _param(cfg, "max_new_tokens", LIMITS.max_new_tokens)
     _param(cfg, "dtype", dep.dtype)
     _param(cfg, "compile_step", int(dep.gpt_compile))
+    _param(cfg, "compile_prefill", int(dep.gpt_compile_prefill))
     _param(cfg, "admit_batch", dep.gpt_admit_batch)
     _param(cfg, "admit_wait_steps", dep.gpt_admit_wait_steps)
     _param(cfg, "gil_switch_interval_us", dep.gil_switch_interval_us)
@@ -294,6 +296,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-fade-frames", type=int, help="frames cross-faded at each chunk seam (0: hard cut)")
     ap.add_argument("--gpt-compile", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU instances run the decode step through torch.compile (default for new exports; each GPU instance compiles at start-up, ≈ 2 min measured)")
+    ap.add_argument("--gpt-compile-prefill", action=argparse.BooleanOptionalAction, default=None,
+                    help="with --gpt-compile: prefills through torch.compile too (dynamic shapes; off by default until measured)")
     ap.add_argument("--vocoder-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU chattts_vocoder instances replay the decoder and Vocos from CUDA graphs (groups of up to 16 "
                          "utterances of up to 512 frames; off by default until measured)")
@@ -310,7 +314,7 @@ def main(argv=None) -> int:
               "gpt_admit_batch", "gpt_admit_wait_steps", "gil_switch_interval_us",
               "stream_slots", "stream_max_pending", "stream_first_chunk_frames", "stream_chunk_frames",
               "stream_lookahead_frames", "stream_first_lookahead_frames", "stream_fade_frames", "gpt_compile",
-              "vocoder_graphs"):
+              "gpt_compile_prefill", "vocoder_graphs"):
         v = getattr(a, k)
         if v is not None:
             setattr(dep, k, v)

@@ -344,7 +344,8 @@ class GPTService:
 
     def __init__(self, model_path: Path, arch: Arch, device: torch.device, dtype: str, max_slots: int,
                  max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int, max_pending: int = 0,
-                 compile_step: bool = False, admit_batch: int = ADMIT_BATCH, admit_wait_steps: int = ADMIT_WAIT_STEPS):
+                 compile_step: bool = False, admit_batch: int = ADMIT_BATCH, admit_wait_steps: int = ADMIT_WAIT_STEPS,
+                 compile_prefill: bool = False):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if dtype in CPU_ONLY_PRECISIONS and device.type != "cpu":
@@ -362,7 +363,8 @@ class GPTService:
             engine = Engine(
                 model, max_slots=max_slots, max_context=max_context, max_new_tokens=max_new_tokens,
                 hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=DTYPES[dtype],
-                compute_dtype=DTYPES[dtype], compile_step=compiled, admit_batch=admit_batch,
+                compute_dtype=DTYPES[dtype], compile_step=compiled, compile_prefill=compiled and compile_prefill,
+                admit_batch=admit_batch,
                 admit_wait_steps=admit_wait_steps,
             )
             # an experiment switch for the next GPU measurement (bench/README.md, "Where the codec stalls")

@@ -82,6 +82,35 @@ def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo
     assert compile_params() == ["0", "0"]
 
 
+def test_configure_gpt_compile_prefill_reaches_both_engine_services_and_is_off_by_default(tiny_repo, tmp_path, monkeypatch):
+    """--gpt-compile-prefill (opt-in until measured) sets compile_prefill on both engine models, and
+    the service factory hands it to the GPT service (which compiles prefills only with the step)."""
+    import shutil
+
+    from chattts_triton import services
+    from chattts_triton.backend import ModelContext, gpt_service
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def prefill_params():
+        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["compile_prefill"].string_value
+                for m in (rc.GPT, rc.STREAM)]
+
+    seen = []
+    monkeypatch.setattr(services, "GPTService", lambda *a, **kw: seen.append(kw))
+    assert prefill_params() == ["0", "0"]
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-compile-prefill"]) == 0
+    assert prefill_params() == ["1", "1"]
+    gpt_service(ModelContext.from_repo(repo, rc.GPT))
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-slots", "64"]) == 0  # kept unless told
+    assert prefill_params() == ["1", "1"]
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-gpt-compile-prefill"]) == 0
+    assert prefill_params() == ["0", "0"]
+    gpt_service(ModelContext.from_repo(repo, rc.GPT))
+    assert [kw["compile_prefill"] for kw in seen] == [True, False]
+
+
 def test_configure_vocoder_graphs_reaches_the_vocoder_service_and_persists(tiny_repo, tmp_path, monkeypatch):
     """--vocoder-graphs (off by default) sets chattts_vocoder's codec_graphs, which its service reads;
     the stream model keeps its own (on). A CPU instance makes no graphs whatever the flag."""

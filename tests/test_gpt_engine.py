@@ -565,12 +565,14 @@ def _graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compile(tiny):
+@pytest.mark.parametrize("prefill", [False, True], ids=["step", "step_and_prefill"])
+def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compile(tiny, prefill):
     """The graph buckets through torch.compile (aot_eager here: dynamo and the functionalised
     in-place cache writes; the GPU test runs inductor) give every request of the mixed scenario
     (finish orders, compaction, streaming, a refine-text row, batch sizes 1..10, prompts up to 150
     tokens so attention lengths cross a bucket) exactly its plain-step tokens, and after
-    `warm_up` (code and text, 1 and 2 requests) nothing compiles again."""
+    `warm_up` (code and text, 1 and 2 requests) nothing compiles again; with `prefill` the prefills
+    (every bucket shape of the warm-up and the scenario's others) run compiled too."""
     import torch._dynamo
     from chattts_triton.engine import CudaGraphs
 
@@ -585,16 +587,46 @@ def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compi
     torch._dynamo.reset()
     eng = make_engine(ours, arch, max_slots=16, start=False)
     eng.graphs = CudaGraphs(eng, capture=False)
-    eng.compile_step(backend="aot_eager")
+    eng.compile_step(backend="aot_eager", prefill=prefill)
+    assert (eng.graph_prefill is not None) == prefill
     eng.warm_up(text_eos_id=21140, freeze=False)
     warm = _graphs_compiled()
-    assert warm >= 2  # code batch 1, batch ≥ 2 (dynamic); text mode runs the plain step
+    assert warm >= 2 + prefill  # code batch 1, batch ≥ 2 (dynamic); text mode runs the plain step; the prefill
+    assert (eng.graph_prefill is not None) == prefill  # it compiled: no fallback to the plain prefill
     # and the common prefill buckets (here up to 16 slots): graphs before any client
     assert {("prefill", k, t) for k in (1, 2, 4, 8, 16) for t in (16, 32, 64, 128)} <= set(eng.graphs.graphs)
     got = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2, 5])
-    assert _graphs_compiled() == warm
+    assert _graphs_compiled() == warm, (warm, _graphs_compiled())
+    assert (eng.graph_prefill is not None) == prefill
     check_same_as_alone(expected, got)
     assert eng.active == 0 and eng.pending == 0
+
+
+def test_a_compiled_prefill_that_fails_falls_back_to_the_plain_prefill(tiny, caplog):
+    """If the compiled prefill raises (inductor unable to compile it on some host), the engine logs it,
+    runs that prefill and every later one plainly, and the requests get their plain tokens."""
+    from chattts_triton.engine import CudaGraphs
+
+    arch, _, _, ours = tiny
+    specs = [dict(ids=torch.arange(1 + i, 12 + 3 * i), params=SamplingParams(0.3, 0.7, 20, 1.05, 12, 12, seed=i))
+             for i in range(3)]
+    plain = make_engine(ours, arch, max_slots=4, start=False)
+    plain.graphs = CudaGraphs(plain, capture=False)
+    expected = drive(plain, specs)
+    eng = make_engine(ours, arch, max_slots=4, start=False)
+    eng.graphs = CudaGraphs(eng, capture=False)
+    calls = []
+
+    def broken(*args):
+        calls.append(len(args))
+        raise RuntimeError("inductor: no C compiler")
+
+    eng.graph_prefill = broken
+    with caplog.at_level("ERROR"):
+        got = drive(eng, specs)
+    assert calls == [3] and eng.graph_prefill is None  # tried once, then never again
+    assert "the compiled prefill failed" in caplog.text
+    check_same_as_alone(expected, got)
 
 
 def assert_served_without_a_new_decode_graph(eng, reqs, want, decode) -> None:

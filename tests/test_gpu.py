@@ -25,25 +25,29 @@ def _engine(model, arch, graphs, dtype=torch.float32, slots=8, **kw):
                   num_vq=arch.num_vq, device="cuda", cache_dtype=dtype, compute_dtype=dtype, cuda_graphs=graphs, **kw)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, True, "prefill"])
 def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets, compiled):
-    """TorchScript graphs, or the step compiled by inductor (`--gpt-compile`), against upstream."""
+    """TorchScript graphs, or the step compiled by inductor (`--gpt-compile`; "prefill": the prefills
+    too, `--gpt-compile-prefill`), against upstream."""
     from tests.test_gpt_engine import upstream_generate, upstream_gpt
 
     arch, emb, g = upstream_gpt(full_assets)
     emb, g = emb.cuda(), g.cuda()
     g.device = g.device_gpt = torch.device("cuda")
     model = load_gpt(full_assets, arch).cuda()
-    eng = _engine(model if compiled else torch.jit.script(model), arch, graphs=True, compile_step=compiled)
+    eng = _engine(model if compiled else torch.jit.script(model), arch, graphs=True, compile_step=bool(compiled),
+                  compile_prefill=compiled == "prefill")
     try:
         if compiled:
             eng.warm_up()
+            assert (eng.graph_prefill is not None) == (compiled == "prefill")  # compiled, no fallback
         for i, (n, m) in enumerate([(100, 50), (37, 0)]):
             ids = torch.randint(0, 21000, (20 + 7 * i,))
             up_ids, up_h = upstream_generate(emb, g, ids.cuda(), n, m)
             r = eng.generate(GenRequest(text_ids=ids, params=SamplingParams(1e-5, 0.7, 20, 1.05, n, m, seed=0), on_done=None))
             assert torch.equal(r.tokens.cpu(), up_ids.cpu())
             assert (r.hiddens - up_h.cpu()).abs().max().item() <= 1e-3
+        assert compiled != "prefill" or eng.graph_prefill is not None
     finally:
         eng.stop()
 
