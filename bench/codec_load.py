@@ -12,13 +12,12 @@ the share of the GPU the codec needs (e.g. 1 ms per utterance at 400 utt/s: 40 %
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+
+from bench.common import add_device_args, cuda_missing, write_rows
 
 
 def time_calls(voc, items, calls: int, graphs: bool) -> dict:
@@ -50,16 +49,12 @@ def time_calls(voc, items, calls: int, graphs: bool) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.codec_load", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repo", type=Path, required=True, help="an exported repository (python -m export)")
     ap.add_argument("--batches", default="1,4,8,16,32,64")
     ap.add_argument("--frames", type=int, default=150, help="code frames per item")
     ap.add_argument("--calls", type=int, default=20, help="timed calls per batch (median)")
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--gpu", type=int, default=0)
-    ap.add_argument("--out", type=Path, help="write the rows as JSON here")
+    add_device_args(ap)
     a = ap.parse_args(argv)
-    if a.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: use --device cpu", file=sys.stderr)
+    if cuda_missing(a):
         return 2
     batches = [int(b) for b in a.batches.split(",") if b]
     if not batches or min(batches) < 1 or a.frames < 1 or a.calls < 1:
@@ -80,11 +75,7 @@ def main(argv=None) -> int:
                 gpu = f", GPU {row['gpu_ms']:.2f} ms ({row['gpu_ms_per_utt']:.3f} per utterance)" if "gpu_ms" in row else ""
                 print(f"[codec_load] batch {b} {'graphs' if graphs else 'eager '}: wall {row['wall_ms']:.2f} ms "
                       f"({row['wall_ms_per_utt']:.3f} per utterance){gpu}", flush=True)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"repo": str(a.repo), "device": a.device, "frames": a.frames,
-                                     "gpu": torch.cuda.get_device_name(a.gpu) if a.device == "cuda" else "cpu",
-                                     "torch": torch.__version__, "command": " ".join(sys.argv), "rows": rows}, indent=1))
+    write_rows(a, rows, frames=a.frames)
     return 0
 
 

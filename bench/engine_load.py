@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import random
 import sys
 import threading
@@ -29,6 +28,8 @@ from typing import List, Optional
 
 import numpy as np
 import torch
+
+from bench.common import add_device_args, cuda_missing, write_rows
 
 
 def load_prompts(repo: Path) -> List[torch.Tensor]:
@@ -154,23 +155,19 @@ def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, s
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.engine_load", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repo", type=Path, required=True, help="an exported repository (python -m export)")
     ap.add_argument("--concurrency", default="256,512")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of load before each window")
     ap.add_argument("--tokens", type=int, default=150, help="frames forced per utterance")
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--slots", type=int, help="engine slots instead of the repository's max_slots (a served sweep's 512)")
     ap.add_argument("--think-ms", default="0",
                     help="mean wait of a client between a result and its next request (uniform 0..2x; 0: at once); "
                          "a comma list runs every level with each")
     ap.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
                     help="override the repository's compile_prefill (prefills through torch.compile with the step)")
-    ap.add_argument("--out", type=Path, help="write the rows as JSON here")
+    add_device_args(ap)
     a = ap.parse_args(argv)
-    if a.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: use --device cpu", file=sys.stderr)
+    if cuda_missing(a):
         return 2
     from chattts_triton.backend import ModelContext, gpt_service
     from chattts_triton.repo_config import GPT
@@ -212,13 +209,8 @@ def main(argv=None) -> int:
                   f"rows {fmt('engine_batch', '.1f')}", flush=True)
     finally:
         service.engine.stop()
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"repo": str(a.repo), "device": a.device, "tokens": a.tokens,
-                                     "gpu": torch.cuda.get_device_name(a.gpu) if a.device == "cuda" else "cpu",
-                                     "slots": service.engine.max_slots, "compiled_prefill": service.engine.graph_prefill is not None,
-                                     "torch": torch.__version__,
-                                     "command": " ".join(sys.argv), "rows": rows}, indent=1))
+    write_rows(a, rows, tokens=a.tokens, slots=service.engine.max_slots,
+               compiled_prefill=service.engine.graph_prefill is not None)
     return 0
 
 
