@@ -56,7 +56,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if cuda_missing(a):
         return 2
-    batches = [int(b) for b in a.batches.split(",") if b]
+    try:
+        batches = [int(b) for b in a.batches.split(",") if b]
+    except ValueError:
+        ap.error("--batches must be whole numbers, comma-separated")
     if not batches or min(batches) < 1 or a.frames < 1 or a.calls < 1:
         ap.error("--batches, --frames and --calls must be ≥ 1")
     from chattts_triton.backend import ModelContext, vocoder_service

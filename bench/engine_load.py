@@ -172,7 +172,10 @@ def main(argv=None) -> int:
     from chattts_triton.backend import ModelContext, gpt_service
     from chattts_triton.repo_config import GPT
 
-    levels = [int(c) for c in a.concurrency.split(",") if c]
+    try:
+        levels = [int(c) for c in a.concurrency.split(",") if c]
+    except ValueError:
+        ap.error("--concurrency must be whole numbers, comma-separated")
     if a.slots is not None and a.slots < 1:
         ap.error("--slots must be ≥ 1")
     try:

@@ -317,7 +317,7 @@ def to_markdown(res: dict) -> str:
                 "the same steps on events the step's CUDA graph records itself (the replay alone); prefill ms/step: "
                 "prefill wall time per decode step; ms per prefill (prompts): one batched prefill's wall time and the prompts it "
                 "admitted; GIL wait ms: how long the engine thread took to get the GIL back after letting it go in a "
-                "time.sleep(0) (one step in 64, in 8 before the eleventh session; ≈ 0.07 ms with no wait, Linux's timer slack); GPT batch: "
+                "time.sleep(0) (one step in 64; in 8 up to and including the eleventh session's runs; ≈ 0.07 ms with no wait, Linux's timer slack); GPT batch: "
                 "mean rows per step, GPT busy: share of the window the engine loops were stepping or prefilling."]
     return "\n".join(out) + "\n"
 

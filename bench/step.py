@@ -48,7 +48,7 @@ def _time_graph(fn, iters: int) -> float:
 
 
 def _time_wall(fn, iters: int) -> float:
-    """Median wall ms of `fn` (CPU: no graphs, nothing asynchronous)."""
+    """Median wall ms of `fn` (what ends in a host sync: a CPU step, a prefill)."""
     for _ in range(3):
         fn()
     times = []
@@ -144,7 +144,7 @@ def _time_prefill(engine, k: int, t: int, graphed: bool, iters: int) -> float:
 
 
 def run_variant(variant: str, args, arch, dtype) -> dict:
-    from chattts_triton.engine import Engine
+    from chattts_triton.engine import PREFILL_GRAPH_TOKENS, Engine
     from chattts_triton.gpt import load_gpt
 
     # "_unfused": q/k/v and gate/up as five GEMMs, as before fusing; "_sdpa": the dense masked attention
@@ -203,8 +203,10 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
         for shape in args.prefill:
             k, t = (int(v) for v in shape.split("x"))
             row = {"eager_ms": round(_time_prefill(engine, k, t, False, max(3, args.iters // 4)), 3)}
-            if cuda:
-                row["graph_ms"] = round(_time_prefill(engine, k, t, True, max(3, args.iters // 4)), 3)
+            if cuda:  # a shape over PREFILL_GRAPH_TOKENS has no graph: it runs eagerly either way
+                kb, tb = engine.graphs.prefill_buckets(k, t)
+                row["graph_ms"] = (round(_time_prefill(engine, k, t, True, max(3, args.iters // 4)), 3)
+                                   if kb * tb <= PREFILL_GRAPH_TOKENS else None)
             if args.profile:  # its kernels, launched eagerly (the graph replays the same ones)
                 row["profile"] = _profile(_prefill_once(engine, k, t, False), args.profile, cuda)
             out["prefill"][shape] = row
@@ -228,7 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="also profile N ungraphed steps per batch: kernels per step, their time, the top ones")
+                    help="also profile N ungraphed steps per batch (and N eager prefills per shape): kernels per "
+                         "step, their time, the top ones")
     ap.add_argument("--compile-prefill", action="store_true",
                     help="compile variants: the prefills through torch.compile too (Engine.compile_step(prefill=True))")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])

@@ -45,10 +45,9 @@ def reference(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tenso
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
     """`reference`'s result; on a GPU with Triton it reads only the first lengths[i] keys of row i."""
-    if not kernel_available(q.device, q.shape[-1]) or keys.stride(-1) != 1 or values.stride(-1) != 1:
-        return reference(q, keys, values, lengths)  # (the kernel reads a head's values contiguously)
-    return torch.ops.chattts_triton.decode_attention(q if q.stride(-1) == 1 else q.contiguous(), keys, values,
-                                                    lengths.contiguous())
+    if not kernel_available(q.device, q.shape[-1]):
+        return reference(q, keys, values, lengths)
+    return torch.ops.chattts_triton.decode_attention(q, keys, values, lengths)
 
 
 # An opaque operator to torch.compile: inductor calls it, and Triton's own launcher then specialises the
@@ -62,12 +61,15 @@ def _decode_attention_op(q: Tensor, keys: Tensor, values: Tensor, lengths: Tenso
 
 def run_kernel(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
     """The operator's work: the Triton kernel, launched with the real strides (`reference` where it
-    cannot run, so the operator means the same on every device)."""
-    if not kernel_available(q.device, q.shape[-1]):
-        return reference(q, keys, values, lengths)
+    cannot run, so the operator means the same on every device). Returns a new contiguous [B, H, D]."""
+    if not kernel_available(q.device, q.shape[-1]) or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        # (the kernel reads a head's keys and values contiguously); contiguous as the fake says
+        return reference(q, keys, values, lengths).contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    lengths = lengths.contiguous()
     b, h, d = q.shape
     kvh = keys.shape[2]
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     _decode_kernel[(b, h)](
         q, keys, values, out, lengths,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
@@ -80,7 +82,7 @@ def run_kernel(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tens
 
 @_decode_attention_op.register_fake
 def _(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 if triton is not None:
@@ -93,7 +95,7 @@ if triton is not None:
         kv_head = head // REP
         n = tl.minimum(tl.maximum(tl.load(Lens + row).to(tl.int32), 1), context)
         d = tl.arange(0, D)
-        q = (tl.load(Q + row * sqb + head * sqh + d).to(tl.float32) * scale).to(tl.float32)
+        q = tl.load(Q + row * sqb + head * sqh + d).to(tl.float32) * scale
         k_row = K + row * skb + kv_head * skh
         v_row = V + row * svb + kv_head * svh
         m_i = tl.full((1,), float("-inf"), tl.float32)

@@ -308,11 +308,16 @@ class Engine:
         # KV-cache writes that is the whole multi-GB cache (seen on the H200: > 3 minutes, no result)
         inductor_config.triton.autotune_pointwise = False
         self.graph_step = torch.compile(self.step_core, dynamic=dynamic, backend=backend)
-        if prefill and self.prefill_by_slots:  # (a gpt.pt exported before `prefill` keeps the plain one)
-            self.graph_prefill = torch.compile(self.prefill_core, dynamic=True, backend=backend)
+        # (a gpt.pt exported before `prefill` keeps the plain one)
+        self.graph_prefill = torch.compile(self.prefill_core, dynamic=True, backend=backend) \
+            if prefill and self.prefill_by_slots else None
 
     def freeze_compiled(self) -> None:
         self.compiled_frozen = True
+
+    def compile_stance(self) -> str:
+        """torch.compiler stance of compiled calls: once frozen, a call that would recompile runs plainly."""
+        return "eager_on_recompile" if self.compiled_frozen else "default"
 
     def warm_up(self, text_eos_id: Optional[int] = None, freeze: bool = True, timeout: float = 1800.0) -> None:
         """Run what a server meets first before any client does: TorchScript's specialising runs,
@@ -645,9 +650,11 @@ class Engine:
         recompile runs it plainly, as the step does)."""
         if self.graph_prefill is not None:
             try:
-                with torch.compiler.set_stance("eager_on_recompile" if self.compiled_frozen else "default"):
+                with torch.compiler.set_stance(self.compile_stance()):
                     return self.graph_prefill(x, positions, idx)
             except Exception:  # noqa: BLE001  e.g. inductor cannot compile it here: never fail requests over it
+                if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise  # the capture is spoilt: the graph cache runs this bucket eagerly (and we get here again)
                 log.exception("the compiled prefill failed; prefills run the plain module from now on")
                 self.graph_prefill = None
         return self.prefill_core(x, positions, idx, b0)
@@ -1036,7 +1043,7 @@ class CudaGraphs(GraphCache):
     is `Engine.step_core`, the same code as the eager path.
     Prefill: one graph per (prompt-count bucket, prompt-length bucket) up to PREFILL_GRAPH_TOKENS
     padded tokens, over static inputs that each prefill copies its padded batch into; it runs
-    `Engine.prefill_core` (slots as a tensor, so one graph serves any slots).
+    `Engine.run_prefill` (slots as a tensor, so one graph serves any slots).
     All are captured on first use into one shared memory pool; with capture=False (CPU tests) the
     same buckets run eagerly.
     """
@@ -1072,12 +1079,12 @@ class CudaGraphs(GraphCache):
         return self._graph((mode, bb, lb), lambda: self._warm(mode, bb, lb), lambda: self._step(mode, bb, lb), timed=True)
 
     def failed_decode_buckets(self) -> List[tuple]:
-        """Decode buckets whose capture failed (they run eagerly); failed prefill buckets run no
-        compiled code and are not counted."""
+        """Decode buckets whose capture failed (they run eagerly); failed prefill buckets are not
+        counted (they run eagerly too, and a compiled prefill that fails falls back by itself)."""
         return [key for key, run in self.graphs.items() if run is None and key[0] != "prefill"]
 
     def prefill(self, b0: int, reqs: List[GenRequest]) -> Optional[Tensor]:
-        """`Engine.prefill_core` of the prompts `reqs` into slots b0.. from the graph of their bucket:
+        """`Engine.run_prefill` of the prompts `reqs` into slots b0.. from the graph of their bucket:
         [bucket rows, hidden], the first len(reqs) rows theirs; None over PREFILL_GRAPH_TOKENS."""
         e = self.e
         kb, tb = self.prefill_buckets(len(reqs), max(r.prompt_len for r in reqs))
@@ -1101,8 +1108,7 @@ class CudaGraphs(GraphCache):
         if e.graph_step is None or mode != "code":
             return e.step_core(0, bb, lb, mode, e.n_live)
         # frozen: a bucket the warm-up did not compile for runs the plain step (still in a graph)
-        stance = "eager_on_recompile" if e.compiled_frozen else "default"
-        with torch.compiler.set_stance(stance):
+        with torch.compiler.set_stance(e.compile_stance()):
             return e.graph_step(0, bb, lb, mode, e.n_live)
 
     def _warm(self, mode: str, bb: int, lb: int) -> None:

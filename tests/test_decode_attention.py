@@ -1,6 +1,8 @@
 """Decode attention over each row's own keys (`chattts_triton.attention`): the PyTorch reference here,
 the Triton kernel in tests/test_gpu.py."""
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,26 +33,28 @@ def test_reference_equals_sdpa_with_the_causal_mask_of_each_row(heads, kv_heads)
     assert torch.equal(reference(q, keys2, values, lengths)[0], got[0])
 
 
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
 def test_the_operator_stays_opaque_to_torch_compile_so_the_kernel_launches_with_real_strides(monkeypatch):
-    """Under torch.compile with dynamic shapes the step calls `chattts_triton::decode_attention` at run
-    time (inductor does not trace into it: as a traced user kernel it got symbolic strides and ran 2.7×
-    slower on the H200), on views of a larger cache as the model passes them, for each batch size."""
+    """Under torch.compile (inductor) with dynamic shapes, a step calling `decode_attention` launches
+    `chattts_triton::decode_attention` at run time (inductor does not trace into it: as a traced user
+    kernel it got symbolic strides and ran 2.7× slower on the H200), on the cache's own memory as the
+    model passes it, for each batch size. The kernel is stood in for by the reference on a CPU."""
     import chattts_triton.attention as attention
 
     calls = []
-    real = attention.run_kernel
 
     def counting(q, keys, values, lengths):
-        calls.append((tuple(q.shape), keys.stride()))
-        return real(q, keys, values, lengths)
+        calls.append((tuple(q.shape), keys.data_ptr()))
+        return reference(q, keys, values, lengths).contiguous()
 
+    monkeypatch.setattr(attention, "kernel_available", lambda device, head_dim: True)  # as on a GPU
     monkeypatch.setattr(attention, "run_kernel", counting)
     g = torch.Generator().manual_seed(1)
     cache = torch.randn(2, 12, 40, 2, 16, generator=g)  # [layer, slot, position, kv head, dim]
 
     def step(q, cache, lengths):
         keys = cache.select(0, 1).narrow(0, 2, q.shape[0])
-        return torch.ops.chattts_triton.decode_attention(q * 2, keys, keys * 0.5, lengths) + 1
+        return attention.decode_attention(q * 2, keys, keys * 0.5, lengths) + 1
 
     compiled = torch.compile(step, dynamic=True, backend="inductor")
     for b in (3, 5, 7):
@@ -61,8 +65,8 @@ def test_the_operator_stays_opaque_to_torch_compile_so_the_kernel_launches_with_
         n = len(calls)
         got = compiled(q, cache, lengths)
         assert len(calls) == n + 1 and calls[-1][0] == (b, 4, 16)  # launched by the compiled code, per call
+        assert calls[-1][1] == cache[1, 2].data_ptr()  # the cache itself, not a copy of its rows
         assert (got - want).abs().max() <= 1e-5
-    assert calls[0][1] == cache.select(0, 1).stride()  # the cache's own view, not a copy
 
 
 def test_the_kernel_is_for_gpus_with_power_of_two_heads():

@@ -589,15 +589,22 @@ def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compi
     eng.graphs = CudaGraphs(eng, capture=False)
     eng.compile_step(backend="aot_eager", prefill=prefill)
     assert (eng.graph_prefill is not None) == prefill
+    prefills = []
+    if prefill:  # count the compiled prefill's calls
+        compiled_prefill = eng.graph_prefill
+        eng.graph_prefill = lambda *a: prefills.append(a[0].shape[:2]) or compiled_prefill(*a)
     eng.warm_up(text_eos_id=21140, freeze=False)
     warm = _graphs_compiled()
-    assert warm >= 2 + prefill  # code batch 1, batch ≥ 2 (dynamic); text mode runs the plain step; the prefill
+    assert warm >= 2  # code batch 1, batch ≥ 2 (dynamic); text mode runs the plain step
     assert (eng.graph_prefill is not None) == prefill  # it compiled: no fallback to the plain prefill
+    warm_prefills = len(prefills)
+    assert (warm_prefills > 0) == prefill
     # and the common prefill buckets (here up to 16 slots): graphs before any client
     assert {("prefill", k, t) for k in (1, 2, 4, 8, 16) for t in (16, 32, 64, 128)} <= set(eng.graphs.graphs)
     got = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2, 5])
     assert _graphs_compiled() == warm, (warm, _graphs_compiled())
     assert (eng.graph_prefill is not None) == prefill
+    assert (len(prefills) > warm_prefills) == prefill  # the scenario's prefills ran it too
     check_same_as_alone(expected, got)
     assert eng.active == 0 and eng.pending == 0
 
