@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.common import add_device_args, cuda_missing, write_rows
+from bench.common import add_device_args, cuda_missing, int_list, write_rows
 
 
 def time_calls(voc, items, calls: int, graphs: bool) -> dict:
@@ -56,10 +56,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if cuda_missing(a):
         return 2
-    try:
-        batches = [int(b) for b in a.batches.split(",") if b]
-    except ValueError:
-        ap.error("--batches must be whole numbers, comma-separated")
+    batches = int_list(ap, a.batches, "--batches")
     if not batches or min(batches) < 1 or a.frames < 1 or a.calls < 1:
         ap.error("--batches, --frames and --calls must be ≥ 1")
     from chattts_triton.backend import ModelContext, vocoder_service

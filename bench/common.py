@@ -18,6 +18,14 @@ def add_device_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
 
 
+def int_list(ap: argparse.ArgumentParser, text: str, flag: str) -> list:
+    """A comma-separated list of whole numbers, or the parser's error naming `flag`."""
+    try:
+        return [int(v) for v in text.split(",") if v]
+    except ValueError:
+        ap.error(f"{flag} must be whole numbers, comma-separated")
+
+
 def cuda_missing(a: argparse.Namespace) -> bool:
     """True (having said so) when --device cuda was asked for on a host without CUDA."""
     if a.device == "cuda" and not torch.cuda.is_available():

@@ -29,7 +29,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from bench.common import add_device_args, cuda_missing, write_rows
+from bench.common import add_device_args, cuda_missing, int_list, write_rows
 
 
 def load_prompts(repo: Path) -> List[torch.Tensor]:
@@ -172,10 +172,9 @@ def main(argv=None) -> int:
     from chattts_triton.backend import ModelContext, gpt_service
     from chattts_triton.repo_config import GPT
 
-    try:
-        levels = [int(c) for c in a.concurrency.split(",") if c]
-    except ValueError:
-        ap.error("--concurrency must be whole numbers, comma-separated")
+    levels = int_list(ap, a.concurrency, "--concurrency")
+    if not levels or min(levels) < 1:
+        ap.error("--concurrency must be ≥ 1")
     if a.slots is not None and a.slots < 1:
         ap.error("--slots must be ≥ 1")
     try:

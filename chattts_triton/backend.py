@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
-from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, GIL_SWITCH_INTERVAL_US, Arch
+from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, GIL_SWITCH_INTERVAL_MAX_US, GIL_SWITCH_INTERVAL_US, Arch
 from .repo_config import MANIFEST
 from .serve import INFLIGHT_METRIC
 from .services import Call, Overloaded
@@ -340,8 +340,8 @@ def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None):
 def set_switch_interval(us: int) -> None:
     """The process's GIL switch interval for an engine's thread (0: leave Python's). Process-wide:
     this process hosts one engine model."""
-    if us < 0:
-        raise RuntimeError(f"parameter gil_switch_interval_us must be ≥ 0, got {us}")
+    if not 0 <= us <= GIL_SWITCH_INTERVAL_MAX_US:  # the bound repo_config writes within (a hand-edited config)
+        raise RuntimeError(f"parameter gil_switch_interval_us must be in [0, {GIL_SWITCH_INTERVAL_MAX_US}], got {us}")
     if us:
         sys.setswitchinterval(us / 1e6)
 

@@ -41,6 +41,7 @@ ADMIT_WAIT_STEPS = 4
 # engine thread lets the GIL go at every torch call, graph replay and host sync; while Triton's
 # request and reply threads want it, taking it back can wait the whole interval each time
 GIL_SWITCH_INTERVAL_US = 200
+GIL_SWITCH_INTERVAL_MAX_US = 1_000_000  # a larger value is a mistake (Python's own default is 5000)
 REPETITION_WINDOW = 16  # upstream CustomRepetitionPenaltyLogitsProcessorRepeat past_window
 MIN_TOKENS_TO_KEEP = 3  # upstream top-P/top-K warpers
 

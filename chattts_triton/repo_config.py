@@ -17,8 +17,8 @@ from typing import Dict, List, Optional, Tuple
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .config import (ADMIT_BATCH, ADMIT_WAIT_STEPS, ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, GIL_SWITCH_INTERVAL_US, LIMITS,
-                     NUM_VQ, Arch)
+from .config import (ADMIT_BATCH, ADMIT_WAIT_STEPS, ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, GIL_SWITCH_INTERVAL_MAX_US,
+                     GIL_SWITCH_INTERVAL_US, LIMITS, NUM_VQ, Arch)
 
 ENSEMBLE = "chattts"
 PREPROCESS = "chattts_preprocess"
@@ -142,8 +142,9 @@ def _engine_params(cfg, dep: "Deployment", slots: int, pending: int) -> None:
     if dep.gpt_admit_batch < 1 or dep.gpt_admit_wait_steps < 0:
         raise ValueError(f"gpt_admit_batch must be ≥ 1 and gpt_admit_wait_steps ≥ 0, got "
                          f"{dep.gpt_admit_batch} and {dep.gpt_admit_wait_steps}")
-    if not 0 <= dep.gil_switch_interval_us <= 1_000_000:
-        raise ValueError(f"gil_switch_interval_us must be in [0, 1000000] (0: Python's default), got {dep.gil_switch_interval_us}")
+    if not 0 <= dep.gil_switch_interval_us <= GIL_SWITCH_INTERVAL_MAX_US:
+        raise ValueError(f"gil_switch_interval_us must be in [0, {GIL_SWITCH_INTERVAL_MAX_US}] (0: Python's default), "
+                         f"got {dep.gil_switch_interval_us}")
     _param(cfg, "max_slots", slots)
     _param(cfg, "max_context", dep.gpt_context)
     _param(cfg, "max_pending", pending)

@@ -359,8 +359,8 @@ def test_configure_gil_switch_interval_reaches_the_engine_processes_and_refuses_
     import shutil
     import sys
 
-    from chattts_triton.backend import ModelContext, gpt_service
-    from chattts_triton.config import GIL_SWITCH_INTERVAL_US
+    from chattts_triton.backend import ModelContext, gpt_service, set_switch_interval
+    from chattts_triton.config import GIL_SWITCH_INTERVAL_MAX_US, GIL_SWITCH_INTERVAL_US
 
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)
@@ -383,4 +383,6 @@ def test_configure_gil_switch_interval_reaches_the_engine_processes_and_refuses_
     with pytest.raises(SystemExit) as e:
         rc.main(["--repo", str(repo), "--gil-switch-interval-us", "-1"])
     assert e.value.code == 2 and "gil_switch_interval_us must be in" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="gil_switch_interval_us must be in"):  # a hand-edited config, at load
+        set_switch_interval(GIL_SWITCH_INTERVAL_MAX_US + 1)
     assert params(rc.GPT)["gil_switch_interval_us"].string_value == "0"

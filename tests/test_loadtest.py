@@ -519,6 +519,8 @@ def test_engine_load_think_time_spreads_the_arrivals(tiny_repo, tmp_path):
         engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--think-ms", "-1"])
     with pytest.raises(SystemExit):
         engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--think-ms", "a"])
+    with pytest.raises(SystemExit):
+        engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--concurrency", "x"])
 
 
 def test_engine_load_bench_says_why_when_the_engine_refuses_its_requests(tiny_repo, monkeypatch):
