@@ -30,6 +30,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from chattts_triton import config as C
+from chattts_triton.backend import STATS_PERIOD_S
 from client import AsyncChatTTSClient, BalancedChatTTSClient, ChatTTSClient, ChatTTSError, ChatTTSInputError, read_wav
 from client import cli
 from client.audio import WavStreamWriter, save_wav
@@ -769,6 +770,9 @@ def test_e2e_breaking_early_cancels_without_hanging(served_stream, protocol):
             break
         assert time.monotonic() - t0 < 120
         t1 = time.monotonic()
+        # the gauge is the service's stats, refreshed every STATS_PERIOD_S: a value read sooner may be from
+        # before the stream started (0 while it still runs, seen as a CI flake), so read only fresher ones
+        time.sleep(2 * STATS_PERIOD_S)
         while metric(served_stream, "chattts_streams") not in (0, None) and time.monotonic() - t1 < 20:
             time.sleep(0.2)
         assert metric(served_stream, "chattts_streams") in (0, None)  # the server let the stream go
