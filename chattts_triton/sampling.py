@@ -27,14 +27,20 @@ def _mix32(x: Tensor) -> Tensor:
     return (x >> 16) ^ x
 
 
+_SALT = 0x9E3779B9  # the hash maps 0 to 0: without it seed 0's first draw was u = 0 exactly
+
+
 def uniform(seed: Tensor, step: Tensor, row: Tensor, attempt: Tensor) -> Tensor:
-    """Deterministic U[0, 1) per row from int64 tensors of equal shape."""
-    h = _mix32(seed & _MASK32)
+    """Deterministic uniform per row from int64 tensors of equal shape, in (0, 1) strictly: one of
+    2**23 float32 values (k + 1/2) / 2**23. A 0 drew the first token of positive probability however
+    small (seed 0's first draw picked a token of probability 1e-44 over the favourite); a 1 (float32
+    rounding of 32 bits) drew past the last."""
+    h = _mix32((seed & _MASK32) ^ _SALT)
     h = _mix32(h ^ ((seed >> 32) & _MASK32))
     h = _mix32(h ^ (step & _MASK32))
     h = _mix32(h ^ (row & _MASK32))
     h = _mix32(h ^ (attempt & _MASK32))
-    return (h.double() / 4294967296.0).float()
+    return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
 def repetition_penalty(logits: Tensor, history: Tensor, history_len: Tensor, penalty: Tensor) -> Tensor:
@@ -102,7 +108,10 @@ def draw(probs: Tensor, u: Tensor) -> Tensor:
     cdf = probs.cumsum(dim=-1)
     target = u.unsqueeze(1) * cdf[:, -1:]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return idx.clamp(max=probs.shape[1] - 1)
+    # u * total can round up to the total: never past the last token of positive probability
+    v = probs.shape[1]
+    last = v - 1 - torch.argmax(probs.flip(-1).gt(0).to(torch.uint8), dim=-1)
+    return torch.minimum(idx, last)
 
 
 def sample(logits: Tensor, u: Tensor) -> Tensor:

@@ -292,6 +292,41 @@ def test_counter_based_draw_is_deterministic_and_uniform():
     assert draws == [1, 1, 3, 3]
 
 
+def test_uniform_is_strictly_inside_0_1_even_for_seed_0():
+    """All-zero counters hashed to 0 (the mix maps 0 to 0): seed 0's first draw had u = 0, which picks
+    the first token of positive probability however small."""
+    z = torch.zeros(1, dtype=torch.long)
+    assert 0 < sampling.uniform(z, z, z, z).item() < 1
+    n = 1 << 16
+    seeds = torch.arange(n).repeat_interleave(4)
+    rows = torch.arange(4).repeat(n)
+    many = sampling.uniform(seeds, torch.zeros_like(seeds), rows, torch.zeros_like(seeds))
+    assert 0 < many.min() and many.max() < 1
+
+
+def test_draw_never_lands_on_a_token_of_zero_probability():
+    probs = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
+    # u * total rounding up to the total: searchsorted ends past the last positive token
+    assert sampling.draw(probs, torch.tensor([1.0])).item() == 1
+    assert sampling.draw(torch.tensor([[0.0, 0.0, 1.0, 0.0]]), torch.tensor([0.9999999])).item() == 2
+
+
+def test_seed_0_first_draw_takes_the_favourite_at_low_temperature():
+    """The case that failed the GPU parity test: two logits 0.001 apart at temperature 1e-5 leave the
+    runner-up a probability of ≈ 1e-44 (a denormal, not 0); upstream never draws it, nor may we."""
+    r, v = 4, 626
+    logits = torch.zeros(r, v)
+    logits[:, 536], logits[:, 544] = 1.5880, 1.5890
+    lg = sampling.process_logits(logits, torch.full((r,), 1e-5), torch.full((r,), 1.05), torch.full((r,), 0.7),
+                                 torch.full((r,), 20), torch.zeros(r, 16, dtype=torch.long), torch.zeros(r, dtype=torch.long),
+                                 torch.zeros(r, dtype=torch.bool), torch.full((r,), 625))
+    probs = lg.softmax(-1)
+    assert 0 < probs[0, 536] < 1e-40  # the trap: a positive probability before the favourite
+    z = torch.zeros(r, dtype=torch.long)
+    u = sampling.uniform(z, z, torch.arange(r), z)  # seed 0, step 0, rows 0..3, attempt 0
+    assert sampling.sample(lg, u).tolist() == [544] * r
+
+
 @pytest.mark.slow
 def test_full_size_engine_greedy_equals_upstream(full_assets):
     arch, emb, g = upstream_gpt(full_assets)
