@@ -13,6 +13,9 @@ the same module unscripted, `compile` = the engine step compiled by torch.compil
 compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all buckets; each with
 `_unfused` appended: q/k/v and gate/up as five GEMMs per layer (the model before `fuse_projections`);
 `_sdpa` (eager/compile): the dense masked attention over `--attn-len` instead of each row's own keys.
+`aoti` / `aoti_traced`: the step from AOTInductor packages, one per bucket (`bench/aoti.py`; the decode
+attention through its custom operator, or its Triton kernel compiled into the package): the export users
+would ship instead of TorchScript + torch.compile at start-up; `build_s` is a package's export + compile.
 `--compile-prefill`: the compile variants' prefills run compiled too (their eager and graph figures).
 `--lengths uniform`: rows at positions spread below `--attn-len` (what the decode kernel gains in serving).
 `--profile N`: also profile N steps of each batch (and N prefills of each shape) launched without a
@@ -153,8 +156,8 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
     base = variant.replace("_sdpa", "").removesuffix("_unfused")
     fused = "_unfused" not in variant
     cuda = args.device == "cuda"
-    if base not in ("script", "eager", "compile", "compile_dynamic") or (base.startswith("compile") and not cuda):
-        raise SystemExit(f"unknown variant {variant}" + ("" if cuda else " on a CPU (script, eager, *_unfused)"))
+    if base not in ("script", "eager", "compile", "compile_dynamic", "aoti", "aoti_traced") or (base.startswith("compile") and not cuda):
+        raise SystemExit(f"unknown variant {variant}" + ("" if cuda else " on a CPU (script, eager, aoti, *_unfused)"))
     model = load_gpt(args.assets, arch, fused=fused).to(dtype).to(args.device).eval()
     if base == "script":
         model = torch.jit.script(model)
@@ -164,21 +167,28 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
                     compute_dtype=dtype, start=False, decode_kernel=False if sdpa or base == "script" else None)
     if base.startswith("compile"):
         engine.compile_step(dynamic=base == "compile_dynamic", prefill=args.compile_prefill)
+    aoti = None
+    if base.startswith("aoti"):  # the step from AOTInductor packages, one per bucket (bench/aoti.py)
+        from bench.aoti import AotiStep
+
+        aoti = engine.graph_step = AotiStep(engine, args.out / "aoti", kernel="traced" if base == "aoti_traced" else "op")
     out = {"variant": variant, "attn_len": args.attn_len, "lengths": args.lengths, "dtype": str(dtype),
            "compiled_prefill": engine.graph_prefill is not None,
            "decode_kernel": engine.decode_kernel, "batches": {}}
     for b in args.batches:
         _set_positions(engine, b, args.attn_len, args.lengths)
         if not cuda:  # the step as the CPU engine runs it: eager, every row padding
+            step = engine.graph_step or engine.step_core  # aoti: its package
             with torch.inference_mode():
                 engine._set_live(0)
-                step_ms = _time_wall(lambda: engine.step_core(0, b, args.attn_len, "code", engine.n_live), args.iters)
+                step_ms = _time_wall(lambda: step(0, b, args.attn_len, "code", engine.n_live), args.iters)
                 fwd_ms = _time_wall(_forward(engine, b, args.attn_len), args.iters)
             row = {"step_ms": round(step_ms, 3), "forward_ms": round(fwd_ms, 3), "rest_ms": round(step_ms - fwd_ms, 3)}
+            if aoti is not None:
+                row["build_s"] = round(aoti.build_s[(b, args.attn_len)], 2)
             if args.profile:
                 with torch.inference_mode():
-                    row["profile"] = _profile(lambda: engine.step_core(0, b, args.attn_len, "code", engine.n_live),
-                                              args.profile, cuda)
+                    row["profile"] = _profile(lambda: step(0, b, args.attn_len, "code", engine.n_live), args.profile, cuda)
             out["batches"][b] = row
             print(f"[{variant}] batch {b:4d}: {row}", flush=True)
             continue
@@ -190,7 +200,9 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
             capture_s = time.perf_counter() - t0
             step_ms = _time_graph(run, args.iters)
             row = {"step_ms": round(step_ms, 4), "capture_s": round(capture_s, 2)}
-            if not variant.startswith("compile"):  # the compiled step has no separate forward to time
+            if aoti is not None:  # capture_s includes it
+                row["build_s"] = round(aoti.build_s[(b, args.attn_len)], 2)
+            if base in ("script", "eager"):  # the compiled and packaged steps have no separate forward to time
                 fwd_ms = _time_graph(_forward_graph(engine, b, args.attn_len), args.iters)
                 row.update(forward_ms=round(fwd_ms, 4), rest_ms=round(step_ms - fwd_ms, 4))
             if args.profile:  # the step's own launches, without the graph (the same kernels)
@@ -248,14 +260,22 @@ def main(argv=None) -> int:
     arch = infer_arch(args.assets, {})
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     args.out.mkdir(parents=True, exist_ok=True)
+    failed = 0
     for v in args.variants.split(","):
-        res = run_variant(v, args, arch, dtype)
+        try:
+            res = run_variant(v, args, arch, dtype)
+        except SystemExit:
+            raise
+        except Exception as e:  # noqa: BLE001  one variant that cannot run (say, no compiler for AOTInductor) spoils no other
+            log_exc = f"{type(e).__name__}: {e}"
+            print(f"[{v}] failed: {log_exc}", file=sys.stderr, flush=True)
+            res, failed = {"variant": v, "error": log_exc[:2000]}, failed + 1
         res.update(gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
                    command=" ".join(sys.argv))
         (args.out / f"step-{v}.json").write_text(json.dumps(res, indent=1))
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

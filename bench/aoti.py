@@ -1,0 +1,109 @@
+"""The engine's decode step as AOTInductor packages, for `bench.step --variants aoti` (issue #5: "the GPT
+artifact stays an export: TorchScript, or an AOTInductor package if that is faster — measure both").
+
+One package per (batch bucket, attention length): `torch.export` of `Engine.step_core` (embedding, GPT,
+heads, sampling, the state writes) with the engine's state tensors as inputs it mutates in place, compiled
+ahead of time by `torch._inductor.aoti_compile_and_package` and loaded with `aoti_load_package`.
+`AotiStep` takes the place of the compiled step (`Engine.graph_step`), so the engine's CUDA graphs replay
+it exactly as they replay the torch.compile step, and `bench.step` times both the same way.
+
+kernel: how the decode attention reaches the package on a GPU — "op": the custom operator
+(`torch.ops.chattts_triton.decode_attention`, called back through the dispatcher), "traced": the Triton
+kernel itself, compiled into the package (static shapes: specialised on the real strides). On a CPU both
+are the PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Dict, Tuple
+from unittest import mock
+
+import torch
+from torch import Tensor, nn
+
+# the engine state a decode step reads and writes (Engine.allocate); `n_dev` is a view of pi's count column
+STATE = ("pi", "pf", "tokens", "hiddens", "k_cache", "v_cache")
+KERNELS = ("op", "traced")
+
+
+class _StepModule(nn.Module):
+    """`engine.step_core(0, b, attn_len, "code", n_live)` as a function of the state tensors."""
+
+    def __init__(self, engine, b: int, attn_len: int):
+        super().__init__()
+        self.model = engine.model  # registered: its weights become the package's constants
+        self.engine, self.b, self.attn_len = engine, b, attn_len
+
+    def forward(self, pi: Tensor, pf: Tensor, tokens: Tensor, hiddens: Tensor, k_cache: Tensor, v_cache: Tensor,
+                n_live: Tensor) -> Tensor:
+        from chattts_triton.engine import I_N
+
+        e = self.engine
+        saved = {name: getattr(e, name) for name in STATE + ("n_dev",)}
+        try:
+            e.pi, e.pf, e.tokens, e.hiddens, e.k_cache, e.v_cache = pi, pf, tokens, hiddens, k_cache, v_cache
+            e.n_dev = pi[:, I_N]
+            return e.step_core(0, self.b, self.attn_len, "code", n_live)
+        finally:
+            for name, value in saved.items():
+                setattr(e, name, value)
+
+
+@contextmanager
+def _attention_kernel(kernel: str):
+    """"traced": the GPT calls the Triton launcher directly, so export records the kernel itself."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "op":
+        yield
+        return
+    from chattts_triton import attention
+
+    def direct(q, keys, values, lengths):
+        if not attention.kernel_available(q.device, q.shape[-1]):
+            return attention.reference(q, keys, values, lengths)
+        return attention.run_kernel(q, keys, values, lengths)
+
+    with mock.patch("chattts_triton.gpt.decode_attention", direct):
+        yield
+
+
+def package_step(engine, b: int, attn_len: int, path: Path, kernel: str = "op") -> Path:
+    """Export and compile the decode step of b rows at attn_len into the package `path`."""
+    if isinstance(engine.model, torch.jit.ScriptModule):
+        raise ValueError("an AOTInductor package is exported from the eager GPT module, not TorchScript")
+    state = tuple(getattr(engine, name) for name in STATE)
+    n_live = torch.tensor(b, dtype=torch.int64, device=engine.device)
+    with _attention_kernel(kernel), torch.no_grad():
+        ep = torch.export.export(_StepModule(engine, b, attn_len), state + (n_live,), strict=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return Path(torch._inductor.aoti_compile_and_package(ep, package_path=str(path)))
+
+
+class AotiStep:
+    """`Engine.graph_step` from AOTInductor packages, one per (batch bucket, attention length), built
+    the first time a bucket is met (`build_s` records how long each took)."""
+
+    def __init__(self, engine, workdir: Path, kernel: str = "op"):
+        self.engine, self.workdir, self.kernel = engine, Path(workdir), kernel
+        self.runners: Dict[Tuple[int, int], Callable] = {}
+        self.build_s: Dict[Tuple[int, int], float] = {}
+
+    def runner(self, b: int, attn_len: int) -> Callable:
+        key = (b, attn_len)
+        if key not in self.runners:
+            t0 = time.perf_counter()
+            path = package_step(self.engine, b, attn_len, self.workdir / f"step-b{b}-l{attn_len}-{self.kernel}.pt2",
+                                self.kernel)
+            self.runners[key] = torch._inductor.aoti_load_package(str(path))
+            self.build_s[key] = time.perf_counter() - t0
+        return self.runners[key]
+
+    def __call__(self, start: int, b: int, attn_len: int, mode: str = "code", n_live: Tensor = None) -> Tensor:
+        if start != 0 or mode != "code" or n_live is None:
+            raise ValueError("an AOTInductor step serves audio-code graph buckets (start 0, n_live given)")
+        e = self.engine
+        return self.runner(b, attn_len)(*(getattr(e, name) for name in STATE), n_live)

@@ -1,0 +1,80 @@
+"""bench/aoti.py: the decode step as AOTInductor packages (issue #5's "measure both"), checked on the CPU
+against the engine's own step; the GPU timing is `bench.step --variants aoti,aoti_traced`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from chattts_triton.engine import CudaGraphs, SamplingParams
+from tests.test_gpt_engine import check_same_as_alone, drive, make_engine, tiny  # noqa: F401  (fixture)
+
+from bench.aoti import AotiStep, package_step
+
+
+def _specs():
+    g = torch.Generator().manual_seed(5)
+    # equal lengths: both rows run in one bucket (2 rows) to the end, so one package is built
+    return [dict(ids=torch.randint(0, 21000, (9 + 4 * i,), generator=g), params=SamplingParams(0.3, 0.7, 20, 1.05, 14, 14, seed=30 + i))
+            for i in range(2)]
+
+
+def test_packaged_step_gives_the_engine_steps_tokens_hidden_states_and_cache(tiny, tmp_path):
+    arch, _, _, ours = tiny
+    plain = make_engine(ours, arch, max_slots=2, start=False)
+    plain.graphs = CudaGraphs(plain, capture=False)
+    expected = drive(plain, _specs())
+
+    eng = make_engine(ours, arch, max_slots=2, start=False)
+    eng.graphs = CudaGraphs(eng, capture=False)  # buckets run eagerly: graph_step is called as on a GPU
+    aoti = eng.graph_step = AotiStep(eng, tmp_path)
+    got = drive(eng, _specs())
+    assert list(aoti.build_s) == [(2, eng.graphs.buckets(2, 24)[1])]  # one package, and it served every step
+    assert (tmp_path / "step-b2-l{}-op.pt2".format(eng.graphs.buckets(2, 24)[1])).is_file()
+    check_same_as_alone(expected, got)
+    # the state the package wrote in place (nothing copied out): the cache the plain step wrote
+    assert torch.allclose(eng.k_cache, plain.k_cache, atol=1e-5, rtol=0)
+    assert torch.equal(eng.tokens, plain.tokens)
+
+
+def test_packaging_refuses_torchscript_and_unknown_kernels(tiny, tmp_path):
+    arch, _, _, ours = tiny
+    eng = make_engine(torch.jit.script(ours), arch, max_slots=1, start=False)
+    with pytest.raises(ValueError, match="eager GPT module"):
+        package_step(eng, 1, 128, tmp_path / "x.pt2")
+    eng = make_engine(ours, arch, max_slots=1, start=False)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        package_step(eng, 1, 128, tmp_path / "x.pt2", kernel="fast")
+    with pytest.raises(ValueError, match="audio-code graph buckets"):
+        AotiStep(eng, tmp_path)(0, 1, 128, "text", eng.n_live)
+
+
+def test_step_bench_times_the_packaged_step_on_cpu(tiny_assets, tmp_path):
+    from bench import step
+
+    args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--batches", "1",
+            "--variants", "aoti_traced", "--iters", "2", "--prefill", "", "--context", "128", "--max-new-tokens", "16",
+            "--attn-len", "32"]
+    assert step.main(args) == 0
+    res = json.loads((tmp_path / "step-aoti_traced.json").read_text())
+    row = res["batches"]["1"]
+    assert row["step_ms"] > 0 and row["build_s"] > 0
+    assert (tmp_path / "aoti" / "step-b1-l32-traced.pt2").is_file()
+
+
+def test_step_bench_records_a_variant_that_fails_and_runs_the_next(tiny_assets, tmp_path, monkeypatch):
+    """A device session's time is short: a host without a C++ compiler for AOTInductor loses that variant only."""
+    from bench import aoti, step
+
+    def no_compiler(*a, **kw):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(aoti, "package_step", no_compiler)
+    args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--batches", "1",
+            "--variants", "aoti,script", "--iters", "2", "--prefill", "", "--context", "128", "--max-new-tokens", "16",
+            "--attn-len", "32"]
+    assert step.main(args) == 1
+    assert json.loads((tmp_path / "step-aoti.json").read_text())["error"] == "RuntimeError: no C++ compiler"
+    assert json.loads((tmp_path / "step-script.json").read_text())["batches"]["1"]["step_ms"] > 0
