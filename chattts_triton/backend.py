@@ -378,4 +378,5 @@ def stream_service(ctx: ModelContext):
     return StreamService(
         pre, gpt, voc, **schedule,
         max_streams=ctx.param("max_pending", cast=int), drain_file=os.environ.get(DRAIN_FILE_ENV, ""),
+        codec_stream=bool(ctx.param("codec_stream", 0, cast=int)),
     )

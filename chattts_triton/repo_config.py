@@ -80,6 +80,9 @@ class Deployment:
     gpt_compile: bool = True
     gpt_compile_prefill: bool = False  # ... and the prefills (opt-in: not yet measured on a GPU)
     vocoder_graphs: bool = False  # chattts_vocoder replays its codec from CUDA graphs (GPU; unmeasured, off)
+    # chattts_stream's codec on a CUDA stream of its own, so its calls overlap its engine's steps on the GPU
+    # instead of queueing with them on the default stream (GPU; unmeasured, off)
+    stream_codec_stream: bool = False
 
     @classmethod
     def from_manifest(cls, man: dict) -> "Deployment":
@@ -240,6 +243,7 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     _param(stream, "lookahead_frames", dep.stream_lookahead_frames)
     _param(stream, "first_lookahead_frames", dep.stream_first_lookahead_frames)
     _param(stream, "fade_frames", dep.stream_fade_frames)
+    _param(stream, "codec_stream", int(dep.stream_codec_stream))
     return {ENSEMBLE: ens, PREPROCESS: pre, GPT: gpt, VOCODER: voc, STREAM: stream}
 
 
@@ -302,6 +306,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vocoder-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU chattts_vocoder instances replay the decoder and Vocos from CUDA graphs (groups of up to 16 "
                          "utterances of up to 512 frames; off by default until measured)")
+    ap.add_argument("--stream-codec-stream", action=argparse.BooleanOptionalAction, default=None,
+                    help="GPU chattts_stream instances decode on a CUDA stream of their own, beside their engine's "
+                         "steps (off by default until measured)")
     a = ap.parse_args(argv)
     from .config import Arch
 
@@ -315,7 +322,7 @@ def main(argv=None) -> int:
               "gpt_admit_batch", "gpt_admit_wait_steps", "gil_switch_interval_us",
               "stream_slots", "stream_max_pending", "stream_first_chunk_frames", "stream_chunk_frames",
               "stream_lookahead_frames", "stream_first_lookahead_frames", "stream_fade_frames", "gpt_compile",
-              "gpt_compile_prefill", "vocoder_graphs"):
+              "gpt_compile_prefill", "vocoder_graphs", "stream_codec_stream"):
         v = getattr(a, k)
         if v is not None:
             setattr(dep, k, v)

@@ -193,6 +193,11 @@ def chunk_samples(w: Window, audio: np.ndarray, held: Optional[np.ndarray]) -> T
         np.array(audio[w.last:w.last + w.hold], dtype=np.float32) if w.hold else None)
 
 
+def _is_first(w: Window) -> bool:
+    """A stream's first chunk: its window starts at frame 0 and sends from its first sample."""
+    return w.start == 0 and w.first == 0
+
+
 class _Stream:
     __slots__ = ("call", "planner", "use_decoder", "codes", "hiddens", "req", "done", "error", "ended", "t_start",
                  "t_tokens", "held")
@@ -222,13 +227,17 @@ class StreamService:
 
     def __init__(self, preprocess, gpt, vocoder, first_chunk: int, chunk: int, lookahead: int,
                  max_streams: int, drain_file: str = "", first_lookahead: Optional[int] = None, fade: int = 0,
-                 exact: Optional[int] = None):
+                 exact: Optional[int] = None, codec_stream: bool = False):
+        """codec_stream: on a GPU the codec thread launches on a CUDA stream of its own (its inputs are
+        host memory the engine has finished with, its outputs are copied back before use), so a codec
+        call's kernels can run beside the engine's step instead of queueing with it."""
         schedule = dict(first_chunk=first_chunk, chunk=chunk, lookahead=lookahead,
                         first_lookahead=first_lookahead, fade=fade, exact=exact)
         smallest = ChunkPlanner(**schedule).min_window  # validates the schedule at start, not per request
         # bursts are split into windows no longer than the ones warm_codec captures graphs for
         self.schedule = dict(schedule, max_window=max(largest_window(schedule, WARM_STREAM_FRAMES), smallest))
         self.pre, self.gpt, self.voc = preprocess, gpt, vocoder
+        self.codec_stream = torch.cuda.Stream(device=vocoder.device) if codec_stream and vocoder.device.type == "cuda" else None
         self.max_streams = max_streams
         self.drain_file = drain_file
         self.events: "queue.Queue" = queue.Queue()
@@ -314,6 +323,12 @@ class StreamService:
         torch.set_grad_enabled(False)
         if self.voc.device.type == "cuda":  # per thread, like the engine's
             torch.cuda.set_device(self.voc.device)
+        if self.codec_stream is not None:
+            with torch.cuda.stream(self.codec_stream):
+                return self._codec_events()
+        return self._codec_events()
+
+    def _codec_events(self) -> None:
         while True:
             try:
                 events = [self.events.get(timeout=CANCEL_POLL_S)]
@@ -373,8 +388,15 @@ class StreamService:
             while w is not None:  # several after a burst
                 due.append((s, w))
                 w = s.planner.next(frames, s.done)
-        if not due:
-            return
+        # first chunks in a call of their own, ahead of the rest: a new stream's first chunk then waits
+        # for a small codec call instead of one holding every running stream's next chunk
+        first = [(s, w) for s, w in due if _is_first(w)]
+        for group in (first, [(s, w) for s, w in due if not _is_first(w)]):
+            if group:
+                self._decode(group)
+
+    def _decode(self, due: List[Tuple[_Stream, Window]]) -> None:
+        """One codec call for the windows `due` (in order per stream), then their chunks sent."""
         items = [(s.use_decoder, s.window_input(w)) for s, w in due]
         t0 = time.monotonic()
         try:
@@ -401,7 +423,7 @@ class StreamService:
                     log.exception("sending a stream chunk failed")
                     s.req.cancel()
                 s.req.stream_every = max(1, s.planner.tokens_needed() - s.frames())
-            if w.start == 0 and w.first == 0:  # the stream's first chunk: sent from its first sample
+            if _is_first(w):
                 now = time.monotonic()
                 c["stream_first_chunks"] += 1
                 c["stream_first_chunk_seconds"] += now - s.t_start

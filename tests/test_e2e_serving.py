@@ -142,6 +142,41 @@ def test_configure_vocoder_graphs_reaches_the_vocoder_service_and_persists(tiny_
     assert rc.parse_pbtxt((repo / rc.STREAM / "config.pbtxt").read_text()).parameters.get("codec_graphs") is None
 
 
+def test_configure_stream_codec_stream_reaches_the_stream_service_and_persists(tiny_repo, tmp_path, monkeypatch):
+    """--stream-codec-stream (off by default) sets chattts_stream's codec_stream, which its service gets;
+    a CPU service has no CUDA stream to use whatever the flag."""
+    import shutil
+
+    from chattts_triton import streaming
+    from chattts_triton.backend import ModelContext, stream_service
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def param():
+        return rc.parse_pbtxt((repo / rc.STREAM / "config.pbtxt").read_text()).parameters["codec_stream"].string_value
+
+    assert param() == "0"
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--stream-codec-stream"]) == 0
+    assert param() == "1"
+    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0  # kept unless told
+    assert param() == "1" and rc.read_manifest(repo)["deployment"]["stream_codec_stream"] is True
+    asked, real_init = [], streaming.StreamService.__init__
+
+    def init(self, *a, codec_stream=False, **kw):
+        asked.append(codec_stream)
+        real_init(self, *a, codec_stream=codec_stream, **kw)
+
+    monkeypatch.setattr(streaming.StreamService, "__init__", init)
+    svc = stream_service(ModelContext.from_repo(repo, rc.STREAM))
+    try:
+        assert asked == [True] and svc.codec_stream is None  # a CPU instance
+    finally:
+        svc.close()
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-stream-codec-stream"]) == 0
+    assert param() == "0"
+
+
 def test_configure_admission_policy_reaches_the_engines_and_refuses_nonsense(tiny_repo, tmp_path, capsys):
     import shutil
 

@@ -227,6 +227,31 @@ def test_stream_first_chunk_leaves_while_the_utterance_is_generated_on_gpu(tiny_
         svc.close()
 
 
+def test_stream_codec_on_its_own_cuda_stream_gives_the_offline_audio_on_gpu(tiny_repo):
+    """`--stream-codec-stream`: the codec thread launches on a CUDA stream of its own while the engine
+    steps on the default one; several streams at once still equal their non-streamed audio."""
+    import numpy as np
+
+    from chattts_triton.backend import ModelContext, stream_service
+    from chattts_triton.repo_config import STREAM
+    from tests.test_streaming import Recorder, contract, offline
+
+    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", first_chunk_frames=4, chunk_frames=8,
+                                                first_lookahead_frames=0, fade_frames=4, max_slots=4, max_pending=8,
+                                                codec_stream=1))
+    try:
+        assert svc.codec_stream is not None
+        recs = [Recorder(contract(seed=40 + i, n=60 + 7 * i)) for i in range(4)]
+        svc.execute([r.call for r in recs])
+        for i, r in enumerate(recs):
+            assert r.ended.wait(120) and r.error is None and r.final == 1 and len(r.chunks) > 3
+            ref = offline(svc, contract(seed=40 + i, n=60 + 7 * i))
+            audio = np.concatenate(r.chunks)
+            assert audio.shape == ref.shape and np.abs(audio - ref).max() <= 1e-4, np.abs(audio - ref).max()
+    finally:
+        svc.close()
+
+
 def test_warm_graphs_captures_every_decode_bucket_before_a_load_on_gpu(tiny_assets):
     """Engine.warm_graphs with real captures (the CPU test stands them in eagerly): every batch bucket
     at every attention bucket up to WARM_DECODE_LEN is captured, none failed, and a load of several

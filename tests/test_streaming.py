@@ -486,6 +486,47 @@ def test_the_first_chunk_leaves_while_the_utterance_is_generated(stream_service)
     assert frames >= first and first + look - 1 <= steps < 100, (steps, frames)  # not a burst at the end
 
 
+class _Req:
+    stream_every = 1
+
+    def cancel(self):
+        raise AssertionError("nothing here cancels")
+
+
+def test_a_new_streams_first_chunk_is_decoded_before_the_running_streams_chunks(stream_service, monkeypatch):
+    """A codec step with a running stream's next window and a new stream's first window due decodes the
+    first window in a call of its own, first, and sends it before the other chunk."""
+    from chattts_triton.streaming import _Stream
+
+    svc = stream_service
+    hidden = svc.voc.arch.gpt.hidden
+    calls, sent = [], []
+    monkeypatch.setattr(svc.voc, "synthesize", lambda items: calls.append([int(x.shape[0]) for _, x in items])
+                        or [np.zeros(samples_for_codes(int(x.shape[0])), np.float32) for _, x in items])
+
+    def stream(name):
+        rec = Recorder(contract())
+        send = rec.call.send
+        rec.call.send = lambda out, final: sent.append(name) or send(out, final)
+        s = _Stream(rec.call, ChunkPlanner(**svc.schedule), True, time.monotonic())
+        s.req = _Req()
+        return s
+
+    def frames(n):
+        return (torch.zeros(n, NUM_VQ, dtype=torch.int64), torch.zeros(n, hidden))
+
+    running, new = stream("running"), stream("new")
+    first = running.planner.tokens_needed()
+    svc._step([(running, "start", None), (running, "tokens", frames(first))])
+    assert sent == ["running"] and len(calls) == 1
+    more = running.planner.tokens_needed() - first  # its second window
+    svc._step([(running, "tokens", frames(more)), (new, "start", None), (new, "tokens", frames(first))])
+    assert sent == ["running", "new", "running"]
+    assert len(calls) == 3 and calls[1] == [first] and len(calls[2]) == 1  # the first window alone, then the other
+    for s in (running, new):  # (never admitted through execute: nothing to release)
+        svc.streams.remove(s)
+
+
 def test_bad_input_ends_the_stream_with_one_error(stream_service):
     rec = Recorder(contract(text="   "))
     stream_service.execute([rec.call])
