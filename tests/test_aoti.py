@@ -21,16 +21,29 @@ def _specs():
             for i in range(2)]
 
 
-def test_packaged_step_gives_the_engine_steps_tokens_hidden_states_and_cache(tiny, tmp_path):
+@pytest.mark.parametrize("attention", ["dense", "op"])
+def test_packaged_step_gives_the_engine_steps_tokens_hidden_states_and_cache(tiny, tmp_path, monkeypatch, attention):
+    """dense: the CPU engine's masked attention; op: the decode attention through its custom operator, as
+    a GPU runs it (here the operator's PyTorch reference), which the package calls back."""
     arch, _, _, ours = tiny
-    plain = make_engine(ours, arch, max_slots=2, start=False)
+    kernel = attention == "op"
+    if kernel:  # on a CPU decode_attention skips the operator: route it through, as on a GPU
+        monkeypatch.setattr("chattts_triton.gpt.decode_attention",
+                            lambda q, k, v, n: torch.ops.chattts_triton.decode_attention(q, k, v, n))
+    plain = make_engine(ours, arch, max_slots=2, start=False, decode_kernel=kernel)
     plain.graphs = CudaGraphs(plain, capture=False)
     expected = drive(plain, _specs())
 
-    eng = make_engine(ours, arch, max_slots=2, start=False)
+    eng = make_engine(ours, arch, max_slots=2, start=False, decode_kernel=kernel)
     eng.graphs = CudaGraphs(eng, capture=False)  # buckets run eagerly: graph_step is called as on a GPU
     aoti = eng.graph_step = AotiStep(eng, tmp_path)
     got = drive(eng, _specs())
+    if kernel:  # the package calls the operator (AOTInductor's proxy executor), not a copy of it
+        import zipfile
+
+        pkg = zipfile.ZipFile(next(tmp_path.glob("*.pt2")))
+        calls = [n for n in pkg.namelist() if n.endswith("wrapper.json")]  # the extern calls it makes
+        assert calls and '"target": "chattts_triton::decode_attention"' in pkg.read(calls[0]).decode()
     assert list(aoti.build_s) == [(2, eng.graphs.buckets(2, 24)[1])]  # one package, and it served every step
     assert (tmp_path / "step-b2-l{}-op.pt2".format(eng.graphs.buckets(2, 24)[1])).is_file()
     check_same_as_alone(expected, got)
