@@ -85,12 +85,14 @@ def package_step(engine, b: int, attn_len: int, path: Path, kernel: str = "op") 
 
 class AotiStep:
     """`Engine.graph_step` from AOTInductor packages, one per (batch bucket, attention length), built
-    the first time a bucket is met (`build_s` records how long each took)."""
+    the first time a bucket is met: `build_s` (export + compile, what `python -m export` would pay) and
+    `load_s` (what a server's start-up would pay instead of torch.compile's) per bucket."""
 
     def __init__(self, engine, workdir: Path, kernel: str = "op"):
         self.engine, self.workdir, self.kernel = engine, Path(workdir), kernel
         self.runners: Dict[Tuple[int, int], Callable] = {}
         self.build_s: Dict[Tuple[int, int], float] = {}
+        self.load_s: Dict[Tuple[int, int], float] = {}
 
     def runner(self, b: int, attn_len: int) -> Callable:
         key = (b, attn_len)
@@ -98,8 +100,9 @@ class AotiStep:
             t0 = time.perf_counter()
             path = package_step(self.engine, b, attn_len, self.workdir / f"step-b{b}-l{attn_len}-{self.kernel}.pt2",
                                 self.kernel)
+            t1 = time.perf_counter()
             self.runners[key] = torch._inductor.aoti_load_package(str(path))
-            self.build_s[key] = time.perf_counter() - t0
+            self.build_s[key], self.load_s[key] = t1 - t0, time.perf_counter() - t1
         return self.runners[key]
 
     def __call__(self, start: int, b: int, attn_len: int, mode: str = "code", n_live: Tensor = None) -> Tensor:

@@ -15,7 +15,8 @@ compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all 
 `_sdpa` (eager/compile): the dense masked attention over `--attn-len` instead of each row's own keys.
 `aoti` / `aoti_traced`: the step from AOTInductor packages, one per bucket (`bench/aoti.py`; the decode
 attention through its custom operator, or its Triton kernel compiled into the package): the export users
-would ship instead of TorchScript + torch.compile at start-up; `build_s` is a package's export + compile.
+would ship instead of TorchScript + torch.compile at start-up; `build_s` is a package's export + compile,
+`load_s` its load (a server's start-up cost, against `capture_s` of the compile variants).
 `--compile-prefill`: the compile variants' prefills run compiled too (their eager and graph figures).
 `--lengths uniform`: rows at positions spread below `--attn-len` (what the decode kernel gains in serving).
 `--profile N`: also profile N steps of each batch (and N prefills of each shape) launched without a
@@ -172,6 +173,12 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
         from bench.aoti import AotiStep
 
         aoti = engine.graph_step = AotiStep(engine, args.out / "aoti", kernel="traced" if base == "aoti_traced" else "op")
+
+    def aoti_times(b: int) -> dict:
+        if aoti is None:
+            return {}
+        key = (b, args.attn_len)
+        return {"build_s": round(aoti.build_s[key], 2), "load_s": round(aoti.load_s[key], 3)}
     out = {"variant": variant, "attn_len": args.attn_len, "lengths": args.lengths, "dtype": str(dtype),
            "compiled_prefill": engine.graph_prefill is not None,
            "decode_kernel": engine.decode_kernel, "batches": {}}
@@ -184,8 +191,7 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
                 step_ms = _time_wall(lambda: step(0, b, args.attn_len, "code", engine.n_live), args.iters)
                 fwd_ms = _time_wall(_forward(engine, b, args.attn_len), args.iters)
             row = {"step_ms": round(step_ms, 3), "forward_ms": round(fwd_ms, 3), "rest_ms": round(step_ms - fwd_ms, 3)}
-            if aoti is not None:
-                row["build_s"] = round(aoti.build_s[(b, args.attn_len)], 2)
+            row.update(aoti_times(b))
             if args.profile:
                 with torch.inference_mode():
                     row["profile"] = _profile(lambda: step(0, b, args.attn_len, "code", engine.n_live), args.profile, cuda)
@@ -200,8 +206,7 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
             capture_s = time.perf_counter() - t0
             step_ms = _time_graph(run, args.iters)
             row = {"step_ms": round(step_ms, 4), "capture_s": round(capture_s, 2)}
-            if aoti is not None:  # capture_s includes it
-                row["build_s"] = round(aoti.build_s[(b, args.attn_len)], 2)
+            row.update(aoti_times(b))  # capture_s includes the build
             if base in ("script", "eager"):  # the compiled and packaged steps have no separate forward to time
                 fwd_ms = _time_graph(_forward_graph(engine, b, args.attn_len), args.iters)
                 row.update(forward_ms=round(fwd_ms, 4), rest_ms=round(step_ms - fwd_ms, 4))
