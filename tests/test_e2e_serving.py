@@ -111,25 +111,32 @@ def test_configure_gpt_compile_prefill_reaches_both_engine_services_and_is_off_b
     assert [kw["compile_prefill"] for kw in seen] == [True, False]
 
 
-def test_configure_vocoder_graphs_reaches_the_vocoder_service_and_persists(tiny_repo, tmp_path, monkeypatch):
-    """--vocoder-graphs (off by default) sets chattts_vocoder's codec_graphs, which its service reads;
-    the stream model keeps its own (on). A CPU instance makes no graphs whatever the flag."""
+def _switched_on_and_kept(tiny_repo, tmp_path, flag, model, key):
+    """A copy of the repository where `flag` (off by default: `model`'s parameter `key` reads "0") was
+    switched on and survives a re-configure that does not name it; returns it and a reader of `key`."""
     import shutil
-
-    from chattts_triton import services
-    from chattts_triton.backend import ModelContext, vocoder_service
 
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)
 
-    def graphs_param():
-        return rc.parse_pbtxt((repo / rc.VOCODER / "config.pbtxt").read_text()).parameters["codec_graphs"].string_value
+    def param():
+        return rc.parse_pbtxt((repo / model / "config.pbtxt").read_text()).parameters[key].string_value
 
-    assert graphs_param() == "0"
-    assert rc.main(["--repo", str(repo), "--gpus", "0", "--vocoder-graphs"]) == 0
-    assert graphs_param() == "1"
+    assert param() == "0"
+    assert rc.main(["--repo", str(repo), "--gpus", "0", flag]) == 0
+    assert param() == "1"
     assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0  # kept unless told
-    assert graphs_param() == "1"
+    assert param() == "1"
+    return repo, param
+
+
+def test_configure_vocoder_graphs_reaches_the_vocoder_service_and_persists(tiny_repo, tmp_path, monkeypatch):
+    """--vocoder-graphs (off by default) sets chattts_vocoder's codec_graphs, which its service reads;
+    the stream model keeps its own (on). A CPU instance makes no graphs whatever the flag."""
+    from chattts_triton import services
+    from chattts_triton.backend import ModelContext, vocoder_service
+
+    repo, graphs_param = _switched_on_and_kept(tiny_repo, tmp_path, "--vocoder-graphs", rc.VOCODER, "codec_graphs")
     asked = []
     monkeypatch.setattr(services.VocoderService, "__init__", lambda self, *a, graphs=False, **kw: asked.append(graphs))
     vocoder_service(ModelContext.from_repo(repo, rc.VOCODER))
@@ -145,22 +152,11 @@ def test_configure_vocoder_graphs_reaches_the_vocoder_service_and_persists(tiny_
 def test_configure_stream_codec_stream_reaches_the_stream_service_and_persists(tiny_repo, tmp_path, monkeypatch):
     """--stream-codec-stream (off by default) sets chattts_stream's codec_stream, which its service gets;
     a CPU service has no CUDA stream to use whatever the flag."""
-    import shutil
-
     from chattts_triton import streaming
     from chattts_triton.backend import ModelContext, stream_service
 
-    repo = tmp_path / "repo"
-    shutil.copytree(tiny_repo, repo)
-
-    def param():
-        return rc.parse_pbtxt((repo / rc.STREAM / "config.pbtxt").read_text()).parameters["codec_stream"].string_value
-
-    assert param() == "0"
-    assert rc.main(["--repo", str(repo), "--gpus", "0", "--stream-codec-stream"]) == 0
-    assert param() == "1"
-    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0  # kept unless told
-    assert param() == "1" and rc.read_manifest(repo)["deployment"]["stream_codec_stream"] is True
+    repo, param = _switched_on_and_kept(tiny_repo, tmp_path, "--stream-codec-stream", rc.STREAM, "codec_stream")
+    assert rc.read_manifest(repo)["deployment"]["stream_codec_stream"] is True
     asked, real_init = [], streaming.StreamService.__init__
 
     def init(self, *a, codec_stream=False, **kw):
