@@ -396,7 +396,11 @@ class StreamService:
                 self._decode(group)
 
     def _decode(self, due: List[Tuple[_Stream, Window]]) -> None:
-        """One codec call for the windows `due` (in order per stream), then their chunks sent."""
+        """One codec call for the windows `due` (in order per stream), then their chunks sent; a stream
+        an earlier call of this step ended (its codec call failed) is skipped."""
+        due = [(s, w) for s, w in due if not s.ended]
+        if not due:
+            return
         items = [(s.use_decoder, s.window_input(w)) for s, w in due]
         t0 = time.monotonic()
         try:

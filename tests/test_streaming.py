@@ -527,6 +527,34 @@ def test_a_new_streams_first_chunk_is_decoded_before_the_running_streams_chunks(
         svc.streams.remove(s)
 
 
+def test_a_failed_first_chunk_call_ends_its_stream_once_and_sends_nothing_after(stream_service, monkeypatch):
+    """A burst holding a new stream's first and second windows: the first window's own codec call fails,
+    the stream ends with that error, and the later call of the same step sends it nothing more."""
+    from chattts_triton.streaming import _Stream
+
+    svc = stream_service
+    calls = []
+
+    def synthesize(items):
+        calls.append(len(items))
+        if len(calls) == 1:
+            raise RuntimeError("codec failed")
+        return [np.zeros(samples_for_codes(int(x.shape[0])), np.float32) for _, x in items]
+
+    monkeypatch.setattr(svc.voc, "synthesize", synthesize)
+    rec = Recorder(contract())
+    s = _Stream(rec.call, ChunkPlanner(**svc.schedule), True, time.monotonic())
+    cancels = []
+    s.req = _Req()
+    s.req.cancel = lambda: cancels.append(1)
+    n = svc.schedule["max_window"] + 20  # a burst longer than a window: a first window and another
+    probe = ChunkPlanner(**svc.schedule)
+    assert probe.next(n, False).first == 0 and probe.next(n, False) is not None
+    svc._step([(s, "start", None), (s, "tokens", (torch.zeros(n, NUM_VQ, dtype=torch.int64), torch.zeros(n, svc.voc.arch.gpt.hidden)))])
+    assert calls == [1] and rec.final == 1 and str(rec.error) == "codec failed" and not rec.chunks
+    assert cancels == [1] and s.ended and s not in svc.streams
+
+
 def test_bad_input_ends_the_stream_with_one_error(stream_service):
     rec = Recorder(contract(text="   "))
     stream_service.execute([rec.call])
