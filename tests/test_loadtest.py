@@ -497,7 +497,7 @@ def test_engine_load_bench_keeps_requests_in_flight_on_the_served_engine(tiny_re
     # one request in flight: one row per step (the window's counters are read while the engine runs, so
     # its edge may fall between a step's count and its rows: one step's worth of slack)
     assert rows[0]["engine_batch"] == pytest.approx(1.0, abs=0.01)
-    assert 1.0 < rows[1]["engine_batch"] <= 2.0  # three in flight, two slots: the third waits
+    assert 1.0 < rows[1]["engine_batch"] <= 2.01  # three in flight, two slots: the third waits (the same slack)
 
 
 def test_engine_load_think_time_spreads_the_arrivals(tiny_repo, tmp_path):

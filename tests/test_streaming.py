@@ -547,12 +547,14 @@ def test_a_failed_first_chunk_call_ends_its_stream_once_and_sends_nothing_after(
     cancels = []
     s.req = _Req()
     s.req.cancel = lambda: cancels.append(1)
+    with svc.lock:  # admitted as execute would: ending it releases the place
+        svc.admitted += 1
     n = svc.schedule["max_window"] + 20  # a burst longer than a window: a first window and another
     probe = ChunkPlanner(**svc.schedule)
     assert probe.next(n, False).first == 0 and probe.next(n, False) is not None
     svc._step([(s, "start", None), (s, "tokens", (torch.zeros(n, NUM_VQ, dtype=torch.int64), torch.zeros(n, svc.voc.arch.gpt.hidden)))])
     assert calls == [1] and rec.final == 1 and str(rec.error) == "codec failed" and not rec.chunks
-    assert cancels == [1] and s.ended and s not in svc.streams
+    assert cancels == [1] and s.ended and s not in svc.streams and svc.admitted == 0
 
 
 def test_bad_input_ends_the_stream_with_one_error(stream_service):
