@@ -65,7 +65,7 @@ def _attention_kernel(kernel: str):
     def direct(q, keys, values, lengths):
         if not attention.kernel_available(q.device, q.shape[-1]):
             return attention.reference(q, keys, values, lengths)
-        return attention.run_kernel(q, keys, values, lengths)
+        return attention.run_kernel(q, keys, values, lengths, traceable=True)
 
     with mock.patch("chattts_triton.gpt.decode_attention", direct):
         yield
@@ -80,7 +80,10 @@ def package_step(engine, b: int, attn_len: int, path: Path, kernel: str = "op") 
     with _attention_kernel(kernel), torch.no_grad():
         ep = torch.export.export(_StepModule(engine, b, attn_len), state + (n_live,), strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
-        return Path(torch._inductor.aoti_compile_and_package(ep, package_path=str(path)))
+        # no pointwise autotuning: it clones a kernel's in-place arguments per tried config, here the
+        # whole KV cache (as Engine.compile_step says)
+        return Path(torch._inductor.aoti_compile_and_package(ep, package_path=str(path),
+                                                             inductor_configs={"triton.autotune_pointwise": False}))
 
 
 class AotiStep:
@@ -101,7 +104,9 @@ class AotiStep:
             path = package_step(self.engine, b, attn_len, self.workdir / f"step-b{b}-l{attn_len}-{self.kernel}.pt2",
                                 self.kernel)
             t1 = time.perf_counter()
-            self.runners[key] = torch._inductor.aoti_load_package(str(path))
+            # single-threaded runs: the default records and waits on an event around each run, which a
+            # CUDA graph capture of it would hold (torch's own advice with CUDA graphs)
+            self.runners[key] = torch._inductor.aoti_load_package(str(path), run_single_threaded=True)
             self.build_s[key], self.load_s[key] = t1 - t0, time.perf_counter() - t1
         return self.runners[key]
 

@@ -277,7 +277,8 @@ def to_markdown(res: dict) -> str:
     if rows:
         sched = (f"lookahead {res.get('stream_lookahead_frames', 'exact')}, first chunk's lookahead "
                  f"{res.get('stream_first_lookahead_frames', 'as later chunks')}, fade {res.get('stream_fade_frames', 0)} frames"
-                 f"{'; codec on its own CUDA stream' if res.get('stream_codec_stream') else ''}")
+                 f"{'; codec on its own CUDA stream' if res.get('stream_codec_stream') else ''}"
+                 f"{'; first chunks in a codec call of their own' if res.get('stream_first_chunks_first') else ''}")
         out += ["## streaming (`chattts_stream`, gRPC)", "", f"Schedule: {sched}.", "", "| concurrency | first chunk p50 ms | first chunk p99 ms | "
                 "chunk gap p50 ms | chunk gap p99 ms | whole stream p50 ms | streams | streams/s | errors | server: first tokens ms "
                 "| server: first chunk ms | codec call ms | chunks per codec call |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -393,6 +394,9 @@ def main(argv=None) -> int:
                     help="with --gpt-compile: the GPT prefills through torch.compile too (opt-in)")
     ap.add_argument("--stream-codec-stream", action=argparse.BooleanOptionalAction, default=Deployment.stream_codec_stream,
                     help="chattts_stream decodes on a CUDA stream of its own, beside its engine's steps (opt-in)")
+    ap.add_argument("--stream-first-chunks-first", action=argparse.BooleanOptionalAction,
+                    default=Deployment.stream_first_chunks_first,
+                    help="chattts_stream decodes new streams' first chunks in a codec call of their own (opt-in)")
     ap.add_argument("--gil-switch-interval-us", type=int, default=Deployment.gil_switch_interval_us,
                     help="the interpreter's switch interval in the engines' processes (0: Python's 5000)")
     ap.add_argument("--mps", action="store_true",
@@ -427,7 +431,8 @@ def main(argv=None) -> int:
                      stream_first_lookahead_frames=a.stream_first_lookahead, stream_fade_frames=a.stream_fade,
                      gpt_compile=a.gpt_compile, gpt_compile_prefill=a.gpt_compile_prefill, vocoder_graphs=a.vocoder_graphs, gpt_admit_batch=a.gpt_admit_batch,
                      gpt_admit_wait_steps=a.gpt_admit_wait_steps, max_queue_delay_us=a.max_queue_delay_us,
-                     gil_switch_interval_us=a.gil_switch_interval_us, stream_codec_stream=a.stream_codec_stream)
+                     gil_switch_interval_us=a.gil_switch_interval_us, stream_codec_stream=a.stream_codec_stream,
+                     stream_first_chunks_first=a.stream_first_chunks_first)
     res["stream_lookahead_frames"] = a.stream_lookahead or "exact"
     res["stream_first_lookahead_frames"] = a.stream_first_lookahead or "as later chunks"
     res["stream_fade_frames"] = a.stream_fade
@@ -435,6 +440,7 @@ def main(argv=None) -> int:
     res["gpt_compile_prefill"] = a.gpt_compile_prefill
     res["vocoder_graphs"] = a.vocoder_graphs
     res["stream_codec_stream"] = a.stream_codec_stream
+    res["stream_first_chunks_first"] = a.stream_first_chunks_first
     res["mps"] = a.mps
     res["gpt_admit"] = {"batch": a.gpt_admit_batch, "wait_steps": a.gpt_admit_wait_steps}
     res["max_queue_delay_us"] = a.max_queue_delay_us

@@ -172,7 +172,7 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
     if base.startswith("aoti"):  # the step from AOTInductor packages, one per bucket (bench/aoti.py)
         from bench.aoti import AotiStep
 
-        aoti = engine.graph_step = AotiStep(engine, args.out / "aoti", kernel="traced" if base == "aoti_traced" else "op")
+        aoti = engine.graph_step = AotiStep(engine, args.aoti_dir, kernel="traced" if base == "aoti_traced" else "op")
 
     def aoti_times(b: int) -> dict:
         if aoti is None:
@@ -230,6 +230,8 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
             print(f"[{variant}] prefill {k} prompts x {t} tokens: {row}", flush=True)
     if cuda:
         out["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+        free, total = torch.cuda.mem_get_info()  # also what the allocator does not see (an AOTInductor package's weights)
+        out["gpu_used_gb"] = round((total - free) / 1e9, 2)
     return out
 
 
@@ -251,6 +253,8 @@ def main(argv=None) -> int:
                          "step, their time, the top ones")
     ap.add_argument("--compile-prefill", action="store_true",
                     help="compile variants: the prefills through torch.compile too (Engine.compile_step(prefill=True))")
+    ap.add_argument("--aoti-dir", type=Path, default=Path("build/aoti"),
+                    help="where the aoti variants write their packages (each holds the GPT's weights: not --out)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: the eager step and prefill as the CPU engine runs them (script/eager variants)")

@@ -59,9 +59,11 @@ def _decode_attention_op(q: Tensor, keys: Tensor, values: Tensor, lengths: Tenso
     return run_kernel(q, keys, values, lengths)
 
 
-def run_kernel(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
+def run_kernel(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, traceable: bool = False) -> Tensor:
     """The operator's work: the Triton kernel, launched with the real strides (`reference` where it
-    cannot run, so the operator means the same on every device). Returns a new contiguous [B, H, D]."""
+    cannot run, so the operator means the same on every device). Returns a new contiguous [B, H, D].
+    traceable: launched through `torch.library.wrap_triton`, so that torch.export records the kernel
+    itself (bench/aoti.py's `aoti_traced`; a plain launch there would read fake tensors' pointers)."""
     if not kernel_available(q.device, q.shape[-1]) or keys.stride(-1) != 1 or values.stride(-1) != 1:
         # (the kernel reads a head's keys and values contiguously); contiguous as the fake says
         return reference(q, keys, values, lengths).contiguous()
@@ -70,7 +72,8 @@ def run_kernel(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tens
     b, h, d = q.shape
     kvh = keys.shape[2]
     out = q.new_empty(q.shape)
-    _decode_kernel[(b, h)](
+    kernel = torch.library.wrap_triton(_decode_kernel) if traceable else _decode_kernel
+    kernel[(b, h)](
         q, keys, values, out, lengths,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1),

@@ -379,4 +379,5 @@ def stream_service(ctx: ModelContext):
         pre, gpt, voc, **schedule,
         max_streams=ctx.param("max_pending", cast=int), drain_file=os.environ.get(DRAIN_FILE_ENV, ""),
         codec_stream=bool(ctx.param("codec_stream", 0, cast=int)),
+        first_chunks_first=bool(ctx.param("first_chunks_first", 0, cast=int)),
     )

@@ -83,6 +83,9 @@ class Deployment:
     # chattts_stream's codec on a CUDA stream of its own, so its calls overlap its engine's steps on the GPU
     # instead of queueing with them on the default stream (GPU; unmeasured, off)
     stream_codec_stream: bool = False
+    # chattts_stream decodes new streams' first chunks in a codec call of their own, ahead of the running
+    # streams' chunks (one more codec call per step that starts a stream; unmeasured, off)
+    stream_first_chunks_first: bool = False
 
     @classmethod
     def from_manifest(cls, man: dict) -> "Deployment":
@@ -244,6 +247,7 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     _param(stream, "first_lookahead_frames", dep.stream_first_lookahead_frames)
     _param(stream, "fade_frames", dep.stream_fade_frames)
     _param(stream, "codec_stream", int(dep.stream_codec_stream))
+    _param(stream, "first_chunks_first", int(dep.stream_first_chunks_first))
     return {ENSEMBLE: ens, PREPROCESS: pre, GPT: gpt, VOCODER: voc, STREAM: stream}
 
 
@@ -309,6 +313,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-codec-stream", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU chattts_stream instances decode on a CUDA stream of their own, beside their engine's "
                          "steps (off by default until measured)")
+    ap.add_argument("--stream-first-chunks-first", action=argparse.BooleanOptionalAction, default=None,
+                    help="chattts_stream decodes new streams' first chunks in a codec call of their own, ahead of the "
+                         "running streams' chunks (off by default until measured)")
     a = ap.parse_args(argv)
     from .config import Arch
 
@@ -322,7 +329,7 @@ def main(argv=None) -> int:
               "gpt_admit_batch", "gpt_admit_wait_steps", "gil_switch_interval_us",
               "stream_slots", "stream_max_pending", "stream_first_chunk_frames", "stream_chunk_frames",
               "stream_lookahead_frames", "stream_first_lookahead_frames", "stream_fade_frames", "gpt_compile",
-              "gpt_compile_prefill", "vocoder_graphs", "stream_codec_stream"):
+              "gpt_compile_prefill", "vocoder_graphs", "stream_codec_stream", "stream_first_chunks_first"):
         v = getattr(a, k)
         if v is not None:
             setattr(dep, k, v)

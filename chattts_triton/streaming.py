@@ -227,10 +227,13 @@ class StreamService:
 
     def __init__(self, preprocess, gpt, vocoder, first_chunk: int, chunk: int, lookahead: int,
                  max_streams: int, drain_file: str = "", first_lookahead: Optional[int] = None, fade: int = 0,
-                 exact: Optional[int] = None, codec_stream: bool = False):
+                 exact: Optional[int] = None, codec_stream: bool = False, first_chunks_first: bool = False):
         """codec_stream: on a GPU the codec thread launches on a CUDA stream of its own (its inputs are
         host memory the engine has finished with, its outputs are copied back before use), so a codec
-        call's kernels can run beside the engine's step instead of queueing with it."""
+        call's kernels can run beside the engine's step instead of queueing with it.
+        first_chunks_first: a codec step decodes new streams' first windows in a call of their own, and
+        sends them, before the other due windows (a first chunk then waits for a small call instead of
+        one holding every running stream's next chunk; the others wait for one more call)."""
         schedule = dict(first_chunk=first_chunk, chunk=chunk, lookahead=lookahead,
                         first_lookahead=first_lookahead, fade=fade, exact=exact)
         smallest = ChunkPlanner(**schedule).min_window  # validates the schedule at start, not per request
@@ -238,6 +241,7 @@ class StreamService:
         self.schedule = dict(schedule, max_window=max(largest_window(schedule, WARM_STREAM_FRAMES), smallest))
         self.pre, self.gpt, self.voc = preprocess, gpt, vocoder
         self.codec_stream = torch.cuda.Stream(device=vocoder.device) if codec_stream and vocoder.device.type == "cuda" else None
+        self.first_chunks_first = first_chunks_first
         self.max_streams = max_streams
         self.drain_file = drain_file
         self.events: "queue.Queue" = queue.Queue()
@@ -388,12 +392,11 @@ class StreamService:
             while w is not None:  # several after a burst
                 due.append((s, w))
                 w = s.planner.next(frames, s.done)
-        # first chunks in a call of their own, ahead of the rest: a new stream's first chunk then waits
-        # for a small codec call instead of one holding every running stream's next chunk
-        first = [(s, w) for s, w in due if _is_first(w)]
-        for group in (first, [(s, w) for s, w in due if not _is_first(w)]):
-            if group:
-                self._decode(group)
+        if not self.first_chunks_first:
+            self._decode(due)
+            return
+        for group in ([d for d in due if _is_first(d[1])], [d for d in due if not _is_first(d[1])]):
+            self._decode(group)
 
     def _decode(self, due: List[Tuple[_Stream, Window]]) -> None:
         """One codec call for the windows `due` (in order per stream), then their chunks sent; a stream

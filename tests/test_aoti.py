@@ -69,12 +69,12 @@ def test_step_bench_times_the_packaged_step_on_cpu(tiny_assets, tmp_path):
 
     args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--batches", "1",
             "--variants", "aoti_traced", "--iters", "2", "--prefill", "", "--context", "128", "--max-new-tokens", "16",
-            "--attn-len", "32"]
+            "--attn-len", "32", "--aoti-dir", str(tmp_path / "packages")]
     assert step.main(args) == 0
     res = json.loads((tmp_path / "step-aoti_traced.json").read_text())
     row = res["batches"]["1"]
     assert row["step_ms"] > 0 and row["build_s"] > 0 and row["load_s"] > 0
-    assert (tmp_path / "aoti" / "step-b1-l32-traced.pt2").is_file()
+    assert (tmp_path / "packages" / "step-b1-l32-traced.pt2").is_file()
 
 
 def test_step_bench_records_a_variant_that_fails_and_runs_the_next(tiny_assets, tmp_path, monkeypatch):
@@ -87,7 +87,7 @@ def test_step_bench_records_a_variant_that_fails_and_runs_the_next(tiny_assets, 
     monkeypatch.setattr(aoti, "package_step", no_compiler)
     args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--batches", "1",
             "--variants", "aoti,script", "--iters", "2", "--prefill", "", "--context", "128", "--max-new-tokens", "16",
-            "--attn-len", "32"]
+            "--attn-len", "32", "--aoti-dir", str(tmp_path / "packages")]
     assert step.main(args) == 1
     assert json.loads((tmp_path / "step-aoti.json").read_text())["error"] == "RuntimeError: no C++ compiler"
     assert json.loads((tmp_path / "step-script.json").read_text())["batches"]["1"]["step_ms"] > 0

@@ -149,27 +149,30 @@ def test_configure_vocoder_graphs_reaches_the_vocoder_service_and_persists(tiny_
     assert rc.parse_pbtxt((repo / rc.STREAM / "config.pbtxt").read_text()).parameters.get("codec_graphs") is None
 
 
-def test_configure_stream_codec_stream_reaches_the_stream_service_and_persists(tiny_repo, tmp_path, monkeypatch):
-    """--stream-codec-stream (off by default) sets chattts_stream's codec_stream, which its service gets;
-    a CPU service has no CUDA stream to use whatever the flag."""
+@pytest.mark.parametrize("flag,key,field", [("--stream-codec-stream", "codec_stream", "stream_codec_stream"),
+                                             ("--stream-first-chunks-first", "first_chunks_first", "stream_first_chunks_first")])
+def test_configure_stream_options_reach_the_stream_service_and_persist(tiny_repo, tmp_path, monkeypatch, flag, key, field):
+    """The stream model's opt-in switches (off by default) set chattts_stream's parameter, which its
+    service gets; a CPU service has no CUDA stream to use whatever --stream-codec-stream says."""
     from chattts_triton import streaming
     from chattts_triton.backend import ModelContext, stream_service
 
-    repo, param = _switched_on_and_kept(tiny_repo, tmp_path, "--stream-codec-stream", rc.STREAM, "codec_stream")
-    assert rc.read_manifest(repo)["deployment"]["stream_codec_stream"] is True
+    repo, param = _switched_on_and_kept(tiny_repo, tmp_path, flag, rc.STREAM, key)
+    assert rc.read_manifest(repo)["deployment"][field] is True
     asked, real_init = [], streaming.StreamService.__init__
 
-    def init(self, *a, codec_stream=False, **kw):
-        asked.append(codec_stream)
-        real_init(self, *a, codec_stream=codec_stream, **kw)
+    def init(self, *a, **kw):
+        asked.append(kw[key])
+        real_init(self, *a, **kw)
 
     monkeypatch.setattr(streaming.StreamService, "__init__", init)
     svc = stream_service(ModelContext.from_repo(repo, rc.STREAM))
     try:
         assert asked == [True] and svc.codec_stream is None  # a CPU instance
+        assert svc.first_chunks_first == (key == "first_chunks_first")
     finally:
         svc.close()
-    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-stream-codec-stream"]) == 0
+    assert rc.main(["--repo", str(repo), "--gpus", "0", flag.replace("--", "--no-", 1)]) == 0
     assert param() == "0"
 
 

@@ -487,52 +487,72 @@ def test_the_first_chunk_leaves_while_the_utterance_is_generated(stream_service)
 
 
 class _Req:
-    stream_every = 1
+    """The engine request a hand-made stream holds: records cancels."""
+
+    def __init__(self):
+        self.stream_every, self.cancels = 1, 0
 
     def cancel(self):
-        raise AssertionError("nothing here cancels")
+        self.cancels += 1
 
 
-def test_a_new_streams_first_chunk_is_decoded_before_the_running_streams_chunks(stream_service, monkeypatch):
-    """A codec step with a running stream's next window and a new stream's first window due decodes the
-    first window in a call of its own, first, and sends it before the other chunk."""
+@pytest.fixture
+def hand_streams(stream_service):
+    """Streams made by hand and stepped on this thread through the shared service's `_step`; whatever
+    a test leaves of them is taken out of the service after it (pass or fail)."""
     from chattts_triton.streaming import _Stream
 
+    made = []
+
+    def make(sent=None, name=""):
+        rec = Recorder(contract())
+        if sent is not None:
+            send = rec.call.send
+            rec.call.send = lambda out, final: sent.append(name) or send(out, final)
+        s = _Stream(rec.call, ChunkPlanner(**stream_service.schedule), True, time.monotonic())
+        s.req = _Req()
+        made.append(s)
+        return s, rec
+
+    yield make
+    for s in made:
+        if s in stream_service.streams:
+            stream_service.streams.remove(s)
+
+
+def _frames(svc, n):
+    return ("tokens", (torch.zeros(n, NUM_VQ, dtype=torch.int64), torch.zeros(n, svc.voc.arch.gpt.hidden)))
+
+
+@pytest.mark.parametrize("first_chunks_first", [False, True])
+def test_a_new_streams_first_chunk_is_decoded_in_a_call_of_its_own_when_asked(stream_service, hand_streams, monkeypatch,
+                                                                                first_chunks_first):
+    """A codec step with a running stream's next window and a new stream's first window due: by default
+    one call for both; with `first_chunks_first` the first window in a call of its own, sent first."""
     svc = stream_service
-    hidden = svc.voc.arch.gpt.hidden
+    monkeypatch.setattr(svc, "first_chunks_first", first_chunks_first)
     calls, sent = [], []
     monkeypatch.setattr(svc.voc, "synthesize", lambda items: calls.append([int(x.shape[0]) for _, x in items])
                         or [np.zeros(samples_for_codes(int(x.shape[0])), np.float32) for _, x in items])
-
-    def stream(name):
-        rec = Recorder(contract())
-        send = rec.call.send
-        rec.call.send = lambda out, final: sent.append(name) or send(out, final)
-        s = _Stream(rec.call, ChunkPlanner(**svc.schedule), True, time.monotonic())
-        s.req = _Req()
-        return s
-
-    def frames(n):
-        return (torch.zeros(n, NUM_VQ, dtype=torch.int64), torch.zeros(n, hidden))
-
-    running, new = stream("running"), stream("new")
+    (running, _), (new, _) = hand_streams(sent, "running"), hand_streams(sent, "new")
     first = running.planner.tokens_needed()
-    svc._step([(running, "start", None), (running, "tokens", frames(first))])
+    svc._step([(running, "start", None), (running, *_frames(svc, first))])
     assert sent == ["running"] and len(calls) == 1
     more = running.planner.tokens_needed() - first  # its second window
-    svc._step([(running, "tokens", frames(more)), (new, "start", None), (new, "tokens", frames(first))])
-    assert sent == ["running", "new", "running"]
-    assert len(calls) == 3 and calls[1] == [first] and len(calls[2]) == 1  # the first window alone, then the other
-    for s in (running, new):  # (never admitted through execute: nothing to release)
-        svc.streams.remove(s)
+    svc._step([(running, *_frames(svc, more)), (new, "start", None), (new, *_frames(svc, first))])
+    if first_chunks_first:
+        assert sent == ["running", "new", "running"]
+        assert len(calls) == 3 and calls[1] == [first] and len(calls[2]) == 1  # the first window alone, then the other
+    else:
+        assert sorted(sent[1:]) == ["new", "running"] and len(calls) == 2 and len(calls[1]) == 2
 
 
-def test_a_failed_first_chunk_call_ends_its_stream_once_and_sends_nothing_after(stream_service, monkeypatch):
-    """A burst holding a new stream's first and second windows: the first window's own codec call fails,
-    the stream ends with that error, and the later call of the same step sends it nothing more."""
-    from chattts_triton.streaming import _Stream
-
+def test_a_failed_first_chunk_call_ends_its_stream_once_and_sends_nothing_after(stream_service, hand_streams, monkeypatch):
+    """With `first_chunks_first`, a burst holding a new stream's first and second windows: the first
+    window's own codec call fails, the stream ends with that error, and the later call of the same step
+    sends it nothing more."""
     svc = stream_service
+    monkeypatch.setattr(svc, "first_chunks_first", True)
     calls = []
 
     def synthesize(items):
@@ -542,19 +562,15 @@ def test_a_failed_first_chunk_call_ends_its_stream_once_and_sends_nothing_after(
         return [np.zeros(samples_for_codes(int(x.shape[0])), np.float32) for _, x in items]
 
     monkeypatch.setattr(svc.voc, "synthesize", synthesize)
-    rec = Recorder(contract())
-    s = _Stream(rec.call, ChunkPlanner(**svc.schedule), True, time.monotonic())
-    cancels = []
-    s.req = _Req()
-    s.req.cancel = lambda: cancels.append(1)
+    s, rec = hand_streams()
     with svc.lock:  # admitted as execute would: ending it releases the place
         svc.admitted += 1
     n = svc.schedule["max_window"] + 20  # a burst longer than a window: a first window and another
     probe = ChunkPlanner(**svc.schedule)
     assert probe.next(n, False).first == 0 and probe.next(n, False) is not None
-    svc._step([(s, "start", None), (s, "tokens", (torch.zeros(n, NUM_VQ, dtype=torch.int64), torch.zeros(n, svc.voc.arch.gpt.hidden)))])
+    svc._step([(s, "start", None), (s, *_frames(svc, n))])
     assert calls == [1] and rec.final == 1 and str(rec.error) == "codec failed" and not rec.chunks
-    assert cancels == [1] and s.ended and s not in svc.streams and svc.admitted == 0
+    assert s.req.cancels == 1 and s.ended and s not in svc.streams and svc.admitted == 0
 
 
 def test_bad_input_ends_the_stream_with_one_error(stream_service):
