@@ -273,8 +273,6 @@ def main(argv=None) -> int:
     for v in args.variants.split(","):
         try:
             res = run_variant(v, args, arch, dtype)
-        except SystemExit:
-            raise
         except Exception as e:  # noqa: BLE001  one variant that cannot run (say, no compiler for AOTInductor) spoils no other
             log_exc = f"{type(e).__name__}: {e}"
             print(f"[{v}] failed: {log_exc}", file=sys.stderr, flush=True)

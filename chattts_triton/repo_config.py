@@ -78,8 +78,8 @@ class Deployment:
     # GPU: decode step through torch.compile (H200 served, 2026-12-01: 229 vs 291 ms at concurrency 1;
     # compiles ≈ 2 min at start-up; bench/README.md). CPU instances run the TorchScript step.
     gpt_compile: bool = True
-    gpt_compile_prefill: bool = False  # ... and the prefills (opt-in: not yet measured on a GPU)
-    vocoder_graphs: bool = False  # chattts_vocoder replays its codec from CUDA graphs (GPU; unmeasured, off)
+    gpt_compile_prefill: bool = False  # ... and the prefills (opt-in: 1.4-1.8x faster alone on the H200, not yet served)
+    vocoder_graphs: bool = False  # chattts_vocoder replays its codec from CUDA graphs (GPU; no served gain measured, off)
     # chattts_stream's codec on a CUDA stream of its own, so its calls overlap its engine's steps on the GPU
     # instead of queueing with them on the default stream (GPU; unmeasured, off)
     stream_codec_stream: bool = False
