@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see bench/bundle.py):
-#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step codec codecload gil engine
+#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step codec codecload gil engine clientcap
 # (test: PYTEST_ARGS picks the tests, default the whole GPU suite)
 # Writes logs and results under $OUT (or build/gpu-out).
 set -uo pipefail
@@ -41,6 +41,8 @@ for stage in "$@"; do
     engine)  # the GPT engine alone under the served load, no other process on the GPU (bench/engine_load.py; ENGINE_ARGS)
       export_repo build/bench-repo
       python3 -m bench.engine_load --repo build/bench-repo --out "$OUT/engine-load.json" ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine_load.log" ;;
+    clientcap)  # the stream client's own share of a first chunk, against a stand-in server (bench/client_capacity.py; CLIENTCAP_ARGS)
+      python3 -m bench.client_capacity --stream --out "$OUT/client-capacity-stream.json" ${CLIENTCAP_ARGS:-} 2>&1 | tee "$OUT/client_capacity.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

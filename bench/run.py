@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from chattts_triton.config import FIRST_CHUNK_BUCKETS_MS, first_chunk_bucket
 from chattts_triton.repo_config import Deployment
 
 TEXT = "四川美食确实以辣闻名，但也有不辣的选择。"
@@ -89,33 +90,57 @@ def _pct(values: List[float], q: float) -> Optional[float]:
     return float(np.percentile(values, q)) * 1000 if values else None
 
 
+# one asyncio client process added ≈ 31 ms to a first chunk's p99 at 64 streams on the H200 host, against
+# 4 processes (bench/clients.py; raw/2026-12-02-h200-thirteenth-client-capacity-stream-*)
+STREAM_CLIENT_PROCS = 4
+
 STREAM_COUNTERS = ("stream_first_chunks", "stream_first_tokens_seconds", "stream_first_chunk_seconds",
-                   "stream_chunks", "stream_codec_calls", "stream_codec_seconds")
+                   "stream_chunks", "stream_codec_calls", "stream_codec_seconds",
+                   *(first_chunk_bucket(ms) for ms in FIRST_CHUNK_BUCKETS_MS))
+
+
+def bucket_percentile(counts: Dict[int, float], total: float, q: float) -> Optional[float]:
+    """The smallest bound (ms) within which at least q % of `total` events fell, from cumulative
+    `counts` {bound ms: count}; inf past the last bound, None without events."""
+    if total <= 0:
+        return None
+    for ms in sorted(counts):
+        if counts[ms] >= total * q / 100.0:
+            return float(ms)
+    return float("inf")
+
+
+def _finite(ms: Optional[float]) -> Optional[float]:
+    return ms if ms is None or ms != float("inf") else None  # None also past the last bucket: see the counts
 
 
 def stream_window(before: dict, after: dict) -> dict:
-    """Server-side means over a run of `chattts_stream`'s counters: where a first chunk's time goes."""
+    """Server-side figures over a run of `chattts_stream`'s counters: where a first chunk's time goes
+    (means), and the bounds within which half and 99 % of the first chunks were sent (a bucket's
+    upper bound: the true percentile is at most that and above the bucket below)."""
     from loadtest.sweep import counter_deltas
 
     d = {k: 0.0 for k in STREAM_COUNTERS}
     d.update(counter_deltas(before, after))
     firsts, calls = d["stream_first_chunks"], d["stream_codec_calls"]
+    buckets = {ms: d[first_chunk_bucket(ms)] for ms in FIRST_CHUNK_BUCKETS_MS}
     return {
         "server_first_tokens_ms": 1000 * d["stream_first_tokens_seconds"] / firsts if firsts else None,
         "server_first_chunk_ms": 1000 * d["stream_first_chunk_seconds"] / firsts if firsts else None,
+        "server_first_chunk_p50_within_ms": _finite(bucket_percentile(buckets, firsts, 50)),
+        "server_first_chunk_p99_within_ms": _finite(bucket_percentile(buckets, firsts, 99)),
+        "server_first_chunks_within_ms": {str(ms): n for ms, n in buckets.items()},  # of stream_first_chunks
         "codec_call_ms": 1000 * d["stream_codec_seconds"] / calls if calls else None,
         "chunks_per_codec_call": d["stream_chunks"] / calls if calls else None,
     }
 
 
-async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, metrics_url: str = "") -> dict:
-    """Closed-loop `chattts_stream` clients: time to first chunk, gaps between chunks, whole stream;
-    with `metrics_url`, the server's own split of the first chunk's time (`stream_window`)."""
+async def stream_clients(url: str, tokens: int, concurrency: int, seconds: float, seed_base: int, sync) -> dict:
+    """One process's closed-loop `chattts_stream` clients: a warm-up stream each, `sync()` (in a
+    thread), then streams for `seconds`; the raw times (s) of first chunks, gaps and whole streams."""
     import asyncio
 
     from client.client import AsyncChatTTSClient
-    from chattts_triton.repo_config import STREAM
-    from loadtest.sweep import fetch_metrics, parse_counters
 
     first: List[float] = []
     gaps: List[float] = []
@@ -142,27 +167,52 @@ async def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, 
             if record:
                 total.append(time.perf_counter() - t0)
 
-        await asyncio.gather(*(one(i, False) for i in range(concurrency)))  # warm-up: graphs of every batch size
-        counters = [parse_counters(fetch_metrics(metrics_url), STREAM_COUNTERS, STREAM)]
+        await asyncio.gather(*(one(seed_base + i, False) for i in range(concurrency)))  # warm-up: graphs of every batch size
+        await asyncio.to_thread(sync)
         started = time.monotonic()
         stop = started + seconds
 
         async def worker(i: int) -> None:
             k = 0
             while time.monotonic() < stop:
-                await one(1000 * i + k, True)
+                await one(1000 * (seed_base + i) + k, True)
                 k += 1
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
         elapsed = time.monotonic() - started  # streams started in the window, finished after it too
-    row = {"concurrency": concurrency, "streams": len(total), "errors": errors, "streams_per_s": len(total) / elapsed,
+    return {"first": first, "gaps": gaps, "total": total, "errors": errors, "messages": messages, "elapsed_s": elapsed}
+
+
+def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, metrics_url: str = "", procs: int = 1) -> dict:
+    """Closed-loop `chattts_stream` clients, spread over `procs` client processes (bench.clients):
+    time to first chunk, gaps between chunks, whole stream; with `metrics_url`, the server's own
+    split of the first chunk's time (`stream_window`)."""
+    from bench import clients
+    from chattts_triton.backend import STATS_PERIOD_S
+    from chattts_triton.repo_config import STREAM
+    from loadtest.sweep import fetch_metrics, parse_counters
+
+    def read_counters():
+        time.sleep(2 * STATS_PERIOD_S)  # the gauges refresh this often: the last streams' counts land first
+        counters.append(parse_counters(fetch_metrics(metrics_url), STREAM_COUNTERS, STREAM))
+
+    counters: List[dict] = []
+    split = clients.shares(concurrency, procs)
+    bases = [sum(split[:i]) for i in range(len(split))]  # each process's first seed
+    r = clients.run(stream_clients, [(url, tokens, n, seconds, b) for n, b in zip(split, bases)], read_counters)
+    read_counters()
+    first, gaps, total, errors, elapsed = r["first"], r["gaps"], r["total"], r["errors"], r["elapsed_s"]
+    messages = r["messages"][:3]
+    row = {"concurrency": concurrency, "client_processes": len(bases), "streams": len(total), "errors": errors,
+           "streams_per_s": len(total) / elapsed,
            "first_chunk_p50_ms": _pct(first, 50), "first_chunk_p99_ms": _pct(first, 99),
            "chunk_gap_p50_ms": _pct(gaps, 50), "chunk_gap_p99_ms": _pct(gaps, 99),
            "stream_p50_ms": _pct(total, 50), "stream_p99_ms": _pct(total, 99), "error_messages": messages}
-    row.update(stream_window(counters[0], parse_counters(fetch_metrics(metrics_url), STREAM_COUNTERS, STREAM)))
+    row.update(stream_window(counters[0], counters[1]))
     log(f"stream concurrency {concurrency}: first chunk p50 {row['first_chunk_p50_ms']} ms, "
         f"p99 {row['first_chunk_p99_ms']} ms, whole stream p50 {row['stream_p50_ms']} ms, {row['streams_per_s']:.1f} streams/s, errors {errors}; server: "
-        f"first tokens {row['server_first_tokens_ms']} ms, first chunk {row['server_first_chunk_ms']} ms (means), "
+        f"first tokens {row['server_first_tokens_ms']} ms, first chunk {row['server_first_chunk_ms']} ms (means), first chunk "
+        f"p50 ≤ {row['server_first_chunk_p50_within_ms']} ms, p99 ≤ {row['server_first_chunk_p99_within_ms']} ms, "
         f"codec call {row['codec_call_ms']} ms for {row['chunks_per_codec_call']} chunks")
     return row
 
@@ -214,7 +264,7 @@ async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, second
 
 def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, start: int = 1,
                  stream_concurrency: List[int] = (), stream_s: float = 15.0, hold_concurrency: int = 0,
-                 hold_s: float = 0.0, mps: bool = False) -> Dict[str, object]:
+                 hold_s: float = 0.0, mps: bool = False, stream_procs: int = 1) -> Dict[str, object]:
     import asyncio
     import contextlib
 
@@ -237,7 +287,7 @@ def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, s
                 metrics_url=server.metrics_url, max_new_tokens=tokens, min_new_tokens=tokens, seed=1, timeout_s=600,
             )
             out["served"] = asyncio.run(run_sweep(cfg, log=log))
-        out["stream"] = [asyncio.run(bench_stream(server.grpc_url, tokens, c, stream_s, server.metrics_url))
+        out["stream"] = [bench_stream(server.grpc_url, tokens, c, stream_s, server.metrics_url, stream_procs)
                          for c in stream_concurrency]
         if hold_s > 0:
             out["hold"] = asyncio.run(hold(server.grpc_url, server.metrics_url, tokens, hold_concurrency, hold_s))
@@ -278,15 +328,18 @@ def to_markdown(res: dict) -> str:
         sched = (f"lookahead {res.get('stream_lookahead_frames', 'exact')}, first chunk's lookahead "
                  f"{res.get('stream_first_lookahead_frames', 'as later chunks')}, fade {res.get('stream_fade_frames', 0)} frames"
                  f"{'; codec on its own CUDA stream' if res.get('stream_codec_stream') else ''}"
-                 f"{'; first chunks in a codec call of their own' if res.get('stream_first_chunks_first') else ''}")
+                 f"{'; first chunks in a codec call of their own' if res.get('stream_first_chunks_first') else ''}"
+                 f"{f'; clients in {p} processes' if (p := res.get('stream_procs', 1)) > 1 else ''}")
         out += ["## streaming (`chattts_stream`, gRPC)", "", f"Schedule: {sched}.", "", "| concurrency | first chunk p50 ms | first chunk p99 ms | "
                 "chunk gap p50 ms | chunk gap p99 ms | whole stream p50 ms | streams | streams/s | errors | server: first tokens ms "
-                "| server: first chunk ms | codec call ms | chunks per codec call |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| server: first chunk ms | server: first chunk p50 / p99 within ms | codec call ms | chunks per codec call |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             f = lambda k, s=".0f": "" if r.get(k) is None else format(r[k], s)  # noqa: E731
             out.append(f"| {r['concurrency']} | {f('first_chunk_p50_ms')} | {f('first_chunk_p99_ms')} | {f('chunk_gap_p50_ms')} | "
                        f"{f('chunk_gap_p99_ms')} | {f('stream_p50_ms')} | {r['streams']} | {f('streams_per_s', '.1f')} | {r['errors']} | "
-                       f"{f('server_first_tokens_ms')} | {f('server_first_chunk_ms')} | {f('codec_call_ms', '.1f')} | "
+                       f"{f('server_first_tokens_ms')} | {f('server_first_chunk_ms')} | "
+                       f"{f('server_first_chunk_p50_within_ms')} / {f('server_first_chunk_p99_within_ms')} | {f('codec_call_ms', '.1f')} | "
                        f"{f('chunks_per_codec_call', '.1f')} |")
         out.append("")
     h = res.get("hold")
@@ -374,6 +427,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", default="0", help="GPU ids the served pipeline uses (one GPT engine each)")
     ap.add_argument("--stream-concurrency", default="1,64", help="closed-loop stream clients per run (empty: skip)")
     ap.add_argument("--stream-seconds", type=float, default=15.0)
+    ap.add_argument("--stream-procs", type=int, default=STREAM_CLIENT_PROCS,
+                    help="client processes the streams are spread over (1: one asyncio process, as before 2026-12-02)")
     ap.add_argument("--hold-seconds", type=float, default=0.0, help="then this long at --hold-concurrency (GPU memory over time)")
     ap.add_argument("--hold-concurrency", type=int, default=256)
     ap.add_argument("--stream-lookahead", type=int, default=0, help="chattts_stream context frames (0: exact)")
@@ -402,6 +457,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mps", action="store_true",
                     help="serve under a CUDA MPS daemon (chattts_triton.mps): the model processes share the GPU")
     a = ap.parse_args(argv)
+    if a.stream_procs < 1:
+        ap.error("--stream-procs must be at least 1")
 
     import torch
 
@@ -441,6 +498,7 @@ def main(argv=None) -> int:
     res["vocoder_graphs"] = a.vocoder_graphs
     res["stream_codec_stream"] = a.stream_codec_stream
     res["stream_first_chunks_first"] = a.stream_first_chunks_first
+    res["stream_procs"] = a.stream_procs
     res["mps"] = a.mps
     res["gpt_admit"] = {"batch": a.gpt_admit_batch, "wait_steps": a.gpt_admit_wait_steps}
     res["max_queue_delay_us"] = a.max_queue_delay_us
@@ -449,7 +507,7 @@ def main(argv=None) -> int:
         log(f"exporting {a.assets} → {a.repo} ({a.dtype})")
         export_repository(a.assets, a.repo, ["torchscript"], a.dtype, "cpu", dep, progress=log)
         served = bench_served(a.repo, a.tokens, a.max_concurrency, a.step_seconds, a.start_concurrency, streams,
-                              a.stream_seconds, a.hold_concurrency, a.hold_seconds, mps=a.mps)
+                              a.stream_seconds, a.hold_concurrency, a.hold_seconds, mps=a.mps, stream_procs=a.stream_procs)
         res.update({k: v for k, v in served.items() if v})
         save()
     plot(res, a.out / f"{stem}.png")

@@ -20,7 +20,8 @@ from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
-from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, GIL_SWITCH_INTERVAL_MAX_US, GIL_SWITCH_INTERVAL_US, Arch
+from .config import (ADMIT_BATCH, ADMIT_WAIT_STEPS, FIRST_CHUNK_BUCKETS_MS, GIL_SWITCH_INTERVAL_MAX_US, GIL_SWITCH_INTERVAL_US, Arch,
+                     first_chunk_bucket)
 from .repo_config import MANIFEST
 from .serve import INFLIGHT_METRIC
 from .services import Call, Overloaded
@@ -155,6 +156,8 @@ STAT_HELP = {
     "stream_chunks": "chunks decoded (cumulative)",
     "stream_codec_calls": "vocoder calls of the codec thread, each for all due windows (cumulative)",
     "stream_codec_seconds": "wall time in those vocoder calls (cumulative)",
+    **{first_chunk_bucket(ms): f"streams whose first chunk was sent within {ms} ms of their start (cumulative)"
+       for ms in FIRST_CHUNK_BUCKETS_MS},
 }
 
 
@@ -181,8 +184,9 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
 
         def _publish(self) -> None:
             """The gauges, from this thread only: the in-flight count when it changed (within
-            INFLIGHT_PUBLISH_S), the service's stats every STATS_PERIOD_S."""
-            published, stats_due = None, 0.0
+            INFLIGHT_PUBLISH_S), the service's stats that changed every STATS_PERIOD_S (each set is
+            an IPC round trip to the server, with the GIL held)."""
+            published, stats_due, stats_published = None, 0.0, {}
             while not self.closed.wait(INFLIGHT_PUBLISH_S):
                 try:
                     n = self.inflight
@@ -194,8 +198,9 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
                         stats_due = now + STATS_PERIOD_S
                         for k, v in self.service.stats().items():
                             g = self.stat_gauges.get(k)
-                            if g is not None:
+                            if g is not None and stats_published.get(k) != v:
                                 g[1].set(v)
+                                stats_published[k] = v
                 except Exception:  # noqa: BLE001  metrics are best effort
                     log.exception("publishing metrics failed")
                     return

@@ -221,6 +221,16 @@ REFINE_TEXT_DEFAULT = False  # upstream refines by default; a TTS service should
 USE_DECODER_DEFAULT = True
 NORMALIZE_TEXT_DEFAULT = True
 
+# chattts_stream counts its first chunks sent within each bound of their stream's start (cumulative):
+# the server's share of a client's first-chunk percentiles, which the means alone cannot tell apart
+# from a slow delivery
+FIRST_CHUNK_BUCKETS_MS = (25, 50, 75, 100, 125, 150, 200, 250, 300, 400, 500, 1000)
+
+
+def first_chunk_bucket(ms: int) -> str:
+    """The counter (and `chattts_<name>` gauge) of first chunks sent within `ms` of their stream's start."""
+    return f"stream_first_chunks_within_{ms}ms"
+
 
 def dump(obj) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False)

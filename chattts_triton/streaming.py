@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .config import SAMPLES_PER_CODE, USE_DECODER_DEFAULT, samples_for_codes
+from .config import FIRST_CHUNK_BUCKETS_MS, SAMPLES_PER_CODE, USE_DECODER_DEFAULT, first_chunk_bucket, samples_for_codes
 from .services import CODEC_GRAPH_BATCH, Outputs, Overloaded, get_bool
 
 log = logging.getLogger(__name__)
@@ -253,7 +253,7 @@ class StreamService:
         # cumulative, for metrics (written by the codec thread): where a first chunk's time goes
         self.counters = {"stream_first_chunks": 0, "stream_first_tokens_seconds": 0.0,
                          "stream_first_chunk_seconds": 0.0, "stream_chunks": 0, "stream_codec_calls": 0,
-                         "stream_codec_seconds": 0.0}
+                         "stream_codec_seconds": 0.0, **{first_chunk_bucket(ms): 0 for ms in FIRST_CHUNK_BUCKETS_MS}}
         self.warm_codec()
         self.thread = threading.Thread(target=self._codec_loop, name="chattts-stream-codec", daemon=True)
         self.thread.start()
@@ -434,6 +434,9 @@ class StreamService:
                 now = time.monotonic()
                 c["stream_first_chunks"] += 1
                 c["stream_first_chunk_seconds"] += now - s.t_start
+                for ms in FIRST_CHUNK_BUCKETS_MS:
+                    if now - s.t_start <= ms / 1000.0:
+                        c[first_chunk_bucket(ms)] += 1
                 c["stream_first_tokens_seconds"] += (s.t_tokens or now) - s.t_start
 
     def _finish(self, s: _Stream, error: Optional[BaseException] = None, outputs: Optional[Outputs] = None) -> None:

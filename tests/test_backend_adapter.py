@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -135,6 +136,24 @@ def test_gauges_are_written_by_the_metrics_thread_only_and_follow_the_in_flight_
     assert {thread for _, _, thread in pb.writes} == {"chattts-metrics"}
     assert len(inflight()) < 40  # not two per request
     model.finalize()  # nothing in flight: returns at once
+
+
+def test_a_stats_gauge_is_written_when_its_value_changes_only(tiny_repo):
+    """Each gauge write is an IPC round trip with the GIL held: the metrics thread sets a stat's
+    gauge when its value changed, not every STATS_PERIOD_S."""
+    pb, service = FakePb(), HeldService()
+    model = _model(tiny_repo, pb, service)
+    active = lambda: [v for n, v, _ in pb.writes if n == "chattts_engine_active"]  # noqa: E731
+    time.sleep(6 * backend.STATS_PERIOD_S)  # six periods, one value
+    assert active() == [0]
+    requests = [FakeRequest(pb, i) for i in range(3)]
+    model.execute(requests)
+    assert wait_for(lambda: active() == [0, 3], 5, 0.01)
+    time.sleep(3 * backend.STATS_PERIOD_S)
+    assert active() == [0, 3]
+    for c in service.calls:
+        c.reply({"Y": c.inputs["X"]})
+    model.finalize()
 
 
 def test_finalize_waits_for_the_requests_in_flight(tiny_repo):

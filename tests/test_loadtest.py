@@ -8,8 +8,10 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from chattts_triton.config import LIMITS, SAMPLE_RATE
@@ -326,6 +328,37 @@ def test_sweep_produces_table_and_plot(served_tiny, tmp_path):
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_stream_window_bounds_the_servers_first_chunk_percentiles_from_its_buckets():
+    """chattts_stream's cumulative within-N-ms counts, two instances, read as bench.run reads them:
+    p50 and p99 are the smallest bounds holding half and 99 % of the window's first chunks."""
+    from bench.run import STREAM_COUNTERS, bucket_percentile, stream_window
+    from chattts_triton.config import FIRST_CHUNK_BUCKETS_MS, first_chunk_bucket
+    from loadtest.sweep import parse_counters
+
+    def text(times_ms):  # per instance: the first-chunk times so far
+        rows = []
+        for inst, times in times_ms.items():
+            lab = f'{{model="chattts_stream",instance="{inst}"}}'
+            rows += [f"chattts_stream_first_chunks{lab} {len(times)}",
+                     f"chattts_stream_first_chunk_seconds{lab} {sum(times) / 1000}"]
+            rows += [f"chattts_{first_chunk_bucket(ms)}{lab} {sum(t <= ms for t in times)}" for ms in FIRST_CHUNK_BUCKETS_MS]
+        return "\n".join(rows) + "\n"
+
+    early = {"a": [30.0] * 5, "b": [2000.0]}  # before the window: a slow one the window must not count
+    late = {"a": early["a"] + [40.0] * 60 + [120.0] * 38, "b": early["b"] + [180.0]}
+    w = stream_window(parse_counters(text(early), STREAM_COUNTERS, "chattts_stream"),
+                      parse_counters(text(late), STREAM_COUNTERS, "chattts_stream"))
+    # the window's 99 chunks: 60 at 40 ms, 38 at 120 ms, 1 at 180 ms
+    assert w["server_first_chunk_p50_within_ms"] == 50 and w["server_first_chunk_p99_within_ms"] == 200
+    assert w["server_first_chunk_ms"] == pytest.approx((60 * 40 + 38 * 120 + 180) / 99)
+    assert w["server_first_chunks_within_ms"]["125"] == 98 and w["server_first_chunks_within_ms"]["1000"] == 99
+    assert bucket_percentile({100: 0, 200: 1}, 1, 50) == 200 and bucket_percentile({100: 0, 200: 0}, 1, 50) == float("inf")
+    assert bucket_percentile({100: 0}, 0, 99) is None
+    over = stream_window(parse_counters(text({"a": []}), STREAM_COUNTERS, "chattts_stream"),
+                         parse_counters(text({"a": [5000.0]}), STREAM_COUNTERS, "chattts_stream"))
+    assert over["server_first_chunk_p99_within_ms"] is None and over["server_first_chunk_ms"] == pytest.approx(5000)
+
+
 def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     from loadtest.sweep import engine_window, parse_engine_counters
 
@@ -383,6 +416,54 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     assert engine_window(before, old, 2.0)["engine_prefill_ms"] is None  # a server from before the prefill counts
     old = {i: {k: v for k, v in c.items() if not k.startswith("engine_gil")} for i, c in after.items()}
     assert engine_window(before, old, 2.0)["engine_gil_wait_ms"] is None  # ... or before the GIL probe
+
+
+def test_stream_stand_in_splits_a_first_chunk_into_its_way_in_the_schedule_and_its_way_out():
+    """bench.client_capacity --stream (two client processes): chunks on the stand-in's schedule (8
+    frames, then 32), and their stamps read back: the stand-in's wait, the request's way in and the
+    chunks' way out."""
+    from bench.client_capacity import read_stamp, stamp, stand_in_server, stream_capacity, stream_schedule
+    from chattts_triton.config import samples_for_codes
+
+    t = time.monotonic()
+    assert read_stamp(stamp(np.zeros(8, np.float32), t, t + 0.0123)) == pytest.approx((t, t + 0.0123), abs=1e-6)
+    assert stream_schedule(70, 30.0, 10.0) == [(0.03, samples_for_codes(8)), (0.04, samples_for_codes(32)),
+                                               (0.05, samples_for_codes(30))]
+    with stand_in_server(70, stream_schedule(70, 30.0, 10.0)) as url:
+        row = stream_capacity(url, 2, 1.5, 70, procs=2)
+    assert row["client_processes"] == 2 and row["streams_per_s"] > 5
+    assert 30.0 <= row["stand_in_wait_p50_ms"] < 50.0  # the stamps read back: the stand-in's 30-ms wait
+    assert 0 <= row["request_in_p50_ms"] < 50.0 and 0 <= row["first_chunk_out_p50_ms"] < 50.0
+    assert 0 <= row["later_chunk_out_p50_ms"] < 50.0
+    assert row["first_chunk_p50_ms"] >= row["stand_in_wait_p50_ms"]
+
+
+async def _fake_clients(n: int, fail: str, sync) -> dict:
+    """bench.clients entry for the tests: `n` results, a sync between warm-up and window."""
+    import asyncio
+
+    if fail == "warm-up":
+        raise ValueError("no server")
+    await asyncio.to_thread(sync)
+    if fail == "window":
+        raise ValueError("lost the server")
+    return {"first": [float(n)] * n, "errors": n, "elapsed_s": float(n)}
+
+
+def test_clients_spread_a_load_over_processes_and_fail_with_a_processs_error():
+    from bench import clients
+
+    assert clients.shares(64, 4) == [16] * 4 and clients.shares(5, 3) == [2, 2, 1] and clients.shares(2, 8) == [1, 1]
+    with pytest.raises(ValueError):
+        clients.shares(0, 2)
+    assert clients.merge([{"a": [1], "n": 2, "t_s": 3.0}, {"a": [2], "n": 5, "t_s": 1.0}]) == {"a": [1, 2], "n": 7, "t_s": 3.0}
+    calls = []
+    r = clients.run(_fake_clients, [(2, ""), (3, "")], lambda: calls.append("window"), timeout_s=60)
+    assert calls == ["window"] and sorted(r["first"]) == [2.0, 2.0, 3.0, 3.0, 3.0] and r["errors"] == 5 and r["elapsed_s"] == 3.0
+    assert clients.run(_fake_clients, [(1, "")], lambda: calls.append("one"))["first"] == [1.0] and calls[-1] == "one"
+    for stage in ("warm-up", "window"):
+        with pytest.raises(RuntimeError, match="a client process failed: ValueError"):
+            clients.run(_fake_clients, [(1, ""), (1, stage)], lambda: None, timeout_s=60)
 
 
 def test_bench_hold_reports_the_steady_state_latency_beside_memory():

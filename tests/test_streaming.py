@@ -710,6 +710,25 @@ def test_stream_counters_split_the_first_chunk_time_on_the_server(served_tiny):
     w = stream_window(before, after)
     assert 0 < w["server_first_tokens_ms"] <= w["server_first_chunk_ms"] and w["codec_call_ms"] > 0
     assert w["chunks_per_codec_call"] == pytest.approx(1.0)  # one stream: one window per call
+    # its one first chunk counted in every bucket from the first bound at or above its time
+    from chattts_triton.config import FIRST_CHUNK_BUCKETS_MS
+    t = w["server_first_chunk_ms"]
+    assert [w["server_first_chunks_within_ms"][str(ms)] for ms in FIRST_CHUNK_BUCKETS_MS] == [
+        float(t <= ms) for ms in FIRST_CHUNK_BUCKETS_MS]
+    assert w["server_first_chunk_p99_within_ms"] == min((ms for ms in FIRST_CHUNK_BUCKETS_MS if t <= ms), default=None)
+
+
+def test_bench_stream_spreads_its_clients_over_processes_and_reads_the_server_between_warm_up_and_window(served_tiny):
+    """bench.run's stream load from two client processes: none failed, and the server's counters,
+    read after both processes' warm-ups and once the window's streams have all ended, count exactly
+    the window's streams (a warm-up stream in the window, or a refresh of the gauges not waited
+    for, would not)."""
+    from bench.run import bench_stream
+
+    row = bench_stream(served_tiny.grpc_url, 12, 3, 2.0, served_tiny.metrics_url, procs=2)
+    assert row["client_processes"] == 2 and row["errors"] == 0 and row["streams"] >= 3, row
+    assert row["first_chunk_p50_ms"] <= row["stream_p50_ms"]
+    assert row["server_first_chunks_within_ms"]["1000"] == row["streams"]
 
 
 def test_grpc_cancel_frees_the_stream_slot_in_triton_metrics(served_tiny):

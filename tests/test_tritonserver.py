@@ -83,7 +83,7 @@ def spike_server(tmp_path_factory):
 DELAYS = {10: 900, 11: 100, 12: 600, 13: 300}
 
 
-def _check_in_flight(results, specs, wall_s, expected_ids):
+def _check_in_flight(results, specs, expected_ids):
     ok = {spec[0]: out for spec, (out, err) in zip(specs, results) if err is None}
     assert set(ok) == set(expected_ids), results
     for ident, out in ok.items():
@@ -95,7 +95,10 @@ def _check_in_flight(results, specs, wall_s, expected_ids):
     longest = ok[max(ok, key=lambda i: DELAYS[i])]
     for out in ok.values():
         assert longest["T_START"] <= out["T_START"] + 0.15 and out["T_END"] <= longest["T_END"]
-    assert wall_s < 0.75 * sum(spec[1] for spec in specs) / 1000.0
+    # Overlapped on the server's own clock (the clients' wall time also holds their connections'
+    # set-up and close: 2.3 s once on a loaded CI box for a 0.9-s longest request)
+    span = max(out["T_END"] for out in ok.values()) - min(out["T_START"] for out in ok.values())
+    assert span < 0.75 * sum(DELAYS[i] for i in ok) / 1000.0
     # Dynamic batching handed several requests to one execute() call, answered separately.
     assert max(out["BATCH"] for out in ok.values()) >= 2
 
@@ -104,8 +107,8 @@ def _check_in_flight(results, specs, wall_s, expected_ids):
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_response_sender_from_thread_runs_requests_in_flight(spike_server, protocol):
     specs = [(10, 900), (11, 100), (12, 600), (13, 300), (-5, 200)]
-    results, wall = _concurrent(spike_server, protocol, "slow_echo", specs)
-    _check_in_flight(results, specs, wall, {i: i for i in DELAYS})
+    results, _ = _concurrent(spike_server, protocol, "slow_echo", specs)
+    _check_in_flight(results, specs, {i: i for i in DELAYS})
     out, err = results[-1]
     assert out is None and "slow_echo rejects negative ID -5" in err  # only that client failed
 
@@ -115,8 +118,8 @@ def test_response_sender_from_thread_runs_requests_in_flight(spike_server, proto
 def test_response_sender_inside_ensemble_with_optional_input(spike_server, protocol):
     # SCALE given for 10 and 12, omitted (optional) for 11 and 13.
     specs = [(10, 900, 3), (11, 100), (12, 600, 2), (13, 300), (-5, 200), (14, -1)]
-    results, wall = _concurrent(spike_server, protocol, "pipeline", specs)
-    _check_in_flight(results, specs[:4], wall, {10: 30, 11: 11, 12: 24, 13: 13})
+    results, _ = _concurrent(spike_server, protocol, "pipeline", specs)
+    _check_in_flight(results, specs[:4], {10: 30, 11: 11, 12: 24, 13: 13})
     assert "slow_echo rejects negative ID -5" in results[4][1]  # error from the in-flight step
     assert "prep rejects negative DELAY_MS" in results[5][1]  # error from the plain step
     assert results[4][0] is None and results[5][0] is None
