@@ -39,15 +39,15 @@ STREAM_PARTS = ("first_chunk", "request_in", "stand_in_wait", "first_chunk_out",
 
 
 def stamp(audio: np.ndarray, received: float, sent: float) -> np.ndarray:
-    """Write two monotonic times into a chunk's first four samples (whole seconds, then ms: exact in float32)."""
-    for i, t in enumerate((received, sent)):
-        audio[2 * i], audio[2 * i + 1] = np.floor(t), (t - np.floor(t)) * 1000.0
+    """Write two monotonic times into a chunk's first four samples (their float64 bits: exact at any uptime)."""
+    audio[:4] = np.array([received, sent], np.float64).view(np.float32)
     return audio
 
 
 def read_stamp(chunk: np.ndarray) -> "tuple[float, float]":
     """(received, sent) of `stamp`."""
-    return float(chunk[0]) + float(chunk[1]) / 1000.0, float(chunk[2]) + float(chunk[3]) / 1000.0
+    received, sent = np.ascontiguousarray(chunk[:4], np.float32).view(np.float64)
+    return float(received), float(sent)
 
 
 def stream_schedule(frames: int, first_ms: float, gap_ms: float) -> List["tuple[float, int]"]:

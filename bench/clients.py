@@ -49,16 +49,18 @@ def merge(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def _child(entry: Entry, share: tuple, go, results, timeout_s: float) -> None:
+def _child(index: int, entry: Entry, share: tuple, go, abort, results, timeout_s: float) -> None:
     def sync() -> None:
-        results.put(("ready", None))
+        results.put((index, "ready", None))
         if not go.wait(timeout_s):
             raise TimeoutError("the parent never started the window")
+        if abort.is_set():
+            raise RuntimeError("aborted: another client process failed")
 
     try:
-        results.put(("ok", asyncio.run(entry(*share, sync))))
+        results.put((index, "ok", asyncio.run(entry(*share, sync))))
     except BaseException as e:  # noqa: BLE001  reported to the parent, which raises it
-        results.put(("error", f"{type(e).__name__}: {e}"))
+        results.put((index, "error", f"{type(e).__name__}: {e}"))
 
 
 def run(entry: Entry, process_shares: Sequence[tuple], before_window: Sync, timeout_s: float = 900.0) -> Dict[str, Any]:
@@ -66,37 +68,44 @@ def run(entry: Entry, process_shares: Sequence[tuple], before_window: Sync, time
     (in a thread), then runs its timed window; `before_window()` runs once, after every call's
     warm-up and before any window (the server's counters are read there). One share runs in this
     process; more run one per spawned process. A process that fails or dies fails the run, with
-    its error."""
+    its error, and the others stop before their windows (or are ended in them)."""
     if len(process_shares) == 1:
         return asyncio.run(entry(*process_shares[0], before_window))
     ctx = mp.get_context("spawn")
-    go, results = ctx.Event(), ctx.Queue()
-    children = [ctx.Process(target=_child, args=(entry, s, go, results, timeout_s), daemon=True) for s in process_shares]
+    go, abort, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    children = [ctx.Process(target=_child, args=(i, entry, s, go, abort, results, timeout_s), daemon=True)
+                for i, s in enumerate(process_shares)]
     for c in children:
         c.start()
+    ok = False
     try:
         _collect(results, children, "ready", timeout_s)
         before_window()
         go.set()
-        return merge(_collect(results, children, "ok", timeout_s))
+        merged = merge(_collect(results, children, "ok", timeout_s))
+        ok = True
+        return merged
     finally:
+        if not ok:
+            abort.set()
         go.set()
         for c in children:
-            c.join(5)
+            c.join(5 if ok else 1)
             if c.is_alive():
                 c.terminate()
                 c.join(5)
 
 
 def _collect(results, children, status: str, timeout_s: float) -> List[Any]:
-    """One `status` message per child; a child's error, death or silence past `timeout_s` raises."""
-    got: List[Any] = []
+    """One `status` message per child, in the children's order; a child's error, its death before
+    it reported, or silence past `timeout_s` raises."""
+    got: Dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     while len(got) < len(children):
         try:
-            kind, value = results.get(timeout=1.0)
+            index, kind, value = results.get(timeout=1.0)
         except queue.Empty:
-            dead = [c.exitcode for c in children if c.exitcode not in (None, 0)]
+            dead = [c.exitcode for i, c in enumerate(children) if i not in got and c.exitcode not in (None, 0)]
             if dead:
                 raise RuntimeError(f"a client process died (exit code {dead[0]})") from None
             if time.monotonic() > deadline:
@@ -104,5 +113,7 @@ def _collect(results, children, status: str, timeout_s: float) -> List[Any]:
             continue
         if kind == "error":
             raise RuntimeError(f"a client process failed: {value}")
-        got.append(value)
-    return got
+        if kind != status:
+            raise RuntimeError(f"client process {index} sent '{kind}' while '{status}' was awaited")
+        got[index] = value
+    return [got[i] for i in range(len(children))]

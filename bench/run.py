@@ -127,6 +127,7 @@ def stream_window(before: dict, after: dict) -> dict:
     return {
         "server_first_tokens_ms": 1000 * d["stream_first_tokens_seconds"] / firsts if firsts else None,
         "server_first_chunk_ms": 1000 * d["stream_first_chunk_seconds"] / firsts if firsts else None,
+        "server_first_chunks": firsts,
         "server_first_chunk_p50_within_ms": _finite(bucket_percentile(buckets, firsts, 50)),
         "server_first_chunk_p99_within_ms": _finite(bucket_percentile(buckets, firsts, 99)),
         "server_first_chunks_within_ms": {str(ms): n for ms, n in buckets.items()},  # of stream_first_chunks
@@ -329,7 +330,7 @@ def to_markdown(res: dict) -> str:
                  f"{res.get('stream_first_lookahead_frames', 'as later chunks')}, fade {res.get('stream_fade_frames', 0)} frames"
                  f"{'; codec on its own CUDA stream' if res.get('stream_codec_stream') else ''}"
                  f"{'; first chunks in a codec call of their own' if res.get('stream_first_chunks_first') else ''}"
-                 f"{f'; clients in {p} processes' if (p := res.get('stream_procs', 1)) > 1 else ''}")
+                 f"{f'; clients spread over up to {p} processes' if (p := res.get('stream_procs', 1)) > 1 else ''}")
         out += ["## streaming (`chattts_stream`, gRPC)", "", f"Schedule: {sched}.", "", "| concurrency | first chunk p50 ms | first chunk p99 ms | "
                 "chunk gap p50 ms | chunk gap p99 ms | whole stream p50 ms | streams | streams/s | errors | server: first tokens ms "
                 "| server: first chunk ms | server: first chunk p50 / p99 within ms | codec call ms | chunks per codec call |",

@@ -344,7 +344,7 @@ def test_stream_window_bounds_the_servers_first_chunk_percentiles_from_its_bucke
             rows += [f"chattts_{first_chunk_bucket(ms)}{lab} {sum(t <= ms for t in times)}" for ms in FIRST_CHUNK_BUCKETS_MS]
         return "\n".join(rows) + "\n"
 
-    early = {"a": [30.0] * 5, "b": [2000.0]}  # before the window: a slow one the window must not count
+    early = {"a": [30.0] * 5, "b": [1500.0]}  # before the window: a slow one the window must not count
     late = {"a": early["a"] + [40.0] * 60 + [120.0] * 38, "b": early["b"] + [180.0]}
     w = stream_window(parse_counters(text(early), STREAM_COUNTERS, "chattts_stream"),
                       parse_counters(text(late), STREAM_COUNTERS, "chattts_stream"))
@@ -352,11 +352,13 @@ def test_stream_window_bounds_the_servers_first_chunk_percentiles_from_its_bucke
     assert w["server_first_chunk_p50_within_ms"] == 50 and w["server_first_chunk_p99_within_ms"] == 200
     assert w["server_first_chunk_ms"] == pytest.approx((60 * 40 + 38 * 120 + 180) / 99)
     assert w["server_first_chunks_within_ms"]["125"] == 98 and w["server_first_chunks_within_ms"]["1000"] == 99
+    assert w["server_first_chunks"] == 99
     assert bucket_percentile({100: 0, 200: 1}, 1, 50) == 200 and bucket_percentile({100: 0, 200: 0}, 1, 50) == float("inf")
     assert bucket_percentile({100: 0}, 0, 99) is None
     over = stream_window(parse_counters(text({"a": []}), STREAM_COUNTERS, "chattts_stream"),
-                         parse_counters(text({"a": [5000.0]}), STREAM_COUNTERS, "chattts_stream"))
-    assert over["server_first_chunk_p99_within_ms"] is None and over["server_first_chunk_ms"] == pytest.approx(5000)
+                         parse_counters(text({"a": [20000.0]}), STREAM_COUNTERS, "chattts_stream"))
+    assert over["server_first_chunk_p99_within_ms"] is None and over["server_first_chunk_ms"] == pytest.approx(20000)
+    assert over["server_first_chunks"] == 1  # past the last bound: counted, no bound
 
 
 def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
@@ -438,19 +440,22 @@ def test_stream_stand_in_splits_a_first_chunk_into_its_way_in_the_schedule_and_i
     assert row["first_chunk_p50_ms"] >= row["stand_in_wait_p50_ms"]
 
 
-async def _fake_clients(n: int, fail: str, sync) -> dict:
-    """bench.clients entry for the tests: `n` results, a sync between warm-up and window."""
+async def _fake_clients(n: int, fail: str, window_mark: str, sync) -> dict:
+    """bench.clients entry for the tests: `n` results, a sync between warm-up and window (a file
+    written at `window_mark` when its window runs)."""
     import asyncio
 
     if fail == "warm-up":
         raise ValueError("no server")
     await asyncio.to_thread(sync)
+    if window_mark:
+        Path(window_mark).write_text("ran")
     if fail == "window":
         raise ValueError("lost the server")
     return {"first": [float(n)] * n, "errors": n, "elapsed_s": float(n)}
 
 
-def test_clients_spread_a_load_over_processes_and_fail_with_a_processs_error():
+def test_clients_spread_a_load_over_processes_and_fail_with_a_processs_error(tmp_path):
     from bench import clients
 
     assert clients.shares(64, 4) == [16] * 4 and clients.shares(5, 3) == [2, 2, 1] and clients.shares(2, 8) == [1, 1]
@@ -458,12 +463,17 @@ def test_clients_spread_a_load_over_processes_and_fail_with_a_processs_error():
         clients.shares(0, 2)
     assert clients.merge([{"a": [1], "n": 2, "t_s": 3.0}, {"a": [2], "n": 5, "t_s": 1.0}]) == {"a": [1, 2], "n": 7, "t_s": 3.0}
     calls = []
-    r = clients.run(_fake_clients, [(2, ""), (3, "")], lambda: calls.append("window"), timeout_s=60)
+    r = clients.run(_fake_clients, [(2, "", ""), (3, "", "")], lambda: calls.append("window"), timeout_s=60)
     assert calls == ["window"] and sorted(r["first"]) == [2.0, 2.0, 3.0, 3.0, 3.0] and r["errors"] == 5 and r["elapsed_s"] == 3.0
-    assert clients.run(_fake_clients, [(1, "")], lambda: calls.append("one"))["first"] == [1.0] and calls[-1] == "one"
+    assert clients.run(_fake_clients, [(1, "", "")], lambda: calls.append("one"))["first"] == [1.0] and calls[-1] == "one"
     for stage in ("warm-up", "window"):
         with pytest.raises(RuntimeError, match="a client process failed: ValueError"):
-            clients.run(_fake_clients, [(1, ""), (1, stage)], lambda: None, timeout_s=60)
+            clients.run(_fake_clients, [(1, "", ""), (1, stage, "")], lambda: None, timeout_s=60)
+    # one process failing its warm-up: the other never starts its window, and nothing is read
+    mark = tmp_path / "window-ran"
+    with pytest.raises(RuntimeError, match="no server"):
+        clients.run(_fake_clients, [(1, "", str(mark)), (1, "warm-up", "")], lambda: calls.append("read"), timeout_s=60)
+    assert not mark.exists() and calls[-1] == "one"
 
 
 def test_bench_hold_reports_the_steady_state_latency_beside_memory():

@@ -91,14 +91,12 @@ def _check_in_flight(results, specs, expected_ids):
     # Out of order: completion follows each request's own delay, not arrival order.
     by_end = sorted(ok, key=lambda i: ok[i]["T_END"])
     assert by_end == sorted(ok, key=lambda i: DELAYS[i])
-    # In flight: the longest request was running while every other one started and finished.
+    # In flight: the longest request was running while every other one started and finished (on the
+    # server's clock; the clients' wall time also holds their connections' set-up and close: 2.3 s
+    # once on a loaded CI box for a 0.9-s longest request)
     longest = ok[max(ok, key=lambda i: DELAYS[i])]
     for out in ok.values():
         assert longest["T_START"] <= out["T_START"] + 0.15 and out["T_END"] <= longest["T_END"]
-    # Overlapped on the server's own clock (the clients' wall time also holds their connections'
-    # set-up and close: 2.3 s once on a loaded CI box for a 0.9-s longest request)
-    span = max(out["T_END"] for out in ok.values()) - min(out["T_START"] for out in ok.values())
-    assert span < 0.75 * sum(DELAYS[i] for i in ok) / 1000.0
     # Dynamic batching handed several requests to one execute() call, answered separately.
     assert max(out["BATCH"] for out in ok.values()) >= 2
 
