@@ -18,6 +18,7 @@ it), the schedule, and the chunk's way out (stand-in sent → client got it). Wh
 add at a concurrency, beyond concurrency 1, is the client's (and the stand-in's) share of a served
 run's first-chunk latency — not Triton's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,10 @@ from typing import Dict, List
 import numpy as np
 
 from chattts_triton.config import samples_for_codes
+from chattts_triton.repo_config import Deployment
 
-STREAM_FIRST_FRAMES = 8  # repo_config.Deployment's first chunk and later chunks, in code frames
-STREAM_CHUNK_FRAMES = 32
+STREAM_FIRST_FRAMES = Deployment.stream_first_chunk_frames  # the served default chunks, in code frames
+STREAM_CHUNK_FRAMES = Deployment.stream_chunk_frames
 TEXT = "你好，欢迎使用。"
 STREAM_PARTS = ("first_chunk", "request_in", "stand_in_wait", "first_chunk_out", "later_chunk_out")
 
@@ -113,7 +115,7 @@ async def _drive(url: str, concurrency: int, seconds: float, frames: int) -> flo
         async def worker() -> None:
             nonlocal done
             while time.monotonic() < stop:
-                await client.synthesize("你好，欢迎使用。", max_new_tokens=frames, min_new_tokens=frames)
+                await client.synthesize(TEXT, max_new_tokens=frames, min_new_tokens=frames)
                 done += 1
 
         t0 = time.monotonic()
@@ -201,7 +203,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.procs < 1:
         ap.error("--procs must be at least 1")
-    levels = [int(x) for x in (a.concurrency or ("1,64" if a.stream else "1,64,512")).split(",") if x]
+    text = a.concurrency or ("1,64" if a.stream else "1,64,512")
+    if any(not x.strip().isdigit() or int(x) < 1 for x in text.split(",") if x):
+        ap.error("--concurrency must be whole numbers of at least 1, comma-separated")
+    levels = [int(x) for x in text.split(",") if x]
     schedule = stream_schedule(a.frames, a.first_ms, a.gap_ms) if a.stream else None
     rows = []
     with stand_in_server(a.frames, schedule) as url:

@@ -265,7 +265,7 @@ async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, second
 
 def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, start: int = 1,
                  stream_concurrency: List[int] = (), stream_s: float = 15.0, hold_concurrency: int = 0,
-                 hold_s: float = 0.0, mps: bool = False, stream_procs: int = 1) -> Dict[str, object]:
+                 hold_s: float = 0.0, mps: bool = False, stream_procs: int = STREAM_CLIENT_PROCS) -> Dict[str, object]:
     import asyncio
     import contextlib
 
@@ -460,6 +460,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.stream_procs < 1:
         ap.error("--stream-procs must be at least 1")
+    if any(not c.strip().isdigit() or int(c) < 1 for c in a.stream_concurrency.split(",") if c):
+        ap.error("--stream-concurrency must be whole numbers of at least 1, comma-separated (empty: no streams)")
 
     import torch
 

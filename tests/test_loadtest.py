@@ -476,6 +476,18 @@ def test_clients_spread_a_load_over_processes_and_fail_with_a_processs_error(tmp
     assert not mark.exists() and calls[-1] == "one"
 
 
+@pytest.mark.parametrize("argv", [["run", "--stream-concurrency", "1,0"], ["run", "--stream-concurrency", "x"],
+                                  ["run", "--stream-procs", "0"], ["capacity", "--stream", "--concurrency", "0"],
+                                  ["capacity", "--stream", "--procs", "0"]])
+def test_stream_bench_options_out_of_range_are_refused_before_anything_runs(argv, capsys):
+    from bench import client_capacity, run
+
+    tool, args = argv[0], argv[1:]
+    with pytest.raises(SystemExit) as e:
+        (run.main(["--assets", "/nonexistent", *args]) if tool == "run" else client_capacity.main(args))
+    assert e.value.code == 2 and "at least 1" in capsys.readouterr().err
+
+
 def test_bench_hold_reports_the_steady_state_latency_beside_memory():
     """bench.run's hold (GPU memory over a long constant load) also reports the latency of the
     utterances finished in its second half, against a stand-in server that answers at once."""
