@@ -15,6 +15,10 @@ are the PyTorch reference.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +31,10 @@ from torch import Tensor, nn
 # the engine state a decode step reads and writes (Engine.allocate); `n_dev` is a view of pi's count column
 STATE = ("pi", "pf", "tokens", "hiddens", "k_cache", "v_cache")
 KERNELS = ("op", "traced")
+# a package is loaded in a fresh process first: on the H200 (torch 2.11 cu130, 2026-12-02) torch's loader
+# died of SIGSEGV in `_load_aoti`, taking the whole bench with it; now that fails its variant only
+LOAD_CHECK = ("import sys, torch, chattts_triton.attention; "  # the package calls back the decode-attention op
+              "torch._inductor.aoti_load_package(sys.argv[1], run_single_threaded=True)")
 
 
 class _StepModule(nn.Module):
@@ -86,10 +94,29 @@ def package_step(engine, b: int, attn_len: int, path: Path, kernel: str = "op") 
                                                              inductor_configs={"triton.autotune_pointwise": False}))
 
 
+def check_loads(path: Path, timeout_s: float = 600.0) -> None:
+    """Load the package `path` in a fresh Python process; RuntimeError (with the child's last output) if
+    that fails, dies of a signal or hangs past `timeout_s`."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    try:
+        r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", LOAD_CHECK, str(path)], env=env,
+                           capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"loading the AOTInductor package {path.name} in a fresh process took over {timeout_s:.0f} s")
+    if r.returncode == 0:
+        return
+    tail = " | ".join(line.strip() for line in r.stderr.strip().splitlines()[-6:])
+    how = (f"killed it ({signal.Signals(-r.returncode).name})" if r.returncode < 0 and -r.returncode in signal.valid_signals()
+           else f"failed (exit {r.returncode})")
+    raise RuntimeError(f"loading the AOTInductor package {path.name} in a fresh process {how}: {tail}")
+
+
 class AotiStep:
     """`Engine.graph_step` from AOTInductor packages, one per (batch bucket, attention length), built
     the first time a bucket is met: `build_s` (export + compile, what `python -m export` would pay) and
-    `load_s` (what a server's start-up would pay instead of torch.compile's) per bucket."""
+    `load_s` (what a server's start-up would pay instead of torch.compile's) per bucket. Each package is
+    loaded in a fresh process first (`check_loads`), so one that crashes its loader raises here instead."""
 
     def __init__(self, engine, workdir: Path, kernel: str = "op"):
         self.engine, self.workdir, self.kernel = engine, Path(workdir), kernel
@@ -104,10 +131,12 @@ class AotiStep:
             path = package_step(self.engine, b, attn_len, self.workdir / f"step-b{b}-l{attn_len}-{self.kernel}.pt2",
                                 self.kernel)
             t1 = time.perf_counter()
+            check_loads(path)
+            t2 = time.perf_counter()
             # single-threaded runs: the default records and waits on an event around each run, which a
             # CUDA graph capture of it would hold (torch's own advice with CUDA graphs)
             self.runners[key] = torch._inductor.aoti_load_package(str(path), run_single_threaded=True)
-            self.build_s[key], self.load_s[key] = t1 - t0, time.perf_counter() - t1
+            self.build_s[key], self.load_s[key] = t1 - t0, time.perf_counter() - t2
         return self.runners[key]
 
     def __call__(self, start: int, b: int, attn_len: int, mode: str = "code", n_live: Tensor = None) -> Tensor:

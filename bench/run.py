@@ -307,6 +307,11 @@ def _switch_interval(us: Optional[int]) -> str:
     return f", GIL switch interval {us} µs" if us else ", Python's GIL switch interval (5 ms)"
 
 
+def _queue_delay(us) -> str:
+    """The vocoder's batching delay, when a run set one other than the default."""
+    return "" if us is None or us == Deployment.max_queue_delay_us else f", vocoder batching delay {us} µs"
+
+
 def to_markdown(res: dict) -> str:
     out = [f"# Benchmark {res['date']} on {res['device_name']}", "",
            f"{res['tokens']} forced code frames per utterance (≈ {res['tokens'] * 512 / 24000:.2f} s of audio). "
@@ -314,9 +319,14 @@ def to_markdown(res: dict) -> str:
            f"{'compiled GPT step (requested)' if res.get('gpt_compile') else 'TorchScript GPT step'}"
            f"{' and prefills' if res.get('gpt_compile') and res.get('gpt_compile_prefill') else ''}"
            f"{', vocoder from CUDA graphs' if res.get('vocoder_graphs') else ''}"
+           f"{_queue_delay(res.get('max_queue_delay_us'))}"
+           f"{', stream codec on its own CUDA stream' if res.get('stream_codec_stream') else ''}"
+           f"{', first chunks of new streams decoded first' if res.get('stream_first_chunks_first') else ''}"
            f"{', under an MPS daemon' if res.get('mps') else ''}"
            f"{_switch_interval(res.get('gil_switch_interval_us'))}"
            f", closed-loop clients. Upstream: `Chat.infer` in-process.", ""]
+    if res.get("note"):
+        out += [f"Note: {res['note']}", ""]
     for name in ("upstream_eager", "upstream_compile"):
         rows = res.get(name) or []
         if rows:
@@ -516,8 +526,9 @@ def main(argv=None) -> int:
     plot(res, a.out / f"{stem}.png")
     batches = [int(b) for b in a.upstream_batches.split(",") if b]
     if not a.skip_upstream:
-        res["upstream_eager"] = bench_upstream(a.assets, dev, batches, a.tokens, a.repeats, compile=False)
-        save()
+        if batches:  # an --append run without eager batches keeps the eager rows it appends to
+            res["upstream_eager"] = bench_upstream(a.assets, dev, batches, a.tokens, a.repeats, compile=False)
+            save()
         cb = [int(b) for b in a.upstream_compile_batches.split(",") if b]
         if cb:
             res["upstream_compile"] = bench_upstream(a.assets, dev, cb, a.tokens, a.repeats, compile=True)

@@ -78,13 +78,17 @@ class Deployment:
     # GPU: decode step through torch.compile (H200 served, 2026-12-01: 229 vs 291 ms at concurrency 1;
     # compiles ≈ 2 min at start-up; bench/README.md). CPU instances run the TorchScript step.
     gpt_compile: bool = True
-    gpt_compile_prefill: bool = False  # ... and the prefills (opt-in: 1.4-1.8x faster alone on the H200, not yet served)
-    vocoder_graphs: bool = False  # chattts_vocoder replays its codec from CUDA graphs (GPU; no served gain measured, off)
+    # ... and the prefills (opt-in: 1.4-1.8x faster alone on the H200; served, start-up took over 4 min)
+    gpt_compile_prefill: bool = False
+    # chattts_vocoder replays its codec from CUDA graphs (GPU; with max_queue_delay_us=0 the H200's
+    # concurrency 1 took 138-144 instead of 155 ms, 2026-12-02; off until measured at 512 too)
+    vocoder_graphs: bool = False
     # chattts_stream's codec on a CUDA stream of its own, so its calls overlap its engine's steps on the GPU
-    # instead of queueing with them on the default stream (GPU; unmeasured, off)
+    # instead of queueing with them on the default stream (GPU; with the next one: no gain on the H200, off)
     stream_codec_stream: bool = False
     # chattts_stream decodes new streams' first chunks in a codec call of their own, ahead of the running
-    # streams' chunks (one more codec call per step that starts a stream; unmeasured, off)
+    # streams' chunks (one more codec call per step that starts a stream; 64-stream p99 194 ms with both
+    # against 145-177 without on the H200, off)
     stream_first_chunks_first: bool = False
 
     @classmethod

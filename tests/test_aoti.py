@@ -91,3 +91,35 @@ def test_step_bench_records_a_variant_that_fails_and_runs_the_next(tiny_assets, 
     assert step.main(args) == 1
     assert json.loads((tmp_path / "step-aoti.json").read_text())["error"] == "RuntimeError: no C++ compiler"
     assert json.loads((tmp_path / "step-script.json").read_text())["batches"]["1"]["step_ms"] > 0
+
+
+def test_a_package_is_loaded_in_a_fresh_process_first_and_a_crash_there_is_an_error(tiny, tmp_path, monkeypatch):
+    """torch's loader died of SIGSEGV on the H200 (2026-12-02) and took the bench with it: the check
+    loads each package in a child process, so a crash, a failure or a hang is an error naming the package."""
+    from bench import aoti
+
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, max_slots=1, start=False)
+    path = package_step(eng, 1, 32, tmp_path / "good.pt2")
+    aoti.check_loads(path)  # a sound package loads
+    (tmp_path / "bad.pt2").write_bytes(b"not a zip")
+    with pytest.raises(RuntimeError, match=r"bad\.pt2 in a fresh process failed \(exit 1\): .*Error"):
+        aoti.check_loads(tmp_path / "bad.pt2")
+    monkeypatch.setattr(aoti, "LOAD_CHECK", "import ctypes; ctypes.string_at(0)")  # a real segfault
+    with pytest.raises(RuntimeError, match=r"good\.pt2 in a fresh process killed it \(SIGSEGV\): .*Fatal Python error"):
+        aoti.check_loads(path)
+    monkeypatch.setattr(aoti, "LOAD_CHECK", "import time; time.sleep(30)")
+    with pytest.raises(RuntimeError, match="took over 1 s"):
+        aoti.check_loads(path, timeout_s=1)
+
+
+def test_step_bench_reports_a_package_whose_load_crashes_and_runs_the_next_variant(tiny_assets, tmp_path, monkeypatch):
+    from bench import aoti, step
+
+    monkeypatch.setattr(aoti, "LOAD_CHECK", "import ctypes; ctypes.string_at(0)")
+    args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--batches", "1",
+            "--variants", "aoti,script", "--iters", "2", "--prefill", "", "--context", "128", "--max-new-tokens", "16",
+            "--attn-len", "32", "--aoti-dir", str(tmp_path / "packages")]
+    assert step.main(args) == 1
+    assert "step-b1-l32-op.pt2 in a fresh process killed it (SIGSEGV)" in json.loads((tmp_path / "step-aoti.json").read_text())["error"]
+    assert json.loads((tmp_path / "step-script.json").read_text())["batches"]["1"]["step_ms"] > 0

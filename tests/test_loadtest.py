@@ -641,3 +641,40 @@ def test_engine_load_bench_says_why_when_the_engine_refuses_its_requests(tiny_re
         engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--concurrency", "2", "--seconds", "0.5",
                           "--settle", "0.2", "--tokens", "8"])
     assert time.monotonic() - t0 < 60
+
+
+def test_bench_append_run_with_only_compile_batches_keeps_the_eager_rows(tmp_path, monkeypatch):
+    """A run split over device calls (`--append`): the second call's upstream compile rows join the first
+    call's file and its empty --upstream-batches leaves the eager rows there (it once replaced them by [])."""
+    from bench import run
+
+    calls = []
+
+    def fake_upstream(assets, dev, batches, tokens, repeats, compile):
+        calls.append((tuple(batches), compile))
+        return [{"batch": b, "latency_s": 1.0 + compile, "throughput_utt_s": b / (1.0 + compile), "rtf": 0.5,
+                 "gpu_memory_mib": 1.0} for b in batches]
+
+    monkeypatch.setattr(run, "bench_upstream", fake_upstream)
+    common = ["--assets", str(tmp_path / "assets"), "--out", str(tmp_path), "--name", "split", "--device", "cpu",
+              "--max-concurrency", "0", "--stream-concurrency="]
+    assert run.main([*common, "--upstream-batches", "1,8"]) == 0
+    assert run.main([*common, "--append", "--upstream-batches=", "--upstream-compile-batches", "1"]) == 0
+    res = json.loads((tmp_path / "split.json").read_text())
+    assert calls == [((1, 8), False), ((1,), True)]
+    assert [r["batch"] for r in res["upstream_eager"]] == [1, 8]
+    assert [r["batch"] for r in res["upstream_compile"]] == [1]
+    assert " ; " in res["command"]
+    md = (tmp_path / "split.md").read_text()
+    assert "## upstream eager" in md and "## upstream compile" in md
+
+
+def test_bench_table_names_the_switches_a_run_set_and_its_note():
+    from bench.run import to_markdown
+
+    res = {"date": "2026-12-02", "device_name": "GPU", "tokens": 150, "dtype": "bf16", "vocoder_graphs": True,
+           "max_queue_delay_us": 0, "stream_first_chunks_first": True, "note": "eager rows restored"}
+    head = to_markdown(res)
+    assert "vocoder from CUDA graphs, vocoder batching delay 0 µs, first chunks of new streams decoded first" in head
+    assert "Note: eager rows restored" in head and "own CUDA stream" not in head
+    assert "batching delay" not in to_markdown({**res, "max_queue_delay_us": 2000})  # the default goes unsaid
