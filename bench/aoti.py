@@ -94,29 +94,47 @@ def package_step(engine, b: int, attn_len: int, path: Path, kernel: str = "op") 
                                                              inductor_configs={"triton.autotune_pointwise": False}))
 
 
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:  # real-time signals have no name
+        return f"signal {n}"
+
+
+def _child_output(stderr) -> str:
+    """The child's last lines, and the line that names a fatal error if it is earlier (faulthandler's
+    stack and module list can run past the tail)."""
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode(errors="replace")
+    lines = [line.strip() for line in (stderr or "").splitlines() if line.strip()]
+    fatal = [line for line in lines[:-6] if line.startswith("Fatal Python error")][:1]
+    return " | ".join(fatal + lines[-6:])
+
+
 def check_loads(path: Path, timeout_s: float = 600.0) -> None:
     """Load the package `path` in a fresh Python process; RuntimeError (with the child's last output) if
-    that fails, dies of a signal or hangs past `timeout_s`."""
+    that fails, dies of a signal or hangs past `timeout_s`. It catches what a fresh process meets: a crash
+    that only the calling process's own state brings about still happens in `AotiStep.runner`'s load."""
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    try:
+    try:  # cwd: a core file of a crash lands beside the package, not in the working tree
         r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", LOAD_CHECK, str(path)], env=env,
-                           capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"loading the AOTInductor package {path.name} in a fresh process took over {timeout_s:.0f} s")
+                           cwd=str(Path(path).resolve().parent), capture_output=True, text=True, errors="replace",
+                           timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"loading the AOTInductor package {path.name} in a fresh process took over "
+                           f"{timeout_s:.0f} s: {_child_output(e.stderr)}") from None
     if r.returncode == 0:
         return
-    tail = " | ".join(line.strip() for line in r.stderr.strip().splitlines()[-6:])
-    how = (f"killed it ({signal.Signals(-r.returncode).name})" if r.returncode < 0 and -r.returncode in signal.valid_signals()
-           else f"failed (exit {r.returncode})")
-    raise RuntimeError(f"loading the AOTInductor package {path.name} in a fresh process {how}: {tail}")
+    how = f"killed it ({_signal_name(-r.returncode)})" if r.returncode < 0 else f"failed (exit {r.returncode})"
+    raise RuntimeError(f"loading the AOTInductor package {path.name} in a fresh process {how}: {_child_output(r.stderr)}")
 
 
 class AotiStep:
     """`Engine.graph_step` from AOTInductor packages, one per (batch bucket, attention length), built
     the first time a bucket is met: `build_s` (export + compile, what `python -m export` would pay) and
     `load_s` (what a server's start-up would pay instead of torch.compile's) per bucket. Each package is
-    loaded in a fresh process first (`check_loads`), so one that crashes its loader raises here instead."""
+    loaded in a fresh process first (`check_loads`), so one whose load crashes any process raises here instead."""
 
     def __init__(self, engine, workdir: Path, kernel: str = "op"):
         self.engine, self.workdir, self.kernel = engine, Path(workdir), kernel

@@ -493,7 +493,6 @@ def main(argv=None) -> int:
 
     gpus = [int(g) for g in a.gpus.split(",") if g.strip()] if dev.startswith("cuda") else []
     streams = [int(c) for c in a.stream_concurrency.split(",") if c]
-    res["gpus"] = gpus
     per_engine = max(a.max_concurrency, a.hold_concurrency if a.hold_seconds else 0, 8)
     dep = Deployment(gpus=gpus, gpt_slots=-(-per_engine // max(1, len(gpus))), gpt_context=512,
                      max_batch_size=max(64, min(per_engine, 512)), max_queue_size=4096,
@@ -503,20 +502,19 @@ def main(argv=None) -> int:
                      gpt_admit_wait_steps=a.gpt_admit_wait_steps, max_queue_delay_us=a.max_queue_delay_us,
                      gil_switch_interval_us=a.gil_switch_interval_us, stream_codec_stream=a.stream_codec_stream,
                      stream_first_chunks_first=a.stream_first_chunks_first)
-    res["stream_lookahead_frames"] = a.stream_lookahead or "exact"
-    res["stream_first_lookahead_frames"] = a.stream_first_lookahead or "as later chunks"
-    res["stream_fade_frames"] = a.stream_fade
-    res["gpt_compile"] = a.gpt_compile
-    res["gpt_compile_prefill"] = a.gpt_compile_prefill
-    res["vocoder_graphs"] = a.vocoder_graphs
-    res["stream_codec_stream"] = a.stream_codec_stream
-    res["stream_first_chunks_first"] = a.stream_first_chunks_first
-    res["stream_procs"] = a.stream_procs
-    res["mps"] = a.mps
-    res["gpt_admit"] = {"batch": a.gpt_admit_batch, "wait_steps": a.gpt_admit_wait_steps}
-    res["max_queue_delay_us"] = a.max_queue_delay_us
-    res["gil_switch_interval_us"] = a.gil_switch_interval_us
-    if a.max_concurrency or streams or a.hold_seconds:
+    # the served pipeline's settings; an --append call that serves nothing keeps those of the rows it appends to
+    settings = {"gpus": gpus, "stream_lookahead_frames": a.stream_lookahead or "exact",
+                "stream_first_lookahead_frames": a.stream_first_lookahead or "as later chunks",
+                "stream_fade_frames": a.stream_fade, "gpt_compile": a.gpt_compile,
+                "gpt_compile_prefill": a.gpt_compile_prefill, "vocoder_graphs": a.vocoder_graphs,
+                "stream_codec_stream": a.stream_codec_stream, "stream_first_chunks_first": a.stream_first_chunks_first,
+                "stream_procs": a.stream_procs, "mps": a.mps,
+                "gpt_admit": {"batch": a.gpt_admit_batch, "wait_steps": a.gpt_admit_wait_steps},
+                "max_queue_delay_us": a.max_queue_delay_us, "gil_switch_interval_us": a.gil_switch_interval_us}
+    serves = bool(a.max_concurrency or streams or a.hold_seconds)
+    if serves or not any(res.get(k) for k in ("served", "stream", "hold")):
+        res.update(settings)
+    if serves:
         log(f"exporting {a.assets} → {a.repo} ({a.dtype})")
         export_repository(a.assets, a.repo, ["torchscript"], a.dtype, "cpu", dep, progress=log)
         served = bench_served(a.repo, a.tokens, a.max_concurrency, a.step_seconds, a.start_concurrency, streams,

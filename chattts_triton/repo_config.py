@@ -80,8 +80,8 @@ class Deployment:
     gpt_compile: bool = True
     # ... and the prefills (opt-in: 1.4-1.8x faster alone on the H200; served, start-up took over 4 min)
     gpt_compile_prefill: bool = False
-    # chattts_vocoder replays its codec from CUDA graphs (GPU; with max_queue_delay_us=0 the H200's
-    # concurrency 1 took 138-144 instead of 155 ms, 2026-12-02; off until measured at 512 too)
+    # chattts_vocoder replays its codec from CUDA graphs (GPU; with max_queue_delay_us=0 the vocoder's share
+    # at concurrency 1 fell from 13.2 to 3.3-3.5 ms on the H200, 2026-12-02; off until a full sweep has run)
     vocoder_graphs: bool = False
     # chattts_stream's codec on a CUDA stream of its own, so its calls overlap its engine's steps on the GPU
     # instead of queueing with them on the default stream (GPU; with the next one: no gain on the H200, off)

@@ -123,3 +123,13 @@ def test_step_bench_reports_a_package_whose_load_crashes_and_runs_the_next_varia
     assert step.main(args) == 1
     assert "step-b1-l32-op.pt2 in a fresh process killed it (SIGSEGV)" in json.loads((tmp_path / "step-aoti.json").read_text())["error"]
     assert json.loads((tmp_path / "step-script.json").read_text())["batches"]["1"]["step_ms"] > 0
+
+
+def test_a_crashed_childs_report_keeps_its_fatal_error_line_and_names_any_signal():
+    from bench.aoti import _child_output, _signal_name
+
+    stderr = "Fatal Python error: Segmentation fault\n\n" + "\n".join(f'  File "x.py", line {i}' for i in range(20))
+    out = _child_output(stderr.encode())
+    assert out.startswith("Fatal Python error: Segmentation fault | ") and out.endswith("line 19") and "line 13" not in out
+    assert _child_output(None) == "" and _child_output("one\ntwo") == "one | two"
+    assert _signal_name(11) == "SIGSEGV" and _signal_name(40) == "signal 40"  # a real-time signal has no name

@@ -645,7 +645,8 @@ def test_engine_load_bench_says_why_when_the_engine_refuses_its_requests(tiny_re
 
 def test_bench_append_run_with_only_compile_batches_keeps_the_eager_rows(tmp_path, monkeypatch):
     """A run split over device calls (`--append`): the second call's upstream compile rows join the first
-    call's file and its empty --upstream-batches leaves the eager rows there (it once replaced them by [])."""
+    call's file, its empty --upstream-batches leaves the eager rows there (it once replaced them by []) and,
+    serving nothing, it leaves the settings the served rows ran with."""
     from bench import run
 
     calls = []
@@ -659,14 +660,21 @@ def test_bench_append_run_with_only_compile_batches_keeps_the_eager_rows(tmp_pat
     common = ["--assets", str(tmp_path / "assets"), "--out", str(tmp_path), "--name", "split", "--device", "cpu",
               "--max-concurrency", "0", "--stream-concurrency="]
     assert run.main([*common, "--upstream-batches", "1,8"]) == 0
+    first = json.loads((tmp_path / "split.json").read_text())
+    first["served"] = [{"concurrency": 1, "error_rate": 0.0, "latency_p50_ms": 140.0, "latency_p99_ms": 150.0,
+                        "throughput_utt_s": 7.0}]  # as if it had served
+    first["vocoder_graphs"], first["max_queue_delay_us"] = True, 0
+    (tmp_path / "split.json").write_text(json.dumps(first))
     assert run.main([*common, "--append", "--upstream-batches=", "--upstream-compile-batches", "1"]) == 0
     res = json.loads((tmp_path / "split.json").read_text())
+    # the served rows keep the settings they ran with, not the appending call's defaults
+    assert res["served"] == first["served"] and res["vocoder_graphs"] is True and res["max_queue_delay_us"] == 0
     assert calls == [((1, 8), False), ((1,), True)]
     assert [r["batch"] for r in res["upstream_eager"]] == [1, 8]
     assert [r["batch"] for r in res["upstream_compile"]] == [1]
     assert " ; " in res["command"]
     md = (tmp_path / "split.md").read_text()
-    assert "## upstream eager" in md and "## upstream compile" in md
+    assert "## upstream eager" in md and "## upstream compile" in md and "vocoder batching delay 0 µs" in md
 
 
 def test_bench_table_names_the_switches_a_run_set_and_its_note():
