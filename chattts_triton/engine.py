@@ -293,8 +293,8 @@ class Engine:
         `freeze_compiled` once the buckets in use are warm: a bucket that would need a recompile then
         runs the plain step instead of stalling every running request for the tens of seconds a
         compile takes. prefill: prefills (graphed or not) run `prefill_core` compiled too, with dynamic
-        shapes (opt-in: on the H200 alone 1.4-1.8x faster from its graph, not yet measured served;
-        bench/README.md twelfth session)."""
+        shapes (opt-in: on the H200 alone 1.4-1.8x faster from its graph; a served start-up with it had not
+        finished after 4 minutes; bench/README.md twelfth and fourteenth sessions)."""
         if isinstance(self.model, torch.jit.ScriptModule):
             raise EngineError("compile_step needs the eager GPT module (chattts_triton.gpt), not TorchScript")
         import torch._dynamo as dynamo
