@@ -115,11 +115,12 @@ def check_loads(path: Path, timeout_s: float = 600.0) -> None:
     """Load the package `path` in a fresh Python process; RuntimeError (with the child's last output) if
     that fails, dies of a signal or hangs past `timeout_s`. It catches what a fresh process meets: a crash
     that only the calling process's own state brings about still happens in `AotiStep.runner`'s load."""
+    path = Path(path).resolve()  # the child runs in the package's folder
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     try:  # cwd: a core file of a crash lands beside the package, not in the working tree
         r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", LOAD_CHECK, str(path)], env=env,
-                           cwd=str(Path(path).resolve().parent), capture_output=True, text=True, errors="replace",
+                           cwd=str(path.parent), capture_output=True, text=True, errors="replace",
                            timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"loading the AOTInductor package {path.name} in a fresh process took over "

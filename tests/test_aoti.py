@@ -4,6 +4,7 @@ against the engine's own step; the GPU timing is `bench.step --variants aoti,aot
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,8 +101,10 @@ def test_a_package_is_loaded_in_a_fresh_process_first_and_a_crash_there_is_an_er
 
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, max_slots=1, start=False)
-    path = package_step(eng, 1, 32, tmp_path / "good.pt2")
+    path = package_step(eng, 1, 32, tmp_path / "packages" / "good.pt2")
     aoti.check_loads(path)  # a sound package loads
+    monkeypatch.chdir(tmp_path)
+    aoti.check_loads(Path("packages/good.pt2"))  # ... named relative to the caller's folder too (bench.step's build/aoti)
     (tmp_path / "bad.pt2").write_bytes(b"not a zip")
     with pytest.raises(RuntimeError, match=r"bad\.pt2 in a fresh process failed \(exit 1\): .*Error"):
         aoti.check_loads(tmp_path / "bad.pt2")
