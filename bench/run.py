@@ -320,8 +320,6 @@ def to_markdown(res: dict) -> str:
            f"{' and prefills' if res.get('gpt_compile') and res.get('gpt_compile_prefill') else ''}"
            f"{', vocoder from CUDA graphs' if res.get('vocoder_graphs') else ''}"
            f"{_queue_delay(res.get('max_queue_delay_us'))}"
-           f"{', stream codec on its own CUDA stream' if res.get('stream_codec_stream') else ''}"
-           f"{', first chunks of new streams decoded first' if res.get('stream_first_chunks_first') else ''}"
            f"{', under an MPS daemon' if res.get('mps') else ''}"
            f"{_switch_interval(res.get('gil_switch_interval_us'))}"
            f", closed-loop clients. Upstream: `Chat.infer` in-process.", ""]

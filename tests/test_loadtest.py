@@ -681,8 +681,11 @@ def test_bench_table_names_the_switches_a_run_set_and_its_note():
     from bench.run import to_markdown
 
     res = {"date": "2026-12-02", "device_name": "GPU", "tokens": 150, "dtype": "bf16", "vocoder_graphs": True,
-           "max_queue_delay_us": 0, "stream_first_chunks_first": True, "note": "eager rows restored"}
+           "max_queue_delay_us": 0, "stream_first_chunks_first": True, "note": "eager rows restored",
+           "stream": [{"concurrency": 1, "streams": 1, "errors": 0}]}
     head = to_markdown(res)
-    assert "vocoder from CUDA graphs, vocoder batching delay 0 µs, first chunks of new streams decoded first" in head
-    assert "Note: eager rows restored" in head and "own CUDA stream" not in head
+    assert "vocoder from CUDA graphs, vocoder batching delay 0 µs, closed-loop clients" in head
+    assert "; first chunks in a codec call of their own" in head  # the stream switches: in the Schedule line, once
+    assert head.count("first chunks") == 1 and "own CUDA stream" not in head
+    assert "Note: eager rows restored" in head
     assert "batching delay" not in to_markdown({**res, "max_queue_delay_us": 2000})  # the default goes unsaid
