@@ -32,7 +32,8 @@ from torch import Tensor, nn
 STATE = ("pi", "pf", "tokens", "hiddens", "k_cache", "v_cache")
 KERNELS = ("op", "traced")
 # a package is loaded in a fresh process first: on the H200 (torch 2.11 cu130, 2026-12-02) torch's loader
-# died of SIGSEGV in `_load_aoti`, taking the whole bench with it; now that fails its variant only
+# died of SIGSEGV in `_load_aoti`, taking the whole bench with it; now that fails its variant only (and
+# `probe` showed that loader crashing on a two-layer package there too)
 LOAD_CHECK = ("import sys, torch, chattts_triton.attention; "  # the package calls back the decode-attention op
               "torch._inductor.aoti_load_package(sys.argv[1], run_single_threaded=True)")
 
@@ -163,3 +164,38 @@ class AotiStep:
             raise ValueError("an AOTInductor step serves audio-code graph buckets (start 0, n_live given)")
         e = self.engine
         return self.runner(b, attn_len)(*(getattr(e, name) for name in STATE), n_live)
+
+
+def probe(workdir: Path, device: str) -> Path:
+    """Whether this torch can load any AOTInductor package: a two-layer model packaged for `device` and
+    loaded in a fresh process (`check_loads`: RuntimeError if not). Tells a crash of torch's loader on the
+    host from one of the step's packages (on the H200 host, 2026-12-02: SIGSEGV for both)."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU()).to(device).eval()
+    with torch.no_grad():
+        ep = torch.export.export(model, (torch.randn(4, 64, device=device),))
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        path = Path(torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(workdir) / f"probe-{device}.pt2")))
+    check_loads(path)
+    return path
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.aoti", description="Can this torch load an AOTInductor package?")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--workdir", type=Path, default=Path("build/aoti"))
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        path = probe(a.workdir, a.device)
+    except RuntimeError as e:
+        print(f"AOTInductor on {a.device} (torch {torch.__version__}): {e}", file=sys.stderr, flush=True)
+        return 1
+    print(f"AOTInductor on {a.device} (torch {torch.__version__}): {path.name} built and loaded in a fresh process "
+          f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see bench/bundle.py):
-#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step codec codecload gil engine clientcap
-# (test: PYTEST_ARGS picks the tests, default the whole GPU suite)
+#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step codec codecload gil engine aotiprobe clientcap
+# (test: PYTEST_ARGS picks the tests, default the whole GPU suite; quotes in it are kept, e.g. -k "a or b")
 # Writes logs and results under $OUT (or build/gpu-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -23,8 +23,8 @@ for stage in "$@"; do
   case "$stage" in
     setup)
       [ -f build/assets-full/.complete ] || { python3 -m export.synthetic build/assets-full --size full && touch build/assets-full/.complete; } ;;
-    test)
-      python3 -m pytest -p no:cacheprovider -q -m gpu ${PYTEST_ARGS:-tests/test_gpu.py} -s 2>&1 | tee "$OUT/test_gpu.log" ;;
+    test)  # -v: each test's result is in the log as it ends, so a call that runs out keeps the names
+      eval "python3 -m pytest -p no:cacheprovider -v -m gpu ${PYTEST_ARGS:-tests/test_gpu.py} -s" 2>&1 | tee "$OUT/test_gpu.log" ;;
     bench)
       python3 -m bench.run --assets build/assets-full --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     step)
@@ -41,6 +41,8 @@ for stage in "$@"; do
     engine)  # the GPT engine alone under the served load, no other process on the GPU (bench/engine_load.py; ENGINE_ARGS)
       export_repo build/bench-repo
       python3 -m bench.engine_load --repo build/bench-repo --out "$OUT/engine-load.json" ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine_load.log" ;;
+    aotiprobe)  # can this torch load any AOTInductor package? (bench/aoti.py: a two-layer one, in a fresh process)
+      python3 -m bench.aoti 2>&1 | tee "$OUT/aoti_probe.log" ;;
     clientcap)  # the stream client's own share of a first chunk, against a stand-in server (bench/client_capacity.py; CLIENTCAP_ARGS)
       python3 -m bench.client_capacity --stream --out "$OUT/client-capacity-stream.json" ${CLIENTCAP_ARGS:-} 2>&1 | tee "$OUT/client_capacity.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

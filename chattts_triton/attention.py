@@ -98,7 +98,8 @@ if triton is not None:
         kv_head = head // REP
         n = tl.minimum(tl.maximum(tl.load(Lens + row).to(tl.int32), 1), context)
         d = tl.arange(0, D)
-        q = tl.load(Q + row * sqb + head * sqh + d).to(tl.float32) * scale
+        # fp32 again: AOTInductor passes `scale` as a double, which would make the loop's m_i fp64
+        q = (tl.load(Q + row * sqb + head * sqh + d).to(tl.float32) * scale).to(tl.float32)
         k_row = K + row * skb + kv_head * skh
         v_row = V + row * svb + kv_head * svh
         m_i = tl.full((1,), float("-inf"), tl.float32)

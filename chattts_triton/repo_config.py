@@ -59,7 +59,9 @@ class Deployment:
     max_batch_size: int = LIMITS.max_batch_size
     max_queue_size: int = 256
     queue_timeout_us: int = 0  # 0: no timeout
-    max_queue_delay_us: int = 2000  # chattts_vocoder's batching delay (the other models never wait)
+    # chattts_vocoder's batching delay (the other models never wait); 0 since 2026-12-02: with the vocoder's
+    # graphs, 138 ms at concurrency 1 against 155 with a 2-ms delay and no graphs, 463.8 vs 464.7 utt/s at 512
+    max_queue_delay_us: int = 0
     gpt_slots: Optional[int] = None  # engine slots per GPT instance (None: by device)
     gpt_context: int = 3072
     gpt_max_pending: Optional[int] = None  # generations running + waiting per GPT engine (None: 4 × slots)
@@ -80,9 +82,9 @@ class Deployment:
     gpt_compile: bool = True
     # ... and the prefills (opt-in: 1.4-1.8x faster alone on the H200; served, start-up took over 4 min)
     gpt_compile_prefill: bool = False
-    # chattts_vocoder replays its codec from CUDA graphs (GPU; with max_queue_delay_us=0 the vocoder's share
-    # at concurrency 1 fell from 13.2 to 3.3-3.5 ms on the H200, 2026-12-02; off until a full sweep has run)
-    vocoder_graphs: bool = False
+    # chattts_vocoder replays its codec from CUDA graphs (GPU only): its share of a request at concurrency 1
+    # fell from 13.2 to 3.3-3.5 ms on the H200 (with no batching delay); the whole sweep in bench/README.md
+    vocoder_graphs: bool = True
     # chattts_stream's codec on a CUDA stream of its own, so its calls overlap its engine's steps on the GPU
     # instead of queueing with them on the default stream (GPU; with the next one: no gain on the H200, off)
     stream_codec_stream: bool = False
@@ -287,8 +289,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-queue-size", type=int)
     ap.add_argument("--queue-timeout-us", type=int)
     ap.add_argument("--max-queue-delay-us", type=int,
-                    help="how long chattts_vocoder waits to form a batch (the other models never wait: the GPT and "
-                         "stream models batch in their engines, the preprocess model prepares each request on its own)")
+                    help="how long chattts_vocoder waits to form a batch (default 0: it batches what queued while it "
+                         "worked; the other models never wait: the GPT and stream models batch in their engines, the "
+                         "preprocess model prepares each request on its own)")
     ap.add_argument("--gpt-slots", type=int)
     ap.add_argument("--gpt-context", type=int)
     ap.add_argument("--gpt-max-pending", type=int, help="generations running + waiting per GPT engine before UNAVAILABLE (0: no bound)")
@@ -313,7 +316,7 @@ def main(argv=None) -> int:
                     help="with --gpt-compile: prefills through torch.compile too (dynamic shapes; off by default until measured)")
     ap.add_argument("--vocoder-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU chattts_vocoder instances replay the decoder and Vocos from CUDA graphs (groups of up to 16 "
-                         "utterances of up to 512 frames; off by default until measured)")
+                         "utterances of up to 512 frames, longer ones eagerly; on by default)")
     ap.add_argument("--stream-codec-stream", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU chattts_stream instances decode on a CUDA stream of their own, beside their engine's "
                          "steps (off by default until measured)")

@@ -491,7 +491,7 @@ CODEC_GRAPH_ITEM_FRAMES = 512  # ... and groups of items longer than this (bound
 class VocoderService:
     """Codes or hidden states → 24 kHz audio, batched across requests, each trimmed to its length.
     graphs (CUDA, TorchScript artifacts): groups that fit run from `CodecGraphs` (on for the stream
-    model's codec, whose windows come in a few sizes; opt-in for chattts_vocoder)."""
+    model's codec, whose windows come in a few sizes; for chattts_vocoder by default, `Deployment.vocoder_graphs`)."""
 
     def __init__(self, version_dir: Path, arch: Arch, device: torch.device, artifact_format: str, graphs: bool = False):
         self.arch = arch

@@ -136,3 +136,16 @@ def test_a_crashed_childs_report_keeps_its_fatal_error_line_and_names_any_signal
     assert out.startswith("Fatal Python error: Segmentation fault | ") and out.endswith("line 19") and "line 13" not in out
     assert _child_output(None) == "" and _child_output("one\ntwo") == "one | two"
     assert _signal_name(11) == "SIGSEGV" and _signal_name(40) == "signal 40"  # a real-time signal has no name
+
+
+def test_aoti_probe_loads_a_small_package_here_and_reports_a_loader_that_crashes(tmp_path, monkeypatch, capsys):
+    """`python -m bench.aoti` tells a host whose torch cannot load any package (the H200's, 2026-12-02)
+    from a step package that fails: it builds a two-layer one and loads it in a fresh process."""
+    from bench import aoti
+
+    assert aoti.main(["--device", "cpu", "--workdir", str(tmp_path)]) == 0
+    assert "probe-cpu.pt2 built and loaded in a fresh process" in capsys.readouterr().out
+    monkeypatch.setattr(aoti, "LOAD_CHECK", "import ctypes; ctypes.string_at(0)")  # a loader that crashes
+    assert aoti.main(["--device", "cpu", "--workdir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "probe-cpu.pt2 in a fresh process killed it (SIGSEGV)" in err and "Fatal Python error" in err

@@ -130,21 +130,33 @@ def _switched_on_and_kept(tiny_repo, tmp_path, flag, model, key):
     return repo, param
 
 
-def test_configure_vocoder_graphs_reaches_the_vocoder_service_and_persists(tiny_repo, tmp_path, monkeypatch):
-    """--vocoder-graphs (off by default) sets chattts_vocoder's codec_graphs, which its service reads;
-    the stream model keeps its own (on). A CPU instance makes no graphs whatever the flag."""
+def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_the_service(tiny_repo, tmp_path, monkeypatch):
+    """chattts_vocoder's codec_graphs is on by default; --no-vocoder-graphs turns it off, a re-configure
+    that does not name it keeps that, and its service reads it. The stream model keeps its own (on); a
+    CPU instance makes no graphs whatever the flag."""
+    import shutil
+
     from chattts_triton import services
     from chattts_triton.backend import ModelContext, vocoder_service
 
-    repo, graphs_param = _switched_on_and_kept(tiny_repo, tmp_path, "--vocoder-graphs", rc.VOCODER, "codec_graphs")
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def graphs_param():
+        return rc.parse_pbtxt((repo / rc.VOCODER / "config.pbtxt").read_text()).parameters["codec_graphs"].string_value
+
     asked = []
     monkeypatch.setattr(services.VocoderService, "__init__", lambda self, *a, graphs=False, **kw: asked.append(graphs))
+    assert graphs_param() == "1"
     vocoder_service(ModelContext.from_repo(repo, rc.VOCODER))
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-vocoder-graphs"]) == 0
+    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0  # kept unless told
     vocoder_service(ModelContext.from_repo(repo, rc.VOCODER))
     assert asked == [True, False] and graphs_param() == "0"
+    assert rc.read_manifest(repo)["deployment"]["vocoder_graphs"] is False
     monkeypatch.undo()
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--vocoder-graphs"]) == 0
+    assert graphs_param() == "1"
     assert vocoder_service(ModelContext.from_repo(repo, rc.VOCODER)).graphs is None  # a CPU instance
     assert rc.parse_pbtxt((repo / rc.STREAM / "config.pbtxt").read_text()).parameters.get("codec_graphs") is None
 
@@ -208,15 +220,15 @@ def test_configure_batching_delay_of_the_vocoder_only(tiny_repo, tmp_path, capsy
         return {m: rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).dynamic_batching.max_queue_delay_microseconds
                 for m in (rc.PREPROCESS, rc.GPT, rc.VOCODER, rc.STREAM)}
 
-    assert delays() == {rc.PREPROCESS: 0, rc.GPT: 0, rc.VOCODER: 2000, rc.STREAM: 0}
-    assert rc.main(["--repo", str(repo), "--max-queue-delay-us", "0"]) == 0
-    assert set(delays().values()) == {0}
+    assert set(delays().values()) == {0}  # by default none waits
+    assert rc.main(["--repo", str(repo), "--max-queue-delay-us", "1500"]) == 0
+    assert delays() == {rc.PREPROCESS: 0, rc.GPT: 0, rc.VOCODER: 1500, rc.STREAM: 0}
     assert rc.main(["--repo", str(repo)]) == 0  # kept unless told
-    assert set(delays().values()) == {0}
+    assert delays()[rc.VOCODER] == 1500
     with pytest.raises(SystemExit) as e:
         rc.main(["--repo", str(repo), "--max-queue-delay-us", "-1"])
     assert e.value.code == 2 and "max_queue_delay_us must be ≥ 0" in capsys.readouterr().err
-    assert set(delays().values()) == {0}
+    assert delays()[rc.VOCODER] == 1500
 
 
 def test_configure_stream_schedule_persists_and_refuses_a_fade_longer_than_the_lookahead(tiny_repo, tmp_path, capsys):

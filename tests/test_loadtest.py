@@ -663,29 +663,29 @@ def test_bench_append_run_with_only_compile_batches_keeps_the_eager_rows(tmp_pat
     first = json.loads((tmp_path / "split.json").read_text())
     first["served"] = [{"concurrency": 1, "error_rate": 0.0, "latency_p50_ms": 140.0, "latency_p99_ms": 150.0,
                         "throughput_utt_s": 7.0}]  # as if it had served
-    first["vocoder_graphs"], first["max_queue_delay_us"] = True, 0
+    first["vocoder_graphs"], first["max_queue_delay_us"] = False, 2000  # not the defaults
     (tmp_path / "split.json").write_text(json.dumps(first))
     assert run.main([*common, "--append", "--upstream-batches=", "--upstream-compile-batches", "1"]) == 0
     res = json.loads((tmp_path / "split.json").read_text())
     # the served rows keep the settings they ran with, not the appending call's defaults
-    assert res["served"] == first["served"] and res["vocoder_graphs"] is True and res["max_queue_delay_us"] == 0
+    assert res["served"] == first["served"] and res["vocoder_graphs"] is False and res["max_queue_delay_us"] == 2000
     assert calls == [((1, 8), False), ((1,), True)]
     assert [r["batch"] for r in res["upstream_eager"]] == [1, 8]
     assert [r["batch"] for r in res["upstream_compile"]] == [1]
     assert " ; " in res["command"]
     md = (tmp_path / "split.md").read_text()
-    assert "## upstream eager" in md and "## upstream compile" in md and "vocoder batching delay 0 µs" in md
+    assert "## upstream eager" in md and "## upstream compile" in md and "vocoder batching delay 2000 µs" in md
 
 
 def test_bench_table_names_the_switches_a_run_set_and_its_note():
     from bench.run import to_markdown
 
     res = {"date": "2026-12-02", "device_name": "GPU", "tokens": 150, "dtype": "bf16", "vocoder_graphs": True,
-           "max_queue_delay_us": 0, "stream_first_chunks_first": True, "note": "eager rows restored",
+           "max_queue_delay_us": 2000, "stream_first_chunks_first": True, "note": "eager rows restored",
            "stream": [{"concurrency": 1, "streams": 1, "errors": 0}]}
     head = to_markdown(res)
-    assert "vocoder from CUDA graphs, vocoder batching delay 0 µs, closed-loop clients" in head
+    assert "vocoder from CUDA graphs, vocoder batching delay 2000 µs, closed-loop clients" in head
     assert "; first chunks in a codec call of their own" in head  # the stream switches: in the Schedule line, once
     assert head.count("first chunks") == 1 and "own CUDA stream" not in head
     assert "Note: eager rows restored" in head
-    assert "batching delay" not in to_markdown({**res, "max_queue_delay_us": 2000})  # the default goes unsaid
+    assert "batching delay" not in to_markdown({**res, "max_queue_delay_us": 0})  # the default goes unsaid
