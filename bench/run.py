@@ -312,13 +312,18 @@ def _queue_delay(us) -> str:
     return "" if us is None or us == Deployment.max_queue_delay_us else f", vocoder batching delay {us} µs"
 
 
+def _vocoder_graphs(on) -> str:
+    """Both ways, since the graphs became the default (2026-12-02); nothing for results from before the setting."""
+    return "" if on is None else (", vocoder from CUDA graphs" if on else ", eager vocoder")
+
+
 def to_markdown(res: dict) -> str:
     out = [f"# Benchmark {res['date']} on {res['device_name']}", "",
            f"{res['tokens']} forced code frames per utterance (≈ {res['tokens'] * 512 / 24000:.2f} s of audio). "
            f"Ours: tritonserver over gRPC, dtype {res['dtype']}, "
            f"{'compiled GPT step (requested)' if res.get('gpt_compile') else 'TorchScript GPT step'}"
            f"{' and prefills' if res.get('gpt_compile') and res.get('gpt_compile_prefill') else ''}"
-           f"{', vocoder from CUDA graphs' if res.get('vocoder_graphs') else ''}"
+           f"{_vocoder_graphs(res.get('vocoder_graphs'))}"
            f"{_queue_delay(res.get('max_queue_delay_us'))}"
            f"{', under an MPS daemon' if res.get('mps') else ''}"
            f"{_switch_interval(res.get('gil_switch_interval_us'))}"

@@ -689,3 +689,5 @@ def test_bench_table_names_the_switches_a_run_set_and_its_note():
     assert head.count("first chunks") == 1 and "own CUDA stream" not in head
     assert "Note: eager rows restored" in head
     assert "batching delay" not in to_markdown({**res, "max_queue_delay_us": 0})  # the default goes unsaid
+    assert ", eager vocoder," in to_markdown({**res, "vocoder_graphs": False})
+    assert "vocoder" not in to_markdown({k: v for k, v in res.items() if k not in ("vocoder_graphs", "max_queue_delay_us")})
