@@ -96,8 +96,10 @@ class Deployment:
     @classmethod
     def from_manifest(cls, man: dict) -> "Deployment":
         """The deployment a repository was exported or configured with; one exported before the early
-        first chunk keeps its exact chunks, one exported before the compiled step its TorchScript step."""
-        return cls(**{"stream_first_lookahead_frames": 0, "stream_fade_frames": 0, "gpt_compile": False, **man["deployment"]})
+        first chunk keeps its exact chunks, one exported before the compiled step its TorchScript step, one
+        exported before the vocoder's graphs (2026-12-01) its eager vocoder."""
+        return cls(**{"stream_first_lookahead_frames": 0, "stream_fade_frames": 0, "gpt_compile": False,
+                      "vocoder_graphs": False, **man["deployment"]})
 
     def stream_schedule(self, arch: Arch) -> Dict[str, int]:
         """`chattts_stream`'s ChunkPlanner arguments (streaming.stream_schedule; ValueError if refused)."""

@@ -159,6 +159,11 @@ def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_t
     assert graphs_param() == "1"
     assert vocoder_service(ModelContext.from_repo(repo, rc.VOCODER)).graphs is None  # a CPU instance
     assert rc.parse_pbtxt((repo / rc.STREAM / "config.pbtxt").read_text()).parameters.get("codec_graphs") is None
+    man = json.loads((repo / rc.MANIFEST).read_text())  # exported before the option: eager vocoder kept
+    del man["deployment"]["vocoder_graphs"]
+    (repo / rc.MANIFEST).write_text(json.dumps(man))
+    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0
+    assert graphs_param() == "0"
 
 
 @pytest.mark.parametrize("flag,key,field", [("--stream-codec-stream", "codec_stream", "stream_codec_stream"),
