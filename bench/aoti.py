@@ -186,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--workdir", type=Path, default=Path("build/aoti"))
     a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: this torch sees no CUDA GPU (--device cpu probes the CPU)")
     t0 = time.perf_counter()
     try:
         path = probe(a.workdir, a.device)

@@ -149,3 +149,7 @@ def test_aoti_probe_loads_a_small_package_here_and_reports_a_loader_that_crashes
     assert aoti.main(["--device", "cpu", "--workdir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "probe-cpu.pt2 in a fresh process killed it (SIGSEGV)" in err and "Fatal Python error" in err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            aoti.main(["--device", "cuda", "--workdir", str(tmp_path)])
+        assert e.value.code == 2 and "sees no CUDA GPU" in capsys.readouterr().err
