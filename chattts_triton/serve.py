@@ -19,7 +19,9 @@ generated once into a 0600 file (--admin-key-file; default env CHATTTS_ADMIN_KEY
 line, which local users can read: keep the host to trusted users).
 
 If a python-backend stub dies, Triton 2.51 neither restarts it nor turns unready: serve.py then
-kills the server and exits with status 70 so that its supervisor restarts it.
+kills the server and exits with status 70 so that its supervisor restarts it. Stubs are the server's
+children running the stub program; the processes they start (torch's compile workers, which end by
+themselves after start-up) are not watched.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .mps import MpsError, mps_daemon
-from .tritonserver import LOCALHOST, TritonServer, TritonServerError, processes_in_group
+from .tritonserver import LOCALHOST, TritonServer, TritonServerError, python_stubs
 
 
 # Shared with the models (services.py, backend.py); defined here so the launcher never imports torch.
@@ -123,16 +125,9 @@ def quiesce(server: TritonServer, drain_file: Path, timeout_s: float, quiet_poll
     return False
 
 
-def stub_shm_regions(pids) -> List[str]:
-    """The python-backend shared-memory regions the stubs `pids` use (named on their command lines)."""
-    regions = []
-    for pid in pids:
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        regions += [a.decode() for a in argv if a.startswith(SHM_PREFIX.encode())]
-    return regions
+def stub_shm_regions(stubs: Dict[int, List[str]]) -> List[str]:
+    """The python-backend shared-memory regions the stubs (pid → argv) use, named on their command lines."""
+    return [a for argv in stubs.values() for a in argv if a.startswith(SHM_PREFIX)]
 
 
 def remove_shm_regions(regions) -> None:
@@ -259,8 +254,8 @@ def _serve(args: argparse.Namespace, extra_env: Dict[str, str]) -> int:
             return _exit_status(server.returncode)
         print(f"error: {e}", file=sys.stderr)
         return 1
-    stubs = set(processes_in_group(server.pid)) - {server.pid}  # watched from before "ready" is announced
-    regions = stub_shm_regions(stubs)
+    found = python_stubs(server.pid)  # watched from before "ready" is announced
+    stubs, regions = set(found), stub_shm_regions(found)
     print(f"tritonserver pid {server.pid} ready", flush=True)
     print(f"http: {server.http_url}\ngrpc: {server.grpc_url}\nmetrics: {server.metrics_url}", flush=True)
     serving.append(True)
@@ -274,7 +269,7 @@ def _serve(args: argparse.Namespace, extra_env: Dict[str, str]) -> int:
                 while server.returncode is None and time.monotonic() < deadline:
                     time.sleep(0.1)
                 break
-            dead = sorted(stubs - set(processes_in_group(server.pid)))
+            dead = sorted(stubs - set(python_stubs(server.pid)))
             if dead:  # Triton 2.51 never restarts it: its requests hang, later ones fail, yet /ready says 200
                 print(f"error: python backend stub(s) {dead} died; stopping so that the supervisor restarts "
                       f"the server; last log lines:\n{server.log_tail(10)}", file=sys.stderr, flush=True)

@@ -382,6 +382,28 @@ def processes_in_group(pgid: int) -> List[int]:
     return pids
 
 
+def python_stubs(server_pid: int) -> Dict[int, List[str]]:
+    """The python-backend stubs of the tritonserver `server_pid`, pid → argv: its live children whose
+    program (argv[0]) is the stub. What a stub starts in turn (torch inductor's compile workers, which
+    exit by themselves a minute after start-up; MPS clients; anything a model runs) is its child, not
+    the server's, so it is never taken for a stub (Linux /proc)."""
+    stubs: Dict[int, List[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] == "Z" or int(fields[1]) != server_pid:  # a zombie stub is a dead one
+                continue
+            argv = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if argv and Path(argv[0]).name == STUB_NAME:
+            stubs[int(entry.name)] = argv
+    return stubs
+
+
 _LIVE_SERVERS: "Set[TritonServer]" = set()  # stopped at interpreter exit if the caller forgot
 
 

@@ -1,6 +1,7 @@
 """A stand-in for an NGC tritonserver image's /opt/tritonserver (no python_backend_stubs/; the stub sits in
 backends/python), whose `bin/tritonserver` fakes just enough of Triton for the launcher: health and
-metrics endpoints, one "stub" child in its process group, a drain on SIGTERM. It records its argv."""
+metrics endpoints, one "stub" child in its process group (which starts a short-lived helper process of its own),
+a drain on SIGTERM. It records its argv (and the helper's pid in RECORD.helper)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ import json, os, signal, subprocess, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 flags = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
-stub = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "triton_python_backend_shm_region_1"])
+# the "stub": this Python under the stub's program name (as the launcher recognises stubs), which starts
+# a helper process of its own that ends after a second, as torch's compile workers end after start-up
+HELPER = "import subprocess, sys, time; h = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1)']); " \
+         "open(sys.argv[2], 'w').write(str(h.pid)); h.wait(); time.sleep(300)"
+stub = subprocess.Popen([STUB_PROGRAM, "-c", HELPER, "triton_python_backend_shm_region_1", RECORD + ".helper"])
+for _ in range(200):  # ready only once the helper runs, as the compile workers run when a real server is ready
+    if os.path.exists(RECORD + ".helper"):
+        break
+    __import__("time").sleep(0.05)
 json.dump({"argv": sys.argv[1:], "stub_pid": stub.pid, "ld_library_path": os.environ.get("LD_LIBRARY_PATH", ""),
            "env_has_admin_key": "CHATTTS_ADMIN_KEY" in os.environ}, open(RECORD, "w"))
 
@@ -62,8 +71,11 @@ def make_ngc_tree(dest: Path, record: Path, stub_python: Optional[Sequence[int]]
     stub = python / "triton_python_backend_stub"
     stub.write_bytes(b"\x7fELF\0libpython" + python_tag(stub_python).encode() + b".so.1.0\0libc.so.6\0")
     stub.chmod(0o755)
+    stub_program = dest / "stub-program" / "triton_python_backend_stub"  # a Python under the stub's name
+    stub_program.parent.mkdir()
+    stub_program.symlink_to(os.path.realpath(sys.executable))
     server = root / "bin" / "tritonserver"
-    server.write_text(f"#!{sys.executable}\nRECORD = {str(record)!r}\n{FAKE_SERVER}")
+    server.write_text(f"#!{sys.executable}\nRECORD = {str(record)!r}\nSTUB_PROGRAM = {str(stub_program)!r}\n{FAKE_SERVER}")
     server.chmod(0o755)
     return server
 

@@ -13,7 +13,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from chattts_triton.config import ENSEMBLE_INPUTS
-from chattts_triton.tritonserver import STUB_NAME, TritonServer, processes_in_group
+from chattts_triton.tritonserver import TritonServer, python_stubs
 
 NP = {"TYPE_STRING": object, "TYPE_INT64": np.int64, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_BOOL": bool}
 WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT64": "INT64", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL"}
@@ -77,14 +77,7 @@ def private_server(tiny_assets: Path, tmp: Path, extra_args=(), exit_timeout_s: 
 def stub_processes(server: TritonServer) -> Dict[str, dict]:
     """Python-backend stubs of `server`, by instance name: pid and shared-memory region."""
     out = {}
-    for pid in processes_in_group(server.pid):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if not argv or not argv[0].decode(errors="replace").endswith(STUB_NAME):
-            continue
-        args = [a.decode(errors="replace") for a in argv]
+    for pid, args in python_stubs(server.pid).items():
         region = next((a for a in args if a.startswith(SHM_PREFIX)), None)
         instance = args[-3] if len(args) >= 3 else "?"  # ... <instance name> DEFAULT
         model_dir = Path(args[1]).parent.parent.name if len(args) > 1 else "?"

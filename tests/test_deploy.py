@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -30,6 +31,7 @@ from dockerfile_parse import DockerfileParser
 
 from chattts_triton import repo_config as rc
 from tests.ngc_fake import launcher_env, make_fake_repository, make_ngc_tree
+from tests.reliability_util import wait_for
 from tritonclient.grpc import model_config_pb2 as mc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -417,6 +419,24 @@ def test_container_cmd_exits_70_when_a_python_stub_dies(tmp_path):
     key_file = tmp_path / "home" / ".chattts-triton" / "admin.key"  # no key given: generated, 0600, not printed
     assert key_file.stat().st_mode & 0o777 == 0o600
     assert key_file.read_text().strip() not in out + err
+
+
+def test_container_cmd_stays_up_when_a_process_a_stub_started_ends(tmp_path):
+    """On a GPU, torch's inductor starts compile workers in the stubs' process group that end by themselves a
+    minute after start-up. The launcher watches the stubs, not the group: the server stays up."""
+    proc, _, rec, _ = _start_container_cmd(tmp_path)
+    try:
+        helper = int(Path(str(tmp_path / "server.json") + ".helper").read_text())
+        assert os.getpgid(helper) == os.getpgid(rec["stub_pid"])  # in the group when "ready" was announced
+        assert wait_for(lambda: not Path(f"/proc/{helper}").exists(), 10)
+        time.sleep(2.0)  # ten polls of the watchdog after the helper ended
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0, err
+    assert "died" not in err
 
 
 def test_configure_script_refuses_bad_paths(fake_python, repo_copy, tmp_path):

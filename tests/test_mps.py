@@ -96,7 +96,7 @@ def test_serve_with_mps_gives_the_model_processes_the_daemons_pipe(fake_control,
                 pid = int(line.split()[2])
                 break
         assert pipe and pid, proc.stderr.read() if proc.poll() is not None else "no ready line"
-        stubs = [p for p in ts.processes_in_group(pid) if p != pid]
+        stubs = list(ts.python_stubs(pid))
         assert stubs
         for p in [pid] + stubs:  # the server and every python-backend stub reach the daemon
             environ = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
