@@ -68,7 +68,8 @@ def _forward(engine, b: int, attn_len: int):
     m = engine.model
     x = torch.randn(b, 1, engine.hidden, device=engine.device, dtype=engine.compute_dtype)
     pos = torch.full((b, 1), attn_len - 1, dtype=torch.int64, device=engine.device)
-    return lambda: m(x, pos, 0, engine.k_cache, engine.v_cache, attn_len)
+    tables = engine.block_table.narrow(0, 0, b)  # free slots: the scratch page, a page-bound step's reads
+    return lambda: m(x, pos, tables, engine.k_cache, engine.v_cache, attn_len)
 
 
 def _forward_graph(engine, b: int, attn_len: int):
@@ -122,6 +123,11 @@ def _set_positions(engine, b: int, attn_len: int, lengths: str) -> None:
     pos[0] = attn_len - 1
     engine.pi[:b, I_PLEN] = pos.to(engine.device)
     engine.pi[:b, I_N] = 1  # fed position = prompt length + n - 1
+    for i in range(engine.max_slots):  # each row reads and writes pages of its own, as served
+        engine._release(i)
+    for i, p in enumerate(pos.tolist()):
+        engine._grant(i, p // engine.page + 1)
+    engine._sync_tables()
 
 
 def _prefill_once(engine, k: int, t: int, graphed: bool):
@@ -136,6 +142,8 @@ def _prefill_once(engine, k: int, t: int, graphed: bool):
     def once() -> None:
         engine.prefill_graphs = graphed
         engine._prefill(reqs)
+        for i in range(k):
+            engine._release(i)
         engine.rows.clear()
         engine._clear_free(0, k)
 

@@ -1,11 +1,11 @@
-"""Decode attention that reads each row's own cache length (one query per row).
+"""Decode attention that reads each row's own cache length (one query per row) through its block table.
 
 A decode step's rows sit at different positions: a dense attention over the step's attention-length
 bucket (`F.scaled_dot_product_attention` with a mask) reads every row's cache up to the longest
 row's bucket. At 488 rows of the served mix (prompts of 6-116 tokens, 150 frames each) that bucket is
-384 while a row holds ≈ 120 keys on average, and the keys and values are what a large step reads
-(512 rows x 384 keys x 2 x 1.5 KB x 20 layers = 12 GB a step). `decode_attention` reads only the
-keys a row attends (`lengths`): on a GPU a Triton kernel (one program per row and head, an online
+384 while a row holds ≈ 120 keys on average, and the keys and values are what a large step reads.
+`decode_attention` reads only the keys a row attends (`lengths`), page by page through the row's block
+table (the paged cache of gpt.py): on a GPU a Triton kernel (one program per row and head, an online
 softmax in fp32 over blocks of keys); elsewhere `reference`, the same result in PyTorch (tests, CPU).
 """
 
@@ -30,24 +30,26 @@ def kernel_available(device: torch.device, head_dim: int) -> bool:
     return triton is not None and device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def reference(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
-    """q [B, H, D]; keys/values [B, C, KVH, D] (row i's cache); lengths [B]: row i attends its keys
-    0..lengths[i]-1. Returns [B, H, D] in q's dtype. Dense in PyTorch (reads all C keys)."""
+def reference(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: Tensor) -> Tensor:
+    """q [B, H, D]; keys/values [blocks, page, KVH, D] (one layer's page pool); tables [B, W]: row i's
+    pages in order; lengths [B]: row i attends its keys 0..lengths[i]-1. Returns [B, H, D] in q's dtype.
+    Dense in PyTorch (gathers all W pages of every row)."""
     b, h, d = q.shape
-    c, kvh = keys.shape[1], keys.shape[2]
-    k = keys.float().repeat_interleave(h // kvh, dim=2)  # [B, C, H, D]
-    v = values.float().repeat_interleave(h // kvh, dim=2)
+    page, kvh = keys.shape[1], keys.shape[2]
+    c = tables.shape[1] * page
+    k = keys[tables].reshape(b, c, kvh, d).float().repeat_interleave(h // kvh, dim=2)  # [B, C, H, D]
+    v = values[tables].reshape(b, c, kvh, d).float().repeat_interleave(h // kvh, dim=2)
     s = torch.einsum("bhd,bchd->bhc", q.float(), k) / math.sqrt(d)
     n = lengths.clamp(1, c).to(torch.int64)
     s = s.masked_fill(torch.arange(c, device=q.device).view(1, 1, c) >= n.view(b, 1, 1), float("-inf"))
     return torch.einsum("bhc,bchd->bhd", s.softmax(-1), v).to(q.dtype)
 
 
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: Tensor) -> Tensor:
     """`reference`'s result; on a GPU with Triton it reads only the first lengths[i] keys of row i."""
     if not kernel_available(q.device, q.shape[-1]):
-        return reference(q, keys, values, lengths)
-    return torch.ops.chattts_triton.decode_attention(q, keys, values, lengths)
+        return reference(q, keys, values, tables, lengths)
+    return torch.ops.chattts_triton.decode_attention(q, keys, values, tables, lengths)
 
 
 # An opaque operator to torch.compile: inductor calls it, and Triton's own launcher then specialises the
@@ -55,66 +57,71 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -
 # shapes, inductor passed the strides as symbols without that specialisation: 4.41 vs 1.64 ms per step's
 # 20 calls at 512 rows (H200, bench/README.md, eleventh session).
 @torch.library.custom_op("chattts_triton::decode_attention", mutates_args=())
-def _decode_attention_op(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
-    return run_kernel(q, keys, values, lengths)
+def _decode_attention_op(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: Tensor) -> Tensor:
+    return run_kernel(q, keys, values, tables, lengths)
 
 
-def run_kernel(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, traceable: bool = False) -> Tensor:
+def run_kernel(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: Tensor, traceable: bool = False) -> Tensor:
     """The operator's work: the Triton kernel, launched with the real strides (`reference` where it
     cannot run, so the operator means the same on every device). Returns a new contiguous [B, H, D].
     traceable: launched through `torch.library.wrap_triton`, so that torch.export records the kernel
     itself (bench/aoti.py's `aoti_traced`; a plain launch there would read fake tensors' pointers)."""
     if not kernel_available(q.device, q.shape[-1]) or keys.stride(-1) != 1 or values.stride(-1) != 1:
         # (the kernel reads a head's keys and values contiguously); contiguous as the fake says
-        return reference(q, keys, values, lengths).contiguous()
+        return reference(q, keys, values, tables, lengths).contiguous()
     q = q if q.stride(-1) == 1 else q.contiguous()
     lengths = lengths.contiguous()
+    tables = tables if tables.stride(-1) == 1 else tables.contiguous()
     b, h, d = q.shape
-    kvh = keys.shape[2]
+    page, kvh = keys.shape[1], keys.shape[2]
     out = q.new_empty(q.shape)
     kernel = torch.library.wrap_triton(_decode_kernel) if traceable else _decode_kernel
     kernel[(b, h)](
-        q, keys, values, out, lengths,
+        q, keys, values, out, tables, lengths,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1),
-        keys.shape[1], (1.0 / math.sqrt(d)) * 1.4426950408889634,  # softmax in base 2
-        REP=h // kvh, D=d, BLOCK=BLOCK_KEYS, num_warps=4,
+        values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1), tables.stride(0),
+        tables.shape[1] * page, (1.0 / math.sqrt(d)) * 1.4426950408889634,  # softmax in base 2
+        REP=h // kvh, D=d, BLOCK=BLOCK_KEYS, PAGE=page, num_warps=4,
     )
     return out
 
 
 @_decode_attention_op.register_fake
-def _(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
+def _(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: Tensor) -> Tensor:
     return q.new_empty(q.shape)
 
 
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(Q, K, V, O, Lens, sqb, sqh, skb, skc, skh, svb, svc, svh, sob, soh, context, scale,
-                       REP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    def _decode_kernel(Q, K, V, O, T, Lens, sqb, sqh, skb, skp, skh, svb, svp, svh, sob, soh, stb, max_keys, scale,
+                       REP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # the cache is larger than 2**31 elements
         head = tl.program_id(1)
         kv_head = head // REP
-        n = tl.minimum(tl.maximum(tl.load(Lens + row).to(tl.int32), 1), context)
+        n = tl.minimum(tl.maximum(tl.load(Lens + row).to(tl.int32), 1), max_keys)
         d = tl.arange(0, D)
         # fp32 again: AOTInductor passes `scale` as a double, which would make the loop's m_i fp64
         q = (tl.load(Q + row * sqb + head * sqh + d).to(tl.float32) * scale).to(tl.float32)
-        k_row = K + row * skb + kv_head * skh
-        v_row = V + row * svb + kv_head * svh
+        table = T + row * stb
+        k_head = K + kv_head * skh
+        v_head = V + kv_head * svh
         m_i = tl.full((1,), float("-inf"), tl.float32)
         l_i = tl.zeros((1,), tl.float32)
         acc = tl.zeros((D,), tl.float32)
         for start in range(0, n, BLOCK):
             keys_at = start + tl.arange(0, BLOCK)
             live = keys_at < n
-            k = tl.load(k_row + keys_at[:, None].to(tl.int64) * skc + d[None, :], mask=live[:, None], other=0.0)
+            # each key's page through the row's block table, then its place in the page
+            pages = tl.load(table + keys_at // PAGE, mask=live, other=0).to(tl.int64)
+            in_page = (keys_at % PAGE).to(tl.int64)
+            k = tl.load(k_head + pages[:, None] * skb + in_page[:, None] * skp + d[None, :], mask=live[:, None], other=0.0)
             s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
             s = tl.where(live, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             p = tl.exp2(s - m_new)
             alpha = tl.exp2(m_i - m_new)
-            v = tl.load(v_row + keys_at[:, None].to(tl.int64) * svc + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(v_head + pages[:, None] * svb + in_page[:, None] * svp + d[None, :], mask=live[:, None], other=0.0)
             acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new

@@ -175,6 +175,13 @@ PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": 
 CPU_ONLY_PRECISIONS = ("int8",)
 
 
+# --- the KV cache ------------------------------------------------------------------------------
+# The engines' keys and values live in a pool of pages of this many positions; a request holds the pages
+# its positions reach (a block table per slot), not a whole context: a 150-frame utterance holds ≈ 14
+# pages of 16 where a slot of the full context would hold 3072 positions
+KV_PAGE_TOKENS = 16
+
+
 # --- limits ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Limits:

@@ -1,12 +1,19 @@
 """In-flight batching engine for the ChatTTS GPT.
 
-A single loop thread owns the model, the slot KV cache and all per-slot state. Each iteration it
+A single loop thread owns the model, the paged KV cache and all per-slot state. Each iteration it
 admits waiting requests (one batched prefill; while busy, only once enough wait or the oldest has
 waited a few steps), runs one decode step for every active request, samples, and retires the
 finished ones through their callbacks. Running requests stay compacted in slots 0..B-1 (a finished
-request's slot takes the last one's state), so a step attends over the cache in place. Each
-request's tokens depend only on its own prompt, params and seed (per-slot positions, per-request
-counter-based sampling), not on its slot or its batchmates. One host sync per decode step.
+request's slot takes the last one's state and block table row). Each request's tokens depend only on
+its own prompt, params and seed (per-slot positions, per-request counter-based sampling), not on its
+slot, its pages or its batchmates. One host sync per decode step.
+
+The KV cache is a pool of pages (`config.KV_PAGE_TOKENS` positions each, page 0 scratch); a request
+holds the pages its positions reach, one more each time it crosses a page. The pool is sized for the
+typical request, not for every slot at the full context: when a step needs more pages than are free,
+the newest running requests are suspended (their pages, tokens and sampling state copied to the host,
+their pages freed) and go back to the head of the queue; once pages are free again they resume
+exactly where they stopped, bit for bit. Admission keeps a page per running request in reserve.
 
 `model` is `ChatTTSGPT` or its TorchScript export (same methods).
 """
@@ -27,7 +34,7 @@ import torch
 from torch import Tensor
 
 from . import attention, sampling
-from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, REPETITION_WINDOW
+from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, KV_PAGE_TOKENS, REPETITION_WINDOW
 from .graphs import GraphCache, bucket, to_host
 
 log = logging.getLogger(__name__)
@@ -105,14 +112,16 @@ F_TEMP, F_TOPP, F_PEN = range(3)  # float32 columns of Engine.pf
 
 
 class _Slot:
-    __slots__ = ("req", "idx", "attempt", "emitted", "_eng")
+    __slots__ = ("req", "idx", "attempt", "emitted", "seq", "saved", "_eng")
 
-    def __init__(self, eng: "Engine", req: GenRequest, idx: int):
+    def __init__(self, eng: "Engine", req: GenRequest, idx: int, seq: int):
         self._eng = eng
         self.req = req
-        self.idx = idx  # cache slot; changes when finished requests below it are compacted away
+        self.idx = idx  # slot; changes when finished requests below it are compacted away
         self.attempt = 0
         self.emitted = 0  # tokens handed to req.on_tokens
+        self.seq = seq  # admission order: the newest running requests are suspended first
+        self.saved: Optional[tuple] = None  # while suspended: its pages' keys/values and its slot state
 
     @property
     def n(self) -> int:  # tokens generated (kept) so far
@@ -123,17 +132,23 @@ class _Slot:
         return int(self._eng.h_plen[self.idx])
 
 
-def _check_model(model) -> None:
-    """A gpt.pt exported before slot ranges took a `slots` tensor: say so instead of failing in a step."""
+def paged_interface(model) -> bool:
+    """Whether `model` (ChatTTSGPT or its TorchScript export) takes block tables (`tables`); a gpt.pt
+    exported before the paged cache takes a slot range instead."""
     try:
         if isinstance(model, torch.jit.ScriptModule):
             names = [a.name for a in model.forward.schema.arguments]
         else:
             names = list(inspect.signature(model.forward).parameters)
     except Exception:  # noqa: BLE001 - an unusual wrapper: let the first step tell
-        return
-    if "slots" in names and "slot_start" not in names:
-        raise EngineError("the GPT model was exported with the older `slots` interface: re-export it (python -m export)")
+        return True
+    return "tables" in names
+
+
+def _check_model(model) -> None:
+    if not paged_interface(model):
+        raise EngineError("the GPT model was exported before the paged KV cache: re-export it (python -m export), "
+                          "or run the eager module built from its weights (gpt.eager_from_script)")
 
 
 class Engine:
@@ -150,6 +165,7 @@ class Engine:
         cache_dtype: torch.dtype = torch.float32,
         compute_dtype: torch.dtype = torch.float32,
         max_prefill_tokens: int = 4096,
+        cache_tokens: Optional[int] = None,
         cuda_graphs: bool = True,
         admit_batch: int = ADMIT_BATCH,
         admit_wait_steps: int = ADMIT_WAIT_STEPS,
@@ -164,7 +180,9 @@ class Engine:
         compile_step, compile_prefill: see `compile_step` (the model must be the eager module).
         decode_kernel: decode steps of the eager module read each row's own keys only
         (`attention.decode_attention`); None: where its GPU kernel runs (True elsewhere: its dense PyTorch
-        reference, for tests). TorchScript models: never."""
+        reference, for tests). TorchScript models: never.
+        cache_tokens: positions the paged KV cache holds, all requests together (None: max_slots ×
+        max_context, which never suspends a request); at least one request of the full context."""
         _check_model(model)
         self.model = model
         self.device = torch.device(device)
@@ -179,6 +197,17 @@ class Engine:
                 attention.kernel_available(self.device, model.head_dim) if decode_kernel is None else decode_kernel)
         self.max_slots = max_slots
         self.max_context = max_context
+        self.page = KV_PAGE_TOKENS
+        self.table_width = -(-max_context // self.page)  # pages of one request at the full context
+        usable = self.table_width * max_slots if cache_tokens is None else -(-cache_tokens // self.page)
+        if usable < self.table_width:
+            raise EngineError(f"a KV cache of {cache_tokens} positions cannot hold one request of the full context "
+                              f"({max_context} positions)")
+        self.num_pages = usable + 1  # and the scratch page 0
+        self.preemptions = 0  # requests suspended for want of pages, and resumed (cumulative)
+        self.resumes = 0
+        self._suspended: Dict[int, _Slot] = {}  # id(request) → its suspended slot, while it waits to resume
+        self._seq = 0
         self.max_new_tokens = max_new_tokens
         self.hidden = hidden
         self.num_vq = num_vq
@@ -240,9 +269,8 @@ class Engine:
         self._alloc_error: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
         self.event_sync = False  # see _host_sync
-        # prompts prefilled by `model.prefill` (slots as a tensor), replayed from CUDA graphs where
-        # graphs are on: eagerly a prefill is ~600 kernel launches (H200: ≈ 25 ms, 20× a decode step)
-        self.prefill_by_slots = hasattr(model, "prefill")
+        # prompts prefilled by `model.prefill` replayed from CUDA graphs where graphs are on: eagerly a
+        # prefill is ~600 kernel launches (H200: ≈ 25 ms, 20× a decode step)
         self.prefill_graphs = True
         # with a started engine, results reach on_done on their own thread: a consumer's copies to the
         # host and its reply (the GPT model's Triton response) then overlap the next steps instead of
@@ -267,15 +295,23 @@ class Engine:
         slower per decode step (measured on the 2-core box: 53 vs 41 ms for the full GPT)."""
         if self.allocated:
             return
-        model, max_slots, max_context, cache_dtype = self.model, self.max_slots, self.max_context, self.cache_dtype
+        model, max_slots, cache_dtype = self.model, self.max_slots, self.cache_dtype
         max_new_tokens, num_vq, hidden = self.max_new_tokens, self.num_vq, self.hidden
         dev = self.device
         # running requests hold slots 0..B-1 (compacted); CUDA-graph buckets pad with free slots B..
         # and never exceed max_slots, so no scratch slot is needed
         s = max_slots
-        self.k_cache, self.v_cache = model.new_cache(s, max_context, cache_dtype, dev)
+        self.k_cache, self.v_cache = model.new_cache(self.num_pages, self.page, cache_dtype, dev)
+        # each slot's pages in order (page 0, scratch, where it holds none); the host copy is the truth,
+        # rows that changed are copied over before the next prefill or step (`_sync_tables`)
+        self.block_table = torch.zeros(s, self.table_width, dtype=torch.int64, device=dev)
+        self.h_table = np.zeros((s, self.table_width), dtype=np.int64)
+        self.h_pages = np.zeros(s, dtype=np.int64)
+        self.free_pages: List[int] = list(range(self.num_pages - 1, 0, -1))
+        self._dirty: Set[int] = set()
         self.tokens = torch.zeros(s, max_new_tokens + 1, num_vq, dtype=torch.int64, device=dev)
-        self.hiddens = torch.zeros(s, max_new_tokens + 1, hidden, dtype=torch.float32, device=dev)
+        # the model's final hidden states are in the compute dtype: kept in it, they are exact at half the memory
+        self.hiddens = torch.zeros(s, max_new_tokens + 1, hidden, dtype=self.compute_dtype, device=dev)
         # a free slot's state: it pads graph buckets, so every id it holds must index the code head
         self._free_pi = torch.tensor([0, 0, 0, 0, 0, 0, AUDIO_EOS, 0], dtype=torch.int64, device=dev)
         self.pi = self._free_pi.repeat(s, 1)
@@ -308,9 +344,7 @@ class Engine:
         # KV-cache writes that is the whole multi-GB cache (seen on the H200: > 3 minutes, no result)
         inductor_config.triton.autotune_pointwise = False
         self.graph_step = torch.compile(self.step_core, dynamic=dynamic, backend=backend)
-        # (a gpt.pt exported before `prefill` keeps the plain one)
-        self.graph_prefill = torch.compile(self.prefill_core, dynamic=True, backend=backend) \
-            if prefill and self.prefill_by_slots else None
+        self.graph_prefill = torch.compile(self.prefill_core, dynamic=True, backend=backend) if prefill else None
 
     def freeze_compiled(self) -> None:
         self.compiled_frozen = True
@@ -368,7 +402,7 @@ class Engine:
     def _warm_prefills(self, counts: List[int], deadline: float) -> None:
         """One prefill (no decode step) of k prompts per PREFILL_WARM_LENGTHS bucket that graphs take,
         for each k in `counts`: their graphs are captured now."""
-        if not (self.prefill_graphs and self.prefill_by_slots):
+        if not self.prefill_graphs:
             return
         for k in counts:
             for t in PREFILL_WARM_LENGTHS:
@@ -500,7 +534,10 @@ class Engine:
                 "engine_prefill_seconds": round(self.prefill_seconds, 6),
                 "engine_prefills": self.prefills, "engine_prefill_rows": self.prefill_rows,
                 "engine_gil_wait_seconds": round(self.gil_wait_seconds, 6), "engine_gil_wait_samples": self.gil_wait_samples,
-                "engine_results_pending": self._results.qsize() if self._results is not None else 0}
+                "engine_results_pending": self._results.qsize() if self._results is not None else 0,
+                "engine_slots": self.max_slots, "engine_kv_pages": self.num_pages - 1,
+                "engine_kv_pages_free": len(self.free_pages) if self.allocated else self.num_pages - 1,
+                "engine_preemptions": self.preemptions, "engine_resumes": self.resumes}
 
     @property
     def active(self) -> int:
@@ -562,12 +599,16 @@ class Engine:
             return False
         try:
             with torch.inference_mode():
-                if admitted:
+                fresh = [r for r in admitted if id(r) not in self._suspended]
+                for req in admitted:  # suspended ones first (they were at the head), where they stopped
+                    if id(req) in self._suspended:
+                        self._resume(self._suspended.pop(id(req)))
+                if fresh:
                     t0 = time.perf_counter()
-                    self._prefill(admitted)
+                    self._prefill(fresh)
                     self.prefill_seconds += time.perf_counter() - t0
                     self.prefills += 1
-                    self.prefill_rows += len(admitted)
+                    self.prefill_rows += len(fresh)
                 if self.rows:
                     t0, b = time.perf_counter(), len(self.rows)
                     self._decode_step()
@@ -588,24 +629,133 @@ class Engine:
         # busy: batch the prefills (each is hundreds of eager kernels between two decode steps)
         return len(self.waiting) >= min(self.admit_batch, free) or self.steps - self.arrived[0] >= self.admit_wait_steps
 
+    def _drop_cancelled_head(self) -> None:
+        req = self._pop_waiting()
+        suspended = self._suspended.pop(id(req), None)
+        steps = 0 if suspended is None else int(suspended.saved[-1][0])
+        self._hand_off(req, GenResult(None, None, "cancelled", steps=steps))
+
     def _take_admissions(self) -> List[GenRequest]:
+        """Who joins this iteration: from the head of the queue (suspended requests first, they are put
+        back there), while slots, the prefill's token budget and pages last; pages: its prompt's (or what
+        a suspended one held), keeping one page in reserve for each request that will be running."""
         while self.waiting and self.waiting[0].cancelled:
-            self._hand_off(self._pop_waiting(), GenResult(None, None, "cancelled"))
+            self._drop_cancelled_head()
         free = self.max_slots - len(self.rows)
         if not self.waiting or free <= 0 or not self._admit_now(free):
             return []
         admitted: List[GenRequest] = []
         budget = self.max_prefill_tokens
+        pages = len(self.free_pages)
         while self.waiting and len(admitted) < free:
             req = self.waiting[0]
             if req.cancelled:
-                self._hand_off(self._pop_waiting(), GenResult(None, None, "cancelled"))
+                self._drop_cancelled_head()
                 continue
-            if admitted and req.prompt_len > budget:
+            suspended = self._suspended.get(id(req))
+            if suspended is None:
+                if admitted and req.prompt_len > budget:
+                    break
+                need = -(-req.prompt_len // self.page)
+            else:
+                need = int(suspended.saved[-1][-1])
+            if need + len(self.rows) + len(admitted) > pages:
                 break
             admitted.append(self._pop_waiting())
-            budget -= req.prompt_len
+            pages -= need
+            if suspended is None:
+                budget -= req.prompt_len
         return admitted
+
+    # -- pages ------------------------------------------------------------------------------------
+    def _grant(self, slot_id: int, pages: int) -> None:
+        """Give the slot free pages until it holds `pages` (the caller checked there are enough)."""
+        have = int(self.h_pages[slot_id])
+        if pages > have:
+            for j in range(have, pages):
+                self.h_table[slot_id, j] = self.free_pages.pop()
+            self.h_pages[slot_id] = pages
+            self._dirty.add(slot_id)
+
+    def _release(self, slot_id: int) -> None:
+        """The slot's pages back to the pool (work queued on the device before still reads them in order)."""
+        have = int(self.h_pages[slot_id])
+        if have:
+            self.free_pages.extend(self.h_table[slot_id, :have].tolist())
+            self.h_table[slot_id, :have] = 0
+            self.h_pages[slot_id] = 0
+            self._dirty.add(slot_id)
+
+    def _sync_tables(self) -> None:
+        """The block table rows that changed, onto the device (one copy)."""
+        if self._dirty:
+            rows = sorted(self._dirty)
+            self._dirty.clear()
+            at = self._h2d(torch.tensor(rows, dtype=torch.int64))
+            self.block_table.index_copy_(0, at, self._h2d(torch.from_numpy(self.h_table[rows])))
+
+    def _ensure_pages(self) -> None:
+        """Before a decode step: every running row holds the page of the position it writes; where the pool
+        has too few, the newest rows are suspended (never the last one: the pool holds a full-context request)."""
+        b = len(self.rows)
+        want = (self.h_plen[:b] + self.h_n[:b] - 1) // self.page + 1
+        short = want > self.h_pages[:b]
+        if int(short.sum()) > len(self.free_pages):
+            victims, freed, need = [], len(self.free_pages), int(short.sum())
+            for i in sorted(range(b), key=lambda i: self.rows[i].seq, reverse=True):
+                if freed >= need or len(victims) == b - 1:
+                    break
+                victims.append(i)
+                freed += int(self.h_pages[i])
+                need -= int(short[i])
+            self._suspend(victims)
+            b = len(self.rows)
+            want = (self.h_plen[:b] + self.h_n[:b] - 1) // self.page + 1
+            short = want > self.h_pages[:b]
+        for i in np.flatnonzero(short):
+            self._grant(int(i), int(want[i]))
+
+    def _suspend(self, ids: List[int]) -> None:
+        """Take the rows `ids` out of the batch: their pages' keys and values, tokens, hidden states and
+        sampling state to the host (queued before anything reuses the pages), their pages freed; back to
+        the head of the queue, oldest first."""
+        slots = []
+        for i in ids:
+            slot = self.rows[i]
+            n, k = int(self.h_n[i]), int(self.h_pages[i])
+            pages = self._h2d(torch.from_numpy(self.h_table[i, :k].copy()))
+            slot.saved = (self._d2h(self.k_cache.index_select(1, pages)), self._d2h(self.v_cache.index_select(1, pages)),
+                          self._d2h(self.tokens[i, :n]), self._d2h(self.hiddens[i, :n]), self._d2h(self.pi[i]),
+                          self._d2h(self.pf[i]), (n, int(self.h_plen[i]), int(self.h_max[i]), bool(self.h_text[i]), k))
+            self.streaming.discard(slot)
+            self._release(i)
+            slots.append(slot)
+        self._compact(set(ids))
+        for slot in sorted(slots, key=lambda s: s.seq, reverse=True):
+            self.waiting.appendleft(slot.req)
+            self.arrived.appendleft(self.steps)
+            self._suspended[id(slot.req)] = slot
+        self.preemptions += len(slots)
+        log.debug("suspended %d requests for want of KV pages (%d free)", len(slots), len(self.free_pages))
+
+    def _resume(self, slot: _Slot) -> None:
+        """A suspended request into the next slot, exactly as it was."""
+        k_saved, v_saved, toks, hids, pi, pf, (n, plen, max_new, text, k) = slot.saved
+        i = len(self.rows)
+        self._grant(i, k)
+        pages = self._h2d(torch.from_numpy(self.h_table[i, :k].copy()))
+        self.k_cache.index_copy_(1, pages, self._h2d(k_saved))
+        self.v_cache.index_copy_(1, pages, self._h2d(v_saved))
+        self.tokens[i, :n].copy_(self._h2d(toks))
+        self.hiddens[i, :n].copy_(self._h2d(hids))
+        self.pi[i].copy_(self._h2d(pi))
+        self.pf[i].copy_(self._h2d(pf))
+        self.h_n[i], self.h_plen[i], self.h_max[i], self.h_text[i] = n, plen, max_new, text
+        slot.idx, slot.saved = i, None
+        self.rows.append(slot)
+        if slot.req.on_tokens is not None:
+            self.streaming.add(slot)
+        self.resumes += 1
 
     # -- host <-> device without extra host syncs ---------------------------------------------------
     def _h2d(self, t: Tensor) -> Tensor:
@@ -628,7 +778,9 @@ class Engine:
         """Admitted requests take the next slots b0..b0+k-1: one prefill over that slot range."""
         b0, k = len(self.rows), len(reqs)
         for i, req in enumerate(reqs):
-            slot = _Slot(self, req, b0 + i)
+            slot = _Slot(self, req, b0 + i, self._seq)
+            self._seq += 1
+            self._grant(b0 + i, -(-req.prompt_len // self.page))
             self.rows.append(slot)
             self.h_n[b0 + i] = 0
             self.h_plen[b0 + i] = req.prompt_len
@@ -637,15 +789,16 @@ class Engine:
             if req.on_tokens is not None:
                 self.streaming.add(slot)
         self._set_params(b0, reqs)
+        self._sync_tables()
         h_last = None
-        if self.graphs is not None and self.prefill_graphs and self.prefill_by_slots:
+        if self.graphs is not None and self.prefill_graphs:
             h_last = self.graphs.prefill(b0, reqs)
         if h_last is None:
             x, positions, idx = self._prompt_batch(reqs, k, max(r.prompt_len for r in reqs), b0)
-            h_last = self.run_prefill(x, positions, idx, b0)
+            h_last = self.run_prefill(x, positions, idx)
         self._first_step(b0, k, h_last[:k])
 
-    def run_prefill(self, x: Tensor, positions: Tensor, idx: Tensor, b0: int = -1) -> Tensor:
+    def run_prefill(self, x: Tensor, positions: Tensor, idx: Tensor) -> Tensor:
         """`prefill_core`, compiled where `compile_step(prefill=True)` asked (frozen: a shape that would
         recompile runs it plainly, as the step does)."""
         if self.graph_prefill is not None:
@@ -657,16 +810,13 @@ class Engine:
                     raise  # the capture is spoilt: the graph cache runs this bucket eagerly (and we get here again)
                 log.exception("the compiled prefill failed; prefills run the plain module from now on")
                 self.graph_prefill = None
-        return self.prefill_core(x, positions, idx, b0)
+        return self.prefill_core(x, positions, idx)
 
-    def prefill_core(self, x: Tensor, positions: Tensor, idx: Tensor, b0: int = -1) -> Tensor:
+    def prefill_core(self, x: Tensor, positions: Tensor, idx: Tensor) -> Tensor:
         """The final hidden state [rows, hidden] (float) of each row's last prompt position, its
-        keys and values written to slot idx[0, row] (pure tensor work: CUDA-graph safe). idx [2, rows]:
-        slots, last positions. A gpt.pt exported before `prefill` takes the slot range from b0 instead."""
-        if self.prefill_by_slots:
-            h = self.model.prefill(x, positions, idx[0], self.k_cache, self.v_cache)
-        else:
-            h = self.model(x, positions, b0, self.k_cache, self.v_cache, x.shape[1])
+        keys and values written to the pages of slot idx[0, row] (pure tensor work: CUDA-graph safe).
+        idx [2, rows]: slots, last positions."""
+        h = self.model.prefill(x, positions, self.block_table.index_select(0, idx[0]), self.k_cache, self.v_cache)
         return h[torch.arange(x.shape[0], device=self.device), idx[1]].float()
 
     def _set_params(self, b0: int, reqs: List[GenRequest]) -> None:
@@ -767,6 +917,8 @@ class Engine:
 
     # -- decode ---------------------------------------------------------------------------------
     def _decode_step(self) -> None:
+        self._ensure_pages()
+        self._sync_tables()
         b = len(self.rows)
         attn_len = int((self.h_plen[:b] + self.h_n[:b]).max())  # 1 + the largest position fed
         n_text = int(self.h_text[:b].sum())
@@ -840,7 +992,8 @@ class Engine:
                 x = torch.where(p[:, I_TEXT].bool().unsqueeze(1), self.model.embed_text(last_tok[:, 0]), x)
         x = x.to(self.compute_dtype).unsqueeze(1)
         positions = (p[:, I_PLEN] + n - 1).unsqueeze(1)
-        h = self.model(x, positions, start, self.k_cache, self.v_cache, attn_len)[:, 0].float()
+        tables = self.block_table.narrow(0, start, b)
+        h = self.model(x, positions, tables, self.k_cache, self.v_cache, attn_len)[:, 0].float()
         if groups is None:
             valid = None if n_live is None else torch.arange(b, device=dev) < n_live
             return self.sample_core(st, p, h, mode, valid)[1]
@@ -913,7 +1066,7 @@ class Engine:
         (the step's own), so streaming adds no sync of its own."""
         a, b = slot.emitted, int(self.h_n[slot_id])
         toks = self._d2h(self.tokens[slot_id, a:b])
-        hid = self._d2h(self.hiddens[slot_id, a:b]) if slot.req.want_hidden else None
+        hid = self._d2h(self.hiddens[slot_id, a:b].float()) if slot.req.want_hidden else None
         slot.emitted = b
         self._pending.append((slot, toks, hid))
 
@@ -942,6 +1095,8 @@ class Engine:
             for _, res in results:
                 if res.tokens is not None:
                     res.ready = ready
+        for i, _ in items:  # their pages back to the pool (the copies and steps queued before read them first)
+            self._release(i)
         self._compact({i for i, _ in items})  # after the results' copies: they are queued first
         for req, res in results:
             self._hand_off(req, res)
@@ -951,12 +1106,12 @@ class Engine:
         if reason not in ("eos", "max_tokens"):
             return GenResult(None, None, reason, steps=n)
         toks = self._d2h(self.tokens[slot_id, :n, 0] if req.mode == "text" else self.tokens[slot_id, :n])
-        hid = self._d2h(self.hiddens[slot_id, :n]) if (req.want_hidden and req.mode == "code") else None
+        hid = self._d2h(self.hiddens[slot_id, :n].float()) if (req.want_hidden and req.mode == "code") else None
         return GenResult(toks, hid, reason, steps=n)
 
     def _compact(self, done: Set[int]) -> None:
-        """Keep the running requests in slots 0..B-1: the last ones move into the freed slots below,
-        so every step attends over one contiguous range of the cache."""
+        """Keep the running requests in slots 0..B-1: the last ones move into the freed slots below (their
+        state and block table rows; their keys and values stay in their pages). `done` rows hold no pages."""
         b = len(self.rows)
         keep = b - len(done)
         holes = sorted(i for i in done if i < keep)
@@ -965,14 +1120,14 @@ class Engine:
             src_h, dst_h = np.array(movers), np.array(holes)
             src = self._h2d(torch.from_numpy(src_h))
             dst = self._h2d(torch.from_numpy(dst_h))
-            m = int((self.h_plen[src_h] + self.h_n[src_h]).max())  # cache places written so far (≤ context)
             t = int(self.h_n[src_h].max()) + 1
-            for buf in (self.k_cache.narrow(2, 0, m), self.v_cache.narrow(2, 0, m)):
-                buf.index_copy_(1, dst, buf.index_select(1, src))
             for buf in (self.tokens.narrow(1, 0, t), self.hiddens.narrow(1, 0, t), self.pi, self.pf):
                 buf.index_copy_(0, dst, buf.index_select(0, src))
-            for arr in (self.h_n, self.h_plen, self.h_max, self.h_text):
+            for arr in (self.h_n, self.h_plen, self.h_max, self.h_text, self.h_table, self.h_pages):
                 arr[dst_h] = arr[src_h]
+            self.h_table[src_h] = 0
+            self.h_pages[src_h] = 0
+            self._dirty.update(holes + movers)
             for s, d in zip(movers, holes):
                 slot = self.rows[s]
                 slot.idx = d
@@ -992,6 +1147,8 @@ class Engine:
 
     def _fail_all(self, error: BaseException) -> None:
         self._pending.clear()
+        for i in range(len(self.rows)):
+            self._release(i)
         rows, self.rows = self.rows, []
         self.streaming.clear()
         results = [(s.req, GenResult(None, None, "error", error=error, steps=int(self.h_n[s.idx]))) for s in rows]

@@ -1,11 +1,12 @@
-"""The ChatTTS acoustic model (Embed + 20-layer Llama + heads) with a slot-indexed static KV cache.
+"""The ChatTTS acoustic model (Embed + 20-layer Llama + heads) with a paged KV cache.
 
-TorchScript-able (`torch.jit.script`). The engine owns the cache tensors and passes them in; every
-request lives in one cache slot and its positions start at 0, so no left padding is ever needed and
-a request computes the same numbers whichever batch it shares. A batch is a contiguous range of
-slots (`slot_start`..), so attention reads the cache in place.
+TorchScript-able (`torch.jit.script`). The engine owns the cache tensors and passes them in. The cache
+is a pool of pages of `KV_PAGE_TOKENS` positions; each request's positions start at 0 and its block
+table row (`tables`, page ids in order) says where they live, so no left padding is ever needed and a
+request computes the same numbers whichever batch or pages it gets. Page 0 is scratch: padding writes
+land there and nothing attends it.
 
-Cache layout: k_cache / v_cache [layers, slots, context, kv_heads, head_dim].
+Cache layout: k_cache / v_cache [layers, pages, page positions, kv_heads, head_dim].
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class DecoderLayer(nn.Module):
         layer: int,
         write_index: Tensor,
         write_at: List[Optional[Tensor]],
-        slot_start: int,
+        tables: Tensor,
         attn_len: int,
         mask: Tensor,
         fresh: bool,
@@ -93,16 +94,15 @@ class DecoderLayer(nn.Module):
         v = v.view(b, t, self.kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        # write this step's keys/values into each request's slot, then attend over the slots in
-        # place: rows are the contiguous slots slot_start.., so a view, no gather, feeds the attention
+        # write this step's keys/values into each request's pages, then attend over them
         k = k.reshape(b * t, self.kv_heads, self.head_dim).to(k_cache.dtype)
         v = v.reshape(b * t, self.kv_heads, self.head_dim).to(v_cache.dtype)
-        if torch.jit.is_scripting():  # the exported path, as measured (bench/results/2026-11-30-h200-step.md)
-            s, c = k_cache.shape[1], k_cache.shape[2]
-            k_cache.select(0, layer).view(s * c, self.kv_heads, self.head_dim).index_copy_(0, write_index, k)
-            v_cache.select(0, layer).view(s * c, self.kv_heads, self.head_dim).index_copy_(0, write_index, v)
+        if torch.jit.is_scripting():  # the exported path: one index_copy_ into the layer's flat positions
+            n, page = k_cache.shape[1], k_cache.shape[2]
+            k_cache.select(0, layer).view(n * page, self.kv_heads, self.head_dim).index_copy_(0, write_index, k)
+            v_cache.select(0, layer).view(n * page, self.kv_heads, self.head_dim).index_copy_(0, write_index, v)
         else:  # torch.compile: one index_put_ on the whole cache stays in place (through a view,
-            # the compiled step copied the 16 GB cache every step)
+            # the compiled step copied the whole cache every step)
             layer_ids = write_at[0]
             assert layer_ids is not None
             at: List[Optional[Tensor]] = [layer_ids.narrow(0, layer, 1), write_at[1], write_at[2]]
@@ -110,15 +110,18 @@ class DecoderLayer(nn.Module):
             v_cache.index_put_(at, v)
         if not torch.jit.is_scripting():  # (TorchScript does not compile this branch)
             if lengths is not None:  # a decode step reading each row's own keys only
-                attn = self._decode_attention(q, k_cache, v_cache, layer, slot_start, lengths)
+                attn = decode_attention(q.select(1, 0).contiguous(), k_cache.select(0, layer), v_cache.select(0, layer),
+                                        tables, lengths)
                 x = x + self.o_proj(attn.reshape(b, t, self.heads * self.head_dim))
                 return self._mlp(x)
         if fresh:  # a prefill from position 0: its own keys are all it attends (as the cache would give them)
             keys = k.view(b, t, self.kv_heads, self.head_dim).to(q.dtype)
             values = v.view(b, t, self.kv_heads, self.head_dim).to(q.dtype)
-        else:
-            keys = k_cache.select(0, layer).narrow(0, slot_start, b).narrow(1, 0, attn_len).to(q.dtype)
-            values = v_cache.select(0, layer).narrow(0, slot_start, b).narrow(1, 0, attn_len).to(q.dtype)
+        else:  # the rows' pages in order, cut at the attention length
+            page = k_cache.shape[2]
+            pages = tables.narrow(1, 0, (attn_len + page - 1) // page)
+            keys = _gather_pages(k_cache.select(0, layer), pages, attn_len).to(q.dtype)
+            values = _gather_pages(v_cache.select(0, layer), pages, attn_len).to(q.dtype)
         rep = self.heads // self.kv_heads
         if rep > 1:
             keys = keys.repeat_interleave(rep, dim=2)
@@ -128,14 +131,6 @@ class DecoderLayer(nn.Module):
         )
         x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
         return self._mlp(x)
-
-    def _decode_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, layer: int, slot_start: int,
-                          lengths: Tensor) -> Tensor:
-        """q [B, 1, heads, head_dim] → [B, heads, head_dim] over each row's first lengths[i] cached keys."""
-        b = q.shape[0]
-        keys = k_cache.select(0, layer).narrow(0, slot_start, b)
-        values = v_cache.select(0, layer).narrow(0, slot_start, b)
-        return decode_attention(q.select(1, 0).contiguous(), keys, values, lengths)
 
     def _mlp(self, x: Tensor) -> Tensor:
         h = self.post_attention_layernorm(x)
@@ -153,6 +148,12 @@ def _concat_linear(parts: List[Optional[nn.Linear]]) -> nn.Linear:
     fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
     fused.weight = nn.Parameter(w, requires_grad=False)
     return fused
+
+
+def _gather_pages(pool: Tensor, pages: Tensor, length: int) -> Tensor:
+    """pool [pages, page, kvh, d], pages [B, n] → the rows' positions 0..length-1 [B, length, kvh, d]."""
+    b, n = pages.shape[0], pages.shape[1]
+    return pool.index_select(0, pages.reshape(-1)).view(b, n * pool.shape[1], pool.shape[2], pool.shape[3]).narrow(1, 0, length)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -216,38 +217,37 @@ class ChatTTSGPT(nn.Module):
         """h [B, hidden] → float logits [B, num_text_tokens]"""
         return F.linear(h, self.head_text.to(h.dtype)).float()
 
-    def forward(self, x: Tensor, positions: Tensor, slot_start: int, k_cache: Tensor, v_cache: Tensor, attn_len: int) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, tables: Tensor, k_cache: Tensor, v_cache: Tensor, attn_len: int) -> Tensor:
         """One prefill or decode step.
 
-        x [B, T, hidden]; positions [B, T] int64 (absolute, -1 = padding: written to a scratch
-        place and never attended); row i uses cache slot slot_start + i; attn_len = 1 + the
-        largest position in the step. Returns the final-norm hidden states [B, T, hidden].
+        x [B, T, hidden]; positions [B, T] int64 (absolute, -1 = padding: written to the scratch page
+        and never attended); tables [B, W] int64: row i's pages (its positions p live in page
+        tables[i, p // page]); attn_len = 1 + the largest position in the step. Returns the final-norm
+        hidden states [B, T, hidden].
         """
-        b = x.shape[0]
-        slots = torch.arange(slot_start, slot_start + b, dtype=torch.int64, device=x.device)
-        return self._layers(x, positions, slots, slot_start, k_cache, v_cache, attn_len, False)
+        return self._layers(x, positions, tables, k_cache, v_cache, attn_len, False)
 
     @torch.jit.export
-    def prefill(self, x: Tensor, positions: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        """Prompts from position 0: row i is written to cache slot slots[i] and attends only its own
-        prompt (the cache holds nothing before it), so the slots are a tensor, not a range: a CUDA
-        graph of it serves any slots. positions [B, T] are 0.. then -1 (padding); a row of all -1
-        (bucket padding) computes without effect (its writes land where nothing reads them)."""
-        return self._layers(x, positions, slots, 0, k_cache, v_cache, x.shape[1], True)
+    def prefill(self, x: Tensor, positions: Tensor, tables: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """Prompts from position 0: row i is written to the pages tables[i] and attends only its own
+        prompt (the cache holds nothing before it). positions [B, T] are 0.. then -1 (padding); a row of
+        all -1 (bucket padding) computes without effect (its writes land in the scratch page)."""
+        return self._layers(x, positions, tables, k_cache, v_cache, x.shape[1], True)
 
-    def _layers(self, x: Tensor, positions: Tensor, slots: Tensor, slot_start: int, k_cache: Tensor, v_cache: Tensor,
+    def _layers(self, x: Tensor, positions: Tensor, tables: Tensor, k_cache: Tensor, v_cache: Tensor,
                 attn_len: int, fresh: bool) -> Tensor:
         b, t, _ = x.shape
-        context = k_cache.shape[2]
+        page = k_cache.shape[2]
         valid = positions >= 0
         pos = torch.where(valid, positions, torch.zeros_like(positions))
-        # padding goes to the slot's last place: it is rewritten before it can ever be attended
-        place = torch.where(valid, pos, torch.full_like(pos, context - 1))
-        write_index = (slots.unsqueeze(1) * context + place).reshape(b * t)  # within a layer (TorchScript)
+        # each position's page and place in it; padding goes to the scratch page 0
+        blocks = torch.where(valid, tables.gather(1, torch.div(pos, page, rounding_mode="floor")), torch.zeros_like(pos))
+        places = torch.where(valid, torch.remainder(pos, page), torch.zeros_like(pos))
+        write_index = (blocks * page + places).reshape(b * t)  # within a layer (TorchScript)
         write_at: List[Optional[Tensor]] = []
-        if not torch.jit.is_scripting():  # (layer ids, slot, place) for torch.compile's index_put_
+        if not torch.jit.is_scripting():  # (layer ids, page, place) for torch.compile's index_put_
             layer_ids = torch.arange(self.layers_n, dtype=torch.int64, device=x.device)
-            write_at = [layer_ids, slots.unsqueeze(1).expand(b, t).reshape(b * t), place.reshape(b * t)]
+            write_at = [layer_ids, blocks.reshape(b * t), places.reshape(b * t)]
         freqs = pos.unsqueeze(-1).float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(x.dtype).unsqueeze(2)
@@ -261,12 +261,14 @@ class ChatTTSGPT(nn.Module):
             if self.decode_kernel and t == 1 and not fresh:
                 lengths = pos.select(1, 0) + 1  # keys 0..pos, as the mask allows
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache, v_cache, i, write_index, write_at, slot_start, attn_len, mask, fresh, lengths)
+            x = layer(x, cos, sin, k_cache, v_cache, i, write_index, write_at, tables, attn_len, mask, fresh, lengths)
         return self.norm(x)
 
     @torch.jit.export
-    def new_cache(self, slots: int, context: int, dtype: torch.dtype, device: torch.device) -> List[Tensor]:
-        shape = [self.layers_n, slots, context, self.kv_heads, self.head_dim]
+    def new_cache(self, pages: int, page: int, dtype: torch.dtype, device: torch.device) -> List[Tensor]:
+        """Keys and values of `pages` pages of `page` positions (page 0: scratch). Zeros: a page's places past
+        a row's length are masked, but a masked score times a value must not be NaN."""
+        shape = [self.layers_n, pages, page, self.kv_heads, self.head_dim]
         return [torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)]
 
 

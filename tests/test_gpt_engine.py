@@ -11,7 +11,8 @@ import torch
 
 from chattts_triton import sampling
 from chattts_triton.assets import infer_arch
-from chattts_triton.engine import Engine, GenRequest, SamplingParams
+from chattts_triton.config import KV_PAGE_TOKENS
+from chattts_triton.engine import Engine, EngineError, GenRequest, SamplingParams
 from chattts_triton.gpt import load_gpt
 
 
@@ -75,16 +76,17 @@ def tiny(tiny_assets):
 
 
 def test_prefill_and_cached_decode_match_llama_with_its_cache(tiny):
+    """Keys and values in scattered pages of the pool (the block table's order, not the pool's)."""
     from transformers import DynamicCache
 
     arch, emb, g, ours = tiny
     torch.manual_seed(0)
     ids = torch.randint(0, arch.num_text_tokens, (1, 17))
-    kc, vc = ours.new_cache(3, 64, torch.float32, torch.device("cpu"))
-    slot = 2
+    kc, vc = ours.new_cache(9, KV_PAGE_TOKENS, torch.float32, torch.device("cpu"))
+    tables = torch.tensor([[5, 2, 8, 3]])  # positions 0-15 in page 5, 16-31 in page 2, ...
     with torch.no_grad():
         out = g.gpt(inputs_embeds=emb.emb_text(ids), use_cache=True, past_key_values=DynamicCache())
-        h = ours(ours.embed_text(ids), torch.arange(17).unsqueeze(0), slot, kc, vc, 17)
+        h = ours(ours.embed_text(ids), torch.arange(17).unsqueeze(0), tables, kc, vc, 17)
         assert (out.last_hidden_state - h).abs().max() <= 1e-4
         up_text = emb.head_text(out.last_hidden_state[:, -1])
         assert (up_text - ours.logits_text(h[:, -1])).abs().max() <= 1e-4
@@ -94,80 +96,57 @@ def test_prefill_and_cached_decode_match_llama_with_its_cache(tiny):
             e_up = torch.stack([emb.emb_code[i](codes[:, :, i]) for i in range(4)], 3).sum(3)
             o = g.gpt(inputs_embeds=e_up, past_key_values=pkv, use_cache=True, position_ids=torch.tensor([[17 + step]]))
             pkv = o.past_key_values
-            hm = ours(ours.embed_code(codes), torch.tensor([[17 + step]]), slot, kc, vc, 18 + step)
+            hm = ours(ours.embed_code(codes), torch.tensor([[17 + step]]), tables, kc, vc, 18 + step)
             assert (o.last_hidden_state - hm).abs().max() <= 1e-4
             up_codes = torch.stack([emb.head_code[i](o.last_hidden_state[:, -1]) for i in range(4)], 1)
             assert (up_codes - ours.logits_code(hm[:, -1])).abs().max() <= 1e-4
+    assert kc[:, [1, 4, 6, 7]].abs().sum() == 0  # pages no row holds are never written
 
 
 @pytest.mark.parametrize("scripted", [False, True])
-def test_prefill_by_slot_tensor_equals_the_slot_range_forward(tiny, scripted):
-    """`prefill` (slots as a tensor, attention over the prompt's own keys: what a CUDA graph can
-    replay for any slots) computes what `forward` over the slot range does, and writes the same
-    cache; a bucket-padding row (all positions -1) writes only the unread last place of its slot."""
+def test_prefill_equals_the_forward_over_the_same_pages(tiny, scripted):
+    """`prefill` (attention over the prompt's own keys: what a CUDA graph can replay for any pages)
+    computes what `forward` over the same block tables does, and writes the same cache; a bucket-padding
+    row (all positions -1) writes only the scratch page 0, which nothing reads."""
     arch, _, _, ours = tiny
     model = torch.jit.script(ours) if scripted else ours
     g = torch.Generator().manual_seed(3)
-    lens, t, b0, context = [7, 12, 3], 12, 1, 64
+    lens, t, page = [7, 20, 3], 20, KV_PAGE_TOKENS
     ids = torch.randint(0, arch.num_text_tokens, (len(lens), t), generator=g)
     pos = torch.full((len(lens) + 1, t), -1, dtype=torch.int64)
     for i, n in enumerate(lens):
         pos[i, :n] = torch.arange(n)
     x = model.embed_text(torch.cat([ids, ids[:1]]))
+    tables = torch.tensor([[3, 0], [6, 1], [2, 0], [3, 0]])  # the padding row points at the first row's pages
     with torch.no_grad():
-        kf, vf = model.new_cache(5, context, torch.float32, torch.device("cpu"))
+        kf, vf = model.new_cache(7, page, torch.float32, torch.device("cpu"))
         for c in (kf, vf):
             c.normal_(generator=g)  # an earlier occupant's leftovers
         kp, vp = kf.clone(), vf.clone()
-        h_fwd = model(x[:3], pos[:3], b0, kf, vf, t)
-        slots = torch.tensor([b0, b0 + 1, b0 + 2, b0])  # the padding row points at the first slot
-        h_pre = model.prefill(x, pos, slots, kp, vp)
+        h_fwd = model(x[:3], pos[:3], tables[:3], kf, vf, t)
+        h_pre = model.prefill(x, pos, tables, kp, vp)
     for i, n in enumerate(lens):
         assert torch.allclose(h_pre[i, :n], h_fwd[i, :n], atol=1e-6, rtol=0)
-    read = torch.ones(context, dtype=torch.bool)
-    read[-1] = False  # padding's scratch place: rewritten before any step reads it
-    assert torch.equal(kp[:, :, read], kf[:, :, read]) and torch.equal(vp[:, :, read], vf[:, :, read])
+    read = torch.ones(7, dtype=torch.bool)
+    read[0] = False  # scratch: padding writes land there
+    assert torch.equal(kp[:, read], kf[:, read]) and torch.equal(vp[:, read], vf[:, read])
 
 
-class _ExportWithoutPrefill(torch.nn.Module):
-    """A gpt.pt exported before `prefill` existed: the same methods less that one."""
+class _ExportBeforePages(torch.nn.Module):
+    """A gpt.pt exported before the paged cache: its forward takes a slot range."""
 
     def __init__(self, model):
         super().__init__()
         self.m = model
-        self.num_audio_tokens = model.num_audio_tokens
 
     def forward(self, x, positions, slot_start: int, k_cache, v_cache, attn_len: int):
-        return self.m(x, positions, slot_start, k_cache, v_cache, attn_len)
-
-    def embed_text(self, ids):
-        return self.m.embed_text(ids)
-
-    def embed_code(self, codes):
-        return self.m.embed_code(codes)
-
-    def logits_code(self, h):
-        return self.m.logits_code(h)
-
-    def logits_text(self, h):
-        return self.m.logits_text(h)
-
-    def new_cache(self, slots: int, context: int, dtype: torch.dtype, device: torch.device):
-        return self.m.new_cache(slots, context, dtype, device)
+        raise AssertionError("never called")
 
 
-def test_an_export_without_prefill_is_served_through_forward(tiny):
-    from chattts_triton.engine import CudaGraphs
-
+def test_an_export_before_the_paged_cache_is_refused_with_what_to_do(tiny):
     arch, _, _, ours = tiny
-    specs = scenario_specs()[:4]
-    want = drive(make_engine(ours, arch, max_slots=8, start=False), specs)
-    eng = make_engine(_ExportWithoutPrefill(ours), arch, max_slots=8, start=False)
-    assert not eng.prefill_by_slots
-    eng.graphs = CudaGraphs(eng, capture=False)  # graph buckets on: its prefills still run eagerly
-    got = drive(eng, specs)
-    check_same_as_alone(want, got)
-    assert not any(key[0] == "prefill" for key in eng.graphs.graphs)
+    with pytest.raises(EngineError, match="re-export"):
+        make_engine(_ExportBeforePages(ours), arch, start=False)
 
 
 @pytest.mark.parametrize("scripted", [False, True])
@@ -372,12 +351,13 @@ def test_reduced_precision_gpt_stays_within_stated_bound(request, size, dtype):
     ours = torch.jit.script(load_gpt(folder, arch).to(dtype))
     rel_bound, logit_bound = REDUCED_BOUNDS[dtype]
     ids = torch.randint(0, 21000, (1, 30), generator=torch.Generator().manual_seed(0))
-    kc, vc = ours.new_cache(1, 64, dtype, torch.device("cpu"))
+    kc, vc = ours.new_cache(5, KV_PAGE_TOKENS, dtype, torch.device("cpu"))
+    tables = torch.tensor([[4, 1, 3, 2]])
     with torch.no_grad():
         out = g.gpt(inputs_embeds=emb.emb_text(ids), use_cache=True, past_key_values=DynamicCache())
         pkv = out.past_key_values
         ref = out.last_hidden_state
-        h = ours(ours.embed_text(ids), torch.arange(30).unsqueeze(0), 0, kc, vc, 30).float()
+        h = ours(ours.embed_text(ids), torch.arange(30).unsqueeze(0), tables, kc, vc, 30).float()
         for step in range(21):
             assert ((h - ref).norm() / ref.norm()).item() <= rel_bound
             up_logits = torch.stack([emb.head_code[i](ref[:, -1]) for i in range(4)], 1)
@@ -386,7 +366,7 @@ def test_reduced_precision_gpt_stays_within_stated_bound(request, size, dtype):
             e_up = torch.stack([emb.emb_code[i](codes[:, :, i]) for i in range(4)], 3).sum(3)
             o = g.gpt(inputs_embeds=e_up, past_key_values=pkv, use_cache=True, position_ids=torch.tensor([[30 + step]]))
             pkv, ref = o.past_key_values, o.last_hidden_state
-            h = ours(ours.embed_code(codes), torch.tensor([[30 + step]]), 0, kc, vc, 31 + step).float()
+            h = ours(ours.embed_code(codes), torch.tensor([[30 + step]]), tables, kc, vc, 31 + step).float()
 
 
 # --- compaction, bucket padding rows, streaming, admission ---------------------------------------
@@ -523,6 +503,73 @@ def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs):
     assert torch.equal(eng.pi, eng._free_pi.expand(8, -1)) and (eng.pf == 1).all()  # free slots are reset
 
 
+def assert_pool_whole(eng):
+    assert sorted(eng.free_pages) == list(range(1, eng.num_pages)) and not eng._suspended
+    assert not eng.h_table.any() and not eng.h_pages.any()
+
+
+@pytest.mark.parametrize("graphs", ["eager", "buckets"])
+def test_requests_suspended_for_want_of_pages_resume_exactly_where_they_stopped(tiny, graphs):
+    """A page pool too small for the scenario's requests together (the smallest the context allows: one
+    request of the full context): the newest are suspended mid-generation, their pages copied out, and
+    resumed later. Each request's tokens, hidden states and stream chunks are still what it produces
+    alone, and every page comes back to the pool."""
+    from chattts_triton.engine import CudaGraphs
+
+    arch, _, _, ours = tiny
+    specs = scenario_specs()
+    alone = [drive(make_engine(ours, arch, max_slots=8, start=False), [s])[0] for s in specs]
+    longest = max(len(s["ids"]) + s["params"].max_new_tokens for s in specs)
+    eng = make_engine(ours, arch, max_slots=8, max_context=longest, cache_tokens=longest, start=False)
+    assert eng.num_pages - 1 == -(-longest // KV_PAGE_TOKENS) == 5
+    if graphs == "buckets":
+        eng.graphs = CudaGraphs(eng, capture=False)
+    batched = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2])
+    check_same_as_alone(alone, batched)
+    assert eng.preemptions >= 3 and eng.resumes == eng.preemptions, eng.preemptions
+    stats = eng.stats()
+    assert stats["engine_preemptions"] == eng.preemptions and stats["engine_kv_pages_free"] == stats["engine_kv_pages"] == 5
+    assert_pool_whole(eng)
+
+
+def test_a_request_cancelled_while_suspended_ends_cancelled_and_frees_nothing_twice(tiny):
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, max_slots=4, max_context=64, cache_tokens=64, start=False)
+    g = torch.Generator().manual_seed(5)
+    specs = [dict(ids=torch.randint(0, 21000, (8,), generator=g), params=SamplingParams(0.3, 0.7, 20, 1.05, 40, 40, seed=i))
+             for i in range(3)]  # 3 × 48 positions (3 pages) in a pool of 4 pages: two start, one is suspended
+    recs = [_Rec(spec) for spec in specs]
+    for r in recs:
+        eng.submit(r.req)
+    for _ in range(200):
+        eng._run_once(block=False)
+        if eng._suspended:
+            break
+    assert eng._suspended, "no request was suspended"
+    victim = next(r for r in recs if id(r.req) in eng._suspended)
+    victim.req.cancel()
+    for _ in range(400):
+        if all(r.result is not None for r in recs):
+            break
+        eng._run_once(block=False)
+    assert victim.result.finish_reason == "cancelled" and victim.result.steps > 0
+    assert all(r.result.finish_reason == "max_tokens" and len(r.result.tokens) == 40 for r in recs if r is not victim)
+    assert_pool_whole(eng)
+
+
+def test_admission_waits_for_pages_and_a_pool_below_one_full_context_is_refused(tiny):
+    arch, _, _, ours = tiny
+    with pytest.raises(EngineError, match="full context"):
+        make_engine(ours, arch, max_context=128, cache_tokens=100, start=False)
+    eng = make_engine(ours, arch, max_slots=8, max_context=128, cache_tokens=128, start=False)
+    g = torch.Generator().manual_seed(6)
+    for i in range(4):  # 4 prompts of 3 pages each in a pool of 8 pages
+        eng.submit(GenRequest(torch.randint(0, 21000, (40,), generator=g), SamplingParams(0.3, 0.7, 20, 1.05, 8, 8, seed=i),
+                              lambda r: None))
+    eng._run_once(block=False)
+    assert len(eng.rows) == 2 and eng.pending == 2  # 2 × 3 pages, and one in reserve for each of them
+
+
 @pytest.mark.parametrize("fused_export", [True, False])
 def test_eager_module_from_the_exported_torchscript_computes_the_same(tiny, fused_export):
     """torch.compile traces the plain module rebuilt from gpt.pt's weights, buffers included; it has
@@ -541,9 +588,9 @@ def test_eager_module_from_the_exported_torchscript_computes_the_same(tiny, fuse
         ids = torch.randint(0, arch.num_text_tokens, (2, 9))
         outs = []
         for m in (script, eager):
-            kc, vc = m.new_cache(4, 32, dtype, torch.device("cpu"))
+            kc, vc = m.new_cache(4, KV_PAGE_TOKENS, dtype, torch.device("cpu"))
             with torch.no_grad():
-                outs.append(m(m.embed_text(ids), torch.arange(9).expand(2, 9), 1, kc, vc, 9))
+                outs.append(m(m.embed_text(ids), torch.arange(9).expand(2, 9), torch.tensor([[2], [3]]), kc, vc, 9))
         if fused_export:
             assert torch.equal(outs[0], outs[1])
         else:
@@ -565,10 +612,11 @@ def test_fused_projections_compute_what_the_separate_ones_do(tiny_assets, script
     pos = torch.arange(11).expand(3, 11)
     outs = []
     for m in (sep, fused):
-        kc, vc = m.new_cache(4, 32, torch.float32, torch.device("cpu"))
+        kc, vc = m.new_cache(4, KV_PAGE_TOKENS, torch.float32, torch.device("cpu"))
+        tables = torch.tensor([[3], [1], [2]])
         with torch.no_grad():
-            h = m.prefill(x, pos, torch.tensor([3, 0, 1]), kc, vc)
-            step = m(x[:, :1], torch.full((3, 1), 11), 0, kc, vc, 12)
+            h = m.prefill(x, pos, tables, kc, vc)
+            step = m(x[:, :1], torch.full((3, 1), 11), tables, kc, vc, 12)
         outs.append((h, step, kc, vc))
     for a, b in zip(*outs):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
