@@ -20,9 +20,10 @@ from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
-from .config import (ADMIT_BATCH, ADMIT_WAIT_STEPS, FIRST_CHUNK_BUCKETS_MS, GIL_SWITCH_INTERVAL_MAX_US, GIL_SWITCH_INTERVAL_US, Arch,
-                     first_chunk_bucket)
-from .repo_config import MANIFEST
+from .config import (ADMIT_BATCH, ADMIT_WAIT_STEPS, FIRST_CHUNK_BUCKETS_MS, GIL_SWITCH_INTERVAL_MAX_US, GIL_SWITCH_INTERVAL_US,
+                     PENDING_PER_SLOT, Arch, first_chunk_bucket)
+from .memory import VOCODER_BYTES
+from .repo_config import AUTO, MANIFEST
 from .serve import INFLIGHT_METRIC
 from .services import Call, Overloaded
 from .streaming import StreamCall
@@ -149,6 +150,13 @@ STAT_HELP = {
     "engine_gil_wait_seconds": "summed time of the engine thread to get the GIL back after a time.sleep(0) (cumulative; sampled steps; ≈ 0.07 ms each with no wait)",
     "engine_gil_wait_samples": "GIL waits sampled (one decode step in 64; cumulative)",
     "engine_results_pending": "finished generations whose results wait for their consumer (grows if replies are stuck)",
+    "engine_slots": "generations this engine runs at once (configured, or sized from the GPU's memory)",
+    "engine_kv_pages": "pages of the engine's paged KV cache (16 positions each)",
+    "engine_kv_pages_free": "of those, the pages no generation holds",
+    "engine_preemptions": "generations suspended to host memory for want of KV pages (cumulative; resumed exactly later)",
+    "engine_resumes": "suspended generations resumed (cumulative)",
+    "gpu_memory_reserved_bytes": "GPU memory this model instance's process holds through torch's allocator",
+    "gpu_memory_peak_reserved_bytes": "the most it held so far",
     "streams": "streams in flight in this instance",
     "stream_first_chunks": "streams whose first chunk was sent (cumulative)",
     "stream_first_tokens_seconds": "summed time from a stream's start to its first tokens reaching the codec (cumulative)",
@@ -159,6 +167,15 @@ STAT_HELP = {
     **{first_chunk_bucket(ms): f"streams whose first chunk was sent within {ms} ms of their start (cumulative)"
        for ms in FIRST_CHUNK_BUCKETS_MS},
 }
+
+
+def gpu_memory_stats() -> Dict[str, float]:
+    """This process's GPU memory through torch's allocator, where it uses a GPU (no CUDA call otherwise)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return {}
+    return {"gpu_memory_reserved_bytes": torch.cuda.memory_reserved(),
+            "gpu_memory_peak_reserved_bytes": torch.cuda.max_memory_reserved()}
 
 
 def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
@@ -176,9 +193,9 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
             self.stat_gauges = {}
             self.decoupled = bool(self.ctx.config.get("model_transaction_policy", {}).get("decoupled"))
             self.closed = threading.Event()
-            if hasattr(self.service, "stats"):  # e.g. engine slots in use: a cancel shows up here
+            if self._stats():  # e.g. engine slots in use (a cancel shows up here), GPU memory
                 self.stat_gauges = {k: _gauge(pb_utils, f"chattts_{k}", STAT_HELP.get(k, f"{k} of this model instance"), self.ctx)
-                                    for k in self.service.stats()}
+                                    for k in self._stats()}
             if self.gauge is not None or self.stat_gauges:
                 threading.Thread(target=self._publish, name="chattts-metrics", daemon=True).start()
 
@@ -196,7 +213,7 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
                     now = time.monotonic()
                     if self.stat_gauges and now >= stats_due:
                         stats_due = now + STATS_PERIOD_S
-                        for k, v in self.service.stats().items():
+                        for k, v in self._stats().items():
                             g = self.stat_gauges.get(k)
                             if g is not None and stats_published.get(k) != v:
                                 g[1].set(v)
@@ -204,6 +221,10 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
                 except Exception:  # noqa: BLE001  metrics are best effort
                     log.exception("publishing metrics failed")
                     return
+
+        def _stats(self) -> Dict[str, float]:
+            stats = self.service.stats() if hasattr(self.service, "stats") else {}
+            return {**stats, **gpu_memory_stats()}
 
         def _count(self, delta: int) -> None:
             with self.idle:
@@ -317,24 +338,43 @@ def preprocess_service(ctx: ModelContext):
 
     return PreprocessService(
         ctx.version_dir, ctx.arch, device_for(ctx.instance_kind, ctx.device_id),
-        ctx.param("artifact_format", "torchscript"), refine=refine,
+        ctx.param("artifact_format", "torchscript"), refine=refine, max_pending=ctx.param("max_pending", 0, cast=int),
     )
 
 
+def _auto_int(text: str) -> Optional[int]:
+    return None if text == AUTO else int(text)
+
+
+def _auto_float(text: str) -> Optional[float]:
+    return None if text == AUTO else float(text)
+
+
 def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None):
-    from .services import GPTService, device_for
+    """A GPT engine's service; its slots and KV cache as configured, or (auto) sized from the GPU's memory."""
+    from .services import GPTService, device_for, engine_plan, limit_process_memory
 
     set_switch_interval(ctx.param("gil_switch_interval_us", GIL_SWITCH_INTERVAL_US, cast=int))
+    device = device_for(ctx.instance_kind, ctx.device_id)
+    dtype, role = ctx.param("dtype", "fp32"), ctx.param("engine_role", "gpt")
+    max_context, max_new = ctx.param("max_context", cast=int), ctx.param("max_new_tokens", cast=int)
+    gpu_memory_gb = ctx.param("gpu_memory_gb", AUTO, cast=_auto_float)
+    plan = engine_plan(device, ctx.arch, dtype, role, ctx.param("max_slots", cast=_auto_int),
+                       ctx.param("cache_tokens", AUTO, cast=_auto_int), max_context, max_new, gpu_memory_gb,
+                       ctx.param("vocoder_instances", 1, cast=int))
+    limit_process_memory(device, plan.bytes + (VOCODER_BYTES if role == "stream" else 0), gpu_memory_gb)
+    pending = ctx.param("max_pending", "0", cast=_auto_int)
 
     return GPTService(
-        (version_dir or ctx.version_dir) / "gpt.pt", ctx.arch, device_for(ctx.instance_kind, ctx.device_id),
-        dtype=ctx.param("dtype", "fp32"),
-        max_slots=ctx.param("max_slots", cast=int),
-        max_context=ctx.param("max_context", cast=int),
-        max_new_tokens=ctx.param("max_new_tokens", cast=int),
+        (version_dir or ctx.version_dir) / "gpt.pt", ctx.arch, device,
+        dtype=dtype,
+        max_slots=plan.slots,
+        cache_tokens=plan.cache_tokens,
+        max_context=max_context,
+        max_new_tokens=max_new,
         text_eos_id=int(ctx.manifest["tokens"]["text_eos_id"]),
         spk_emb_id=int(ctx.manifest["tokens"]["spk_emb_id"]),
-        max_pending=ctx.param("max_pending", 0, cast=int),
+        max_pending=PENDING_PER_SLOT[role] * plan.slots if pending is None else pending,
         compile_step=bool(ctx.param("compile_step", 0, cast=int)),
         compile_prefill=bool(ctx.param("compile_prefill", 0, cast=int)),  # with compile_step only
         admit_batch=ctx.param("admit_batch", ADMIT_BATCH, cast=int),  # repositories configured before: the defaults
@@ -353,13 +393,16 @@ def set_switch_interval(us: int) -> None:
 
 def vocoder_service(ctx: ModelContext, version_dir: Optional[Path] = None, graphs: Optional[bool] = None):
     """graphs: CUDA graphs of the codec (None: the model's `codec_graphs` parameter, default off)."""
-    from .services import VocoderService, device_for
+    from .services import VocoderService, check_dtype_supported, device_for, limit_process_memory
 
     if graphs is None:
         graphs = bool(ctx.param("codec_graphs", 0, cast=int))
-
-    return VocoderService(version_dir or ctx.version_dir, ctx.arch, device_for(ctx.instance_kind, ctx.device_id),
-                          ctx.param("artifact_format", "torchscript"), graphs=graphs)
+    device = device_for(ctx.instance_kind, ctx.device_id)
+    check_dtype_supported(device, ctx.manifest.get("dtype", "fp32"))
+    if version_dir is None:  # chattts_vocoder's own process (the stream model's codec shares its engine's cap)
+        limit_process_memory(device, VOCODER_BYTES, ctx.param("gpu_memory_gb", AUTO, cast=_auto_float))
+    return VocoderService(version_dir or ctx.version_dir, ctx.arch, device, ctx.param("artifact_format", "torchscript"),
+                          graphs=graphs)
 
 
 def stream_service(ctx: ModelContext):
@@ -382,7 +425,7 @@ def stream_service(ctx: ModelContext):
     voc = vocoder_service(ctx, version(VOCODER), graphs=bool(ctx.param("codec_graphs", 1, cast=int)))
     return StreamService(
         pre, gpt, voc, **schedule,
-        max_streams=ctx.param("max_pending", cast=int), drain_file=os.environ.get(DRAIN_FILE_ENV, ""),
+        max_streams=gpt.max_pending, drain_file=os.environ.get(DRAIN_FILE_ENV, ""),
         codec_stream=bool(ctx.param("codec_stream", 0, cast=int)),
         first_chunks_first=bool(ctx.param("first_chunks_first", 0, cast=int)),
     )

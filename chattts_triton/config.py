@@ -40,6 +40,8 @@ ADMIT_WAIT_STEPS = 4
 # the interpreter's switch interval in a process that hosts a GPT engine (µs; 0: Python's 5000). The
 # engine thread lets the GIL go at every torch call, graph replay and host sync; while Triton's
 # request and reply threads want it, taking it back can wait the whole interval each time
+# an engine's admission bound per slot: generations running + waiting (GPT), streams in flight (stream model)
+PENDING_PER_SLOT = {"gpt": 4, "stream": 2}
 GIL_SWITCH_INTERVAL_US = 200
 GIL_SWITCH_INTERVAL_MAX_US = 1_000_000  # a larger value is a mistake (Python's own default is 5000)
 REPETITION_WINDOW = 16  # upstream CustomRepetitionPenaltyLogitsProcessorRepeat past_window

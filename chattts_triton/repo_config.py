@@ -18,7 +18,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from .config import (ADMIT_BATCH, ADMIT_WAIT_STEPS, ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, GIL_SWITCH_INTERVAL_MAX_US,
-                     GIL_SWITCH_INTERVAL_US, LIMITS, NUM_VQ, Arch)
+                     GIL_SWITCH_INTERVAL_US, LIMITS, NUM_VQ, PENDING_PER_SLOT, Arch)
+from .memory import CPU_SLOTS, GPU_MEMORY_UTILIZATION, MAX_SLOTS
 
 ENSEMBLE = "chattts"
 PREPROCESS = "chattts_preprocess"
@@ -57,20 +58,27 @@ class Deployment:
     gpus: List[int] = field(default_factory=list)  # empty: KIND_CPU
     instances: int = 1  # per GPU (or on CPU) for the batching python models
     max_batch_size: int = LIMITS.max_batch_size
-    max_queue_size: int = 256
+    # every Triton queue's bound (None: twice the engines' admission bound, so that no queue refuses a
+    # request the engine would take: the only overload answer is the engine's "server busy")
+    max_queue_size: Optional[int] = None
     queue_timeout_us: int = 0  # 0: no timeout
     # chattts_vocoder's batching delay (the other models never wait); 0 since 2026-12-02: with the vocoder's
     # graphs, 138 ms at concurrency 1 against 155 with a 2-ms delay and no graphs, 463.8 vs 464.7 utt/s at 512
     max_queue_delay_us: int = 0
-    gpt_slots: Optional[int] = None  # engine slots per GPT instance (None: by device)
-    gpt_context: int = 3072
-    gpt_max_pending: Optional[int] = None  # generations running + waiting per GPT engine (None: 4 × slots)
+    # engine slots per GPT instance and the positions of its paged KV cache (None: on a GPU from its memory,
+    # memory.plan; on the CPU 8 slots, a cache of slots × context)
+    gpt_slots: Optional[int] = None
+    gpt_cache_tokens: Optional[int] = None
+    gpt_context: int = 3072  # prompt + generated positions of one request
+    gpt_max_pending: Optional[int] = None  # generations running + waiting per GPT engine (None: 4 × slots; 0: no bound)
+    gpu_memory_gb: Optional[float] = None  # GPU memory the models plan with, GiB (None: the card's; memory.py)
     gpt_admit_batch: int = ADMIT_BATCH  # config.py: the engine's admission policy
     gpt_admit_wait_steps: int = ADMIT_WAIT_STEPS
     gil_switch_interval_us: int = GIL_SWITCH_INTERVAL_US  # processes hosting an engine (GPT, stream); 0: Python's
     dtype: str = "fp32"
     artifact_format: str = "torchscript"  # torchscript | onnx (decoder/vocoder/DVAE)
-    stream_slots: Optional[int] = None  # engine slots of each chattts_stream instance (None: by device)
+    stream_slots: Optional[int] = None  # engine slots of each chattts_stream instance (None: as gpt_slots)
+    stream_cache_tokens: Optional[int] = None
     stream_max_pending: Optional[int] = None  # streams in flight per instance before UNAVAILABLE (None: 2 × slots)
     stream_first_chunk_frames: int = 8  # code frames (21.3 ms of audio each) in the first chunk
     stream_chunk_frames: int = 32  # ... in each later chunk (more when generation runs ahead)
@@ -97,9 +105,14 @@ class Deployment:
     def from_manifest(cls, man: dict) -> "Deployment":
         """The deployment a repository was exported or configured with; one exported before the early
         first chunk keeps its exact chunks, one exported before the compiled step its TorchScript step, one
-        exported before the vocoder's graphs (2026-12-01) its eager vocoder."""
+        exported before the vocoder's graphs its eager vocoder. One written before the paged cache had every
+        queue at 256 by default (a burst was refused below the engine's bound): that default becomes the
+        engines' bound."""
+        dep = dict(man["deployment"])
+        if "gpt_cache_tokens" not in dep and dep.get("max_queue_size") == OLD_DEFAULT_QUEUE_SIZE:
+            dep["max_queue_size"] = None
         return cls(**{"stream_first_lookahead_frames": 0, "stream_fade_frames": 0, "gpt_compile": False,
-                      "vocoder_graphs": False, **man["deployment"]})
+                      "vocoder_graphs": False, **dep})
 
     def stream_schedule(self, arch: Arch) -> Dict[str, int]:
         """`chattts_stream`'s ChunkPlanner arguments (streaming.stream_schedule; ValueError if refused)."""
@@ -112,21 +125,35 @@ class Deployment:
     def kind(self) -> str:
         return "KIND_GPU" if self.gpus else "KIND_CPU"
 
-    def slots(self) -> int:
-        if self.gpt_slots is not None:
-            return self.gpt_slots
-        return LIMITS.max_batch_size * 4 if self.gpus else 8
+    def slots(self, role: str = "gpt") -> Optional[int]:
+        """An engine's slots (role "gpt" or "stream"); None: sized from the GPU's memory when it loads."""
+        n = self.gpt_slots if role == "gpt" else self.stream_slots
+        if n is not None or self.gpus:
+            return n
+        return CPU_SLOTS[role]
 
-    def max_pending(self) -> int:
-        return self.gpt_max_pending if self.gpt_max_pending is not None else 4 * self.slots()
+    def cache_tokens(self, role: str = "gpt") -> Optional[int]:
+        """Positions of an engine's KV cache; None: on a GPU from its memory, on the CPU slots × context."""
+        return self.gpt_cache_tokens if role == "gpt" else self.stream_cache_tokens
 
-    def stream_slot_count(self) -> int:
-        if self.stream_slots is not None:
-            return self.stream_slots
-        return 64 if self.gpus else 2
+    def max_pending(self, role: str = "gpt") -> Optional[int]:
+        """An engine's admission bound (running + waiting; 0: none); None: PENDING_PER_SLOT × the slots it sizes."""
+        n = self.gpt_max_pending if role == "gpt" else self.stream_max_pending
+        if n is not None:
+            return n
+        slots = self.slots(role)
+        return None if slots is None else PENDING_PER_SLOT[role] * slots
 
-    def stream_pending(self) -> int:
-        return self.stream_max_pending if self.stream_max_pending is not None else 2 * self.stream_slot_count()
+    def admission_bound(self, role: str = "gpt") -> int:
+        """The most requests the engines of a role (one per GPU) admit together, at any size they may take."""
+        n = self.max_pending(role)
+        if not n:  # sized at load, or unbounded: as if at the largest batch
+            n = PENDING_PER_SLOT[role] * (self.slots(role) or MAX_SLOTS[role])
+        return n * max(1, len(self.gpus))
+
+    def queue_size(self, role: str = "gpt") -> int:
+        """The Triton queue bound of the models a role's requests pass through."""
+        return self.max_queue_size if self.max_queue_size is not None else 2 * self.admission_bound(role)
 
 
 def _dims(dims, hidden: int) -> List[int]:
@@ -151,7 +178,15 @@ def _param(cfg, key: str, value) -> None:
     cfg.parameters[key].string_value = str(value)
 
 
-def _engine_params(cfg, dep: "Deployment", slots: int, pending: int) -> None:
+OLD_DEFAULT_QUEUE_SIZE = 256
+AUTO = "auto"  # a parameter sized when the model loads (from the GPU's memory)
+
+
+def _auto(value) -> str:
+    return AUTO if value is None else str(value)
+
+
+def _engine_params(cfg, dep: "Deployment", role: str) -> None:
     """What `backend.gpt_service` reads: the parameters of a model that hosts a GPT engine."""
     if dep.gpt_admit_batch < 1 or dep.gpt_admit_wait_steps < 0:
         raise ValueError(f"gpt_admit_batch must be ≥ 1 and gpt_admit_wait_steps ≥ 0, got "
@@ -159,9 +194,13 @@ def _engine_params(cfg, dep: "Deployment", slots: int, pending: int) -> None:
     if not 0 <= dep.gil_switch_interval_us <= GIL_SWITCH_INTERVAL_MAX_US:
         raise ValueError(f"gil_switch_interval_us must be in [0, {GIL_SWITCH_INTERVAL_MAX_US}] (0: Python's default), "
                          f"got {dep.gil_switch_interval_us}")
-    _param(cfg, "max_slots", slots)
+    _param(cfg, "max_slots", _auto(dep.slots(role)))
+    _param(cfg, "cache_tokens", _auto(dep.cache_tokens(role)))
     _param(cfg, "max_context", dep.gpt_context)
-    _param(cfg, "max_pending", pending)
+    _param(cfg, "max_pending", _auto(dep.max_pending(role)))
+    _param(cfg, "engine_role", role)
+    _param(cfg, "gpu_memory_gb", _auto(dep.gpu_memory_gb))
+    _param(cfg, "vocoder_instances", max(1, dep.instances))
     _param(cfg, "max_new_tokens", LIMITS.max_new_tokens)
     _param(cfg, "dtype", dep.dtype)
     _param(cfg, "compile_step", int(dep.gpt_compile))
@@ -171,13 +210,15 @@ def _engine_params(cfg, dep: "Deployment", slots: int, pending: int) -> None:
     _param(cfg, "gil_switch_interval_us", dep.gil_switch_interval_us)
 
 
-def _python_model(name: str, dep: Deployment, instances: int, gpu: bool) -> mc.ModelConfig:
+def _python_model(name: str, dep: Deployment, instances: int, gpu: bool, role: str = "gpt") -> mc.ModelConfig:
     if dep.max_queue_delay_us < 0:
         raise ValueError(f"max_queue_delay_us must be ≥ 0, got {dep.max_queue_delay_us}")
+    if dep.max_queue_size is not None and dep.max_queue_size < 1:
+        raise ValueError(f"max_queue_size must be ≥ 1, got {dep.max_queue_size}")
     cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=dep.max_batch_size)
     db = cfg.dynamic_batching
     db.max_queue_delay_microseconds = dep.max_queue_delay_us
-    db.default_queue_policy.max_queue_size = dep.max_queue_size
+    db.default_queue_policy.max_queue_size = dep.queue_size(role)
     if dep.queue_timeout_us:
         db.default_queue_policy.timeout_action = mc.ModelQueuePolicy.REJECT
         db.default_queue_policy.default_timeout_microseconds = dep.queue_timeout_us
@@ -195,11 +236,16 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     h = arch.gpt.hidden
     optional_contract = tuple(n for n, spec in ENSEMBLE_INPUTS.items() if not spec[2])
 
-    pre = _python_model(PREPROCESS, dep, max(1, dep.instances) * max(1, len(dep.gpus) or 1), gpu=True)
+    # tokenizer, normaliser, speaker strings and the reference-audio encoder run on the CPU: no GPU
+    # process (and no CUDA context's memory) for them
+    pre = _python_model(PREPROCESS, dep, max(1, dep.instances) * max(1, len(dep.gpus) or 1), gpu=False)
     _io(pre.input, _contract(PREPROCESS_FROM_ENSEMBLE), h, optional_contract)
     _io(pre.output, PROMPT_TENSORS, h, output=True)
     _param(pre, "gpt_model", GPT)
     _param(pre, "artifact_format", dep.artifact_format)
+    # requests it holds (being prepared) at most: what the GPT engines admit together; beyond that it
+    # answers "server busy" itself instead of queueing work the engines would refuse
+    _param(pre, "max_pending", dep.admission_bound("gpt"))
     # each request is prepared on its own (a thread pool): waiting for a batch buys nothing (2.2 ms at
     # concurrency 1 on the H200 and on the CPU)
     pre.dynamic_batching.max_queue_delay_microseconds = 0
@@ -211,7 +257,7 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     _io(gpt.input, _contract(GPT_FROM_ENSEMBLE), h, optional_contract)
     _io(gpt.input, GPT_EXTRA_INPUTS, h, optional=tuple(GPT_EXTRA_INPUTS))
     _io(gpt.output, GPT_OUTPUTS, h, output=True)
-    _engine_params(gpt, dep, dep.slots(), dep.max_pending())
+    _engine_params(gpt, dep, "gpt")
 
     voc = _python_model(VOCODER, dep, max(1, dep.instances), gpu=True)
     _io(voc.input, {"CODES": GPT_OUTPUTS["CODES"], "HIDDENS": GPT_OUTPUTS["HIDDENS"]}, h)
@@ -220,6 +266,7 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     _param(voc, "artifact_format", dep.artifact_format)
     _param(voc, "dtype", dep.dtype)
     _param(voc, "codec_graphs", int(dep.vocoder_graphs))
+    _param(voc, "gpu_memory_gb", _auto(dep.gpu_memory_gb))
 
     ens = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=dep.max_batch_size)
     _io(ens.input, {n: s[:2] for n, s in ENSEMBLE_INPUTS.items()}, h, optional_contract)
@@ -242,12 +289,12 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     step(VOCODER, VOCODER_FROM_ENSEMBLE, {n: f"_{n}" for n in GPT_OUTPUTS}, {"AUDIO": "AUDIO"})
 
     dep.stream_schedule(arch)  # refuse a schedule the model would refuse at load
-    stream = _python_model(STREAM, dep, 1, gpu=True)  # one engine per device, like the GPT
+    stream = _python_model(STREAM, dep, 1, gpu=True, role="stream")  # one engine per device, like the GPT
     stream.model_transaction_policy.decoupled = True
     stream.dynamic_batching.max_queue_delay_microseconds = 0  # a stream's first chunk must not wait for others
     _io(stream.input, {n: s[:2] for n, s in ENSEMBLE_INPUTS.items()}, h, optional_contract)
     _io(stream.output, ENSEMBLE_OUTPUTS, h, output=True)
-    _engine_params(stream, dep, dep.stream_slot_count(), dep.stream_pending())
+    _engine_params(stream, dep, "stream")
     _param(stream, "artifact_format", dep.artifact_format)
     _param(stream, "first_chunk_frames", dep.stream_first_chunk_frames)
     _param(stream, "chunk_frames", dep.stream_chunk_frames)
@@ -282,19 +329,45 @@ def read_manifest(repo: Path) -> dict:
     return json.loads(p.read_text(encoding="utf-8"))
 
 
+def _count_or_auto(text: str):
+    if text == AUTO:
+        return AUTO
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a count of at least 1 (or auto)")
+    return n
+
+
+def _gib_or_auto(text: str):
+    if text == AUTO:
+        return AUTO
+    x = float(text)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of GiB (or auto)")
+    return x
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m chattts_triton.repo_config", description="Rewrite instance groups and batching of an exported repository.")
     ap.add_argument("--repo", type=Path, required=True)
     ap.add_argument("--gpus", default="", help="comma-separated GPU ids; empty = CPU")
     ap.add_argument("--instances", type=int, default=1)
     ap.add_argument("--max-batch-size", type=int)
-    ap.add_argument("--max-queue-size", type=int)
+    ap.add_argument("--max-queue-size", type=_count_or_auto,
+                    help="every Triton queue's bound (auto, the default: twice what the engines admit)")
     ap.add_argument("--queue-timeout-us", type=int)
     ap.add_argument("--max-queue-delay-us", type=int,
                     help="how long chattts_vocoder waits to form a batch (default 0: it batches what queued while it "
                          "worked; the other models never wait: the GPT and stream models batch in their engines, the "
                          "preprocess model prepares each request on its own)")
-    ap.add_argument("--gpt-slots", type=int)
+    ap.add_argument("--gpt-slots", type=_count_or_auto,
+                    help="engine slots per GPT instance (auto, the default: on a GPU from its memory, 8 on the CPU)")
+    ap.add_argument("--gpt-cache-tokens", type=_count_or_auto,
+                    help="positions of each GPT engine's paged KV cache, all requests together (auto: on a GPU from "
+                         "its memory, on the CPU slots × context)")
+    ap.add_argument("--gpu-memory-gb", type=_gib_or_auto,
+                    help="GPU memory the models plan with, GiB (auto, the default: the card's; less to share a card or to "
+                         f"size for a smaller one; they plan within {int(GPU_MEMORY_UTILIZATION * 100)} % of it)")
     ap.add_argument("--gpt-context", type=int)
     ap.add_argument("--gpt-max-pending", type=int, help="generations running + waiting per GPT engine before UNAVAILABLE (0: no bound)")
     ap.add_argument("--gpt-admit-batch", type=int,
@@ -304,7 +377,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gil-switch-interval-us", type=int,
                     help=f"the interpreter's switch interval in the processes hosting an engine (default "
                          f"{GIL_SWITCH_INTERVAL_US}; 0: Python's 5000)")
-    ap.add_argument("--stream-slots", type=int, help="engine slots of each chattts_stream instance")
+    ap.add_argument("--stream-slots", type=_count_or_auto, help="engine slots of each chattts_stream instance (auto: as --gpt-slots)")
+    ap.add_argument("--stream-cache-tokens", type=_count_or_auto, help="positions of each chattts_stream engine's KV cache")
     ap.add_argument("--stream-max-pending", type=int, help="streams in flight per chattts_stream instance before UNAVAILABLE")
     ap.add_argument("--stream-first-chunk-frames", type=int, help="code frames (21.3 ms each) in a stream's first chunk")
     ap.add_argument("--stream-chunk-frames", type=int, help="code frames in later chunks")
@@ -334,14 +408,14 @@ def main(argv=None) -> int:
     if a.instances < 1:
         ap.error("--instances must be ≥ 1")
     dep.instances = a.instances
-    for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "max_queue_delay_us", "gpt_slots", "gpt_context", "gpt_max_pending",
-              "gpt_admit_batch", "gpt_admit_wait_steps", "gil_switch_interval_us",
-              "stream_slots", "stream_max_pending", "stream_first_chunk_frames", "stream_chunk_frames",
+    for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "max_queue_delay_us", "gpt_slots", "gpt_cache_tokens",
+              "gpu_memory_gb", "gpt_context", "gpt_max_pending", "gpt_admit_batch", "gpt_admit_wait_steps", "gil_switch_interval_us",
+              "stream_slots", "stream_cache_tokens", "stream_max_pending", "stream_first_chunk_frames", "stream_chunk_frames",
               "stream_lookahead_frames", "stream_first_lookahead_frames", "stream_fade_frames", "gpt_compile",
               "gpt_compile_prefill", "vocoder_graphs", "stream_codec_stream", "stream_first_chunks_first"):
         v = getattr(a, k)
         if v is not None:
-            setattr(dep, k, v)
+            setattr(dep, k, None if v == AUTO else v)
     try:
         write_configs(a.repo, Arch.from_json(man["arch"]), dep)
     except ValueError as e:

@@ -43,7 +43,8 @@ from .config import (
     RefineTextParams,
     samples_for_codes,
 )
-from .engine import Engine, GenRequest, GenResult, SamplingParams
+from . import memory
+from .engine import Engine, GenRequest, GenResult, SamplingParams, paged_interface
 from .graphs import GraphCache, bucket, to_host
 from .gpt import eager_from_script
 from .serve import DRAIN_FILE_ENV
@@ -205,6 +206,44 @@ EVENT_SYNC_ENV = "CHATTTS_ENGINE_EVENT_SYNC"  # "1": Engine.event_sync (CUDA; un
 GPU_INSTANCE_THREADS = "4"  # torch intra-op threads of a GPU model instance
 
 
+def check_dtype_supported(device: torch.device, dtype: str) -> None:
+    """bf16 needs a GPU of compute capability 8.0 or later (Ampere); say so at load, not as a kernel error."""
+    if device.type == "cuda" and dtype == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"this repository is exported in bf16, which {name} (compute capability "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) does not support: export it with "
+                         f"--dtype fp16 (or --dtype auto on this machine)")
+
+
+def engine_plan(device: torch.device, arch: Arch, dtype: str, role: str, slots: Optional[int], cache_tokens: Optional[int],
+                max_context: int, max_new_tokens: int, gpu_memory_gb: Optional[float], vocoders: int) -> memory.EnginePlan:
+    """An engine's slots and KV cache on `device`: what the configuration gives, the rest from the GPU's memory
+    (memory.plan: every process on the GPU plans alike). On the CPU, memory.CPU_SLOTS unless configured, and a
+    cache that holds them all at the full context (slots × context: a request is never suspended)."""
+    if device.type != "cuda":
+        slots = memory.CPU_SLOTS[role] if slots is None else slots
+        tokens = slots * max_context if cache_tokens is None else cache_tokens
+        return memory.EnginePlan(slots, tokens, 0)
+    total = torch.cuda.get_device_properties(device).total_memory
+    plan = memory.plan(memory.budget(total, gpu_memory_gb), arch, dtype, max_context, max_new_tokens, vocoders,
+                       stream=True, slots={role: slots}, cache_tokens={role: cache_tokens})[role]
+    log.info("%s engine on %s: %d slots, a KV cache of %d positions, %.2f GiB planned (GPU memory %s)", role,
+             torch.cuda.get_device_name(device), plan.slots, plan.cache_tokens, plan.gib,
+             f"{gpu_memory_gb:g} GiB as configured" if gpu_memory_gb else f"{total / memory.GIB:.1f} GiB, the card's")
+    return plan
+
+
+def limit_process_memory(device: torch.device, nbytes: int, gpu_memory_gb: Optional[float]) -> None:
+    """Where the deployment names its GPU memory, cap this process's allocator at its planned share (with the
+    utilization's headroom): a process past its plan gets an out-of-memory error instead of starving the others."""
+    if device.type != "cuda" or gpu_memory_gb is None:
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = nbytes / memory.GPU_MEMORY_UTILIZATION
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    log.info("GPU memory of this process capped at %.2f GiB (gpu_memory_gb %g)", cap / memory.GIB, gpu_memory_gb)
+
+
 def device_for(kind: str, device_id: int) -> torch.device:
     if kind.upper().endswith("GPU") and torch.cuda.is_available():
         # an instance on GPU 1 must not create its graphs, streams and pools on GPU 0 (the default)
@@ -223,8 +262,14 @@ class PreprocessService:
     """TEXT and speaker inputs → GPT prompt tensors. Refine-text runs on the GPT model (`refine`)."""
 
     def __init__(self, version_dir: Path, arch: Arch, device: torch.device, artifact_format: str,
-                 refine: Optional[Callable[[np.ndarray, Dict[str, Any]], np.ndarray]] = None, workers: int = 4):
+                 refine: Optional[Callable[[np.ndarray, Dict[str, Any]], np.ndarray]] = None, workers: int = 4,
+                 max_pending: int = 0):
+        """max_pending: requests held (being prepared) at most, beyond which one is answered "server busy"
+        at once (0: no bound); the configuration gives what the GPT engines admit together."""
         self.arch = arch
+        self.max_pending = max_pending
+        self.pending = 0
+        self.lock = threading.Lock()
         self.tokenizer = txt.TextTokenizer(Path(version_dir) / "tokenizer")
         self.normalizer = txt.Normalizer()
         self.refine = refine
@@ -242,6 +287,12 @@ class PreprocessService:
         for c in calls:  # refine waits on the GPT model: never block the other requests
             if draining:  # the entry of the ensemble: nothing new starts once the launcher drains
                 c.reply(Overloaded("server is shutting down, retry on another instance"))
+                continue
+            with self.lock:
+                busy = bool(self.max_pending) and self.pending >= self.max_pending
+                self.pending += not busy
+            if busy:
+                c.reply(Overloaded(f"server busy: {self.max_pending} requests in flight, retry later"))
             else:
                 self.pool.submit(self._run, c)
 
@@ -249,8 +300,10 @@ class PreprocessService:
         try:
             out = self.prepare(call.inputs)
         except Exception as e:  # noqa: BLE001  every failure becomes this request's error
-            call.reply(e)
-            return
+            out = e
+        finally:
+            with self.lock:
+                self.pending -= 1
         call.reply(out)
 
     def encoder(self) -> Artifact:
@@ -345,11 +398,13 @@ class GPTService:
     def __init__(self, model_path: Path, arch: Arch, device: torch.device, dtype: str, max_slots: int,
                  max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int, max_pending: int = 0,
                  compile_step: bool = False, admit_batch: int = ADMIT_BATCH, admit_wait_steps: int = ADMIT_WAIT_STEPS,
-                 compile_prefill: bool = False):
+                 compile_prefill: bool = False, cache_tokens: Optional[int] = None):
+        """cache_tokens: positions of the engine's paged KV cache (None: max_slots × max_context)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if dtype in CPU_ONLY_PRECISIONS and device.type != "cpu":
             raise ValueError(f"dtype {dtype} runs on CPU only; export fp32/fp16/bf16 for GPUs")
+        check_dtype_supported(device, dtype)
         self.arch = arch
         self.text_eos_id = text_eos_id
         self.spk_emb_id = spk_emb_id
@@ -357,12 +412,17 @@ class GPTService:
         # execute() returns at once, so Triton's queue never fills: bound running + waiting here (0: no bound)
         self.max_pending = max_pending
         script = torch.jit.load(str(model_path), map_location=device).eval()
+        plain = script
+        if not paged_interface(script):  # exported before the paged KV cache: its weights in the eager module
+            log.warning("%s was exported before the paged KV cache: serving the eager module built from its weights "
+                        "(re-export for the TorchScript step)", model_path)
+            plain = eager_from_script(script, arch)
 
         def start(model, compiled: bool) -> Engine:
             t0 = time.perf_counter()
             engine = Engine(
                 model, max_slots=max_slots, max_context=max_context, max_new_tokens=max_new_tokens,
-                hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=DTYPES[dtype],
+                hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=DTYPES[dtype], cache_tokens=cache_tokens,
                 compute_dtype=DTYPES[dtype], compile_step=compiled, compile_prefill=compiled and compile_prefill,
                 admit_batch=admit_batch,
                 admit_wait_steps=admit_wait_steps,
@@ -397,7 +457,7 @@ class GPTService:
                           traceback.format_exc())
             if engine is None:  # the failed engine's KV cache and graphs must not stay allocated beside the next
                 _release_failed_compile(device)
-        self.engine = engine or start(script, False)
+        self.engine = engine or start(plain, False)
 
     def stats(self) -> Dict[str, float]:
         """Published as the instance's `chattts_*` gauges (backend.STAT_HELP)."""

@@ -13,6 +13,17 @@ from tests.test_gpt_engine import (assert_served_without_a_new_decode_graph, che
                                    scenario_specs)
 
 
+def paged(dense: torch.Tensor, g: torch.Generator, page: int = 8, spare: int = 3):
+    """Rows' keys [B, C, KVH, D] laid out in a page pool in shuffled order (and `spare` pages no row holds,
+    filled with noise): (pool [pages, page, KVH, D], tables [B, C / page])."""
+    b, c = dense.shape[:2]
+    n = b * c // page
+    order = torch.randperm(n + spare, generator=g)
+    pool = torch.randn((n + spare, page) + tuple(dense.shape[2:]), generator=g)
+    pool[order[:n]] = dense.reshape((n, page) + tuple(dense.shape[2:]))
+    return pool, order[:n].view(b, c // page)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
 def test_reference_equals_sdpa_with_the_causal_mask_of_each_row(heads, kv_heads):
     g = torch.Generator().manual_seed(0)
@@ -24,13 +35,17 @@ def test_reference_equals_sdpa_with_the_causal_mask_of_each_row(heads, kv_heads)
     rep = heads // kv_heads
     dense = F.scaled_dot_product_attention(q.unsqueeze(2), keys.repeat_interleave(rep, 2).transpose(1, 2),
                                            values.repeat_interleave(rep, 2).transpose(1, 2), attn_mask=mask)[:, :, 0]
-    got = reference(q, keys, values, lengths)
+    kpool, tables = paged(keys, torch.Generator().manual_seed(1))
+    vpool, tables_v = paged(values, torch.Generator().manual_seed(1))
+    assert torch.equal(tables, tables_v)
+    got = reference(q, kpool, vpool, tables, lengths)
     assert (got - dense).abs().max() <= 1e-5
-    assert torch.equal(decode_attention(q, keys, values, lengths), got)  # no kernel on a CPU
+    assert torch.equal(decode_attention(q, kpool, vpool, tables, lengths), got)  # no kernel on a CPU
     # keys past a row's length do not matter
-    keys2 = keys.clone()
-    keys2[0, 1:] = 1e4
-    assert torch.equal(reference(q, keys2, values, lengths)[0], got[0])
+    kpool2 = kpool.clone()
+    kpool2[tables[0]] = 1e4
+    kpool2[tables[0, 0], 0] = kpool[tables[0, 0], 0]  # row 0 attends one key
+    assert torch.equal(reference(q, kpool2, vpool, tables, lengths)[0], got[0])
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
@@ -43,29 +58,31 @@ def test_the_operator_stays_opaque_to_torch_compile_so_the_kernel_launches_with_
 
     calls = []
 
-    def counting(q, keys, values, lengths):
+    def counting(q, keys, values, tables, lengths):
         calls.append((tuple(q.shape), keys.data_ptr()))
-        return reference(q, keys, values, lengths).contiguous()
+        return reference(q, keys, values, tables, lengths).contiguous()
 
     monkeypatch.setattr(attention, "kernel_available", lambda device, head_dim: True)  # as on a GPU
     monkeypatch.setattr(attention, "run_kernel", counting)
     g = torch.Generator().manual_seed(1)
-    cache = torch.randn(2, 12, 40, 2, 16, generator=g)  # [layer, slot, position, kv head, dim]
+    cache = torch.randn(2, 30, 8, 2, 16, generator=g)  # [layer, page, place, kv head, dim]
+    all_tables = torch.randperm(30, generator=g)[:25].view(5, 5)
 
-    def step(q, cache, lengths):
-        keys = cache.select(0, 1).narrow(0, 2, q.shape[0])
-        return attention.decode_attention(q * 2, keys, keys * 0.5, lengths) + 1
+    def step(q, cache, tables, lengths):
+        keys = cache.select(0, 1)
+        return attention.decode_attention(q * 2, keys, keys * 0.5, tables, lengths) + 1
 
     compiled = torch.compile(step, dynamic=True, backend="inductor")
-    for b in (3, 5, 7):
+    for b in (3, 4, 5):
         q = torch.randn(b, 4, 16, generator=g)
         lengths = torch.randint(1, 41, (b,), generator=g)
-        keys = cache.select(0, 1).narrow(0, 2, b)
-        want = reference(q * 2, keys, keys * 0.5, lengths) + 1
+        tables = all_tables[:b]
+        keys = cache.select(0, 1)
+        want = reference(q * 2, keys, keys * 0.5, tables, lengths) + 1
         n = len(calls)
-        got = compiled(q, cache, lengths)
+        got = compiled(q, cache, tables, lengths)
         assert len(calls) == n + 1 and calls[-1][0] == (b, 4, 16)  # launched by the compiled code, per call
-        assert calls[-1][1] == cache[1, 2].data_ptr()  # the cache itself, not a copy of its rows
+        assert calls[-1][1] == cache[1].data_ptr()  # the cache itself, not a copy of its pages
         assert (got - want).abs().max() <= 1e-5
 
 

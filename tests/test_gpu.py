@@ -16,12 +16,12 @@ from chattts_triton.gpt import load_gpt
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _engine(model, arch, graphs, dtype=torch.float32, slots=8, **kw):
+def _engine(model, arch, graphs, dtype=torch.float32, slots=8, max_context=512, max_new_tokens=200, **kw):
     if kw.get("compile_step"):
         # one compiled engine per process, as served: dynamo's caches from an earlier test's engine
         # make a second one fail its guards (torch 2.11: "sources must not be empty for symbol")
         torch._dynamo.reset()
-    return Engine(model, max_slots=slots, max_context=512, max_new_tokens=200, hidden=arch.gpt.hidden,
+    return Engine(model, max_slots=slots, max_context=max_context, max_new_tokens=max_new_tokens, hidden=arch.gpt.hidden,
                   num_vq=arch.num_vq, device="cuda", cache_dtype=dtype, compute_dtype=dtype, cuda_graphs=graphs, **kw)
 
 
@@ -99,7 +99,7 @@ def test_compaction_graph_buckets_streaming_and_text_rows_equal_alone_on_gpu(tin
 
 @pytest.mark.parametrize("scripted", [True, False])  # False: the eager module a compiled-step engine holds
 def test_graphed_prefill_equals_the_eager_prefill_without_a_sync(full_assets, scripted):
-    """A prefill replayed from its bucket's graph (any slots: they are an input) computes exactly what
+    """A prefill replayed from its bucket's graph (any slots and pages: they are inputs) computes exactly what
     the same padded prefill computes eagerly, cache writes included, and adds no host sync. Under
     inference mode, as on the engine's thread; the eager reference runs after the capture's warm-up
     runs, so a scripted model's JIT executor has settled on the plan the graph holds."""
@@ -114,11 +114,16 @@ def test_graphed_prefill_equals_the_eager_prefill_without_a_sync(full_assets, sc
             c.zero_()
 
     def cache() -> list:
-        return [c[:, :, :-1].clone() for c in (eng.k_cache, eng.v_cache)]  # all but padding's scratch place
+        return [c[:, 1:].clone() for c in (eng.k_cache, eng.v_cache)]  # all but the scratch page padding writes
 
     with torch.inference_mode():
         for b0, lens in ((2, (7, 20, 13)), (5, (30,)), (1, (9, 17, 3))):  # the first and last share a bucket
             reqs = [GenRequest(torch.randint(0, 21000, (n,), generator=g), params, None) for n in lens]
+            for i in range(eng.max_slots):
+                eng._release(i)
+            for i, n in enumerate(lens):  # pages as admission grants them
+                eng._grant(b0 + i, -(-n // eng.page))
+            eng._sync_tables()
             kb, tb = eng.graphs.prefill_buckets(len(reqs), max(lens))
             fresh_cache()
             first = eng.graphs.prefill(b0, reqs)[: len(reqs)].clone()  # captured now if new
@@ -348,32 +353,99 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets):
         eng.stop()
 
 
-@pytest.mark.parametrize("dtype,kv_heads", [(torch.float32, 12), (torch.bfloat16, 12), (torch.float32, 4)])
+@pytest.mark.parametrize("dtype,kv_heads", [(torch.float32, 12), (torch.bfloat16, 12), (torch.float16, 12), (torch.float32, 4)])
 def test_decode_kernel_reads_each_rows_own_keys_as_the_reference_does(dtype, kv_heads):
-    """The Triton decode attention against `attention.reference` on cache views as the model passes
-    them (one layer, slots from an offset), lengths 1..context incl. block edges, grouped heads (12 query
-    heads on 4 key/value heads), and a CUDA graph replay."""
+    """The Triton decode attention against `attention.reference` on the page pool as the model passes it
+    (one layer; block table rows from an offset, pages in shuffled order), lengths 1..context incl. block and
+    page edges, grouped heads (12 query heads on 4 key/value heads), and CUDA graph replays that read the
+    lengths and block tables of their time."""
     from chattts_triton.attention import BLOCK_KEYS, decode_attention, kernel_available, reference
+    from chattts_triton.config import KV_PAGE_TOKENS as page
 
     assert kernel_available(torch.device("cuda"), 64)
     g = torch.Generator(device="cuda").manual_seed(0)
-    layers, slots, context, heads, d = 3, 40, 300, 12, 64
-    cache = torch.randn(2, layers, slots, context, kv_heads, d, device="cuda", generator=g).to(dtype)
+    layers, rows, width, heads, d = 3, 40, 19, 12, 64
+    context = width * page  # 304 positions a row
+    pages = rows * width + 1
+    cache = torch.randn(2, layers, pages, page, kv_heads, d, device="cuda", generator=g).to(dtype)
+    all_tables = (torch.randperm(pages - 1, device="cuda", generator=g) + 1).view(rows, width)
     b, start = 33, 5
-    keys, values = cache[0, 1].narrow(0, start, b), cache[1, 1].narrow(0, start, b)
+    tables = all_tables.narrow(0, start, b)
+    keys, values = cache[0, 1], cache[1, 1]
     q = torch.randn(b, heads, d, device="cuda", generator=g).to(dtype)
     lengths = torch.randint(1, context + 1, (b,), device="cuda", generator=g)
-    lengths[:6] = torch.tensor([1, BLOCK_KEYS, BLOCK_KEYS + 1, context, 2 * BLOCK_KEYS, context - 1])
-    want = reference(q, keys, values, lengths).float()
-    got = decode_attention(q, keys, values, lengths)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    lengths[:8] = torch.tensor([1, BLOCK_KEYS, BLOCK_KEYS + 1, context, 2 * BLOCK_KEYS, context - 1, page, page + 1])
+    want = reference(q, keys, values, tables, lengths).float()
+    got = decode_attention(q, keys, values, tables, lengths)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # half precision: the output's rounding
     assert got.dtype == dtype and (got.float() - want).abs().max().item() <= tol
-    keys[0, 1:] = 1e4  # past row 0's one key: never read
-    assert torch.equal(decode_attention(q, keys, values, lengths)[0], got[0])
+    keys[tables[0, 1:]] = 1e4  # past row 0's one key: never read
+    keys[tables[0, 0], 1:] = 1e4
+    assert torch.equal(decode_attention(q, keys, values, tables, lengths)[0], got[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode_attention(q, keys, values, lengths)
+        out = decode_attention(q, keys, values, tables, lengths)
     lengths.fill_(context)  # a replay reads the lengths of its time
     graph.replay()
     torch.cuda.synchronize()
-    assert (out.float() - reference(q, keys, values, lengths).float()).abs().max().item() <= tol
+    assert (out.float() - reference(q, keys, values, tables, lengths).float()).abs().max().item() <= tol
+    tables.copy_(all_tables.narrow(0, 0, b))  # ... and the block tables of its time
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (out.float() - reference(q, keys, values, tables, lengths).float()).abs().max().item() <= tol
+
+
+def test_suspended_requests_resume_exactly_with_captured_graphs_on_gpu(tiny_assets):
+    """The CPU suspension scenario with captured graphs: a pool of the smallest size, requests suspended
+    to the host and resumed, each equal to alone."""
+    from tests.test_gpt_engine import assert_pool_whole, check_same_as_alone, drive, scenario_specs
+
+    arch = infer_arch(tiny_assets)
+    model = torch.jit.script(load_gpt(tiny_assets, arch).cuda())
+    specs = scenario_specs()
+    alone = [drive(_engine(model, arch, True, start=False), [s])[0] for s in specs]
+    longest = max(len(s["ids"]) + s["params"].max_new_tokens for s in specs)
+    eng = _engine(model, arch, True, start=False, max_context=longest, cache_tokens=longest)
+    batched = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2])
+    check_same_as_alone(alone, batched, hidden_atol=1e-4)
+    print(f"suspended {eng.preemptions}, resumed {eng.resumes}")
+    assert eng.preemptions >= 3 and eng.resumes == eng.preemptions
+    assert_pool_whole(eng)
+
+
+HALF_BOUNDS = {torch.bfloat16: 6e-2, torch.float16: 1e-2}  # hidden states' relative error, 2x the CPU prefill bounds
+
+
+@pytest.mark.parametrize("dtype", list(HALF_BOUNDS))
+def test_half_precision_engine_stays_finite_and_near_upstream_over_a_long_utterance(full_assets, dtype):
+    """The served path (compiled step, CUDA graphs, decode kernel) in bf16 and fp16 (cards before Ampere
+    have no bf16) over a 1900-frame utterance: every hidden state finite, and near upstream fp32 fed the
+    same tokens (teacher-forced); prints the error by stretch and the engine's frames/s."""
+    import time
+
+    from tests.test_gpt_engine import upstream_gpt
+
+    arch, emb, g = upstream_gpt(full_assets)
+    emb, g = emb.cuda(), g.cuda()
+    model = load_gpt(full_assets, arch).to(dtype).cuda()
+    n = 1900
+    eng = _engine(model, arch, True, dtype, max_context=2048, max_new_tokens=n, compile_step=True)
+    try:
+        eng.warm_up()
+        ids = torch.randint(0, 21000, (60,), generator=torch.Generator().manual_seed(4))
+        t0 = time.perf_counter()
+        r = eng.generate(GenRequest(ids, SamplingParams(0.3, 0.7, 20, 1.05, n, n, seed=3), None))
+        took = time.perf_counter() - t0
+    finally:
+        eng.stop()
+    h = r.hiddens.float().cuda()
+    assert r.tokens.shape == (n, 4) and torch.isfinite(h).all()
+    with torch.no_grad():
+        codes = r.tokens[:-1].cuda()  # what the engine fed after the prompt
+        x = torch.cat([emb.emb_text(ids.cuda()), sum(emb.emb_code[i](codes[:, i]) for i in range(4))]).unsqueeze(0)
+        ref = g.gpt(inputs_embeds=x, use_cache=False).last_hidden_state[0, len(ids) - 1 :].float()
+    assert ref.shape == h.shape
+    errs = [((h[a:a + 100] - ref[a:a + 100]).norm() / ref[a:a + 100].norm()).item() for a in range(0, n, 100)]
+    print(f"{dtype}: {n / took:.0f} frames/s alone; relative error of the hidden states per 100 frames: "
+          f"{' '.join(f'{e:.1e}' for e in errs)}; max |h| {h.abs().max().item():.1f}")
+    assert max(errs) <= HALF_BOUNDS[dtype], errs

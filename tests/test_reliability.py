@@ -268,13 +268,24 @@ def test_only_models_that_batch_in_triton_wait_to_form_a_batch():
     assert delays[rc.VOCODER] == 1500
 
 
-def test_configs_bound_every_queue():
+def test_every_queue_holds_twice_what_the_engines_admit():
+    """No Triton queue may refuse a request the GPT engine would admit (a burst then got "Exceeds maximum
+    queue size" below the engine's bound): each is bounded, at twice the engines' admission bound — sized
+    at the largest batch where the engines size themselves from the GPU at load."""
+    for dep, bound in ((rc.Deployment(gpt_slots=3), 12), (rc.Deployment(gpt_slots=3, gpt_max_pending=5), 5),
+                       (rc.Deployment(gpus=[0, 1]), 2 * 4 * 512), (rc.Deployment(gpus=[0], gpt_slots=100), 400)):
+        cfgs = rc.build_configs(_tiny_arch(), dep)
+        for m in rc.MODELS:
+            assert cfgs[m].dynamic_batching.default_queue_policy.max_queue_size == 2 * bound, (dep, m)
+        assert cfgs[rc.PREPROCESS].parameters["max_pending"].string_value == str(bound)
     cfgs = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_slots=3))
-    for m in rc.MODELS:
-        assert cfgs[m].dynamic_batching.default_queue_policy.max_queue_size > 0
     assert cfgs[rc.GPT].parameters["max_pending"].string_value == "12"  # 4 × slots by default
-    cfgs = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_slots=3, gpt_max_pending=5))
-    assert cfgs[rc.GPT].parameters["max_pending"].string_value == "5"
+    gpu = rc.build_configs(_tiny_arch(), rc.Deployment(gpus=[0]))
+    assert {k: gpu[rc.GPT].parameters[k].string_value for k in ("max_slots", "max_pending", "cache_tokens")} == \
+        {"max_slots": "auto", "max_pending": "auto", "cache_tokens": "auto"}
+    assert gpu[rc.STREAM].dynamic_batching.default_queue_policy.max_queue_size == 2 * 2 * 64
+    explicit = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_slots=3, max_queue_size=7))
+    assert all(explicit[m].dynamic_batching.default_queue_policy.max_queue_size == 7 for m in rc.MODELS)
 
 
 def _tiny_arch():
