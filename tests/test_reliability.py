@@ -224,6 +224,84 @@ def test_overload_rejects_excess_quickly_and_completes_admitted(small_server):
     assert np.isfinite(grpc_synth(url, TEXT="好", MAX_NEW_TOKENS=3)).all()
 
 
+BURST = 512  # the engine's admission bound in the burst tests: the burst refused on the H200 (512 clients from idle)
+
+
+@pytest.fixture(scope="module")
+def burst_server(tiny_assets, tmp_path_factory):
+    """An engine of BURST slots admitting BURST generations, every queue at its default (from that bound)."""
+    server = private_server(tiny_assets, tmp_path_factory.mktemp("burst"), gpt_slots=BURST, gpt_max_pending=BURST,
+                            gpt_context=256)
+    with server:
+        yield server
+
+
+def _burst(url: str, n: int, frames: int, seed0: int = 0):
+    """n requests sent together over one asyncio gRPC channel, as a load tool's clients start together:
+    per request ("ok", samples, seconds) or (status, message, seconds)."""
+    import asyncio
+
+    import tritonclient.grpc.aio as aioclient
+
+    async def run():
+        client = aioclient.InferenceServerClient(url)
+
+        async def one(i):
+            t0 = time.monotonic()
+            try:
+                r = await client.infer("chattts", contract_inputs(aioclient, TEXT="你好", SEED=seed0 + i,
+                                                                  MAX_NEW_TOKENS=frames, MIN_NEW_TOKENS=frames))
+                return "ok", r.as_numpy("AUDIO").shape[-1], time.monotonic() - t0
+            except InferenceServerException as e:
+                return str(e.status()), e.message(), time.monotonic() - t0
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(n)))
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def _in_engine(server) -> int:
+    """Generations the GPT engine holds (running + waiting), from its gauges."""
+    _, body = http_status(server.metrics_url.split("//", 1)[1].split("/", 1)[0], "/metrics")
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
+                   if line.startswith(("chattts_engine_active{", "chattts_engine_waiting{")) and f'model="{rc.GPT}"' in line))
+
+
+def test_a_burst_of_what_the_engine_admits_from_idle_is_all_served(burst_server):
+    """From idle, BURST requests at once, all finishing in the same step (equal lengths): each Triton queue
+    on the way (the preprocess model's, the GPT's, then the vocoder's, which they all reach together) holds
+    them; none is refused below the engine's bound."""
+    frames = 16
+    results = _burst(burst_server.grpc_url, BURST, frames)
+    refused = [r for r in results if r[0] != "ok"]
+    assert not refused, f"{len(refused)} of {BURST} refused, e.g. {refused[:2]}"
+    assert {r[1] for r in results} == {samples_for_codes(frames)}
+    print(f"\nburst of {BURST}: all served in {max(r[2] for r in results):.1f} s")
+
+
+def test_one_past_the_bound_is_refused_fast_naming_it_and_the_admitted_finish(burst_server):
+    import threading
+
+    frames = 60  # long enough to hold the engine full while the extra request comes
+    box = []
+    t = threading.Thread(target=lambda: box.append(_burst(burst_server.grpc_url, BURST, frames, seed0=1000)))
+    t.start()
+    try:
+        assert wait_for(lambda: _in_engine(burst_server) >= BURST, 120, 0.2), _in_engine(burst_server)
+        (status, message, took), = _burst(burst_server.grpc_url, 1, frames, seed0=5000)
+    finally:
+        t.join(600)
+    assert status == "StatusCode.UNAVAILABLE" and f"{BURST} generations in flight" in message, (status, message)
+    results = box[0]
+    assert all(r[0] == "ok" and r[1] == samples_for_codes(frames) for r in results), [r for r in results if r[0] != "ok"][:2]
+    assert took < 0.5 * min(r[2] for r in results), (took, min(r[2] for r in results))
+    print(f"\none past {BURST}: UNAVAILABLE in {took:.3f} s; the {BURST} admitted took {min(r[2] for r in results):.1f}-"
+          f"{max(r[2] for r in results):.1f} s")
+
+
 def test_max_new_tokens_beyond_the_context_is_invalid(small_server):
     with pytest.raises(InferenceServerException) as e:
         grpc_synth(small_server.grpc_url, TEXT="你好", MAX_NEW_TOKENS=2048)  # + the prompt > the 2048-token context
