@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 # the engine state a decode step reads and writes (Engine.allocate); `n_dev` is a view of pi's count column
-STATE = ("pi", "pf", "tokens", "hiddens", "k_cache", "v_cache")
+STATE = ("pi", "pf", "tokens", "hiddens", "k_cache", "v_cache", "block_table")
 KERNELS = ("op", "traced")
 # a package is loaded in a fresh process first: on the H200 (torch 2.11 cu130, 2026-12-02) torch's loader
 # died of SIGSEGV in `_load_aoti`, taking the whole bench with it; now that fails its variant only (and
@@ -47,13 +47,14 @@ class _StepModule(nn.Module):
         self.engine, self.b, self.attn_len = engine, b, attn_len
 
     def forward(self, pi: Tensor, pf: Tensor, tokens: Tensor, hiddens: Tensor, k_cache: Tensor, v_cache: Tensor,
-                n_live: Tensor) -> Tensor:
+                block_table: Tensor, n_live: Tensor) -> Tensor:
         from chattts_triton.engine import I_N
 
         e = self.engine
         saved = {name: getattr(e, name) for name in STATE + ("n_dev",)}
         try:
-            e.pi, e.pf, e.tokens, e.hiddens, e.k_cache, e.v_cache = pi, pf, tokens, hiddens, k_cache, v_cache
+            e.pi, e.pf, e.tokens, e.hiddens, e.k_cache, e.v_cache, e.block_table = (pi, pf, tokens, hiddens, k_cache,
+                                                                                   v_cache, block_table)
             e.n_dev = pi[:, I_N]
             return e.step_core(0, self.b, self.attn_len, "code", n_live)
         finally:
@@ -71,10 +72,10 @@ def _attention_kernel(kernel: str):
         return
     from chattts_triton import attention
 
-    def direct(q, keys, values, lengths):
+    def direct(q, keys, values, tables, lengths):
         if not attention.kernel_available(q.device, q.shape[-1]):
-            return attention.reference(q, keys, values, lengths)
-        return attention.run_kernel(q, keys, values, lengths, traceable=True)
+            return attention.reference(q, keys, values, tables, lengths)
+        return attention.run_kernel(q, keys, values, tables, lengths, traceable=True)
 
     with mock.patch("chattts_triton.gpt.decode_attention", direct):
         yield

@@ -31,11 +31,13 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .mps import MpsError, mps_daemon
 from .tritonserver import LOCALHOST, TritonServer, TritonServerError, python_stubs
@@ -288,6 +290,102 @@ def _serve(args: argparse.Namespace, extra_env: Dict[str, str]) -> int:
     if not stopping:
         print(f"error: tritonserver exited unexpectedly ({code}); last log lines:\n{server.log_tail()}", file=sys.stderr)
     return _exit_status(code)
+
+
+class Launched:
+    """`python -m chattts_triton.serve` as a child process on free ports, as a container runs it: for
+    benchmarks, soaks and tests that must measure the shipped path. With `supervise`, an exit it was not
+    asked for is counted in `restarts` and the launcher started again on the same ports, as Docker's
+    `--restart` or the kubelet would (every such exit is in `exits`). Use as a context manager."""
+
+    def __init__(self, repo: Path, log_file: Path, args: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
+                 ready_timeout_s: float = 900.0, exit_timeout: int = 60, supervise: bool = True):
+        from .tritonserver import _free_ports
+
+        self.repo, self.log_file, self.args, self.env = Path(repo), Path(log_file), list(args), env
+        self.ready_timeout_s, self.exit_timeout, self.supervise = ready_timeout_s, exit_timeout, supervise
+        self.http_port, self.grpc_port, self.metrics_port = _free_ports(3, LOCALHOST)
+        self.proc: Optional[subprocess.Popen] = None
+        self.server_pid: Optional[int] = None
+        self.output: List[str] = []  # the launcher's own lines (the server log goes to log_file)
+        self.restarts = 0
+        self.exits: List[Tuple[float, Optional[int]]] = []  # (monotonic time, exit status) of unasked exits
+        self.ready_s: List[float] = []  # seconds from each start to ready
+        self._stopping = threading.Event()
+        self._watch: Optional[threading.Thread] = None
+
+    http_url = property(lambda self: f"{LOCALHOST}:{self.http_port}")
+    grpc_url = property(lambda self: f"{LOCALHOST}:{self.grpc_port}")
+    metrics_url = property(lambda self: f"http://{LOCALHOST}:{self.metrics_port}/metrics")
+
+    def _launch(self) -> None:
+        cmd = [sys.executable, "-m", "chattts_triton.serve", "--repo", str(self.repo),
+               "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
+               "--metrics-port", str(self.metrics_port), "--log-file", str(self.log_file),
+               "--exit-timeout", str(self.exit_timeout), "--startup-timeout", str(self.ready_timeout_s), *self.args]
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env,
+                                     start_new_session=True)
+        for line in self.proc.stdout:
+            self.output.append(line)
+            if line.startswith("tritonserver pid"):
+                self.server_pid = int(line.split()[2])
+                self.ready_s.append(time.monotonic() - t0)
+                break
+        if self.server_pid is None or self.proc.poll() is not None:
+            self.proc.wait()
+            raise TritonServerError(f"the launcher exited ({self.proc.returncode}) before ready:\n{''.join(self.output[-30:])}")
+        threading.Thread(target=self._drain_output, args=(self.proc,), daemon=True).start()
+
+    def _drain_output(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.output.append(line)
+
+    def _supervise(self) -> None:
+        while not self._stopping.is_set():
+            proc = self.proc
+            code = proc.wait() if proc is not None else None
+            if self._stopping.is_set():
+                return
+            self.exits.append((time.monotonic(), code))
+            self.output.append(f"[supervisor] the launcher exited with status {code}; starting it again\n")
+            self.restarts += 1
+            self.server_pid = None
+            try:
+                self._launch()
+            except TritonServerError as e:
+                self.output.append(f"[supervisor] restart failed: {e}\n")
+                return
+
+    def start(self) -> "Launched":
+        self._launch()
+        if self.supervise:
+            self._watch = threading.Thread(target=self._supervise, name="chattts-supervisor", daemon=True)
+            self._watch.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: Optional[float] = None) -> Optional[int]:
+        """SIGTERM (the launcher drains), wait; the launcher's exit status (a second signal kills it)."""
+        self._stopping.set()
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s if timeout_s is not None else 2 * self.exit_timeout + 30)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGTERM)  # the second signal: the launcher kills the server
+            return self.proc.wait(30)
+
+    def __enter__(self) -> "Launched":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def test_packaged_step_gives_the_engine_steps_tokens_hidden_states_and_cache(tin
     kernel = attention == "op"
     if kernel:  # on a CPU decode_attention skips the operator: route it through, as on a GPU
         monkeypatch.setattr("chattts_triton.gpt.decode_attention",
-                            lambda q, k, v, n: torch.ops.chattts_triton.decode_attention(q, k, v, n))
+                            lambda q, k, v, t, n: torch.ops.chattts_triton.decode_attention(q, k, v, t, n))
     plain = make_engine(ours, arch, max_slots=2, start=False, decode_kernel=kernel)
     plain.graphs = CudaGraphs(plain, capture=False)
     expected = drive(plain, _specs())

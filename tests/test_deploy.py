@@ -341,7 +341,7 @@ def test_entrypoint_configures_a_writable_view(fake_python, repo_copy, tmp_path)
     groups = _instance_groups(work)
     assert groups[rc.GPT] == ("KIND_GPU", [0, 1], 1)  # one engine per GPU
     assert groups[rc.VOCODER] == ("KIND_GPU", [0, 1], 2)
-    assert groups[rc.PREPROCESS] == ("KIND_GPU", [0, 1], 4)
+    assert groups[rc.PREPROCESS] == ("KIND_CPU", [], 4)  # on the CPU: as many as the vocoders on both GPUs
     voc = rc.parse_pbtxt((work / rc.VOCODER / "config.pbtxt").read_text())
     assert voc.dynamic_batching.default_queue_policy.max_queue_size == 32
     man = json.loads((work / rc.MANIFEST).read_text())
