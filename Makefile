@@ -7,8 +7,8 @@ BUILD ?= build
 ASSETS ?=
 SIZE ?= full
 REPO ?= $(BUILD)/repo
-FORMATS ?= torchscript,onnx
-DTYPE ?= fp32
+FORMATS ?= torchscript
+DTYPE ?= auto
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
@@ -23,6 +23,9 @@ MAX_CONCURRENCY ?= 64
 STEP_SECONDS ?= 20
 TARGET = $(or $(HOST),127.0.0.1:$(if $(filter http,$(PROTOCOL)),$(HTTP_PORT),$(GRPC_PORT)))
 SOAK_SECONDS ?= 1800
+PERF_CONCURRENCY ?= 1,8,64,256
+FRAMES ?= 150
+GPU_MEMORY_GB ?=
 PYTEST_ARGS ?=
 
 ifeq ($(strip $(ASSETS)),)
@@ -36,7 +39,7 @@ SYNTHETIC :=
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast assets export configure serve demo loadtest sweep soak bundle clean
+.PHONY: help setup test test-fast assets export configure serve demo loadtest sweep perf soak bundle clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -65,8 +68,8 @@ assets: $(BUILD)/assets-$(SIZE)/.complete ## write random-weight assets of the u
 export: setup $(ASSETS_DEP) ## export ASSETS=DIR (default: synthetic) into REPO (FORMATS, DTYPE, GPUS, INSTANCES, GPT_COMPILE=0 for the TorchScript step on GPUs)
 	$(PY) -m export --assets $(ASSETS_DIR) --out $(REPO) --formats $(FORMATS) --dtype $(DTYPE) --gpus "$(GPUS)" --instances $(INSTANCES) $(if $(GPT_COMPILE),$(if $(filter 0,$(GPT_COMPILE)),--no-gpt-compile,--gpt-compile))
 
-configure: setup ## set instance groups of REPO: GPUS=0,1 INSTANCES=2 (empty GPUS: CPU), GPT_COMPILE=1|0
-	$(PY) -m chattts_triton.repo_config --repo $(REPO) --gpus "$(GPUS)" --instances $(INSTANCES) $(if $(GPT_COMPILE),$(if $(filter 0,$(GPT_COMPILE)),--no-gpt-compile,--gpt-compile))
+configure: setup ## set instance groups of REPO: GPUS=0,1 INSTANCES=2 (empty GPUS: CPU), GPT_COMPILE=1|0, GPU_MEMORY_GB=15 (size for a 15-GiB card)
+	$(PY) -m chattts_triton.repo_config --repo $(REPO) --gpus "$(GPUS)" --instances $(INSTANCES) $(if $(GPT_COMPILE),$(if $(filter 0,$(GPT_COMPILE)),--no-gpt-compile,--gpt-compile)) $(if $(GPU_MEMORY_GB),--gpu-memory-gb $(GPU_MEMORY_GB))
 
 serve: setup ## run Triton on REPO in the foreground, bound to 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)
 	$(PY) -m chattts_triton.serve --repo $(REPO) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --log-file $(BUILD)/tritonserver.log
@@ -79,6 +82,9 @@ loadtest: setup ## Locust (headless) against a running server: HOST= PROTOCOL=gr
 
 sweep: setup ## concurrency sweep 1,2,4..MAX_CONCURRENCY: HOST= PROTOCOL= MAX_CONCURRENCY= STEP_SECONDS= -> build/sweep/sweep.{md,csv,json,png}
 	$(PY) -m loadtest.sweep --url $(TARGET) --protocol $(PROTOCOL) --max-concurrency $(MAX_CONCURRENCY) --step-seconds $(STEP_SECONDS) --metrics-url $(firstword $(subst :, ,$(TARGET))):$(METRICS_PORT) --out $(BUILD)/sweep
+
+perf: setup ## Triton's perf_analyzer against a running server (gRPC): HOST= PERF_CONCURRENCY=1,8,64,256 FRAMES=150 -> build/perf
+	$(PY) -m bench.perf --url $(or $(HOST),127.0.0.1:$(GRPC_PORT)) --concurrency $(PERF_CONCURRENCY) --frames $(FRAMES) --out $(BUILD)/perf
 
 soak: setup ## reliability soak: 70 % of saturation on the tiny CPU server (SOAK_SECONDS=1800), writes build/soak/soak.json
 	CHATTTS_SOAK_SECONDS=$(SOAK_SECONDS) CHATTTS_SOAK_OUT=$(BUILD)/soak $(PY) -m pytest -m soak -s --timeout=$$(( $(SOAK_SECONDS) + 900 )) tests/test_soak.py $(PYTEST_ARGS)

@@ -24,6 +24,7 @@ OUT_DIR then holds:
                               pytriton/tritonserver/caches/local/libtritoncache_local.so
                               nvidia_pytriton.libs/*.so  (only those the binaries need)
                             binaries stripped of unneeded symbols (-2.4 MB compressed)
+    perf-analyzer.tar.xz    Triton's perf_analyzer and the two libraries it links (bench/perf.py)
     install.sh              on the host: installs the wheels with
                             `pip install --no-index --no-deps --target $SITE`, unpacks the server
                             into $TRITON_DIR, checks imports and libpython, and prints the
@@ -309,6 +310,9 @@ else:
     print("   WARNING: " + name + " not found: install libpython@PYTHON@ (the python backend stub needs it)")
 EOF
 
+echo "== perf_analyzer -> $TRITON_DIR/perf-analyzer"
+tar -xJf "$HERE/perf-analyzer.tar.xz" -C "$TRITON_DIR"
+
 echo "== import check"
 PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'EOF' || true
 import importlib
@@ -327,6 +331,7 @@ Export these (then run e.g. python -m chattts_triton.serve from the repository):
 export PYTHONPATH=$SITE\${PYTHONPATH:+:\$PYTHONPATH}
 export TRITONSERVER=$SERVER
 export LD_LIBRARY_PATH=$LIBS\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
+export PERF_ANALYZER=$TRITON_DIR/perf-analyzer/perf_analyzer
 $STUB_EXPORT
 EOF
 """
@@ -396,6 +401,16 @@ def build_bundle(
     with tempfile.TemporaryDirectory() as tmp:
         assemble_server_tree(Path(tmp), tuple(int(x) for x in python.split(".")))
         write_tar_xz(Path(tmp), out_dir / "tritonserver.tar.xz")
+    log("perf_analyzer ...")
+    from bench.perf import LIBS, prepare
+
+    binary = prepare()
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "perf-analyzer"
+        tree.mkdir()
+        for f in (binary, *(binary.parent / lib for lib in LIBS)):
+            shutil.copy2(f, tree / f.name)
+        write_tar_xz(Path(tmp), out_dir / "perf-analyzer.tar.xz")
     write_install_sh(out_dir, python, if_missing)
     files = sorted(p for p in out_dir.rglob("*") if p.is_file() and p.name != "MANIFEST.txt")
     sizes = {str(p.relative_to(out_dir)): p.stat().st_size for p in files}

@@ -1,14 +1,21 @@
-"""Side-by-side benchmark: upstream `Chat.infer` vs the served pipeline, same weights, same GPU/CPU.
+"""The served pipeline as users run it, and upstream `Chat.infer` beside it: same weights, same GPU/CPU.
 
     python -m bench.run --assets build/assets-full --out bench/results [--device cuda] \
-        [--tokens 150] [--upstream-batches 1,8,32,128] [--upstream-compile] \
-        [--max-concurrency 512] [--dtype bf16] [--step-seconds 10]
+        [--tokens 150] [--upstream-batches 1,8,32,128] [--upstream-compile-batches ...] \
+        [--max-concurrency 512] [--dtype auto] [--step-seconds 10] [--burst] [--perf-concurrency 1,512] \
+        [--soak-seconds 600] [--gpu-memory-gb 15]
 
-Every utterance is forced to `--tokens` code frames (MIN_NEW_TOKENS = MAX_NEW_TOKENS), so work per
-utterance is equal on both sides (150 frames ≈ 3.2 s of audio). Upstream runs in-process, as its
-users call it (`skip_refine_text`, no splitting), one warm-up then the mean of `--repeats` calls per
-batch size; ours runs end to end through tritonserver over gRPC with closed-loop clients
-(`loadtest.sweep`). Writes <out>/<date>-<device>.json, .md and .png.
+Ours: the repository `python -m export` writes with its defaults (the flags below change single settings
+for a comparison; the headline is the default), served by `python -m chattts_triton.serve` — the container's
+command — under a supervisor that counts the launcher's restarts, driven over gRPC by closed-loop clients
+(`loadtest.sweep`), Triton's perf_analyzer (`--perf-concurrency`, bench/perf.py) and bursts from idle of twice
+the GPT engine's slots (`--burst`). GPU memory at idle and per level (Triton's gauge; per process from
+nvidia-smi and the models' allocator gauges). `--soak-seconds`: after the rest, cycles of idle, a burst and
+a minute of closed-loop load until that long since the server was ready: restarts, errors and memory over
+the whole span. Every utterance is forced to `--tokens` code frames (MIN_NEW_TOKENS = MAX_NEW_TOKENS), so
+work per utterance is equal on both sides (150 frames ≈ 3.2 s of audio). Upstream runs in-process, as its
+users call it (`skip_refine_text`, no splitting), one warm-up then the mean of `--repeats` calls per batch
+size. Writes <out>/<date>-<device>.json, .md and .png.
 """
 
 from __future__ import annotations
@@ -218,6 +225,128 @@ def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, metric
     return row
 
 
+def gpu_processes(server) -> Dict[str, dict]:
+    """GPU memory per model process of the launched server: what nvidia-smi sees (context included) and what
+    the process's allocator holds (its `chattts_gpu_memory_*` gauges); {} without nvidia-smi."""
+    from chattts_triton.tritonserver import python_stubs
+    from loadtest.sweep import fetch_metrics, parse_counters
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    used = {int(pid): float(mib) for pid, mib in (line.split(",") for line in out.splitlines() if line.count(",") == 1)}
+    names = {server.server_pid: "tritonserver"}
+    for pid, argv in python_stubs(server.server_pid).items():
+        names[pid] = argv[-3] if len(argv) >= 3 else str(pid)  # ... <instance name> DEFAULT
+    text = fetch_metrics(server.metrics_url)
+    torch_mem: Dict[str, dict] = {}
+    for model in {n.rsplit("_", 1)[0] for n in names.values()}:
+        for inst, c in parse_counters(text, ("gpu_memory_reserved_bytes", "gpu_memory_peak_reserved_bytes"), model).items():
+            torch_mem[inst] = c
+    rows = {}
+    for pid, mib in used.items():
+        name = names.get(pid, f"pid {pid} (not the server's)")
+        t = torch_mem.get(name, {})
+        rows[name] = {"pid": pid, "nvidia_smi_mib": mib,
+                      "allocator_mib": round(t["gpu_memory_reserved_bytes"] / 2**20) if "gpu_memory_reserved_bytes" in t else None,
+                      "allocator_peak_mib": round(t["gpu_memory_peak_reserved_bytes"] / 2**20)
+                      if "gpu_memory_peak_reserved_bytes" in t else None}
+    return rows
+
+
+def memory_snapshot(server, label: str) -> dict:
+    from loadtest.sweep import _fetch_gpu_memory
+
+    total = _fetch_gpu_memory(server.metrics_url)
+    snap = {"when": label, "gpu_memory_mib": None if total is None else round(total / 2**20), "processes": gpu_processes(server)}
+    log(f"GPU memory {label}: {snap['gpu_memory_mib']} MiB; per process (nvidia-smi / allocator MiB): "
+        + ", ".join(f"{k} {v['nvidia_smi_mib']:.0f}/{v['allocator_mib']}" for k, v in sorted(snap["processes"].items())))
+    return snap
+
+
+def engine_slots(metrics_url: str) -> int:
+    """The GPT engines' slots together, as they sized themselves (their `chattts_engine_slots` gauges)."""
+    from chattts_triton.repo_config import GPT
+    from loadtest.sweep import fetch_metrics, parse_counters
+
+    time.sleep(2 * 0.25)  # a gauge refresh
+    return int(sum(c["engine_slots"] for c in parse_counters(fetch_metrics(metrics_url), ("engine_slots",), GPT).values()))
+
+
+def burst(url: str, n: int, tokens: int, seed0: int = 0) -> dict:
+    """n requests sent at once from idle, as a load tool's clients start together, without retries: how many
+    were served, every refusal's message, latency percentiles."""
+    import asyncio
+
+    import numpy as np
+    import tritonclient.grpc.aio as aioclient
+    from tritonclient.utils import InferenceServerException
+
+    def inputs(seed: int):
+        out = []
+        for name, arr, wire in (("TEXT", np.array([[TEXT.encode()]], object), "BYTES"), ("SEED", np.array([[seed]], np.int64), "INT64"),
+                                ("MAX_NEW_TOKENS", np.array([[tokens]], np.int32), "INT32"),
+                                ("MIN_NEW_TOKENS", np.array([[tokens]], np.int32), "INT32")):
+            out.append(aioclient.InferInput(name, list(arr.shape), wire))
+            out[-1].set_data_from_numpy(arr)
+        return out
+
+    async def run():
+        client = aioclient.InferenceServerClient(url)
+
+        async def one(i):
+            t0 = time.monotonic()
+            try:
+                await client.infer("chattts", inputs(seed0 + i), client_timeout=600)
+                return None, time.monotonic() - t0
+            except InferenceServerException as e:
+                return f"{e.status()}: {e.message()}"[:200], time.monotonic() - t0
+
+        try:
+            t0 = time.monotonic()
+            got = await asyncio.gather(*(one(i) for i in range(n)))
+            return got, time.monotonic() - t0
+        finally:
+            await client.close()
+
+    got, wall = asyncio.run(run())
+    ok = [t for e, t in got if e is None]
+    errors: Dict[str, int] = {}
+    for e, _ in got:
+        if e is not None:
+            errors[e] = errors.get(e, 0) + 1
+    row = {"requests": n, "served": len(ok), "refused": n - len(ok), "errors": errors, "wall_s": round(wall, 2),
+           "latency_p50_ms": _pct(ok, 50), "latency_p99_ms": _pct(ok, 99)}
+    log(f"burst of {n} from idle: {len(ok)} served in {wall:.1f} s (p50 {row['latency_p50_ms']} ms, p99 "
+        f"{row['latency_p99_ms']} ms), {n - len(ok)} refused {errors or ''}")
+    return row
+
+
+def soak_cycles(server, tokens: int, concurrency: int, burst_n: int, until: float, hold_s: float = 60.0,
+                idle_s: float = 10.0) -> dict:
+    """Until monotonic time `until`: idle, a burst of burst_n from idle, `hold_s` of closed-loop load; memory
+    sampled through each hold. Memory growth is measured over the second half of the cycles' samples."""
+    import asyncio
+
+    cycles: List[dict] = []
+    while time.monotonic() + idle_s + hold_s / 2 < until:
+        time.sleep(idle_s)
+        b = burst(server.grpc_url, burst_n, tokens, seed0=10_000 * (len(cycles) + 1))
+        h = asyncio.run(hold(server.grpc_url, server.metrics_url, tokens, concurrency,
+                             max(1.0, min(hold_s, until - time.monotonic()))))
+        cycles.append({"burst": b, "hold": h, "restarts_so_far": server.restarts})
+    mems = [(s["t_s"], s["gpu_memory_mib"]) for c in cycles for s in c["hold"]["samples"] if s["gpu_memory_mib"] is not None]
+    half = [m for _, m in mems[len(mems) // 2:]]
+    return {"cycles": cycles, "bursts": len(cycles), "burst_requests": len(cycles) * burst_n,
+            "burst_refused": sum(c["burst"]["refused"] for c in cycles),
+            "hold_utterances": sum(c["hold"]["utterances"] for c in cycles),
+            "hold_errors": sum(c["hold"]["errors"] for c in cycles),
+            "gpu_memory_min_mib": min((m for _, m in mems), default=None), "gpu_memory_max_mib": max((m for _, m in mems), default=None),
+            "gpu_memory_growth_second_half_mib": (max(half) - min(half)) if half else None}
+
+
 async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, seconds: float, every_s: float = 10.0) -> dict:
     """Constant load for `seconds`: GPU memory (Triton's gauge) sampled every `every_s`, utterances/s."""
     import asyncio
@@ -230,7 +359,8 @@ async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, second
     late: List[float] = []  # latencies (s) of the utterances finished in the second half: steady state
     t_start = time.monotonic()
     stop = t_start + seconds
-    async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=600, max_concurrency=concurrency) as client:
+    messages: Dict[str, int] = {}
+    async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=600, max_concurrency=concurrency, retries=0) as client:
         async def worker(i: int) -> None:
             nonlocal done, errors
             k = 0
@@ -241,8 +371,10 @@ async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, second
                     done += 1
                     if time.monotonic() - t_start >= seconds / 2:
                         late.append(time.monotonic() - t0)
-                except Exception:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001  counted (no retries: every refusal shows)
                     errors += 1
+                    key = f"{type(e).__name__}: {e}"[:200]
+                    messages[key] = messages.get(key, 0) + 1
                 k += 1
 
         async def sampler() -> None:
@@ -251,12 +383,12 @@ async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, second
                 samples.append({"t_s": round(time.monotonic() - t_start, 1), "gpu_memory_mib": None if mem is None else mem / 2**20,
                                 "utterances": done})
                 log(f"hold: t={samples[-1]['t_s']} s, GPU {samples[-1]['gpu_memory_mib']} MiB, {done} utterances, {errors} errors")
-                await asyncio.sleep(every_s)
+                await asyncio.sleep(max(0.0, min(every_s, stop - time.monotonic())))
 
         await asyncio.gather(sampler(), *(worker(i) for i in range(concurrency)))
     mems = [s["gpu_memory_mib"] for s in samples if s["gpu_memory_mib"] is not None]
     half = [s["gpu_memory_mib"] for s in samples if s["gpu_memory_mib"] is not None and s["t_s"] >= seconds / 2]
-    return {"concurrency": concurrency, "seconds": seconds, "utterances": done, "errors": errors,
+    return {"concurrency": concurrency, "seconds": seconds, "utterances": done, "errors": errors, "error_messages": messages,
             "throughput_utt_s": done / seconds, "samples": samples,
             "latency_p50_ms_second_half": _pct(late, 50), "latency_p99_ms_second_half": _pct(late, 99),
             "gpu_memory_min_mib": min(mems) if mems else None, "gpu_memory_max_mib": max(mems) if mems else None,
@@ -265,22 +397,38 @@ async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, second
 
 def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, start: int = 1,
                  stream_concurrency: List[int] = (), stream_s: float = 15.0, hold_concurrency: int = 0,
-                 hold_s: float = 0.0, mps: bool = False, stream_procs: int = STREAM_CLIENT_PROCS) -> Dict[str, object]:
+                 hold_s: float = 0.0, mps: bool = False, stream_procs: int = STREAM_CLIENT_PROCS,
+                 burst_from_idle: bool = False, perf_levels: List[int] = (), soak_s: float = 0.0,
+                 out_dir: Optional[Path] = None, save=lambda out: None, perf_stability: int = 25) -> Dict[str, object]:
+    """Everything against one server started by the launcher, in order; `save(out)` after each phase."""
     import asyncio
-    import contextlib
 
-    from chattts_triton.mps import mps_daemon
-    from chattts_triton.tritonserver import TritonServer
+    from chattts_triton.serve import Launched
     from loadtest.sweep import SweepConfig, run_sweep
 
     out: Dict[str, object] = {}
-    with contextlib.ExitStack() as stack:
-        env = dict(os.environ)
-        if mps:
-            env.update(stack.enter_context(mps_daemon()))
-            log(f"MPS daemon: pipe {env['CUDA_MPS_PIPE_DIRECTORY']}")
-        server = stack.enter_context(TritonServer(repo, log_file=repo.parent / "bench-tritonserver.log",
-                                                  startup_timeout_s=900, env=env))
+    args = ["--mps"] if mps else []
+    server = Launched(repo, repo.parent / "bench-tritonserver.log", args=args, ready_timeout_s=900)
+    t_start = time.monotonic()
+    server.start()
+    ready = time.monotonic()
+    out["launcher"] = {"command": f"python -m chattts_triton.serve --repo {repo} " + " ".join(args), "ready_s": round(ready - t_start, 1)}
+    log(f"launcher ready in {ready - t_start:.0f} s: tritonserver pid {server.server_pid}, {server.grpc_url}")
+
+    def launcher_state() -> dict:
+        return {**out["launcher"], "restarts": server.restarts, "exits": [code for _, code in server.exits],
+                "alive": server.alive, "seconds_served": round(time.monotonic() - ready, 1)}
+
+    try:
+        time.sleep(5.0)
+        out["memory"] = [memory_snapshot(server, "idle")]
+        slots = engine_slots(server.metrics_url)
+        out["gpt_slots"] = slots
+        log(f"GPT engines: {slots} slots together")
+        if burst_from_idle:
+            out["burst"] = burst(server.grpc_url, 2 * slots, tokens)
+            save(out)
+            time.sleep(5.0)
         if max_concurrency:
             cfg = SweepConfig(
                 url=server.grpc_url, max_concurrency=max_concurrency, start_concurrency=start, step_seconds=step_s,
@@ -288,10 +436,31 @@ def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, s
                 metrics_url=server.metrics_url, max_new_tokens=tokens, min_new_tokens=tokens, seed=1, timeout_s=600,
             )
             out["served"] = asyncio.run(run_sweep(cfg, log=log))
+            out["memory"].append(memory_snapshot(server, f"after the sweep to {max_concurrency}"))
+            save(out)
+        if perf_levels:
+            from bench import perf
+
+            out["perf_analyzer"] = perf.run(server.grpc_url, list(perf_levels), tokens, (out_dir or repo.parent) / "perf",
+                                            log=log, stability=perf_stability)
+            save(out)
         out["stream"] = [bench_stream(server.grpc_url, tokens, c, stream_s, server.metrics_url, stream_procs)
                          for c in stream_concurrency]
         if hold_s > 0:
             out["hold"] = asyncio.run(hold(server.grpc_url, server.metrics_url, tokens, hold_concurrency, hold_s))
+            out["memory"].append(memory_snapshot(server, f"after {hold_s:.0f} s at {hold_concurrency}"))
+        save(out)
+        if soak_s > 0:
+            log(f"soak: cycles of idle, a burst of {2 * slots} and a minute at {hold_concurrency or max_concurrency} "
+                f"until {soak_s:.0f} s after ready")
+            out["soak"] = soak_cycles(server, tokens, hold_concurrency or max_concurrency, 2 * slots, ready + soak_s)
+            out["memory"].append(memory_snapshot(server, "after the soak"))
+    finally:
+        out["launcher"] = launcher_state()
+        code = server.stop()
+        out["launcher"]["exit_status_on_sigterm"] = code
+        log(f"launcher: {server.restarts} restarts, exit status {code} on SIGTERM after "
+            f"{out['launcher']['seconds_served']} s served")
     return out
 
 
@@ -317,6 +486,52 @@ def _vocoder_graphs(on) -> str:
     return "" if on is None else (", vocoder from CUDA graphs" if on else ", eager vocoder")
 
 
+def _served_path(res: dict) -> List[str]:
+    """How the server ran (the launcher), its memory, the bursts, perf_analyzer and the soak."""
+    out: List[str] = []
+    la = res.get("launcher")
+    if la:
+        out += [f"Served by `{la['command'].strip()}` (the container's command; ready {la['ready_s']} s after start), "
+                f"{res.get('gpt_slots', '?')} GPT slots as the engine sized itself"
+                f"{f', GPU memory planned for {g:g} GiB' if (g := res.get('gpu_memory_gb')) else ''}; "
+                f"**{la['restarts']} launcher restarts** in {la['seconds_served']} s served, exit status "
+                f"{la.get('exit_status_on_sigterm')} on SIGTERM.", ""]
+    mem = res.get("memory") or []
+    if mem:
+        names = sorted({n for m in mem for n in m["processes"]})
+        out += ["## GPU memory", "", "| when | GPU MiB (Triton) | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for m in mem:
+            cells = []
+            for n in names:
+                p = m["processes"].get(n)
+                cells.append("" if p is None else f"{p['nvidia_smi_mib']:.0f}" + (f" ({p['allocator_mib']})" if p.get("allocator_mib") is not None else ""))
+            out.append(f"| {m['when']} | {m['gpu_memory_mib']} | " + " | ".join(cells) + " |")
+        out += ["", "Per process: MiB nvidia-smi reports (CUDA context included), in brackets what its allocator holds.", ""]
+    b = res.get("burst")
+    if b:
+        out += [f"Burst of {b['requests']} requests from idle (twice the GPT slots): **{b['served']} served, {b['refused']} "
+                f"refused** in {b['wall_s']} s, latency p50 {_ms(b['latency_p50_ms'])} ms, p99 {_ms(b['latency_p99_ms'])} ms"
+                + (f"; refusals: {b['errors']}" if b["errors"] else "") + ".", ""]
+    rows = res.get("perf_analyzer") or []
+    if rows:
+        out += ["## perf_analyzer (Triton's load tool, gRPC)", "", "| concurrency | utterances/s | p50 ms | p90 ms | p99 ms |",
+                "|---|---|---|---|---|"]
+        out += [f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | {_ms(r['latency_p50_ms'])} | {_ms(r['latency_p90_ms'])} | "
+                f"{_ms(r['latency_p99_ms'])} |" for r in rows]
+        out.append("")
+    sk = res.get("soak")
+    if sk:
+        out += [f"## Soak through the launcher: {sk['bursts']} cycles of idle, a burst from idle and a minute of closed-loop load", "",
+                f"Bursts: {sk['burst_requests']} requests, {sk['burst_refused']} refused; closed loop: {sk['hold_utterances']} "
+                f"utterances, {sk['hold_errors']} errors; GPU memory {sk['gpu_memory_min_mib']}–{sk['gpu_memory_max_mib']} MiB, "
+                f"growth over the second half {sk['gpu_memory_growth_second_half_mib']} MiB.", ""]
+    return out
+
+
+def _ms(v) -> str:
+    return "" if v is None else f"{v:.0f}"
+
+
 def to_markdown(res: dict) -> str:
     out = [f"# Benchmark {res['date']} on {res['device_name']}", "",
            f"{res['tokens']} forced code frames per utterance (≈ {res['tokens'] * 512 / 24000:.2f} s of audio). "
@@ -330,6 +545,7 @@ def to_markdown(res: dict) -> str:
            f", closed-loop clients. Upstream: `Chat.infer` in-process.", ""]
     if res.get("note"):
         out += [f"Note: {res['note']}", ""]
+    out += _served_path(res)
     for name in ("upstream_eager", "upstream_compile"):
         rows = res.get(name) or []
         if rows:
@@ -434,7 +650,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-concurrency", type=int, default=512)
     ap.add_argument("--start-concurrency", type=int, default=1)
     ap.add_argument("--step-seconds", type=float, default=10.0)
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", default="auto", help="export dtype (auto, the default: bf16 on GPUs that have it, else fp16)")
     ap.add_argument("--repo", type=Path, default=Path("build/bench-repo"))
     ap.add_argument("--name", default=None, help="result file stem (default: <date>-<device>)")
     ap.add_argument("--append", action="store_true", help="add to the result file of the same name (runs split over calls)")
@@ -444,7 +660,13 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-procs", type=int, default=STREAM_CLIENT_PROCS,
                     help="client processes the streams are spread over (1: one asyncio process, as before 2026-12-02)")
     ap.add_argument("--hold-seconds", type=float, default=0.0, help="then this long at --hold-concurrency (GPU memory over time)")
-    ap.add_argument("--hold-concurrency", type=int, default=256)
+    ap.add_argument("--hold-concurrency", type=int, default=512)
+    ap.add_argument("--burst", action="store_true", help="a burst from idle of twice the GPT engines' slots, before the sweep")
+    ap.add_argument("--perf-concurrency", default="", help="Triton's perf_analyzer at these levels after the sweep (bench/perf.py)")
+    ap.add_argument("--soak-seconds", type=float, default=0.0,
+                    help="then cycles of idle, a burst from idle and a minute at --hold-concurrency until this long after ready")
+    ap.add_argument("--gpu-memory-gb", type=float, default=None,
+                    help="the deployment's GPU memory, GiB (default: the card's; e.g. 15 sizes for a 16-GB card, with caps)")
     ap.add_argument("--stream-lookahead", type=int, default=0, help="chattts_stream context frames (0: exact)")
     ap.add_argument("--stream-first-lookahead", type=int, default=Deployment.stream_first_lookahead_frames,
                     help="right context of a stream's first chunk (0: as later chunks)")
@@ -496,10 +718,8 @@ def main(argv=None) -> int:
 
     gpus = [int(g) for g in a.gpus.split(",") if g.strip()] if dev.startswith("cuda") else []
     streams = [int(c) for c in a.stream_concurrency.split(",") if c]
-    per_engine = max(a.max_concurrency, a.hold_concurrency if a.hold_seconds else 0, 8)
-    dep = Deployment(gpus=gpus, gpt_slots=-(-per_engine // max(1, len(gpus))), gpt_context=512,
-                     max_batch_size=max(64, min(per_engine, 512)), max_queue_size=4096,
-                     stream_slots=max(streams + [2]), stream_lookahead_frames=a.stream_lookahead,
+    # the repository `python -m export` writes, its defaults as they are; the flags change single settings
+    dep = Deployment(gpus=gpus, gpu_memory_gb=a.gpu_memory_gb, stream_lookahead_frames=a.stream_lookahead,
                      stream_first_lookahead_frames=a.stream_first_lookahead, stream_fade_frames=a.stream_fade,
                      gpt_compile=a.gpt_compile, gpt_compile_prefill=a.gpt_compile_prefill, vocoder_graphs=a.vocoder_graphs, gpt_admit_batch=a.gpt_admit_batch,
                      gpt_admit_wait_steps=a.gpt_admit_wait_steps, max_queue_delay_us=a.max_queue_delay_us,
@@ -513,17 +733,26 @@ def main(argv=None) -> int:
                 "stream_codec_stream": a.stream_codec_stream, "stream_first_chunks_first": a.stream_first_chunks_first,
                 "stream_procs": a.stream_procs, "mps": a.mps,
                 "gpt_admit": {"batch": a.gpt_admit_batch, "wait_steps": a.gpt_admit_wait_steps},
-                "max_queue_delay_us": a.max_queue_delay_us, "gil_switch_interval_us": a.gil_switch_interval_us}
-    serves = bool(a.max_concurrency or streams or a.hold_seconds)
+                "max_queue_delay_us": a.max_queue_delay_us, "gil_switch_interval_us": a.gil_switch_interval_us,
+                "gpu_memory_gb": a.gpu_memory_gb}
+    serves = bool(a.max_concurrency or streams or a.hold_seconds or a.burst or a.soak_seconds)
     if serves or not any(res.get(k) for k in ("served", "stream", "hold")):
         res.update(settings)
     if serves:
-        log(f"exporting {a.assets} → {a.repo} ({a.dtype})")
+        log(f"exporting {a.assets} → {a.repo} (dtype {a.dtype})")
         export_repository(a.assets, a.repo, ["torchscript"], a.dtype, "cpu", dep, progress=log)
+        res["dtype"] = json.loads((a.repo / "manifest.json").read_text())["dtype"]  # what auto resolved to
+
+        def save_served(out):
+            res.update({k: v for k, v in out.items() if v})
+            save()
+
+        perf_levels = [int(c) for c in a.perf_concurrency.split(",") if c.strip()]
         served = bench_served(a.repo, a.tokens, a.max_concurrency, a.step_seconds, a.start_concurrency, streams,
-                              a.stream_seconds, a.hold_concurrency, a.hold_seconds, mps=a.mps, stream_procs=a.stream_procs)
-        res.update({k: v for k, v in served.items() if v})
-        save()
+                              a.stream_seconds, a.hold_concurrency, a.hold_seconds, mps=a.mps, stream_procs=a.stream_procs,
+                              burst_from_idle=a.burst, perf_levels=perf_levels, soak_s=a.soak_seconds,
+                              save=save_served)
+        save_served(served)
     plot(res, a.out / f"{stem}.png")
     batches = [int(b) for b in a.upstream_batches.split(",") if b]
     if not a.skip_upstream:

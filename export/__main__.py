@@ -1,6 +1,6 @@
 """Export ChatTTS weights into a Triton model repository.
 
-    python -m export --assets DIR --out REPO [--formats torchscript,onnx] [--dtype fp32|fp16|bf16]
+    python -m export --assets DIR --out REPO [--formats torchscript[,onnx]] [--dtype auto|fp32|fp16|bf16|int8]
                      [--device cpu|cuda] [--gpus 0,1] [--instances N]
     python -m export --hf --out REPO      # the 2Noise/ChatTTS snapshot, where a network exists
 
@@ -46,6 +46,26 @@ def hf_assets() -> Path:
     return Path(path) / "asset"
 
 
+def resolve_dtype(dtype: str, gpus: List[int], formats: List[str] = (), progress: Callable[[str], None] = print) -> str:
+    """`auto`: fp32 for the CPU; for GPUs bf16 where every one listed supports it (Ampere and later) and no ONNX
+    artifact is asked for (ONNX convolutions have no bf16), else fp16 (Volta and Turing, e.g. a T4, have no
+    bf16), and fp16 when this machine sees none of them (it runs on every CUDA GPU; export on the serving
+    machine, or name bf16, for bf16)."""
+    if dtype != "auto":
+        return dtype
+    if not gpus:
+        return "fp32"
+    if torch.cuda.is_available() and max(gpus) < torch.cuda.device_count():
+        caps = {g: torch.cuda.get_device_capability(g) for g in gpus}
+        picked = "bf16" if all(c >= (8, 0) for c in caps.values()) and "onnx" not in formats else "fp16"
+        progress(f"[export] --dtype auto: {picked} (GPUs {gpus}: compute capability "
+                 f"{', '.join('.'.join(map(str, c)) for c in caps.values())}; formats {', '.join(formats)})")
+        return picked
+    progress(f"[export] --dtype auto: fp16 (GPUs {gpus} are not visible here; fp16 runs on every CUDA GPU; "
+             "for bf16 on Ampere or later export where they are, or pass --dtype bf16)")
+    return "fp16"
+
+
 def export_gpt(assets: Path, arch, out_dir: Path, dtype: str, progress: Callable[[str], None]) -> dict:
     from chattts_triton.gpt import load_gpt
 
@@ -76,8 +96,9 @@ def export_repository(
 
     t0 = time.perf_counter()
     assets = check_folder(Path(assets))
+    dtype = resolve_dtype(dtype, deployment.gpus if deployment is not None else [], formats, progress)
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
+        raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}")
     if dtype in CPU_ONLY_PRECISIONS and deployment is not None and deployment.gpus:
         raise ValueError(f"--dtype {dtype} runs on CPU only: leave --gpus empty")
     bad = [f for f in formats if f not in FORMATS]
@@ -159,8 +180,11 @@ def main(argv=None) -> int:
     src.add_argument("--assets", type=Path, help="upstream asset folder (Vocos/DVAE/Decoder/Embed.safetensors, gpt/, tokenizer/)")
     src.add_argument("--hf", action="store_true", help="download the 2Noise/ChatTTS snapshot from Hugging Face")
     ap.add_argument("--out", type=Path, required=True, help="model repository to write")
-    ap.add_argument("--formats", default="torchscript,onnx")
-    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--formats", default="torchscript",
+                    help="artifact formats, comma-separated: torchscript (served), onnx (for --artifact-format onnx and "
+                         "python -m export.native)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                    help="auto (default): fp32 on the CPU; on GPUs bf16 where they support it, else fp16")
     ap.add_argument("--device", default="cpu", help="device used to trace/check the export (cpu or cuda)")
     ap.add_argument("--gpus", default="", help="comma-separated GPU ids for the instance groups (empty: CPU)")
     ap.add_argument("--instances", type=int, default=1)

@@ -1,0 +1,36 @@
+"""`python -m bench.perf` (`make perf`): Triton's perf_analyzer against the served `chattts` ensemble."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import perf
+
+pytestmark = pytest.mark.e2e
+
+
+def test_input_data_forces_the_frames_and_names_only_contract_inputs(tmp_path):
+    from chattts_triton.config import ENSEMBLE_INPUTS
+
+    data = json.loads(perf.write_input_data(tmp_path / "in.json", 42).read_text())["data"][0]
+    assert set(data) <= set(ENSEMBLE_INPUTS)
+    assert data["MAX_NEW_TOKENS"]["content"] == data["MIN_NEW_TOKENS"]["content"] == [42]
+    assert all(v["shape"] == [1] for v in data.values())
+
+
+def test_perf_analyzer_measures_the_served_ensemble(served_tiny, tmp_path):
+    """The real binary (prepared as `make perf` does) drives the tiny CPU server at two concurrencies: every
+    request succeeds (perf_analyzer fails the run on an error) and the table has plausible figures."""
+    rows = perf.run(served_tiny.grpc_url, [1, 2], frames=8, out=tmp_path, window_ms=2000, stability=100)  # a busy CI box
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["throughput_utt_s"] > 0 and 0 < r["latency_p50_ms"] <= r["latency_p99_ms"]
+    assert (tmp_path / "perf-c2.csv").is_file()
+    assert "| 2 |" in perf.to_markdown(rows, 8, served_tiny.grpc_url)
+
+
+def test_a_failing_run_names_the_level_and_the_tool_s_words(served_tiny, tmp_path):
+    with pytest.raises(perf.PerfError, match="concurrency 1"):
+        perf.run("127.0.0.1:1", [1], frames=8, out=tmp_path, window_ms=500)
