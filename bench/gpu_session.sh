@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see bench/bundle.py):
-#   bash bench/gpu_session.sh STAGE...   stages: setup test bench step codec codecload gil engine aotiprobe clientcap
+#   bash bench/gpu_session.sh STAGE...   stages: setup test bench detach collect step codec codecload gil engine aotiprobe clientcap
+# (detach: `bench` in a process session of its own, writing to build/detached/, so that a run longer than one
+#  device call (a soak) goes on between calls; collect [WAIT_S]: wait for it to end, copy its files to $OUT)
 # (test: PYTEST_ARGS picks the tests, default the whole GPU suite; quotes in it are kept, e.g. -k "a or b")
 # Writes logs and results under $OUT (or build/gpu-out).
 set -uo pipefail
@@ -14,10 +16,9 @@ fi
 source "$ENV"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-export_repo() {  # DIR [export args]: the bf16 repository the GPU benches load, exported once
+export_repo() {  # DIR [export args]: the repository the GPU benches load (the defaults, on GPU 0), exported once
   local dir="$1"; shift
-  [ -f "$dir/manifest.json" ] || python3 -m export --assets build/assets-full --out "$dir" \
-    --formats torchscript --dtype bf16 --gpus 0 "$@" 2>&1 | tail -2
+  [ -f "$dir/manifest.json" ] || python3 -m export --assets build/assets-full --out "$dir" --gpus 0 "$@" 2>&1 | tail -2
 }
 for stage in "$@"; do
   case "$stage" in
@@ -27,6 +28,16 @@ for stage in "$@"; do
       eval "python3 -m pytest -p no:cacheprovider -v -m gpu ${PYTEST_ARGS:-tests/test_gpu.py} -s" 2>&1 | tee "$OUT/test_gpu.log" ;;
     bench)
       python3 -m bench.run --assets build/assets-full --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
+    detach)
+      rm -rf build/detached && mkdir -p build/detached
+      OUT=build/detached setsid nohup bash bench/gpu_session.sh bench > build/detached/session.log 2>&1 < /dev/null &
+      echo "detached bench.run: pid $!, log build/detached/session.log" ;;
+    collect)  # ends when the detached run has (or after WAIT_S), then its files into $OUT
+      deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
+      while pgrep -f "bench.run --assets" > /dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+      pgrep -f "bench.run --assets" > /dev/null && echo "still running at the deadline"
+      tail -5 build/detached/bench.log 2>/dev/null
+      cp build/detached/*.json build/detached/*.md build/detached/bench.log "$OUT"/ 2>/dev/null; ls -la "$OUT" ;;
     step)
       python3 -m bench.step --assets build/assets-full --out "$OUT" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" ;;
     codec)

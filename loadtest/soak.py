@@ -1,6 +1,7 @@
 """Soak: a long run at a fixed fraction of saturation, watching memory, failures and latency drift.
 
-    python -m loadtest.soak --repo build/repo-tiny --duration-s 1800 --load 0.7 --out build/soak
+    python -m loadtest.soak --repo build/repo-tiny --duration-s 1800 --load 0.7 --out build/soak   (serves it through
+        python -m chattts_triton.serve, as the container does, and counts the launcher's restarts)
     python -m loadtest.soak --url 127.0.0.1:8001 --pgid PID ...   (a server that is already running)
 
 1. Saturation: closed loop at 2 × engine slots concurrent requests for --calibrate-s; its completion
@@ -49,6 +50,7 @@ class SoakResult:
     p99_drift: float
     p50_s: float
     passed: dict = field(default_factory=dict)
+    restarts: Optional[int] = None  # the launcher's, where the soak started the server
 
 
 def group_rss_bytes(pgid: int) -> int:
@@ -202,12 +204,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("build/soak"))
     a = ap.parse_args(argv)
     server = None
-    if a.repo:
-        from chattts_triton.tritonserver import TritonServer
+    if a.repo:  # as the container runs it: the launcher (a restart would be counted and fail the soak)
+        from chattts_triton.serve import Launched
 
         a.out.mkdir(parents=True, exist_ok=True)
-        server = TritonServer(a.repo, log_file=a.out / "tritonserver.log", startup_timeout_s=600).start()
-        a.url, a.pgid = server.grpc_url, server.pid
+        server = Launched(a.repo, a.out / "tritonserver.log", ready_timeout_s=600).start()
+        a.url, a.pgid = server.grpc_url, server.server_pid
     elif not (a.url and a.pgid):
         ap.error("give --repo, or --url and --pgid")
     try:
@@ -215,6 +217,8 @@ def main(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
+            r.restarts = server.restarts
+            r.passed["restarts"] = server.restarts == 0
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "soak.json").write_text(json.dumps(asdict(r), indent=2))
     print(summary(r))

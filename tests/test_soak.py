@@ -12,19 +12,23 @@ from dataclasses import asdict
 
 import pytest
 
+from chattts_triton.serve import Launched
 from loadtest.soak import TARGETS, soak, summary
-from tests.reliability_util import private_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.soak]
 
 
 def test_soak_at_70_percent_of_saturation(tiny_assets, tmp_path):
+    from tests.conftest import _export
+
     duration = float(os.environ.get("CHATTTS_SOAK_SECONDS", "1800"))
     out = os.environ.get("CHATTTS_SOAK_OUT")
-    with private_server(tiny_assets, tmp_path, gpt_slots=4) as server:
-        r = soak(server.grpc_url, server.pid, duration, load_fraction=0.7, frames=60,
+    repo = _export(tiny_assets, tmp_path / "repo", gpt_slots=4)
+    with Launched(repo, tmp_path / "server.log") as server:  # the launcher, as the container runs it
+        r = soak(server.grpc_url, server.server_pid, duration, load_fraction=0.7, frames=60,
                  calibrate_s=min(30.0, duration / 6), sample_s=10.0, concurrency=8)
-        assert server.returncode is None  # alive throughout
+        r.restarts = server.restarts
+    assert r.restarts == 0, server.output[-10:]
     print("\n" + summary(r))
     if out:
         os.makedirs(out, exist_ok=True)
