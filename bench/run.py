@@ -242,7 +242,9 @@ def gpu_processes(server) -> Dict[str, dict]:
         names[pid] = argv[-3] if len(argv) >= 3 else str(pid)  # ... <instance name> DEFAULT
     text = fetch_metrics(server.metrics_url)
     torch_mem: Dict[str, dict] = {}
-    for model in {n.rsplit("_", 1)[0] for n in names.values()}:
+    from chattts_triton.repo_config import MODELS, STREAM
+
+    for model in MODELS + (STREAM,):
         for inst, c in parse_counters(text, ("gpu_memory_reserved_bytes", "gpu_memory_peak_reserved_bytes"), model).items():
             torch_mem[inst] = c
     rows = {}
