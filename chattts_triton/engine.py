@@ -1038,7 +1038,7 @@ class Engine:
         if q < self.num_vq:
             tok = tok.expand(b, self.num_vq)
         self.tokens[st, n] = tok
-        self.hiddens[st, n] = h
+        self.hiddens[st, n] = h.to(self.hiddens.dtype)  # the compute dtype: exact, the model's output in it
         keep = ~hit if valid is None else ~hit & valid
         self.n_dev.index_add_(0, st, keep.long())
         return tok, hit

@@ -532,6 +532,26 @@ def test_requests_suspended_for_want_of_pages_resume_exactly_where_they_stopped(
     assert_pool_whole(eng)
 
 
+def test_a_half_precision_engine_keeps_its_hidden_states_exactly_at_half_the_memory(tiny):
+    """bf16 compute: the hidden states are kept in bf16 (the model's final norm outputs bf16, so nothing is
+    lost) and handed out as float32, suspended and resumed included."""
+    arch, _, _, ours = tiny
+    model = load_gpt_like(ours, arch, torch.bfloat16)
+    specs = scenario_specs()[:5]
+    alone = [drive(make_engine(model, arch, max_slots=8, start=False, cache_dtype=torch.bfloat16,
+                               compute_dtype=torch.bfloat16), [s])[0] for s in specs]
+    longest = max(len(s["ids"]) + s["params"].max_new_tokens for s in specs)
+    eng = make_engine(model, arch, max_slots=8, start=False, cache_dtype=torch.bfloat16, compute_dtype=torch.bfloat16,
+                      max_context=longest, cache_tokens=longest)
+    assert eng.hiddens.dtype == torch.bfloat16
+    batched = drive(eng, specs)
+    check_same_as_alone(alone, batched, hidden_atol=0.1)
+    for r in batched:
+        if r.result.hiddens is not None:
+            h = r.result.hiddens
+            assert h.dtype == torch.float32 and torch.equal(h, h.to(torch.bfloat16).float())
+
+
 def test_a_request_cancelled_while_suspended_ends_cancelled_and_frees_nothing_twice(tiny):
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, max_slots=4, max_context=64, cache_tokens=64, start=False)
