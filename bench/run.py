@@ -226,35 +226,25 @@ def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, metric
 
 
 def gpu_processes(server) -> Dict[str, dict]:
-    """GPU memory per model process of the launched server: what nvidia-smi sees (context included) and what
-    the process's allocator holds (its `chattts_gpu_memory_*` gauges); {} without nvidia-smi."""
-    from chattts_triton.tritonserver import python_stubs
+    """GPU memory per model instance of the launched server, from what each process's allocator holds (its
+    `chattts_gpu_memory_*` gauges; nvidia-smi's per-process list names host pids inside a container), and
+    nvidia-smi's per-process figures (context included) as it lists them."""
+    from chattts_triton.repo_config import MODELS, STREAM
     from loadtest.sweep import fetch_metrics, parse_counters
 
+    text = fetch_metrics(server.metrics_url)
+    rows: Dict[str, dict] = {}
+    for model in MODELS + (STREAM,):
+        for inst, c in parse_counters(text, ("gpu_memory_reserved_bytes", "gpu_memory_peak_reserved_bytes"), model).items():
+            rows[inst or model] = {"allocator_mib": round(c.get("gpu_memory_reserved_bytes", 0) / 2**20),
+                                   "allocator_peak_mib": round(c.get("gpu_memory_peak_reserved_bytes", 0) / 2**20)}
     try:
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    used = {int(pid): float(mib) for pid, mib in (line.split(",") for line in out.splitlines() if line.count(",") == 1)}
-    names = {server.server_pid: "tritonserver"}
-    for pid, argv in python_stubs(server.server_pid).items():
-        names[pid] = argv[-3] if len(argv) >= 3 else str(pid)  # ... <instance name> DEFAULT
-    text = fetch_metrics(server.metrics_url)
-    torch_mem: Dict[str, dict] = {}
-    from chattts_triton.repo_config import MODELS, STREAM
-
-    for model in MODELS + (STREAM,):
-        for inst, c in parse_counters(text, ("gpu_memory_reserved_bytes", "gpu_memory_peak_reserved_bytes"), model).items():
-            torch_mem[inst] = c
-    rows = {}
-    for pid, mib in used.items():
-        name = names.get(pid, f"pid {pid} (not the server's)")
-        t = torch_mem.get(name, {})
-        rows[name] = {"pid": pid, "nvidia_smi_mib": mib,
-                      "allocator_mib": round(t["gpu_memory_reserved_bytes"] / 2**20) if "gpu_memory_reserved_bytes" in t else None,
-                      "allocator_peak_mib": round(t["gpu_memory_peak_reserved_bytes"] / 2**20)
-                      if "gpu_memory_peak_reserved_bytes" in t else None}
+        rows["nvidia-smi (pid: MiB)"] = {"processes": {pid.strip(): float(mib) for pid, mib in
+                                                       (line.split(",") for line in out.splitlines() if line.count(",") == 1)}}
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        pass
     return rows
 
 
@@ -263,8 +253,10 @@ def memory_snapshot(server, label: str) -> dict:
 
     total = _fetch_gpu_memory(server.metrics_url)
     snap = {"when": label, "gpu_memory_mib": None if total is None else round(total / 2**20), "processes": gpu_processes(server)}
-    log(f"GPU memory {label}: {snap['gpu_memory_mib']} MiB; per process (nvidia-smi / allocator MiB): "
-        + ", ".join(f"{k} {v['nvidia_smi_mib']:.0f}/{v['allocator_mib']}" for k, v in sorted(snap["processes"].items())))
+    log(f"GPU memory {label}: {snap['gpu_memory_mib']} MiB; allocators (MiB, peak): "
+        + ", ".join(f"{k} {v['allocator_mib']} ({v['allocator_peak_mib']})" for k, v in sorted(snap["processes"].items())
+                    if "allocator_mib" in v)
+        + f"; nvidia-smi per process: {snap['processes'].get('nvidia-smi (pid: MiB)', {}).get('processes')}")
     return snap
 
 
@@ -495,20 +487,18 @@ def _served_path(res: dict) -> List[str]:
     if la:
         out += [f"Served by `{la['command'].strip()}` (the container's command; ready {la['ready_s']} s after start), "
                 f"{res.get('gpt_slots', '?')} GPT slots as the engine sized itself"
-                f"{f', GPU memory planned for {g:g} GiB' if (g := res.get('gpu_memory_gb')) else ''}; "
-                f"**{la['restarts']} launcher restarts** in {la['seconds_served']} s served, exit status "
-                f"{la.get('exit_status_on_sigterm')} on SIGTERM.", ""]
+                f"{f', GPU memory planned for {g:g} GiB' if (g := res.get('gpu_memory_gb')) else ''}"
+                + (f"; **{la['restarts']} launcher restarts** in {la['seconds_served']} s served, exit status "
+                   f"{la.get('exit_status_on_sigterm')} on SIGTERM." if "restarts" in la else " (running)."), ""]
     mem = res.get("memory") or []
     if mem:
-        names = sorted({n for m in mem for n in m["processes"]})
+        names = sorted({n for m in mem for n, v in m["processes"].items() if "allocator_mib" in v})
         out += ["## GPU memory", "", "| when | GPU MiB (Triton) | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
         for m in mem:
-            cells = []
-            for n in names:
-                p = m["processes"].get(n)
-                cells.append("" if p is None else f"{p['nvidia_smi_mib']:.0f}" + (f" ({p['allocator_mib']})" if p.get("allocator_mib") is not None else ""))
+            cells = [f"{p['allocator_mib']} ({p['allocator_peak_mib']})" if (p := m["processes"].get(n)) else "" for n in names]
             out.append(f"| {m['when']} | {m['gpu_memory_mib']} | " + " | ".join(cells) + " |")
-        out += ["", "Per process: MiB nvidia-smi reports (CUDA context included), in brackets what its allocator holds.", ""]
+        out += ["", "Per model instance: MiB its process's allocator holds (peak so far); the GPU total is Triton's gauge "
+                "(every process, CUDA contexts included).", ""]
     b = res.get("burst")
     if b:
         out += [f"Burst of {b['requests']} requests from idle (twice the GPT slots): **{b['served']} served, {b['refused']} "
