@@ -23,7 +23,7 @@ def test_bench_serves_the_default_export_through_the_launcher(tiny_assets, tmp_p
     repo = _export(tiny_assets, tmp_path / "repo")  # the defaults, as `python -m export` writes them
     saved = []
     out = bench_served(repo, tokens=8, max_concurrency=2, step_s=2.0, burst_from_idle=True, perf_levels=[1],
-                       save=lambda o: saved.append(dict(o)), perf_stability=100)  # a busy 2-core box
+                       save=lambda o: saved.append(dict(o)), perf_stability=999)  # a busy 2-core box
     la = out["launcher"]
     assert la["restarts"] == 0 and la["exits"] == [] and la["exit_status_on_sigterm"] == 0
     assert la["command"].startswith("python -m chattts_triton.serve --repo")

@@ -23,7 +23,8 @@ def test_input_data_forces_the_frames_and_names_only_contract_inputs(tmp_path):
 def test_perf_analyzer_measures_the_served_ensemble(served_tiny, tmp_path):
     """The real binary (prepared as `make perf` does) drives the tiny CPU server at two concurrencies: every
     request succeeds (perf_analyzer fails the run on an error) and the table has plausible figures."""
-    rows = perf.run(served_tiny.grpc_url, [1, 2], frames=8, out=tmp_path, window_ms=2000, stability=100)  # a busy CI box
+    # a busy 2-core CI box: windows may differ several-fold; the stability check is the tool's, not under test here
+    rows = perf.run(served_tiny.grpc_url, [1, 2], frames=8, out=tmp_path, window_ms=2000, stability=999)
     assert [r["concurrency"] for r in rows] == [1, 2]
     for r in rows:
         assert r["throughput_utt_s"] > 0 and 0 < r["latency_p50_ms"] <= r["latency_p99_ms"]
