@@ -47,7 +47,9 @@ _CURRENCY = {
 _SCALES = ("thousand", "million", "billion", "trillion")
 _MONEY = re.compile(r"(?<![\w.])(US\$|[$€£¥￥])\s?(\d+)(?:\.(\d+))?(?:\s?(thousand|million|billion|trillion)\b)?")
 _DECADE = re.compile(r"(?<![\w.,:/\-])(\d{3}0)s\b")
-_BIG = re.compile(r"(?<![\w.,:/\-])(\d{4,})(?:\.(\d+))?(?!\w|[.,:/\-]\d)")
+# four to fifteen digits on their own (not a group of a phone number "555 123 4567"; longer runs are read digit by
+# digit by the grammar)
+_BIG = re.compile(r"(?<![\w.,:/\-+])(?<!\d\s)(\d{4,15})(?:\.(\d+))?(?!\w|[.,:/\-]\d|\s\d)")
 _METRE = re.compile(r"(?<=\d)\s?m\b(?![\w'/-])")  # the English grammar reads "m" as minutes
 _MONTHS = ("january february march april may june july august september october november december "
            "jan feb mar apr jun jul aug sep sept oct nov dec").split()
@@ -83,6 +85,14 @@ def _windows(text: str, units: List[Tuple[int, int]], tight: bool) -> List[Tuple
     return [(lo, hi) for lo, hi in windows]
 
 
+def _or_as_written(words: Callable[["re.Match"], str], m: "re.Match") -> str:
+    try:
+        return words(m)
+    except Exception:  # noqa: BLE001  (num2words refuses e.g. a number too large): the grammar reads it
+        log.warning("num2words could not word %r; left to the grammar", m.group(), exc_info=True)
+        return m.group()
+
+
 def _words(spelled: str) -> str:
     """num2words' "one thousand, two hundred and thirty-four" as it is said: no commas, no hyphens (the upstream
     step would turn a hyphen into a comma, a pause inside the number)."""
@@ -115,13 +125,25 @@ class SpokenForm:
         try:
             with self._lock:
                 spoken = self._wetext[lang](window)
-        except Exception:  # noqa: BLE001  a grammar failure must not fail the request: its digits stay (and are counted)
-            log.warning("text normalisation failed on %r (%s); left as written", window, lang, exc_info=True)
-            return window
+        except Exception as e:  # noqa: BLE001  a grammar failure must not fail the request
+            return self._grammar_failed(window, lang, e)
         if lang == "zh":
             for wrong, right in _ZH_ERRATA:
                 spoken = spoken.replace(wrong, right)
         return spoken
+
+    def _grammar_failed(self, window: str, lang: str, error: Exception) -> str:
+        """Each digit-bearing unit of a window the grammar failed on, on its own ("+1 555 123 4567" fails as a whole,
+        not as "555"); a single unit it fails on stays as written (its digits are then removed, counted, logged)."""
+        units = list(_UNIT.finditer(window))
+        if len(units) == 1:
+            log.warning("text normalisation failed on %r (%s: %r); left as written", window, lang, error)
+            return window
+        parts, pos = [], 0
+        for m in units:
+            parts += [window[pos:m.start()], self._grammar(m.group(), lang) if _DIGIT.search(m.group()) else m.group()]
+            pos = m.end()
+        return "".join(parts) + window[pos:]
 
     # -- English numbers through num2words ------------------------------------------------------------------------
     def _cardinal(self, integer: str, fraction: Optional[str] = None) -> str:
@@ -134,9 +156,8 @@ class SpokenForm:
         return _words(self._num2words(year, lang="en", to="year"))
 
     def _english_numbers(self, text: str) -> str:
-        text = _MONEY.sub(self._money, text)
-        text = _DECADE.sub(self._decade, text)
-        text = _BIG.sub(self._big, text)
+        for pattern, words in ((_MONEY, self._money), (_DECADE, self._decade), (_BIG, self._big)):
+            text = pattern.sub(lambda m, words=words: _or_as_written(words, m), text)
         return _METRE.sub(" meters", text)
 
     def _money(self, m: "re.Match") -> str:
