@@ -439,6 +439,46 @@ class FakeTransport:
         pass
 
 
+class SpokenTransport(FakeTransport):
+    """A transport that also answers SPOKEN_TEXT when asked (the text upper-cased, to tell it from TEXT)."""
+
+    def infer(self, arrays, spoken_text=False):
+        audio = super().infer(arrays)
+        return (audio, arrays["TEXT"][0, 0].decode().upper()) if spoken_text else audio
+
+
+def test_spoken_text_of_each_piece_is_handed_over_in_order_and_only_when_asked():
+    t = SpokenTransport(barrier=threading.Barrier(4, timeout=10))
+    got = []
+    with ChatTTSClient("x:1", transport=t, max_concurrency=8) as c:
+        audio = c.synthesize(LONG_TEXT, seed=1, on_spoken_text=got.append)
+        assert np.array_equal(audio, c.synthesize(LONG_TEXT, seed=1))  # the same audio either way
+    assert got == [s.upper() for s in split_sentences(LONG_TEXT)]
+    plain = FakeTransport()  # a transport that does not know the keyword: never given it unasked
+    ChatTTSClient("x:1", transport=plain).synthesize("hello there", voice_from_first=False)
+    assert len(plain.calls) == 1
+
+
+def test_spoken_text_from_responses_and_stream_events():
+    from client.contract import requested_outputs, spoken_text_from_json, spoken_text_from_result
+    import tritonclient.grpc as grpcclient
+
+    class Result:
+        def __init__(self, value):
+            self.value = value
+
+        def as_numpy(self, name):
+            return self.value if name == "SPOKEN_TEXT" else None
+
+    assert spoken_text_from_result(Result(np.array([["五元".encode()]], dtype=object))) == "五元"
+    assert spoken_text_from_result(Result(None)) is None
+    assert spoken_text_from_json({"AUDIO": [], "SPOKEN_TEXT": "five"}) == "five"
+    assert spoken_text_from_json({"AUDIO": [], "SPOKEN_TEXT": ["five"]}) == "five"
+    assert spoken_text_from_json({"AUDIO": []}) is None
+    assert [o.name() for o in requested_outputs(grpcclient)] == ["AUDIO"]
+    assert [o.name() for o in requested_outputs(grpcclient, True)] == ["AUDIO", "SPOKEN_TEXT"]
+
+
 def test_retry_policy_with_a_fake_transport():
     unavailable = InferenceServerException("Exceeds maximum queue size", status="StatusCode.UNAVAILABLE")
     t = FakeTransport([unavailable, unavailable])
@@ -625,6 +665,7 @@ def test_wav_errors_and_reference_loading(tmp_path):
         (["hi", "-o", "a.wav", "--speaker-audio", "/nonexistent.wav"], "nonexistent"),
         (["hi", "-o", "a.wav", "--concurrency", "0"], "positive"),
         (["hi", "-o", "a.wav", "--url", "http://h:1"], "without a scheme"),
+        (["--file", "t.txt", "--out-dir", "o", "--show-spoken-text"], "--show-spoken-text goes with TEXT"),
     ],
 )
 def test_cli_argument_errors_exit_2(argv, message, capsys):
