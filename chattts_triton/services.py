@@ -226,7 +226,7 @@ class PreprocessService:
                  refine: Optional[Callable[[np.ndarray, Dict[str, Any]], np.ndarray]] = None, workers: int = 4):
         self.arch = arch
         self.tokenizer = txt.TextTokenizer(Path(version_dir) / "tokenizer")
-        from .spoken import default as spoken_form  # the grammars: ~0.3 s and ~100 MB, once per process
+        from .spoken import default as spoken_form  # the grammars: ~0.3 s and ~45 MB, once per process
 
         self.normalizer = txt.Normalizer(spoken=spoken_form())
         # cumulative, for metrics (backend.STAT_HELP): what normalisation removed without a trace in the audio

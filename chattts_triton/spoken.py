@@ -218,7 +218,7 @@ _default_lock = threading.Lock()
 
 
 def default() -> SpokenForm:
-    """The process's SpokenForm (the grammars are loaded once: ~0.3 s, ~100 MB)."""
+    """The process's SpokenForm (the grammars are loaded once: ~0.3 s, ~45 MB)."""
     global _default
     with _default_lock:
         if _default is None:
