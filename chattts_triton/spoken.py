@@ -29,9 +29,13 @@ log = logging.getLogger(__name__)
 _CJK = re.compile(r"[\u4e00-\u9fff]")
 _LATIN = re.compile(r"[A-Za-z]")
 _DIGIT = re.compile(r"[0-9\uff10-\uff19]")
-# a window is made of units: one CJK character, or a run of other non-space characters
-_UNIT = re.compile(r"[\u4e00-\u9fff]|[^\s\u4e00-\u9fff]+")
+# a window is made of units: one CJK character, or a run of other non-space characters (cut at 32)
+_UNIT = re.compile(r"[\u4e00-\u9fff]|[^\s\u4e00-\u9fff]{1,32}")
 _FULLWIDTH_DIGITS = str.maketrans("０１２３４５６７８９", "0123456789")
+# a grammar call holds the GIL (kaldifst does not release it) for ~50 µs a character: windows of digit-dense text
+# stop growing at this many characters, so 2000 characters of numbers stall the process's other threads (a stream
+# model's engine) for a few milliseconds at a time, not for the 0.7 s they take in all
+MAX_WINDOW_CHARS = 96
 _THOUSANDS = re.compile(r"(?<![\d,.])\d{1,3}(?:,\d{3})+(?!,?\d)")
 
 # --- English: what num2words words before the grammar runs ------------------------------------------------------
@@ -79,9 +83,11 @@ def _windows(text: str, units: List[Tuple[int, int]], tight: bool) -> List[Tuple
             if not tight or not _WORD.fullmatch(before) or before.rstrip(".,").lower() in _MONTHS:
                 lo = i - 1
         if windows and lo <= windows[-1][1]:
-            windows[-1][1] = hi
-        else:
-            windows.append([lo, hi])
+            if units[hi][1] - units[windows[-1][0]][0] <= MAX_WINDOW_CHARS:
+                windows[-1][1] = hi
+                continue
+            lo = windows[-1][1] + 1  # a new window: the grammar call holds the GIL, bounded per window
+        windows.append([lo, hi])
     return [(lo, hi) for lo, hi in windows]
 
 

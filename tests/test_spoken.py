@@ -148,3 +148,18 @@ def test_normalising_a_sentence_costs_less_than_two_milliseconds():
             normalizer(text)
             times.append(time.perf_counter() - t0)
         assert sorted(times)[len(times) // 2] < 4e-3, text  # 2 ms measured on an idle core (docs)
+
+
+def test_digit_dense_text_goes_to_the_grammars_in_bounded_windows():
+    """A grammar call holds the GIL: 2000 characters of numbers are read in windows of at most ~100 characters
+    (a few ms each), not in one 0.7 s call that would stall a stream model's engine thread."""
+    spoken = sp.SpokenForm()
+    seen = []
+    for lang in ("zh", "en"):
+        grammar = spoken._wetext[lang]
+        spoken._wetext[lang] = lambda t, grammar=grammar: seen.append(t) or grammar(t)
+    for text in ("1 " * 1000, "1," * 1000, "第1" * 1000, "12.5% " * 333):
+        seen.clear()
+        out = spoken(text[:2000], detect_language(text))
+        assert len(seen) > 10 and max(map(len, seen)) <= max(sp.MAX_WINDOW_CHARS, 3 * 32 + 2)
+        assert not re.search(r"\d", out)
