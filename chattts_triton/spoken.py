@@ -48,8 +48,8 @@ _CURRENCY = {
     "¥": ("yen", "yen", None, None),
     "￥": ("yen", "yen", None, None),
 }
-_SCALES = ("thousand", "million", "billion", "trillion")
-_MONEY = re.compile(r"(?<![\w.])(US\$|[$€£¥￥])\s?(\d+)(?:\.(\d+))?(?:\s?(thousand|million|billion|trillion)\b)?")
+_SCALES = ("thousand", "million", "billion", "trillion")  # "$1.5 million": one point five million dollars
+_MONEY = re.compile(r"(?<![\w.])(US\$|[$€£¥￥])\s?(\d+)(?:\.(\d+))?(?:\s?(" + "|".join(_SCALES) + r")\b)?")
 _DECADE = re.compile(r"(?<![\w.,:/\-])(\d{3}0)s\b")
 # four to fifteen digits on their own (not a group of a phone number "555 123 4567"; longer runs are read digit by
 # digit by the grammar)
@@ -72,7 +72,7 @@ def _windows(text: str, units: List[Tuple[int, int]], tight: bool) -> List[Tuple
     """(first, last) unit index of each window: every unit holding a digit with the unit after it (a unit, "am",
     "%") and the one before it, overlapping windows merged. `tight`: not the unit before when that is an English word
     other than a month (the grammars need "第", "电话", "March" or "$" before a number; "at" or "on" would only cost
-    time; the English rewrite needs "in" before a year)."""
+    time; the English rewrite needs "in" before a year). A window stops growing at MAX_WINDOW_CHARS."""
     windows: List[List[int]] = []
     for i, (s, e) in enumerate(units):
         if not _DIGIT.search(text, s, e):

@@ -215,7 +215,8 @@ def split_text(text: str, drop_empty: bool = False) -> List[str]:
     """Upstream `Chat.infer(split_text=True)` split: on newlines if any, else after "。" and ". ".
 
     Upstream keeps empty pieces of the newline split (and synthesizes them); `drop_empty=True` removes
-    whitespace-only pieces from either split.
+    whitespace-only pieces from either split. Kept equal to upstream; what clients send is
+    `chattts_triton.split.split_for_synthesis`, which also cuts sentences too long to be spoken whole.
     """
     if "\n" in text:
         parts = text.split("\n")
