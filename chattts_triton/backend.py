@@ -164,6 +164,10 @@ STAT_HELP = {
     "stream_chunks": "chunks decoded (cumulative)",
     "stream_codec_calls": "vocoder calls of the codec thread, each for all due windows (cumulative)",
     "stream_codec_seconds": "wall time in those vocoder calls (cumulative)",
+    "text_normalized": "TEXTs normalised (NORMALIZE_TEXT on; cumulative)",
+    "text_with_removed_chars": "of those, TEXTs the normaliser removed characters from: they are not voiced (cumulative; "
+                               "listed in the server's verbose log)",
+    "text_removed_chars": "characters the normaliser removed from TEXTs (cumulative)",
     **{first_chunk_bucket(ms): f"streams whose first chunk was sent within {ms} ms of their start (cumulative)"
        for ms in FIRST_CHUNK_BUCKETS_MS},
 }
@@ -178,11 +182,46 @@ def gpu_memory_stats() -> Dict[str, float]:
             "gpu_memory_peak_reserved_bytes": torch.cuda.max_memory_reserved()}
 
 
+class TritonLogHandler(logging.Handler):
+    """Records of the `chattts_triton` loggers into Triton's log through the stub's `pb_utils.Logger`: DEBUG as
+    verbose (shown with tritonserver --log-verbose 1), INFO, WARNING and ERROR as such."""
+
+    def __init__(self, logger):
+        super().__init__(logging.DEBUG)
+        self.logger = logger
+        self.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = self.format(record)
+            if record.levelno >= logging.ERROR:
+                self.logger.log_error(msg)
+            elif record.levelno >= logging.WARNING:
+                self.logger.log_warn(msg)
+            elif record.levelno >= logging.INFO:
+                self.logger.log_info(msg)
+            else:
+                self.logger.log_verbose(msg)
+        except Exception:  # noqa: BLE001  logging must never fail a request
+            self.handleError(record)
+
+
+def forward_logs(pb_utils) -> None:
+    """Send this package's log records to Triton's log (once per process; a stub without a Logger keeps Python's
+    default: warnings and errors on stderr)."""
+    logger_cls = getattr(pb_utils, "Logger", None)
+    if logger_cls is None or any(isinstance(h, TritonLogHandler) for h in log.handlers):
+        return
+    log.addHandler(TritonLogHandler(logger_cls))
+    log.setLevel(logging.DEBUG)
+
+
 def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
     """A TritonPythonModel class whose work is done by `factory(ctx)`'s service."""
 
     class TritonPythonModel:
         def initialize(self, args):
+            forward_logs(pb_utils)
             self.ctx = ModelContext(args, pb_utils)
             self.input_names = frozenset(i["name"] for i in self.ctx.config.get("input", []))
             self.output_names = [o["name"] for o in self.ctx.config.get("output", [])]

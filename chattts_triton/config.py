@@ -223,7 +223,12 @@ ENSEMBLE_INPUTS = {
     "SPEAKER_TEXT": ("TYPE_STRING", [1], False),  # transcript of the reference speaker (txt_smp)
     "SPEAKER_SAMPLE": ("TYPE_STRING", [1], False),  # spk_smp string, as Chat.sample_audio_speaker returns
 }
-ENSEMBLE_OUTPUTS = {"AUDIO": ("TYPE_FP32", [-1])}
+ENSEMBLE_OUTPUTS = {
+    "AUDIO": ("TYPE_FP32", [-1]),
+    # the text the GPT reads: TEXT after normalisation (spoken form) and refine-text; chattts_stream sends it with
+    # its first response
+    "SPOKEN_TEXT": ("TYPE_STRING", [1]),
+}
 
 # Defaults of the optional contract inputs that are not sampling parameters.
 REFINE_TEXT_DEFAULT = False  # upstream refines by default; a TTS service should not rewrite text unasked

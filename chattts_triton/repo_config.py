@@ -47,8 +47,9 @@ PROMPT_TENSORS = {
     "AUDIO_PROMPT": ("TYPE_INT64", [-1, NUM_VQ]),  # reference-speaker codes, [0, 4] when none
 }
 GPT_EXTRA_INPUTS = {"REFINE": ("TYPE_BOOL", [1])}  # text-head generation (refine text, via BLS)
+PREPROCESS_OUTPUTS = {**PROMPT_TENSORS, "SPOKEN_TEXT": ENSEMBLE_OUTPUTS["SPOKEN_TEXT"]}  # the ensemble's output
 GPT_OUTPUTS = {"CODES": ("TYPE_INT64", [-1, NUM_VQ]), "HIDDENS": ("TYPE_FP32", [-1, "H"])}
-VOCODER_OUTPUTS = ENSEMBLE_OUTPUTS
+VOCODER_OUTPUTS = {"AUDIO": ENSEMBLE_OUTPUTS["AUDIO"]}
 
 
 @dataclass
@@ -240,7 +241,7 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     # process (and no CUDA context's memory) for them
     pre = _python_model(PREPROCESS, dep, max(1, dep.instances) * max(1, len(dep.gpus) or 1), gpu=False)
     _io(pre.input, _contract(PREPROCESS_FROM_ENSEMBLE), h, optional_contract)
-    _io(pre.output, PROMPT_TENSORS, h, output=True)
+    _io(pre.output, PREPROCESS_OUTPUTS, h, output=True)
     _param(pre, "gpt_model", GPT)
     _param(pre, "artifact_format", dep.artifact_format)
     # requests it holds (being prepared) at most: what the GPT engines admit together; beyond that it
@@ -284,7 +285,7 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
             s.output_map[k] = v
 
     prompt = {n: f"_{n}" for n in PROMPT_TENSORS}
-    step(PREPROCESS, PREPROCESS_FROM_ENSEMBLE, {}, prompt)
+    step(PREPROCESS, PREPROCESS_FROM_ENSEMBLE, {}, {**prompt, "SPOKEN_TEXT": "SPOKEN_TEXT"})
     step(GPT, GPT_FROM_ENSEMBLE, prompt, {n: f"_{n}" for n in GPT_OUTPUTS})
     step(VOCODER, VOCODER_FROM_ENSEMBLE, {n: f"_{n}" for n in GPT_OUTPUTS}, {"AUDIO": "AUDIO"})
 

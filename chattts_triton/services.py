@@ -271,7 +271,12 @@ class PreprocessService:
         self.pending = 0
         self.lock = threading.Lock()
         self.tokenizer = txt.TextTokenizer(Path(version_dir) / "tokenizer")
-        self.normalizer = txt.Normalizer()
+        from .spoken import default as spoken_form  # the grammars: ~0.3 s and ~45 MB, once per process
+
+        self.normalizer = txt.Normalizer(spoken=spoken_form())
+        # cumulative, for metrics (backend.STAT_HELP): what normalisation removed without a trace in the audio
+        self.text_counters = {"text_normalized": 0, "text_with_removed_chars": 0, "text_removed_chars": 0}
+        self.text_lock = threading.Lock()
         self.refine = refine
         # Reference audio is encoded once per request on the CPU: the TorchScript encoder hangs on
         # CUDA with the JIT fuser on (seen on an H200, torch 2.11), and it is not on the hot path.
@@ -338,9 +343,7 @@ class PreprocessService:
         refine_params(inputs)  # bad REFINE_* values are rejected even when REFINE_TEXT is off
         txt.validate_prompt(get_str(inputs, "REFINE_PROMPT", RefineTextParams.prompt), what="REFINE_PROMPT")
         if get_bool(inputs, "NORMALIZE_TEXT", NORMALIZE_TEXT_DEFAULT):
-            text = self.normalizer(text, True, True)
-            if not txt.TAG_RE.sub("", text).strip():
-                raise InputError("TEXT has nothing left to speak after normalization (only unsupported characters?)")
+            text = self.normalize(text)
         if get_bool(inputs, "REFINE_TEXT", REFINE_TEXT_DEFAULT):
             text = self.refine_text(text, inputs)
         speaker = get_str(inputs, "SPEAKER")
@@ -356,7 +359,35 @@ class PreprocessService:
             "TEXT_IDS": cp.text_ids.reshape(1, -1),
             "SPK_EMB": (emb.numpy() if emb is not None else np.zeros(0, np.float32)).reshape(1, -1).astype(np.float32),
             "AUDIO_PROMPT": cp.audio_codes.reshape(1, -1, NUM_VQ),
+            "SPOKEN_TEXT": np.array([[text.encode("utf-8")]], dtype=np.object_),  # what the GPT reads
         }
+
+    def normalize(self, text: str) -> str:
+        """TEXT in spoken form through the upstream step; what that removed is counted and logged, and a text it
+        removed entirely is refused naming what it removed."""
+        result = self.normalizer.normalize(text)
+        removed = sum(result.removed.values())
+        with self.text_lock:
+            c = self.text_counters
+            c["text_normalized"] += 1
+            if removed:
+                c["text_with_removed_chars"] += 1
+                c["text_removed_chars"] += removed
+        if removed:
+            log.debug("TEXT: normalisation removed %d character(s) the voice cannot say: %s", removed,
+                      txt.describe_characters(result.removed))
+        if not txt.TAG_RE.sub("", result.text).strip():
+            if removed:
+                raise InputError(f"TEXT has nothing left to speak after normalization: it removed "
+                                 f"{txt.describe_characters(result.removed)} (only Chinese, English letters and "
+                                 f"numbers are spoken)")
+            raise InputError("TEXT has nothing to speak: only control tokens")
+        return result.text
+
+    def stats(self) -> Dict[str, float]:
+        """Published as the instance's `chattts_*` gauges (backend.STAT_HELP)."""
+        with self.text_lock:
+            return dict(self.text_counters)
 
     def refine_text(self, text: str, inputs) -> str:
         if self.refine is None:

@@ -200,10 +200,12 @@ def _is_first(w: Window) -> bool:
 
 class _Stream:
     __slots__ = ("call", "planner", "use_decoder", "codes", "hiddens", "req", "done", "error", "ended", "t_start",
-                 "t_tokens", "held")
+                 "t_tokens", "held", "spoken")
 
-    def __init__(self, call: StreamCall, planner: ChunkPlanner, use_decoder: bool, t_start: float):
+    def __init__(self, call: StreamCall, planner: ChunkPlanner, use_decoder: bool, t_start: float,
+                 spoken: Optional[np.ndarray] = None):
         self.call, self.planner, self.use_decoder = call, planner, use_decoder
+        self.spoken = spoken  # SPOKEN_TEXT, sent with the stream's first response
         self.t_start = t_start  # when its preprocessing began (monotonic)
         self.t_tokens: Optional[float] = None  # when its first tokens reached the codec thread
         self.codes: List[torch.Tensor] = []
@@ -298,7 +300,7 @@ class StreamService:
             inputs = dict(call.inputs)
             inputs.update(self.pre.prepare(call.inputs))
             stream = _Stream(call, ChunkPlanner(**self.schedule),
-                             get_bool(inputs, "USE_DECODER", USE_DECODER_DEFAULT), t_start)
+                             get_bool(inputs, "USE_DECODER", USE_DECODER_DEFAULT), t_start, inputs.get("SPOKEN_TEXT"))
             req = self.gpt.request(inputs, lambda result, s=stream: self.events.put((s, "done", result)))
             req.on_tokens = lambda toks, hid, s=stream: self.events.put((s, "tokens", (toks, hid)))
             req.stream_every = stream.planner.tokens_needed()
@@ -420,6 +422,8 @@ class StreamService:
         for (s, w), audio in zip(due, audios):
             samples, s.held = chunk_samples(w, audio, s.held)
             chunk = {"AUDIO": samples.reshape(1, -1)}
+            if _is_first(w) and s.spoken is not None:
+                chunk["SPOKEN_TEXT"] = s.spoken
             c["stream_chunks"] += 1
             if w.final:
                 self._finish(s, outputs=chunk)
@@ -452,7 +456,8 @@ class StreamService:
 
     # -- stats and lifecycle --------------------------------------------------------------------
     def stats(self) -> Dict[str, float]:
-        return {"streams": self.admitted, **self.gpt.stats(), **{k: round(v, 6) for k, v in self.counters.items()}}
+        return {"streams": self.admitted, **self.gpt.stats(), **self.pre.stats(),
+                **{k: round(v, 6) for k, v in self.counters.items()}}
 
     def close(self) -> None:
         """Stop taking streams, let the running ones finish, then stop the codec thread."""

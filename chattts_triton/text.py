@@ -1,13 +1,15 @@
 """Serving-side text path of ChatTTS 0.2.5, without ChatTTS/transformers/numba.
 
-- `Normalizer`: port of `ChatTTS.norm.Normalizer.__call__` (no extra normalizers registered).
+- `Normalizer`: port of `ChatTTS.norm.Normalizer.__call__`; with `spoken=` (the server's), the spoken-form step
+  (chattts_triton.spoken) runs where upstream runs its registered language normalisers.
 - `split_text`: the split `Chat.infer` applies to a str input.
 - `TextTokenizer`: `ChatTTS.model.tokenizer.Tokenizer` on top of the `tokenizers` library.
 - `build_code_prompt` / `build_refine_prompt` / `refined_text`: what upstream feeds the GPT for ONE text
   (`Speaker.decorate_*_prompts` + `Tokenizer.encode`) and how it turns refined ids back into text.
 - `validate_text` / `validate_prompt`: reject client input that upstream would mangle or crash on.
 
-Every function here is proven equal to upstream by tests/test_text_parity.py.
+Every function here is proven equal to upstream by tests/test_text_parity.py (the Normalizer with the spoken-form
+step equal to upstream's with the same step registered).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import gzip
 import json
 import re
 import unicodedata
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -124,13 +127,26 @@ def _load_homophones(path: Path) -> dict:
     return {ord(k): v for k, v in mapping.items()}
 
 
-class Normalizer:
-    """`ChatTTS.norm.Normalizer` as `Chat` uses it (no language normalizers registered)."""
+@dataclass(frozen=True)
+class Normalized:
+    """A normalised text and what the upstream step removed from it (outside control tokens): character -> count.
+    Nothing else is removed: the spoken-form step rewrites, the upstream step maps punctuation and homophones."""
 
-    def __init__(self, homophones_path: Union[str, Path] = HOMOPHONES_PATH):
+    text: str
+    removed: Dict[str, int] = field(default_factory=dict)
+
+
+class Normalizer:
+    """`ChatTTS.norm.Normalizer` as `Chat` uses it. `spoken(text, lang) -> text`: the language normaliser upstream
+    would have registered (`chat.normalizer.register(lang, fn)`), applied to the text between control tokens first;
+    None: none registered, as in a plain `Chat`."""
+
+    def __init__(self, homophones_path: Union[str, Path] = HOMOPHONES_PATH,
+                 spoken: Optional[Callable[[str, str], str]] = None):
         # Upstream replaces each UTF-16 unit once via table lookup; all keys and values are BMP, so a
         # single-pass str.translate is the same mapping.
         self._homophones = _load_homophones(Path(homophones_path))
+        self.spoken = spoken
 
     def __call__(
         self,
@@ -139,10 +155,24 @@ class Normalizer:
         do_homophone_replacement: bool = True,
         lang: Optional[str] = None,
     ) -> str:
+        return self.normalize(text, do_text_normalization, do_homophone_replacement, lang).text
+
+    def normalize(
+        self,
+        text: str,
+        do_text_normalization: bool = True,
+        do_homophone_replacement: bool = True,
+        lang: Optional[str] = None,
+    ) -> Normalized:
+        """`__call__`, also telling which characters were removed."""
         if lang not in (None, "zh", "en"):
             raise InputError(f"unsupported language {lang!r}; use 'zh', 'en' or leave it unset")
         if do_text_normalization:
             lang = detect_language(text) if lang is None else lang
+            if self.spoken is not None:
+                texts, tags = _split_tags(text)
+                texts = [self.spoken(t, lang) for t in texts]
+                text = _combine_tags(texts, tags) if tags else (texts[0] if texts else "")
             if lang == "zh":
                 text = text.translate(_HALF_TO_FULL)
         invalid = self.invalid_characters(text)
@@ -152,16 +182,28 @@ class Normalizer:
             if _SURROGATE.search(text):  # upstream's UTF-16 encode fails on these
                 raise InputError("text contains an unpaired UTF-16 surrogate")
             text = text.translate(self._homophones)
+        removed: Counter = Counter()
         if invalid:
             texts, tags = _split_tags(text)
+            for t in texts:
+                removed.update(_REJECT.findall(t))
             texts = [_REJECT.sub("", t) for t in texts]
             text = _combine_tags(texts, tags) if tags else texts[0]
-        return text
+        return Normalized(text, dict(removed))
 
     @staticmethod
     def invalid_characters(text: str) -> set:
         """Characters upstream removes (outside tags): not CJK, ASCII letters, space or ，。、,."""
         return set(_REJECT.findall(_TAG.sub("", text)))
+
+
+def describe_characters(counts: Dict[str, int], most: int = 10) -> str:
+    """"'😀' U+1F600 (GRINNING FACE) ×2, '%' U+0025 (PERCENT SIGN)": the most frequent first, at most `most`."""
+    items = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    parts = [f"{ch!r} {_describe(ch)}" + (f" ×{n}" if n > 1 else "") for ch, n in items[:most]]
+    if len(items) > most:
+        parts.append(f"and {len(items) - most} more")
+    return ", ".join(parts)
 
 
 def detect_language(text: str) -> str:
@@ -173,7 +215,8 @@ def split_text(text: str, drop_empty: bool = False) -> List[str]:
     """Upstream `Chat.infer(split_text=True)` split: on newlines if any, else after "。" and ". ".
 
     Upstream keeps empty pieces of the newline split (and synthesizes them); `drop_empty=True` removes
-    whitespace-only pieces from either split.
+    whitespace-only pieces from either split. Kept equal to upstream; what clients send is
+    `chattts_triton.split.split_for_synthesis`, which also cuts sentences too long to be spoken whole.
     """
     if "\n" in text:
         parts = text.split("\n")

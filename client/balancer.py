@@ -216,7 +216,7 @@ class _BalancedTransport:
                 return ep
         return None
 
-    def infer(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    def infer(self, arrays: Mapping[str, np.ndarray], **kw):
         tried: Set[Endpoint] = set()
         last: Optional[ChatTTSError] = None
         while True:
@@ -226,7 +226,7 @@ class _BalancedTransport:
                 raise _all_down(self.pool, last)
             ok = False
             try:
-                audio = ep.transport.infer(arrays)
+                audio = ep.transport.infer(arrays, **kw)
                 ok = True
                 return audio
             except Exception as exc:
@@ -239,8 +239,8 @@ class _BalancedTransport:
             finally:
                 self.pool.release(ep, ok)
 
-    def open_stream(self, model: str, chunk_timeout_s: float) -> "_BalancedStreamSession":
-        return _BalancedStreamSession(self, model, chunk_timeout_s)
+    def open_stream(self, model: str, chunk_timeout_s: float, **kw) -> "_BalancedStreamSession":
+        return _BalancedStreamSession(self, model, chunk_timeout_s, **kw)
 
     def is_ready(self) -> bool:
         """Probe every endpoint now (updating up/down); True if any is ready."""
@@ -268,8 +268,10 @@ class _BalancedStreamSession:
     """A stream request on the least busy endpoint. UNAVAILABLE or a connection failure before the
     first audio marks the endpoint down and sends the request to another one, like `infer`."""
 
-    def __init__(self, transport: _BalancedTransport, model: str, chunk_timeout_s: float):
+    def __init__(self, transport: _BalancedTransport, model: str, chunk_timeout_s: float, **kw):
         self._t, self._model, self._timeout_s = transport, model, chunk_timeout_s
+        self._kw = kw  # open_stream keywords (spoken_text) for each endpoint's session
+        self.spoken_text: Optional[str] = None
         self._tried: Set[Endpoint] = set()
         self._last: Optional[ChatTTSError] = None
         self._arrays: Optional[Mapping[str, np.ndarray]] = None
@@ -287,7 +289,7 @@ class _BalancedStreamSession:
             raise _all_down(self._t.pool, self._last)
         self._ep = ep
         try:
-            self._session = ep.transport.open_stream(self._model, self._timeout_s)
+            self._session = ep.transport.open_stream(self._model, self._timeout_s, **self._kw)
             self._session.send(self._arrays)
         except Exception as exc:
             self._failed(exc)
@@ -325,6 +327,7 @@ class _BalancedStreamSession:
                 self._failed(exc)
                 continue
             self._audio = self._audio or chunk.size > 0
+            self.spoken_text = self.spoken_text or getattr(self._session, "spoken_text", None)
             return chunk, final
 
     def close(self, cancel: bool) -> None:
@@ -432,7 +435,7 @@ class _AsyncBalancedTransport:
                 return ep
         return None
 
-    async def infer(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    async def infer(self, arrays: Mapping[str, np.ndarray], **kw):
         tried: Set[Endpoint] = set()
         last: Optional[ChatTTSError] = None
         while True:
@@ -442,7 +445,7 @@ class _AsyncBalancedTransport:
                 raise _all_down(self.pool, last)
             ok = False
             try:
-                audio = await ep.transport.infer(arrays)
+                audio = await ep.transport.infer(arrays, **kw)
                 ok = True
                 return audio
             except Exception as exc:  # CancelledError is a BaseException: not a failover
@@ -455,8 +458,8 @@ class _AsyncBalancedTransport:
             finally:
                 self.pool.release(ep, ok)
 
-    def open_stream(self, model: str, chunk_timeout_s: float) -> "_AsyncBalancedStreamSession":
-        return _AsyncBalancedStreamSession(self, model, chunk_timeout_s)
+    def open_stream(self, model: str, chunk_timeout_s: float, **kw) -> "_AsyncBalancedStreamSession":
+        return _AsyncBalancedStreamSession(self, model, chunk_timeout_s, **kw)
 
     async def is_ready(self) -> bool:
         results = await asyncio.gather(*[self._probe(ep) for ep in self.pool.endpoints])
@@ -492,7 +495,7 @@ class _AsyncBalancedStreamSession(_BalancedStreamSession):
             raise _all_down(self._t.pool, self._last)
         self._ep = ep
         try:
-            self._session = ep.transport.open_stream(self._model, self._timeout_s)
+            self._session = ep.transport.open_stream(self._model, self._timeout_s, **self._kw)
             await self._session.send(self._arrays)
         except Exception as exc:
             await self._failed(exc)
@@ -520,6 +523,7 @@ class _AsyncBalancedStreamSession(_BalancedStreamSession):
                 await self._failed(exc)
                 continue
             self._audio = self._audio or chunk.size > 0
+            self.spoken_text = self.spoken_text or getattr(self._session, "spoken_text", None)
             return chunk, final
 
 

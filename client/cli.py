@@ -4,6 +4,7 @@ Every optional input of the `chattts` contract is a flag (TOP_P -> --top-p, bool
 --refine-text / --no-refine-text); flags left out use the server's defaults.
 `--stream` (with TEXT) uses the decoupled `chattts_stream` model and writes the WAV as the chunks
 arrive (sizes in the header are patched at the end; on failure the partial file is deleted).
+`--show-spoken-text` (with TEXT) prints what the server voices for each piece (numbers in words, ...).
 Exit status: 0 success, 1 a request failed or the server is unreachable, 2 bad arguments.
 """
 
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true", help="with TEXT: stream from --stream-model, WAV written as it comes")
     p.add_argument("--stream-model", default=STREAM_MODEL)
     p.add_argument("--chunk-timeout", type=float, metavar="S", help="with --stream: seconds per chunk (default --timeout)")
+    p.add_argument("--show-spoken-text", action="store_true",
+                   help="with TEXT: print the text the server voices for each piece (SPOKEN_TEXT: numbers, dates and "
+                        "money in words, characters it cannot say removed)")
     _add_contract_options(p)
     return p
 
@@ -112,6 +116,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--stream goes with TEXT, not --file")
     if args.chunk_timeout is not None and (not args.stream or args.chunk_timeout <= 0):
         p.error("--chunk-timeout must be positive and goes with --stream")
+    if args.show_spoken_text and args.file is not None:
+        p.error("--show-spoken-text goes with TEXT, not --file")
 
 
 def _options(p: argparse.ArgumentParser, args: argparse.Namespace) -> Dict[str, Any]:
@@ -138,10 +144,18 @@ def _read_lines(p: argparse.ArgumentParser, path: str) -> List[tuple]:
     return numbered
 
 
+def _spoken_printer(args, out):
+    """--show-spoken-text: each piece's SPOKEN_TEXT on its own line of `out`."""
+    if not args.show_spoken_text:
+        return None
+    return lambda text: print(f"spoken: {text}", file=out, flush=True)
+
+
 def _run_text(client: ChatTTSClient, args, options, out) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
     start = time.perf_counter()
-    audio = client.synthesize(text, split=args.split, voice_from_first=args.voice_from_first, **options)
+    audio = client.synthesize(text, split=args.split, voice_from_first=args.voice_from_first,
+                              on_spoken_text=_spoken_printer(args, out), **options)
     path = save_wav(args.output, audio, fmt=args.format)
     if not args.quiet:
         print(f"wrote {path}: {audio.size / SAMPLE_RATE:.2f} s of audio in {time.perf_counter() - start:.2f} s", file=out)
@@ -152,7 +166,8 @@ def _run_stream(client: ChatTTSClient, args, options, out) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
     start = time.perf_counter()
     stream = client.stream(
-        text, split=args.split, voice_from_first=args.voice_from_first, chunk_timeout_s=args.chunk_timeout, **options
+        text, split=args.split, voice_from_first=args.voice_from_first, chunk_timeout_s=args.chunk_timeout,
+        on_spoken_text=_spoken_printer(args, out), **options
     )
     progress = not args.quiet and sys.stderr.isatty()
     first = None

@@ -2,14 +2,17 @@
 (`AsyncChatTTSClient`), over gRPC or HTTP.
 
 - Every contract input is a keyword of `synthesize` (None = server default, input not sent).
-- Long text is split into sentences like upstream `Chat.infer(split_text=True)`; the sentences go out
-  as concurrent requests (so Triton's dynamic batcher can batch them) and are joined in order.
+- Long text is split into pieces that fit (`split_sentences`: sentence ends, then clauses when a sentence is
+  too long to be spoken whole, very short sentences joined; chattts_triton.split); the pieces go out as
+  concurrent requests (so Triton's dynamic batcher can batch them) and are joined in order.
   Like upstream, when no reference audio is given the first sentence is synthesised once and used as
   the speaker reference (SPEAKER_AUDIO / SPEAKER_TEXT) for all sentences, so the voice stays the same.
 - Each attempt has `timeout_s`; UNAVAILABLE and connection failures are retried with exponential
   backoff, everything else raises `ChatTTSError` at once (INVALID_ARGUMENT is never retried).
 - `stream()` yields the audio of the decoupled `chattts_stream` model chunk by chunk (gRPC
   bidirectional stream, or HTTP `generate_stream` server-sent events); see `ChatTTSClient.stream`.
+- `on_spoken_text` (synthesize, stream) gets the text the server voices for each piece: numbers, dates
+  and money in words, characters it cannot say removed (the SPOKEN_TEXT output).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ from .contract import (
     chunk_from_json,
     chunk_from_result,
     requested_outputs,
+    spoken_text_from_json,
+    spoken_text_from_result,
     to_infer_inputs,
     to_json_inputs,
 )
@@ -66,15 +71,16 @@ CONNECT_TIMEOUT_S = 10.0
 CLOSE_WAIT_S = 1.0  # how long closing a stream waits for its call to end
 
 OnResult = Callable[[int, Union[np.ndarray, ChatTTSError]], None]
+OnSpokenText = Callable[[str], None]
 
 
-def split_sentences(text: str) -> List[str]:
-    """Upstream Chat.infer sentence split (newlines first, else after '。' / '. '), blank pieces dropped."""
-    # Imported here: chattts_triton.text pulls in torch (through .assets), which a client does not need
-    # unless it actually splits text.
-    from chattts_triton.text import split_text
+def split_sentences(text: str, max_frames: Optional[int] = None) -> List[str]:
+    """`text` as the pieces `synthesize(split=True)` sends: cut at sentence ends, a sentence too long to be spoken
+    whole cut at clauses, very short ones joined, none cut inside a number or control token; each estimated under
+    `max_frames` code frames (default chattts_triton.split.DEFAULT_MAX_FRAMES, ≈ 21.8 s). Blank pieces dropped."""
+    from chattts_triton.split import DEFAULT_MAX_FRAMES, split_for_synthesis
 
-    return split_text(text, drop_empty=True)
+    return split_for_synthesis(text, DEFAULT_MAX_FRAMES if max_frames is None else max_frames)
 
 
 def _check_protocol(protocol: str) -> str:
@@ -148,6 +154,25 @@ def _prepare(text: str, options: Mapping[str, Any], split: bool) -> List[str]:
     return sentences
 
 
+def _spoken(results: Sequence[Any], on_spoken_text: Optional[OnSpokenText]) -> List[np.ndarray]:
+    """The audio of `_infer_many`'s results; with `on_spoken_text` they are (audio, spoken text) pairs, each text
+    handed to it in order."""
+    if on_spoken_text is None:
+        return list(results)
+    for _, spoken in results:
+        on_spoken_text(spoken)
+    return [audio for audio, _ in results]
+
+
+def _tell_spoken(session: Any, on_spoken_text: Optional[OnSpokenText]) -> bool:
+    """Hand a stream session's SPOKEN_TEXT to `on_spoken_text` once it has come; whether it was handed."""
+    spoken = getattr(session, "spoken_text", None)
+    if on_spoken_text is None or spoken is None:
+        return False
+    on_spoken_text(spoken)
+    return True
+
+
 def _join(pieces: Sequence[np.ndarray]) -> np.ndarray:
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces).astype(np.float32, copy=False)
 
@@ -191,8 +216,8 @@ class _SSEParser:
         return events
 
 
-def _sse_chunk(data: bytes) -> np.ndarray:
-    """AUDIO of one generate_stream event; an `{"error": ...}` event is raised."""
+def _sse_event(data: bytes) -> Tuple[np.ndarray, Optional[str]]:
+    """(AUDIO, SPOKEN_TEXT or None) of one generate_stream event; an `{"error": ...}` event is raised."""
     try:
         event = json.loads(data)
     except ValueError as e:
@@ -201,7 +226,7 @@ def _sse_chunk(data: bytes) -> np.ndarray:
         raise ChatTTSError(INTERNAL, f"stream event is not an object: {data[:200]!r}")
     if "error" in event:
         raise stream_error(str(event["error"]))
-    return chunk_from_json(event)
+    return chunk_from_json(event), spoken_text_from_json(event)
 
 
 def _generate_stream_path(model: str) -> str:
@@ -232,13 +257,14 @@ def _grpc_stream_exception(error):
 
 
 # --- stream sessions: one request to the stream model each; send(), receive() until final, close(cancel)
-def _grpc_stream_request(module, model: str, arrays: Mapping[str, np.ndarray], empty_final: bool):
+def _grpc_stream_request(module, model: str, arrays: Mapping[str, np.ndarray], empty_final: bool,
+                         spoken_text: bool = False):
     """The ModelInferRequest tritonclient's async_stream_infer would send."""
     from tritonclient.grpc._utils import _get_inference_request
 
     request = _get_inference_request(
         model_name=model, inputs=to_infer_inputs(module, arrays), model_version="", request_id=uuid.uuid4().hex,
-        outputs=requested_outputs(module), sequence_id=0, sequence_start=False, sequence_end=False, priority=0,
+        outputs=requested_outputs(module, spoken_text), sequence_id=0, sequence_start=False, sequence_end=False, priority=0,
         timeout=None, parameters=None,
     )  # fmt: skip
     if empty_final:
@@ -257,14 +283,17 @@ class _GrpcStreamSession:
     start_stream allows one stream per client and leaves a thread blocked after each cancel). A reader
     thread queues the responses, so each wait has the chunk timeout; cancel() ends the call."""
 
-    def __init__(self, transport: "_GrpcTransport", model: str, timeout_s: float):
+    def __init__(self, transport: "_GrpcTransport", model: str, timeout_s: float, spoken_text: bool = False):
         self._transport, self._model, self._timeout_s = transport, model, timeout_s
         self._events: "queue.Queue" = queue.Queue()
         self._call = None
         self._reader: Optional[threading.Thread] = None
+        self._want_spoken_text = spoken_text
+        self.spoken_text: Optional[str] = None  # SPOKEN_TEXT, once a response carried it
 
     def send(self, arrays: Mapping[str, np.ndarray]) -> None:
-        request = _grpc_stream_request(self._transport._module, self._model, arrays, empty_final=True)
+        request = _grpc_stream_request(self._transport._module, self._model, arrays, empty_final=True,
+                                       spoken_text=self._want_spoken_text)
         # one request, then half-close: the responses keep coming (tritonclient's stub, private)
         self._call = self._transport._client._client_stub.ModelStreamInfer(iter([request]))
         self._reader = threading.Thread(target=self._read, args=(self._call,), name="chattts-stream", daemon=True)
@@ -291,7 +320,10 @@ class _GrpcStreamSession:
             raise error
         if response.error_message:
             raise stream_error(response.error_message)
-        return chunk_from_result(InferResult(response.infer_response))
+        result = InferResult(response.infer_response)
+        if self._want_spoken_text and self.spoken_text is None:
+            self.spoken_text = spoken_text_from_result(result)
+        return chunk_from_result(result)
 
     def close(self, cancel: bool) -> None:
         if self._call is None:
@@ -310,6 +342,7 @@ class _HttpStreamSession:
     def __init__(self, pool, model: str, timeout_s: float, connect_timeout_s: float):
         self._pool, self._model, self._timeout_s = pool, model, timeout_s
         self._connect_timeout_s = connect_timeout_s
+        self.spoken_text: Optional[str] = None  # SPOKEN_TEXT, once an event carried it (generate_stream sends all outputs)
         self._resp = None
         self._body: Optional[Iterator[bytes]] = None
         self._parser = _SSEParser()
@@ -361,7 +394,10 @@ class _HttpStreamSession:
             except (urllib3.exceptions.HTTPError, OSError) as e:
                 raise self._translate(e) from e
             self._pending.extend(self._parser.feed(data))
-        return _sse_chunk(self._pending.popleft()), False
+        audio, spoken = _sse_event(self._pending.popleft())
+        if self.spoken_text is None:
+            self.spoken_text = spoken
+        return audio, False
 
     def close(self, cancel: bool) -> None:
         if self._resp is None:
@@ -374,15 +410,17 @@ class _HttpStreamSession:
 class _AioGrpcStreamSession:
     """One `stream_infer` call (many can share a tritonclient.grpc.aio client); cancel() ends it."""
 
-    def __init__(self, client, module, model: str, timeout_s: float):
+    def __init__(self, client, module, model: str, timeout_s: float, spoken_text: bool = False):
         self._client, self._module, self._model, self._timeout_s = client, module, model, timeout_s
         self._call = None
+        self._want_spoken_text = spoken_text
+        self.spoken_text: Optional[str] = None
 
     async def send(self, arrays: Mapping[str, np.ndarray]) -> None:
         request = {
             "model_name": self._model,
             "inputs": to_infer_inputs(self._module, arrays),
-            "outputs": requested_outputs(self._module),
+            "outputs": requested_outputs(self._module, self._want_spoken_text),
             "request_id": uuid.uuid4().hex,
         }
 
@@ -404,6 +442,8 @@ class _AioGrpcStreamSession:
             raise _rpc_exception(e) from e
         if error is not None:
             raise _grpc_stream_exception(error)
+        if self._want_spoken_text and self.spoken_text is None:
+            self.spoken_text = spoken_text_from_result(result)
         return chunk_from_result(result)
 
     def close(self, cancel: bool) -> None:
@@ -416,6 +456,7 @@ class _AioHttpStreamSession:
         self._transport, self._model, self._timeout_s = transport, model, timeout_s
         self._resp = None
         self._eof = False
+        self.spoken_text: Optional[str] = None
         self._parser = _SSEParser()
         self._pending: "collections.deque[bytes]" = collections.deque()
 
@@ -453,7 +494,10 @@ class _AioHttpStreamSession:
                 self._pending.extend(self._parser.close())
             else:
                 self._pending.extend(self._parser.feed(data))
-        return _sse_chunk(self._pending.popleft()), False
+        audio, spoken = _sse_event(self._pending.popleft())
+        if self.spoken_text is None:
+            self.spoken_text = spoken
+        return audio, False
 
     def close(self, cancel: bool) -> None:
         if self._resp is not None:
@@ -464,6 +508,22 @@ class _AioHttpStreamSession:
 
 
 # --- transports: one tritonclient call each, errors left raw ------------------------------------
+def _infer_result(result, spoken_text: bool):
+    """AUDIO of a response, or (AUDIO, SPOKEN_TEXT) when that was asked for."""
+    audio = audio_from_result(result)
+    if not spoken_text:
+        return audio
+    text = spoken_text_from_result(result)
+    if text is None:
+        raise ChatTTSError(INTERNAL, "response has no SPOKEN_TEXT output")
+    return audio, text
+
+
+def _spoken_kw(on_spoken_text: Optional[OnSpokenText]) -> Dict[str, bool]:
+    """The keyword a transport's infer / open_stream gets when the caller wants the spoken text (none otherwise:
+    transports written before it take none)."""
+    return {"spoken_text": True} if on_spoken_text is not None else {}
+
 class _GrpcTransport:
     def __init__(self, url: str, model: str, timeout_s: float):
         import tritonclient.grpc as module
@@ -471,14 +531,14 @@ class _GrpcTransport:
         self._module, self._model, self._timeout_s = module, model, timeout_s
         self._client = module.InferenceServerClient(url)  # thread-safe for unary calls and streams
 
-    def infer(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    def infer(self, arrays: Mapping[str, np.ndarray], spoken_text: bool = False):
         result = self._client.infer(
             self._model,
             to_infer_inputs(self._module, arrays),
-            outputs=requested_outputs(self._module),
+            outputs=requested_outputs(self._module, spoken_text),
             client_timeout=self._timeout_s,
         )
-        return audio_from_result(result)
+        return _infer_result(result, spoken_text)
 
     def is_ready(self) -> bool:
         t = min(self._timeout_s, CONNECT_TIMEOUT_S)
@@ -487,8 +547,8 @@ class _GrpcTransport:
     def statistics(self, model: str) -> dict:
         return _ints(self._client.get_inference_statistics(model, as_json=True, client_timeout=self._timeout_s))
 
-    def open_stream(self, model: str, chunk_timeout_s: float) -> _GrpcStreamSession:
-        return _GrpcStreamSession(self, model, chunk_timeout_s)
+    def open_stream(self, model: str, chunk_timeout_s: float, spoken_text: bool = False) -> _GrpcStreamSession:
+        return _GrpcStreamSession(self, model, chunk_timeout_s, spoken_text)
 
     def close(self) -> None:
         self._client.close()
@@ -519,11 +579,11 @@ class _HttpTransport:
                 self._clients.append(client)
         return client
 
-    def infer(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    def infer(self, arrays: Mapping[str, np.ndarray], spoken_text: bool = False):
         result = self._client().infer(
-            self._model, to_infer_inputs(self._module, arrays), outputs=requested_outputs(self._module)
+            self._model, to_infer_inputs(self._module, arrays), outputs=requested_outputs(self._module, spoken_text)
         )
-        return audio_from_result(result)
+        return _infer_result(result, spoken_text)
 
     def is_ready(self) -> bool:
         return self._client().is_server_ready() and self._client().is_model_ready(self._model)
@@ -531,7 +591,7 @@ class _HttpTransport:
     def statistics(self, model: str) -> dict:
         return self._client().get_inference_statistics(model)
 
-    def open_stream(self, model: str, chunk_timeout_s: float) -> _HttpStreamSession:
+    def open_stream(self, model: str, chunk_timeout_s: float, spoken_text: bool = False) -> _HttpStreamSession:
         with self._lock:
             if self._stream_pool is None:
                 import urllib3
@@ -563,14 +623,14 @@ class _AioGrpcTransport:
         self._module, self._model, self._timeout_s = module, model, timeout_s
         self._client = aio.InferenceServerClient(url)
 
-    async def infer(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    async def infer(self, arrays: Mapping[str, np.ndarray], spoken_text: bool = False):
         result = await self._client.infer(
             self._model,
             to_infer_inputs(self._module, arrays),
-            outputs=requested_outputs(self._module),
+            outputs=requested_outputs(self._module, spoken_text),
             client_timeout=self._timeout_s,
         )
-        return audio_from_result(result)
+        return _infer_result(result, spoken_text)
 
     async def is_ready(self) -> bool:
         t = min(self._timeout_s, CONNECT_TIMEOUT_S)
@@ -581,8 +641,8 @@ class _AioGrpcTransport:
     async def statistics(self, model: str) -> dict:
         return _ints(await self._client.get_inference_statistics(model, as_json=True, client_timeout=self._timeout_s))
 
-    def open_stream(self, model: str, chunk_timeout_s: float) -> _AioGrpcStreamSession:
-        return _AioGrpcStreamSession(self._client, self._module, model, chunk_timeout_s)
+    def open_stream(self, model: str, chunk_timeout_s: float, spoken_text: bool = False) -> _AioGrpcStreamSession:
+        return _AioGrpcStreamSession(self._client, self._module, model, chunk_timeout_s, spoken_text)
 
     async def close(self) -> None:
         await self._client.close()
@@ -608,14 +668,14 @@ class _AioHttpTransport:
             self._stream_session = aiohttp.ClientSession(timeout=timeout)
         return self._stream_session
 
-    def open_stream(self, model: str, chunk_timeout_s: float) -> _AioHttpStreamSession:
+    def open_stream(self, model: str, chunk_timeout_s: float, spoken_text: bool = False) -> _AioHttpStreamSession:
         return _AioHttpStreamSession(self, model, chunk_timeout_s)
 
-    async def infer(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    async def infer(self, arrays: Mapping[str, np.ndarray], spoken_text: bool = False):
         result = await self._client.infer(
-            self._model, to_infer_inputs(self._module, arrays), outputs=requested_outputs(self._module)
+            self._model, to_infer_inputs(self._module, arrays), outputs=requested_outputs(self._module, spoken_text)
         )
-        return audio_from_result(result)
+        return _infer_result(result, spoken_text)
 
     async def is_ready(self) -> bool:
         return await self._client.is_server_ready() and await self._client.is_model_ready(self._model)
@@ -750,10 +810,12 @@ class ChatTTSClient(_ClientBase):
                 self._sleep(self.retry_policy.delay(attempt))
                 attempt += 1
 
-    def infer_one(self, text: str, options: Optional[Mapping[str, Any]] = None) -> np.ndarray:
-        """One request, one utterance (no sentence splitting), with retries."""
+    def infer_one(self, text: str, options: Optional[Mapping[str, Any]] = None, spoken_text: bool = False):
+        """One request, one utterance (no sentence splitting), with retries: its audio, or (audio, the text the
+        server voiced) with `spoken_text`."""
         arrays = build_inputs(text, options)
-        return self._call(lambda: self._transport.infer(arrays))
+        kw = {"spoken_text": True} if spoken_text else {}
+        return self._call(lambda: self._transport.infer(arrays, **kw))
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._pool_lock:
@@ -767,16 +829,17 @@ class ChatTTSClient(_ClientBase):
         options: Mapping[str, Any],
         return_exceptions: bool = False,
         on_result: Optional[OnResult] = None,
+        spoken_text: bool = False,
     ) -> List[Union[np.ndarray, ChatTTSError]]:
         if len(texts) == 1 and on_result is None:
             try:
-                return [self.infer_one(texts[0], options)]
+                return [self.infer_one(texts[0], options, spoken_text)]
             except ChatTTSError as err:
                 if return_exceptions:
                     return [err]
                 raise
         pool = self._executor()
-        futures = {pool.submit(self.infer_one, t, options): i for i, t in enumerate(texts)}
+        futures = {pool.submit(self.infer_one, t, options, spoken_text): i for i, t in enumerate(texts)}
         results: List[Any] = [None] * len(texts)
         try:
             for future in concurrent.futures.as_completed(futures):
@@ -821,6 +884,7 @@ class ChatTTSClient(_ClientBase):
         speaker_sample: Optional[str] = None,
         split: bool = True,
         voice_from_first: bool = True,
+        on_spoken_text: Optional[OnSpokenText] = None,
     ) -> np.ndarray:
         """Speech for `text` as float32 mono samples at 24 kHz.
 
@@ -828,16 +892,18 @@ class ChatTTSClient(_ClientBase):
         None leaves an input to the server default. `speaker` is an upstream speaker-embedding string;
         a reference voice is either `speaker_audio` (24 kHz mono samples) or `speaker_sample` (upstream
         `sample_audio_speaker` string), with `speaker_text` its transcript.
-        `split`: split into sentences like upstream and synthesise them as one concurrent batch.
+        `split`: split into pieces that fit (`split_sentences`) and synthesise them as one concurrent batch.
         `voice_from_first`: like upstream, without `speaker_audio` use the first sentence's audio as
         the voice reference of all sentences (one extra request before the batch).
+        `on_spoken_text(text)`: called with the text the server voices for each piece, in order (SPOKEN_TEXT).
         """
         options = {k: v for k, v in locals().items() if k in OPTION_INPUTS}
         sentences = _prepare(text, options, split)
         if _voice_reference_needed(sentences, options, voice_from_first):
             reference = self.infer_one(sentences[0], options)
             options = _with_voice_reference(options, reference, sentences[0])
-        return _join(self._infer_many(sentences, options))
+        return _join(_spoken(self._infer_many(sentences, options, spoken_text=on_spoken_text is not None),
+                             on_spoken_text))
 
     def synthesize_batch(
         self,
@@ -889,6 +955,7 @@ class ChatTTSClient(_ClientBase):
         split: bool = True,
         voice_from_first: bool = True,
         chunk_timeout_s: Optional[float] = None,
+        on_spoken_text: Optional[OnSpokenText] = None,
     ) -> Iterator[np.ndarray]:
         """Speech for `text` as float32 chunks (24 kHz mono) while the server generates it, from the
         decoupled `stream_model`; the chunks joined equal `synthesize(text, ...)` for one sentence.
@@ -899,17 +966,20 @@ class ChatTTSClient(_ClientBase):
         Errors raise `ChatTTSError` from the iterator, also mid-stream. UNAVAILABLE is retried like
         `synthesize` only while no chunk of that request was yielded. `chunk_timeout_s` (default
         `timeout_s`) bounds the wait for each chunk (DEADLINE_EXCEEDED). Leaving the loop early, or
-        closing the iterator, cancels the request on the server.
+        closing the iterator, cancels the request on the server. `on_spoken_text(text)` is called with the
+        text the server voices for each piece, as that piece's first chunk arrives.
         """
         options = {k: v for k, v in locals().items() if k in OPTION_INPUTS}
         sentences = _prepare(text, options, split)  # checked now, not at the first next()
-        return self._stream(sentences, options, voice_from_first, self._chunk_timeout(chunk_timeout_s))
+        return self._stream(sentences, options, voice_from_first, self._chunk_timeout(chunk_timeout_s), on_spoken_text)
 
-    def _stream(self, sentences, options, voice_from_first: bool, timeout_s: float) -> Iterator[np.ndarray]:
+    def _stream(self, sentences, options, voice_from_first: bool, timeout_s: float,
+                on_spoken_text: Optional[OnSpokenText] = None) -> Iterator[np.ndarray]:
         need_reference = _voice_reference_needed(sentences, options, voice_from_first)
         for sentence in sentences:
             pieces: List[np.ndarray] = []
-            with contextlib.closing(self._stream_one(build_inputs(sentence, options), timeout_s)) as chunks:
+            arrays = build_inputs(sentence, options)
+            with contextlib.closing(self._stream_one(arrays, timeout_s, on_spoken_text)) as chunks:
                 for chunk in chunks:
                     if need_reference:
                         pieces.append(chunk)
@@ -918,16 +988,18 @@ class ChatTTSClient(_ClientBase):
                 options = _with_voice_reference(options, _join(pieces) if pieces else _NO_AUDIO, sentence)
                 need_reference = False
 
-    def _stream_one(self, arrays: Mapping[str, np.ndarray], timeout_s: float) -> Iterator[np.ndarray]:
+    def _stream_one(self, arrays: Mapping[str, np.ndarray], timeout_s: float,
+                    on_spoken_text: Optional[OnSpokenText] = None) -> Iterator[np.ndarray]:
         """One request's non-empty chunks, with retries before the first one."""
-        attempt = 0
+        attempt, told = 0, on_spoken_text is None
         while True:
             session, final, yielded = None, False, False
             try:
-                session = self._transport.open_stream(self.stream_model, timeout_s)
+                session = self._transport.open_stream(self.stream_model, timeout_s, **_spoken_kw(on_spoken_text))
                 session.send(arrays)
                 while not final:
                     chunk, final = session.receive()
+                    told = told or _tell_spoken(session, on_spoken_text)
                     if chunk.size:
                         yielded = True
                         yield chunk
@@ -1015,17 +1087,19 @@ class AsyncChatTTSClient(_ClientBase):
                 await self._sleep(self.retry_policy.delay(attempt))
                 attempt += 1
 
-    async def infer_one(self, text: str, options: Optional[Mapping[str, Any]] = None) -> np.ndarray:
+    async def infer_one(self, text: str, options: Optional[Mapping[str, Any]] = None, spoken_text: bool = False):
+        """See `ChatTTSClient.infer_one`."""
         arrays = build_inputs(text, options)
+        kw = {"spoken_text": True} if spoken_text else {}
         if self._semaphore is None:
             self._semaphore = asyncio.Semaphore(self.max_concurrency)
         async with self._semaphore:
-            return await self._call(lambda: self._get_transport().infer(arrays))
+            return await self._call(lambda: self._get_transport().infer(arrays, **kw))
 
-    async def _infer_many(self, texts, options, return_exceptions=False, on_result=None):
+    async def _infer_many(self, texts, options, return_exceptions=False, on_result=None, spoken_text=False):
         async def one(i: int, text: str):
             try:
-                result = await self.infer_one(text, options)
+                result = await self.infer_one(text, options, spoken_text)
             except ChatTTSError as err:
                 if not return_exceptions:
                     raise
@@ -1068,6 +1142,7 @@ class AsyncChatTTSClient(_ClientBase):
         speaker_sample: Optional[str] = None,
         split: bool = True,
         voice_from_first: bool = True,
+        on_spoken_text: Optional[OnSpokenText] = None,
     ) -> np.ndarray:
         """See `ChatTTSClient.synthesize`."""
         options = {k: v for k, v in locals().items() if k in OPTION_INPUTS}
@@ -1075,7 +1150,8 @@ class AsyncChatTTSClient(_ClientBase):
         if _voice_reference_needed(sentences, options, voice_from_first):
             reference = await self.infer_one(sentences[0], options)
             options = _with_voice_reference(options, reference, sentences[0])
-        return _join(await self._infer_many(sentences, options))
+        results = await self._infer_many(sentences, options, spoken_text=on_spoken_text is not None)
+        return _join(_spoken(results, on_spoken_text))
 
     async def synthesize_batch(
         self,
@@ -1122,19 +1198,22 @@ class AsyncChatTTSClient(_ClientBase):
         split: bool = True,
         voice_from_first: bool = True,
         chunk_timeout_s: Optional[float] = None,
+        on_spoken_text: Optional[OnSpokenText] = None,
     ) -> AsyncIterator[np.ndarray]:
         """See `ChatTTSClient.stream`: `async for chunk in client.stream(...)`. Breaking out of the loop
         cancels the request once the generator is collected; `contextlib.aclosing(client.stream(...))`
         (or cancelling the task) cancels it at once."""
         options = {k: v for k, v in locals().items() if k in OPTION_INPUTS}
         sentences = _prepare(text, options, split)
-        return self._stream(sentences, options, voice_from_first, self._chunk_timeout(chunk_timeout_s))
+        return self._stream(sentences, options, voice_from_first, self._chunk_timeout(chunk_timeout_s), on_spoken_text)
 
-    async def _stream(self, sentences, options, voice_from_first: bool, timeout_s: float) -> AsyncIterator[np.ndarray]:
+    async def _stream(self, sentences, options, voice_from_first: bool, timeout_s: float,
+                      on_spoken_text: Optional[OnSpokenText] = None) -> AsyncIterator[np.ndarray]:
         need_reference = _voice_reference_needed(sentences, options, voice_from_first)
         for sentence in sentences:
             pieces: List[np.ndarray] = []
-            async with contextlib.aclosing(self._stream_one(build_inputs(sentence, options), timeout_s)) as chunks:
+            arrays = build_inputs(sentence, options)
+            async with contextlib.aclosing(self._stream_one(arrays, timeout_s, on_spoken_text)) as chunks:
                 async for chunk in chunks:
                     if need_reference:
                         pieces.append(chunk)
@@ -1143,15 +1222,17 @@ class AsyncChatTTSClient(_ClientBase):
                 options = _with_voice_reference(options, _join(pieces) if pieces else _NO_AUDIO, sentence)
                 need_reference = False
 
-    async def _stream_one(self, arrays: Mapping[str, np.ndarray], timeout_s: float) -> AsyncIterator[np.ndarray]:
-        attempt = 0
+    async def _stream_one(self, arrays: Mapping[str, np.ndarray], timeout_s: float,
+                          on_spoken_text: Optional[OnSpokenText] = None) -> AsyncIterator[np.ndarray]:
+        attempt, told = 0, on_spoken_text is None
         while True:
             session, final, yielded = None, False, False
             try:
-                session = self._get_transport().open_stream(self.stream_model, timeout_s)
+                session = self._get_transport().open_stream(self.stream_model, timeout_s, **_spoken_kw(on_spoken_text))
                 await session.send(arrays)
                 while not final:
                     chunk, final = await session.receive()
+                    told = told or _tell_spoken(session, on_spoken_text)
                     if chunk.size:
                         yielded = True
                         yield chunk

@@ -21,6 +21,7 @@ from .errors import INTERNAL, ChatTTSError, ChatTTSInputError
 STREAM_MODEL = "chattts_stream"  # decoupled variant (AUDIO chunks), see ChatTTSClient.stream
 TEXT_INPUT = "TEXT"
 AUDIO_OUTPUT = "AUDIO"
+SPOKEN_TEXT_OUTPUT = "SPOKEN_TEXT"  # what the server voices: TEXT after normalisation (and refine-text)
 SAMPLE_RATE = C.SAMPLE_RATE
 
 REQUIRED_INPUTS = [name for name, (_, _, required) in C.ENSEMBLE_INPUTS.items() if required]
@@ -34,8 +35,8 @@ OPTION_INPUTS: Dict[str, str] = {
 for _name, (_dtype, _dims, _req) in C.ENSEMBLE_INPUTS.items():
     if list(_dims) not in ([1], [-1]):
         raise ImportError(f"client.contract cannot build input {_name} with dims {_dims}")
-if REQUIRED_INPUTS != [TEXT_INPUT] or AUDIO_OUTPUT not in C.ENSEMBLE_OUTPUTS:
-    raise ImportError("client.contract expects exactly TEXT required and an AUDIO output")
+if REQUIRED_INPUTS != [TEXT_INPUT] or AUDIO_OUTPUT not in C.ENSEMBLE_OUTPUTS or SPOKEN_TEXT_OUTPUT not in C.ENSEMBLE_OUTPUTS:
+    raise ImportError("client.contract expects exactly TEXT required, an AUDIO and a SPOKEN_TEXT output")
 
 
 def triton_datatype(config_dtype: str) -> str:
@@ -138,8 +139,34 @@ def to_infer_inputs(module, arrays: Mapping[str, np.ndarray]) -> List[Any]:
     return inputs
 
 
-def requested_outputs(module) -> List[Any]:
-    return [module.InferRequestedOutput(AUDIO_OUTPUT)]
+def requested_outputs(module, spoken_text: bool = False) -> List[Any]:
+    """AUDIO, and SPOKEN_TEXT when asked for (a server exported before it refuses to be asked)."""
+    names = [AUDIO_OUTPUT, SPOKEN_TEXT_OUTPUT] if spoken_text else [AUDIO_OUTPUT]
+    return [module.InferRequestedOutput(n) for n in names]
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, (list, tuple, np.ndarray)):
+        flat = np.asarray(value, dtype=object).reshape(-1)
+        if flat.size != 1:
+            raise ChatTTSError(INTERNAL, f"{SPOKEN_TEXT_OUTPUT} holds {flat.size} values, expected one")
+        value = flat[0]
+    if isinstance(value, (bytes, np.bytes_)):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, str):
+        return value
+    raise ChatTTSError(INTERNAL, f"{SPOKEN_TEXT_OUTPUT} is not text: {value!r:.200}")
+
+
+def spoken_text_from_result(result) -> Optional[str]:
+    """SPOKEN_TEXT of one response (gRPC or HTTP InferResult), None when it does not carry it."""
+    value = result.as_numpy(SPOKEN_TEXT_OUTPUT)
+    return None if value is None else _text(value)
+
+
+def spoken_text_from_json(event: Mapping[str, Any]) -> Optional[str]:
+    """SPOKEN_TEXT of one generate_stream event (a string, or a one-item list), None when it has none."""
+    return _text(event[SPOKEN_TEXT_OUTPUT]) if SPOKEN_TEXT_OUTPUT in event else None
 
 
 def _audio_row(audio: np.ndarray) -> np.ndarray:

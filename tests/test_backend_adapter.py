@@ -181,3 +181,38 @@ def test_the_drain_sees_a_request_before_it_calls_the_server_idle(publish_s, pol
     sig = inspect.signature(serve.quiesce).parameters
     assert (sig["poll_s"].default, sig["quiet_polls"].default) == (poll_s, polls)
     assert publish_s < (polls - 1) * poll_s
+
+
+def test_package_logs_reach_tritons_log_at_their_level():
+    """Records of chattts_triton's loggers go to the stub's pb_utils.Logger: DEBUG as verbose (tritonserver
+    --log-verbose 1 shows them: the characters normalisation removed), the others at their level; once per process."""
+    import logging
+
+    calls = []
+
+    class Logger:
+        log_verbose = staticmethod(lambda m: calls.append(("verbose", m)))
+        log_info = staticmethod(lambda m: calls.append(("info", m)))
+        log_warn = staticmethod(lambda m: calls.append(("warn", m)))
+        log_error = staticmethod(lambda m: calls.append(("error", m)))
+
+    pb = FakePb()
+    pb.Logger = Logger
+    root = logging.getLogger("chattts_triton")
+    handlers, level = list(root.handlers), root.level
+    try:
+        backend.forward_logs(FakePb())  # a stub without a Logger: nothing changes
+        assert root.handlers == handlers
+        backend.forward_logs(pb)
+        backend.forward_logs(pb)
+        assert sum(isinstance(h, backend.TritonLogHandler) for h in root.handlers) == 1
+        log = logging.getLogger("chattts_triton.services")
+        log.debug("removed %d", 3)
+        log.info("warm")
+        log.warning("slow")
+        log.error("broken")
+        assert calls == [("verbose", "chattts_triton.services: removed 3"), ("info", "chattts_triton.services: warm"),
+                         ("warn", "chattts_triton.services: slow"), ("error", "chattts_triton.services: broken")]
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)

@@ -38,6 +38,7 @@ from client import (
     load_reference_audio,
     read_wav,
     save_wav,
+    split_sentences,
 )
 from client import cli
 from client.audio import to_pcm16
@@ -238,7 +239,7 @@ def test_every_contract_input_is_a_keyword_of_synthesize_and_a_cli_flag():
     assert set(OPTION_INPUTS) == expected
     for method in (ChatTTSClient.synthesize, AsyncChatTTSClient.synthesize):
         params = inspect.signature(method).parameters
-        keywords = {k for k, p in params.items() if p.kind is p.KEYWORD_ONLY} - {"split", "voice_from_first"}
+        keywords = {k for k, p in params.items() if p.kind is p.KEYWORD_ONLY} - {"split", "voice_from_first", "on_spoken_text"}
         assert keywords == expected, method.__qualname__
         assert all(params[k].default is None for k in expected)
     flags = {a.dest for a in cli.build_parser()._actions}
@@ -438,6 +439,46 @@ class FakeTransport:
         pass
 
 
+class SpokenTransport(FakeTransport):
+    """A transport that also answers SPOKEN_TEXT when asked (the text upper-cased, to tell it from TEXT)."""
+
+    def infer(self, arrays, spoken_text=False):
+        audio = super().infer(arrays)
+        return (audio, arrays["TEXT"][0, 0].decode().upper()) if spoken_text else audio
+
+
+def test_spoken_text_of_each_piece_is_handed_over_in_order_and_only_when_asked():
+    t = SpokenTransport(barrier=threading.Barrier(4, timeout=10))
+    got = []
+    with ChatTTSClient("x:1", transport=t, max_concurrency=8) as c:
+        audio = c.synthesize(LONG_TEXT, seed=1, on_spoken_text=got.append)
+        assert np.array_equal(audio, c.synthesize(LONG_TEXT, seed=1))  # the same audio either way
+    assert got == [s.upper() for s in split_sentences(LONG_TEXT)]
+    plain = FakeTransport()  # a transport that does not know the keyword: never given it unasked
+    ChatTTSClient("x:1", transport=plain).synthesize("hello there", voice_from_first=False)
+    assert len(plain.calls) == 1
+
+
+def test_spoken_text_from_responses_and_stream_events():
+    from client.contract import requested_outputs, spoken_text_from_json, spoken_text_from_result
+    import tritonclient.grpc as grpcclient
+
+    class Result:
+        def __init__(self, value):
+            self.value = value
+
+        def as_numpy(self, name):
+            return self.value if name == "SPOKEN_TEXT" else None
+
+    assert spoken_text_from_result(Result(np.array([["五元".encode()]], dtype=object))) == "五元"
+    assert spoken_text_from_result(Result(None)) is None
+    assert spoken_text_from_json({"AUDIO": [], "SPOKEN_TEXT": "five"}) == "five"
+    assert spoken_text_from_json({"AUDIO": [], "SPOKEN_TEXT": ["five"]}) == "five"
+    assert spoken_text_from_json({"AUDIO": []}) is None
+    assert [o.name() for o in requested_outputs(grpcclient)] == ["AUDIO"]
+    assert [o.name() for o in requested_outputs(grpcclient, True)] == ["AUDIO", "SPOKEN_TEXT"]
+
+
 def test_retry_policy_with_a_fake_transport():
     unavailable = InferenceServerException("Exceeds maximum queue size", status="StatusCode.UNAVAILABLE")
     t = FakeTransport([unavailable, unavailable])
@@ -459,12 +500,14 @@ def test_retry_policy_with_a_fake_transport():
     )[0].status == "UNAVAILABLE"
 
 
-LONG_TEXT = "First sentence. Second one is here. 第三句话。And the fourth. "
+# sentences long enough not to be joined (chattts_triton.split.DEFAULT_MIN_FRAMES), short enough to fit one request
+LONG_TEXT = ("The first sentence is long enough to stand alone. The second one is here as well. 第三句话也足够长了。"
+             "And the fourth one closes the text. ")
 
 
-def test_long_text_is_split_like_upstream_sent_concurrently_and_joined_in_order():
-    sentences = split_text(LONG_TEXT, drop_empty=True)
-    assert len(sentences) == 4
+def test_long_text_is_split_at_sentences_sent_concurrently_and_joined_in_order():
+    sentences = split_sentences(LONG_TEXT)
+    assert sentences == [p.strip() for p in split_text(LONG_TEXT, drop_empty=True)] and len(sentences) == 4  # as upstream
     t = FakeTransport(barrier=threading.Barrier(len(sentences), timeout=10))
     with ChatTTSClient("x:1", transport=t, max_concurrency=8) as c:
         audio = c.synthesize(LONG_TEXT, seed=1)
@@ -481,7 +524,7 @@ def test_long_text_is_split_like_upstream_sent_concurrently_and_joined_in_order(
 
 @PROTOCOLS
 def test_long_text_over_the_real_transports(fake, protocol):
-    sentences = split_text(LONG_TEXT, drop_empty=True)
+    sentences = split_sentences(LONG_TEXT)
     with ChatTTSClient(fake.url(protocol), protocol=protocol, max_concurrency=4) as c:
         audio = c.synthesize(LONG_TEXT)
         again = c.synthesize(LONG_TEXT)  # the pool and its per-thread HTTP clients are reused
@@ -491,10 +534,12 @@ def test_long_text_over_the_real_transports(fake, protocol):
     assert len(fake.model.requests) == 2 * (1 + len(sentences))
 
 
-def test_newlines_split_first_and_blank_lines_are_dropped():
+def test_newlines_split_first_blank_lines_are_dropped_and_very_short_pieces_joined():
     t = FakeTransport()
-    ChatTTSClient("x:1", transport=t).synthesize("Line one. Still one.\n\n  \nLine two", voice_from_first=False)
-    assert [a["TEXT"][0, 0] for a in t.calls] == [b"Line one. Still one.", b"Line two"]
+    text = "Line one is a sentence of its own. Still line one, a bit longer.\n\n  \nLine two is another one.\nOK."
+    ChatTTSClient("x:1", transport=t).synthesize(text, voice_from_first=False)
+    assert [a["TEXT"][0, 0] for a in t.calls] == [
+        b"Line one is a sentence of its own.", b"Still line one, a bit longer.", b"Line two is another one.\nOK."]
 
 
 def test_no_voice_reference_when_given_or_disabled():
@@ -620,6 +665,7 @@ def test_wav_errors_and_reference_loading(tmp_path):
         (["hi", "-o", "a.wav", "--speaker-audio", "/nonexistent.wav"], "nonexistent"),
         (["hi", "-o", "a.wav", "--concurrency", "0"], "positive"),
         (["hi", "-o", "a.wav", "--url", "http://h:1"], "without a scheme"),
+        (["--file", "t.txt", "--out-dir", "o", "--show-spoken-text"], "--show-spoken-text goes with TEXT"),
     ],
 )
 def test_cli_argument_errors_exit_2(argv, message, capsys):

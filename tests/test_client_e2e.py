@@ -103,7 +103,7 @@ def test_async_client_matches_sync_client(served_tiny, protocol):
 
 
 def test_long_text_is_synthesised_per_sentence_and_joined(served_tiny):
-    text = "The first sentence. Then a second one. 最后是第三句。"
+    text = "The first sentence stands on its own. Then a second one follows it. 最后是第三句话了。"
     sentences = split_sentences(text)
     assert len(sentences) == 3
     with ChatTTSClient(served_tiny.grpc_url) as c:
@@ -113,3 +113,26 @@ def test_long_text_is_synthesised_per_sentence_and_joined(served_tiny):
     # lengths are fixed by MIN = MAX new tokens, so the joined audio is exactly the pieces end to end
     assert joined.size == sum(p.size for p in pieces)
     check_audio(joined, 3 * samples_for_codes(TOKENS))
+
+
+@PROTOCOLS
+def test_spoken_text_of_each_piece_reaches_the_caller(served_tiny, protocol):
+    text = "我有3个苹果，价格是12.5元，增长了45%。Meet me at 10:30 on 2026-12-02, it costs $12.50."
+    assert len(split_sentences(text)) == 2
+    got, streamed = [], []
+    with ChatTTSClient(url_of(served_tiny, protocol), protocol=protocol) as c:
+        audio = c.synthesize(text, seed=2, on_spoken_text=got.append, **FIXED)
+        chunks = list(c.stream(text, seed=2, on_spoken_text=streamed.append, **FIXED))
+    assert audio.size > 0 and chunks
+    assert got == streamed and len(got) == 2
+    assert got[0] == "我有三个苹果，价格是十二点五元，增长了百分之四十五。"
+    assert "ten thirty" in got[1] and "twelve dollars and fifty cents" in got[1] and not any(ch.isdigit() for ch in got[1])
+
+
+def test_cli_shows_the_spoken_text(served_tiny, tmp_path):
+    for extra in ([], ["--stream"]):
+        cmd = [sys.executable, "-m", "client", "价格是12.5元。", "-o", str(tmp_path / "x.wav"), "--url", served_tiny.grpc_url,
+               "--show-spoken-text", "--max-new-tokens", str(TOKENS), "--min-new-tokens", str(TOKENS), *extra]
+        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert "spoken: 价格是十二点五元。" in run.stdout.splitlines()

@@ -236,7 +236,7 @@ def test_breaking_out_early_cancels_the_request():
     assert ChatTTSClient("x:1", transport=t).stream("hi") is not None and len(t.sessions) == 1  # lazy
 
 
-LONG_TEXT = "First sentence. Second one is here. 第三句话。"
+LONG_TEXT = "The first sentence is long enough to stand alone. The second one is here as well. 第三句话也足够长了。"
 
 
 def test_sentences_are_streamed_one_after_another_with_the_first_as_voice_reference():

@@ -213,8 +213,20 @@ def test_pip_constraints_from_requirements():
     req = {re.sub(r"\[.*\]", "", k): v for k, v in
            (line.split("==") for line in (ROOT / "requirements.txt").read_text().splitlines() if "==" in line)}
     assert pins == req
-    for needed in ("torch", "onnxruntime", "numpy", "tokenizers", "safetensors", "pybase16384"):
+    for needed in ("torch", "onnxruntime", "numpy", "tokenizers", "safetensors", "pybase16384", "wetext", "kaldifst",
+                   "num2words"):
         assert needed in pins
+
+
+def test_image_installs_the_text_normaliser_and_checks_its_grammars_load():
+    """The image pip-installs the package (its dependencies bring wetext and num2words, pinned by the constraints)
+    and fails to build when the grammars do not load (a wheel missing for the image's python, say)."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert {"wetext", "num2words"} <= set(deps)
+    runs = " ".join(i["value"] for i in _parse_dockerfile(DOCKERFILE.read_text()).structure if i["instruction"] == "RUN")
+    assert "from chattts_triton.spoken import default" in runs and "-c /tmp/constraints.txt" in runs
 
 
 # --- entry point and `make configure` in the container ----------------------------------------------------------

@@ -15,6 +15,7 @@ from tritonclient.utils import InferenceServerException
 from chattts_triton import repo_config as rc
 from chattts_triton.config import ENSEMBLE_INPUTS, HOP_LENGTH, SAMPLE_RATE, Arch, samples_for_codes
 from tests.reliability_util import contract_inputs
+from tests.spoken_cases import EN_CASES, ZH_CASES
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +38,7 @@ def test_repository_configs_parse_and_match_the_source_of_truth(tiny_repo):
         assert parsed == cfg
     ens = expected[rc.ENSEMBLE]
     assert {i.name for i in ens.input} == set(ENSEMBLE_INPUTS)
-    assert [o.name for o in ens.output] == ["AUDIO"] and ens.max_batch_size > 0
+    assert [o.name for o in ens.output] == ["AUDIO", "SPOKEN_TEXT"] and ens.max_batch_size > 0
     # every composing model batches dynamically
     assert all(expected[m].HasField("dynamic_batching") for m in rc.MODELS)
 
@@ -356,6 +357,64 @@ def test_bad_request_leaves_batchmates_and_server_unaffected(served_tiny):
         grpcclient.InferenceServerClient(served_tiny.grpc_url).infer("chattts", [wrong_dtype])
     assert grpcclient.InferenceServerClient(served_tiny.grpc_url).is_server_ready()
     assert np.abs(synth(served_tiny, **good) - expected).max() <= 1e-5
+
+
+# --- SPOKEN_TEXT: what the server voices --------------------------------------------------------
+# a representative subset of the hand-written tables (tests/test_spoken.py reads all of them through the function)
+SERVED_CASES = [c for c in ZH_CASES if c[0] in (
+    "我有3个苹果，价格是12.5元，增长了45%。", "2个人", "3/4的学生", "气温-3.5℃", "共计¥1,234.56", "日期是2026-12-02",
+    "下午3:30见", "休息3-5天", "电话13812345678", "第22届", "内存16GB", "你好[uv_break]我有3本书[laugh_0]",
+)] + [c for c in EN_CASES if c[0] in (
+    "Meet me at 10:30 on 2026-12-02, it costs $12.50.", "There are 1234 people.", "About 3/4 of them agreed.",
+    "The result is -7.", "A coffee is £2.50.", "Music of the 1990s.", "Wait 3-5 days.", "Call 555-123-4567.",
+    "On the 23rd floor.", "I ran 5 km.", "Hello [uv_break] I have 2 cats [laugh_0].",
+)]
+
+
+def spoken(server, protocol="grpc", **values) -> str:
+    module = grpcclient if protocol == "grpc" else httpclient
+    c = module.InferenceServerClient(server.grpc_url if protocol == "grpc" else server.http_url)
+    outputs = [module.InferRequestedOutput("AUDIO"), module.InferRequestedOutput("SPOKEN_TEXT")]
+    result = c.infer("chattts", inputs(module, **values), outputs=outputs)
+    text = result.as_numpy("SPOKEN_TEXT")
+    assert text.shape == (1, 1) and result.as_numpy("AUDIO").shape[0] == 1
+    return text[0, 0].decode("utf-8")
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_spoken_text_shows_what_is_voiced_over_grpc_and_http(served_tiny, protocol):
+    from chattts_triton.text import Normalizer
+    from tests.test_spoken import same_speech
+
+    assert len(SERVED_CASES) == 23
+    upstream_step = Normalizer()  # the hand-written spoken form through upstream's punctuation/homophone step
+    bad = []
+    for written, accepted in SERVED_CASES:
+        got = spoken(served_tiny, protocol, TEXT=written, SEED=1, MAX_NEW_TOKENS=2)
+        if not any(same_speech(got, upstream_step(e)) for e in accepted):
+            bad.append((written, got))
+    assert not bad
+    # without normalisation the GPT reads the text as sent
+    assert spoken(served_tiny, protocol, TEXT="It costs $12.50.", NORMALIZE_TEXT=False, MAX_NEW_TOKENS=2) == "It costs $12.50."
+
+
+def test_removed_characters_are_counted_per_model_and_a_text_removed_entirely_is_named(served_tiny):
+    import time
+    import urllib.request
+
+    def removed():
+        with urllib.request.urlopen(served_tiny.metrics_url, timeout=5) as r:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                       if line.startswith("chattts_text_removed_chars{") and 'model="chattts_preprocess"' in line)
+
+    time.sleep(0.6)  # the gauges refresh every 0.25 s
+    before = removed()
+    assert spoken(served_tiny, TEXT="你好😀世界😀", MAX_NEW_TOKENS=2) == "你好世界"
+    time.sleep(0.6)
+    assert removed() == before + 2
+    with pytest.raises(InferenceServerException) as e:
+        synth(served_tiny, TEXT="😀🎉")
+    assert "INVALID_ARG" in str(e.value.status()) and "U+1F600" in e.value.message() and "U+1F389" in e.value.message()
 
 
 # --- parity with upstream ChatTTS on the same full-size weights ---------------------------------

@@ -682,6 +682,46 @@ def test_http_sse_stream_equals_the_grpc_stream(served_tiny):
     assert np.abs(audio - np.concatenate(chunks)).max() <= 1e-3
 
 
+def test_the_first_response_of_a_stream_carries_spoken_text_over_grpc_and_sse(served_tiny):
+    """SPOKEN_TEXT (TEXT in spoken form, as the GPT reads it) comes once per stream, with its first chunk."""
+    import tritonclient.grpc as grpcclient
+
+    text, expected = "我有3个苹果，价格是12.5元。", "我有三个苹果，价格是十二点五元。"
+    client = grpcclient.InferenceServerClient(served_tiny.grpc_url)
+    q: "queue.Queue" = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    inputs = []
+    for name, arr in contract(text=text, n=120, seed=3).items():
+        t = grpcclient.InferInput(name, list(arr.shape), "BYTES" if arr.dtype == object else
+                                  {np.int64: "INT64", np.int32: "INT32"}[arr.dtype.type])
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    outputs = [grpcclient.InferRequestedOutput("AUDIO"), grpcclient.InferRequestedOutput("SPOKEN_TEXT")]
+    client.async_stream_infer(rc.STREAM, inputs, outputs=outputs, request_id="s", enable_empty_final_response=True)
+    texts = []
+    try:
+        while True:
+            result, err = q.get(timeout=120)
+            assert err is None
+            value = result.as_numpy("SPOKEN_TEXT")
+            texts.append(None if value is None else value.reshape(-1)[0].decode())
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    assert len(texts) > 2 and texts[0] == expected and set(texts[1:]) == {None}
+
+    body = json.dumps({"TEXT": text, "SEED": 3, "MIN_NEW_TOKENS": 120, "MAX_NEW_TOKENS": 120}).encode()
+    req = urllib.request.Request(f"http://{served_tiny.http_url}/v2/models/{rc.STREAM}/generate_stream", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r if line.startswith(b"data: ")]
+    assert len(events) > 2 and [e.get("SPOKEN_TEXT") for e in events[1:]] == [None] * (len(events) - 1)
+    first = events[0]["SPOKEN_TEXT"]
+    assert (first[0] if isinstance(first, list) else first) == expected
+
+
 def test_grpc_bad_input_gets_an_error_that_ends_the_stream(served_tiny):
     chunks, error = grpc_stream(served_tiny, contract(text=" "), timeout=60)
     # Triton 2.51 sends a decoupled model's error code nowhere on a gRPC stream: the message names it

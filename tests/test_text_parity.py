@@ -1,6 +1,7 @@
 """chattts_triton.text equals upstream ChatTTS 0.2.5 on the text path; input validation errors.
 
-Upstream pieces used: `ChatTTS.Chat().normalizer` (the Normalizer exactly as Chat builds it),
+Upstream pieces used: `ChatTTS.Chat().normalizer` (the Normalizer exactly as Chat builds it; plain, and with the
+spoken-form step registered as upstream's docs register WeTextProcessing / NeMo: `normalizer.register(lang, fn)`),
 `Chat.infer`'s split (read from the unstarted `_infer` generator: nothing runs, nothing is mocked),
 `ChatTTS.model.tokenizer.Tokenizer` and `ChatTTS.model.speaker.Speaker` (static prompt decorators).
 The synthetic tokenizer is the same file in assets-tiny and assets-full (same writer, same vocab size).
@@ -21,6 +22,7 @@ import torch
 
 from chattts_triton import speaker as spk
 from chattts_triton.config import LIMITS, NUM_VQ, SPECIAL_TOKENS
+from tests.spoken_cases import EN_CASES, ZH_CASES
 from chattts_triton.text import (
     HOMOPHONES_PATH,
     InputError,
@@ -144,6 +146,42 @@ def test_normalizer_matches_upstream(up_chat, normalizer, opts):
     mismatches = [(t, up_chat.normalizer(t, *opts), normalizer(t, *opts)) for t in CORPUS]
     mismatches = [m for m in mismatches if m[1] != m[2]]
     assert not mismatches, mismatches[:5]
+
+
+SPOKEN_CORPUS = CORPUS + [w for w, _ in ZH_CASES + EN_CASES] + [
+    "我有3个苹果，价格是12.5元，增长了45%。", "Meet me at 10:30 on 2026-12-02, it costs $12.50.",
+    "[oral_2]第1名[uv_break]得了100分[lbreak]", "12:30 [uv_break] 3/4 😀 %",
+]
+
+
+@pytest.mark.parametrize("opts", NORM_OPTIONS, ids=lambda o: f"norm={o[0]},homo={o[1]},lang={o[2]}")
+def test_normalizer_with_the_spoken_form_matches_upstream_with_it_registered(opts):
+    """Ours runs the spoken-form step where upstream runs a registered language normaliser (on the text between
+    control tokens, before the half/full-width map), so both agree on text with digits and symbols too. Upstream
+    raises IndexError on "" once a normaliser is registered (`texts[0]` of no texts); ours returns ""."""
+    from chattts_triton.spoken import default
+
+    logging.getLogger("upstream-spoken").setLevel(logging.ERROR)
+    up = ChatTTS.Chat(logging.getLogger("upstream-spoken")).normalizer
+    spoken = default()
+    for lang in ("zh", "en"):
+        assert up.register(lang, lambda t, lang=lang: spoken(t, lang))
+    ours = Normalizer(spoken=spoken)
+    texts = [t for t in SPOKEN_CORPUS if t]
+    mismatches = [(t, up(t, *opts), ours(t, *opts)) for t in texts]
+    mismatches = [m for m in mismatches if m[1] != m[2]]
+    assert not mismatches, mismatches[:5]
+    if opts[0]:  # the registered normaliser runs only with do_text_normalization
+        with pytest.raises(IndexError):
+            up("", *opts)
+    assert ours("", *opts) == up("", False, *opts[1:]) == ""
+
+
+def test_normalize_counts_what_it_removes(normalizer):
+    result = normalizer.normalize("😀 hello 😀 [uv_break] % world #")
+    assert result.removed == {"😀": 2, "%": 1, "#": 1}
+    assert result.text == normalizer("😀 hello 😀 [uv_break] % world #")
+    assert normalizer.normalize("你好，世界。").removed == {}
 
 
 def test_normalizer_corpus_exercises_every_branch(normalizer):
