@@ -162,7 +162,7 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 class ChatTTSGPT(nn.Module):
-    """Embeddings, transformer with slot KV cache, text head and code heads (weight norm folded)."""
+    """Embeddings, transformer with a paged KV cache, text head and code heads (weight norm folded)."""
 
     def __init__(self, arch: Arch):
         super().__init__()

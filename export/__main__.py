@@ -7,7 +7,7 @@
 Writes, into a folder beside REPO that is renamed over REPO only when complete:
   chattts/                 ensemble config
   chattts_preprocess/1/    model.py, tokenizer/, dvae_encode.{pt,onnx}
-  chattts_gpt/1/           model.py, gpt.pt (TorchScript, slot KV cache)
+  chattts_gpt/1/           model.py, gpt.pt (TorchScript, paged KV cache)
   chattts_vocoder/1/       model.py, decoder/dvae_decode/vocos.{pt,onnx}
   manifest.json            sha256 of every source file, architecture, dtype, versions, deployment
 """
