@@ -86,3 +86,39 @@ def test_a_text_removed_entirely_is_refused_naming_what_was_removed(pre):
         pre.prepare(inputs(TEXT="[uv_break]"))
     # a number alone is no longer removed entirely: it is spoken
     assert spoken(pre.prepare(inputs(TEXT="2026"))) == "two thousand and twenty six"
+
+
+# --- GPTService -----------------------------------------------------------------------------------
+def test_a_gpt_pt_exported_before_the_paged_cache_is_served_through_the_eager_module(tiny_assets, tmp_path, caplog):
+    """A repository exported before the paged KV cache holds a gpt.pt whose forward takes a slot range: the
+    service warns, builds the eager module from its weights and generates what the current export does."""
+    from chattts_triton.gpt import ChatTTSGPT, load_gpt
+    from chattts_triton.services import GPTService
+
+    class BeforePages(ChatTTSGPT):
+        def forward(self, x: torch.Tensor, positions: torch.Tensor, slot_start: int, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, attn_len: int) -> torch.Tensor:
+            raise RuntimeError("the slot-range interface")
+
+    current = load_gpt(tiny_assets, TINY_ARCH)
+    old = BeforePages(TINY_ARCH)
+    old.fuse_projections()
+    old.load_state_dict(current.state_dict())
+    torch.jit.script(old).save(str(tmp_path / "old.pt"))
+    torch.jit.script(current).save(str(tmp_path / "new.pt"))
+    kw = dict(arch=TINY_ARCH, device=torch.device("cpu"), dtype="fp32", max_slots=2, max_context=256, max_new_tokens=64,
+              text_eos_id=0, spk_emb_id=1)
+    request = {"TEXT_IDS": np.arange(5, 25).reshape(1, -1), "SEED": np.array([[3]]),
+               "MAX_NEW_TOKENS": np.array([[12]], np.int32), "MIN_NEW_TOKENS": np.array([[12]], np.int32)}
+    outs = []
+    for name in ("new.pt", "old.pt"):
+        with caplog.at_level(logging.WARNING, logger="chattts_triton"):
+            svc = GPTService(tmp_path / name, **kw)
+        try:
+            assert isinstance(svc.engine.model, torch.jit.ScriptModule) == (name == "new.pt")
+            outs.append(svc.call(request, timeout=120))
+        finally:
+            svc.close()
+    assert "exported before the paged KV cache" in caplog.text
+    assert np.array_equal(outs[0]["CODES"], outs[1]["CODES"]) and outs[0]["CODES"].shape == (1, 12, 4)
+    assert np.allclose(outs[0]["HIDDENS"], outs[1]["HIDDENS"], atol=1e-4)
