@@ -285,6 +285,7 @@ def _error_response(e: api.APIError) -> JSONResponse:
 
 def create_app(settings: Settings, synthesizer: Optional[Synthesizer] = None) -> FastAPI:
     gw = Gateway(settings, synthesizer)
+    split_text("Warm up.")  # imports the splitter's modules now, not in the first client's request
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -323,3 +323,23 @@ def test_streamed_and_sse_responses(fmt):
         assert headers["Content-Type"].startswith("text/event-stream") and events[-1] == {"type": "speech.audio.done"}
         audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
         assert all(e["type"] == "speech.audio.delta" for e in events[:-1]) and decode(audio, fmt).size >= SAMPLE_RATE // 2
+
+
+# --- documentation and make ---------------------------------------------------------------------------
+def test_docs_speed_table_is_the_mapping():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "gateway.md").read_text(encoding="utf-8")
+    for lo, hi, token in api.speed_table():
+        assert f"| {lo:.3g} – {min(hi, 4.0):.3g} | `{token}` |" in doc
+
+
+def test_make_gateway_runs_the_gateway_against_the_given_server():
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["make", "-n", "gateway", "GRPC_URL=10.0.0.5:9001", "GATEWAY_PORT=9090", "REPO=/nonexistent"],
+                         cwd=root, capture_output=True, text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if "-m gateway" in x)
+    assert line.split("-m gateway", 1)[1].split() == ["--grpc-url", "10.0.0.5:9001", "--host", "127.0.0.1", "--port", "9090"]
