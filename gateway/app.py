@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Dict, List, Optional, Tuple
+from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -74,8 +74,106 @@ def api_error(err: SynthesisError, req: Optional[api.SpeechRequest] = None) -> a
     return api.APIError(status, f"synthesis failed: {err.message}", "server_error", None, err.status.lower())
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body already read, the server's next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _timeout(timeout_s: float) -> api.APIError:
     return api.APIError(504, f"synthesis took longer than {timeout_s:g} s", "server_error", None, "timeout")
+
+
+class _StreamingResponse(StreamingResponse):
+    """Runs `end` however the response ends: sent, failed, or never started (a client gone before the first
+    byte never starts the body iterator, whose own `finally` would then never run)."""
+
+    def __init__(self, content, end: Callable[[], Awaitable[None]], **kwargs):
+        super().__init__(content, **kwargs)
+        self._end = end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._end()
+
+
+class _Stream:
+    """One streamed response: the chunks encoded as they come (FFmpeg on a worker thread: it lets the GIL go),
+    and the request's accounting when it ends. An error after the first byte cuts the response (the client sees
+    it incomplete); as server-sent events it is an `error` event."""
+
+    def __init__(self, gw: "Gateway", req: api.SpeechRequest, mode: str, t0: float, first: Optional[np.ndarray],
+                 chunks: AsyncIterator[np.ndarray], encoder: StreamEncoder):
+        self.gw, self.req, self.mode, self.t0 = gw, req, mode, t0
+        self.fmt = req.response_format
+        self.first, self.chunks = first, chunks
+        self.encoder = encoder
+        self.status = "aborted"
+        self.busy: Optional[asyncio.Future] = None  # the encoder call on a thread, if any
+        self.ended = False
+
+    async def _encode(self, fn: Callable, *args) -> bytes:
+        if self.fmt == "pcm":  # a numpy cast: no thread hop
+            return fn(*args)
+        self.busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        return await asyncio.shield(self.busy)  # a cancelled request waits for it in end(), never races it
+
+    async def _encoded(self) -> AsyncIterator[bytes]:
+        metrics, sent = self.gw.metrics, False
+        pending = [self.first] if self.first is not None else []
+        while True:
+            if pending:
+                chunk = pending.pop()
+            else:
+                try:
+                    chunk = await self.chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except SynthesisError as e:
+                    metrics.errors.labels(e.status).inc()
+                    log.warning("stream failed after its first chunk: %s", e)
+                    raise
+            t = time.perf_counter()
+            data = await self._encode(self.encoder.push, chunk)
+            metrics.encode_seconds.labels(self.fmt).inc(time.perf_counter() - t)
+            if data:
+                if not sent:
+                    metrics.first_byte.labels(self.fmt).observe(time.perf_counter() - self.t0)
+                    sent = True
+                yield data
+        tail = await self._encode(self.encoder.close)
+        if tail:
+            yield tail
+        self.status = "200"
+
+    async def audio(self) -> AsyncIterator[bytes]:
+        async for data in self._encoded():
+            yield data
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        """OpenAI's speech events: speech.audio.delta (base64 of the next bytes in response_format), then
+        speech.audio.done."""
+        try:
+            async for data in self._encoded():
+                event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
+                yield f"data: {json.dumps(event)}\n\n".encode()
+            yield b'data: {"type": "speech.audio.done"}\n\n'
+        except SynthesisError as e:
+            yield f"data: {json.dumps({'type': 'error', **api_error(e, self.req).body()})}\n\n".encode()
+
+    async def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        with contextlib.suppress(BaseException):
+            await self.chunks.aclose()  # a stream still running is cancelled on the server
+        if self.busy is not None:
+            with contextlib.suppress(BaseException):
+                await self.busy
+        self.encoder.abort()
+        self.gw.finished(self.fmt, self.mode, self.status, self.t0, self.encoder.samples / SAMPLE_RATE)
 
 
 class Gateway:
@@ -141,11 +239,11 @@ class Gateway:
         handed_over = False
         try:
             if not streamed:
-                response, seconds = await self._whole(job, req, headers)
-                self._done(fmt, mode, "200", t0, seconds)
+                response, seconds = await self._whole(job, req, headers, request)
+                self._done(fmt, mode, str(response.status_code), t0, seconds)
                 return response
             response = await self._stream(job, req, headers, mode, t0)
-            handed_over = True  # the body iterator ends the request
+            handed_over = True  # the response's end ends the request
             return response
         except api.APIError as e:
             self.metrics.requests.labels(fmt, mode, str(e.status)).inc()
@@ -154,6 +252,12 @@ class Gateway:
             if not handed_over:
                 self.inflight -= 1
                 self.metrics.inflight.dec()
+
+    def finished(self, fmt: str, mode: str, status: str, t0: float, audio_s: float) -> None:
+        """A stream's end: out of the in-flight count, into the metrics."""
+        self.inflight -= 1
+        self.metrics.inflight.dec()
+        self._done(fmt, mode, status, t0, audio_s)
 
     def _done(self, fmt: str, mode: str, status: str, t0: float, audio_s: float) -> None:
         self.metrics.requests.labels(fmt, mode, status).inc()
@@ -165,9 +269,21 @@ class Gateway:
         self.metrics.errors.labels(e.status).inc()
         return api_error(e, req)
 
-    async def _whole(self, job: Job, req: api.SpeechRequest, headers: Dict[str, str]) -> Tuple[Response, float]:
+    async def _whole(self, job: Job, req: api.SpeechRequest, headers: Dict[str, str],
+                     request: Request) -> Tuple[Response, float]:
+        work = asyncio.ensure_future(asyncio.wait_for(self.synth.synthesize(job), self.settings.timeout_s))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:  # a client that leaves stops its synthesis (and frees the server's slots) instead of paying for it
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(BaseException):
+                await work
+            return Response(status_code=499), 0.0  # nobody reads it (nginx's "client closed request")
         try:
-            audio = await asyncio.wait_for(self.synth.synthesize(job), self.settings.timeout_s)
+            audio = work.result()
         except SynthesisError as e:
             raise self._synthesis_failed(e, req) from None
         except asyncio.TimeoutError:
@@ -181,80 +297,27 @@ class Gateway:
     async def _stream(self, job: Job, req: api.SpeechRequest, headers: Dict[str, str], mode: str,
                       t0: float) -> Response:
         chunks = self.synth.stream(job)
-        try:  # the first chunk (or the error) before any header: a bad voice is still a 400
-            first: Optional[np.ndarray] = await asyncio.wait_for(chunks.__anext__(), self.settings.timeout_s)
-        except StopAsyncIteration:
-            first = None
-        except SynthesisError as e:
-            await chunks.aclose()
-            raise self._synthesis_failed(e, req) from None
-        except asyncio.TimeoutError:
-            await chunks.aclose()
-            raise _timeout(self.settings.timeout_s) from None
-        except BaseException:
-            await chunks.aclose()
-            raise
-        body = self._sse_body if mode == "sse" else self._audio_body
-        media_type = "text/event-stream" if mode == "sse" else CONTENT_TYPES[req.response_format]
-        return StreamingResponse(body(first, chunks, req, mode, t0), media_type=media_type,
-                                 headers={**headers, "Cache-Control": "no-store"})
-
-    async def _encoded(self, first: Optional[np.ndarray], chunks: AsyncIterator[np.ndarray], req: api.SpeechRequest,
-                       mode: str, t0: float) -> AsyncIterator[bytes]:
-        """The encoded stream; ends the request's accounting. An error after the first byte cuts the
-        response (the HTTP client sees it incomplete); `_sse_body` sends it as an event instead."""
         fmt = req.response_format
-        encoder = StreamEncoder(fmt)
-        push = encoder.push if fmt == "pcm" else (lambda a: asyncio.to_thread(encoder.push, a))
-        status, sent = "aborted", False
-        try:
-            pending = [first] if first is not None else []
-            while True:
-                if pending:
-                    chunk = pending.pop()
-                else:
-                    try:
-                        chunk = await chunks.__anext__()
-                    except StopAsyncIteration:
-                        break
-                t = time.perf_counter()
-                data = push(chunk) if fmt == "pcm" else await push(chunk)
-                self.metrics.encode_seconds.labels(fmt).inc(time.perf_counter() - t)
-                if data:
-                    if not sent:
-                        self.metrics.first_byte.labels(fmt).observe(time.perf_counter() - t0)
-                        sent = True
-                    yield data
-            tail = encoder.close() if fmt == "pcm" else await asyncio.to_thread(encoder.close)
-            if tail:
-                yield tail
-            status = "200"
-        except SynthesisError as e:
-            self.metrics.errors.labels(e.status).inc()
-            log.warning("stream failed after its first chunk: %s", e)
+        # the encoder is made (its codec opened) while the first chunk is generated
+        encoder = asyncio.get_running_loop().run_in_executor(None, StreamEncoder, fmt)
+        try:  # the first chunk (or the error) before any header: a bad voice is still a 400
+            try:
+                first: Optional[np.ndarray] = await asyncio.wait_for(chunks.__anext__(), self.settings.timeout_s)
+            except StopAsyncIteration:
+                first = None
+            stream = _Stream(self, req, mode, t0, first, chunks, await encoder)
+        except BaseException as e:
+            await chunks.aclose()
+            with contextlib.suppress(BaseException):
+                (await encoder).abort()
+            if isinstance(e, SynthesisError):
+                raise self._synthesis_failed(e, req) from None
+            if isinstance(e, asyncio.TimeoutError):
+                raise _timeout(self.settings.timeout_s) from None
             raise
-        finally:
-            encoder.abort()
-            with contextlib.suppress(Exception):
-                await chunks.aclose()
-            self.inflight -= 1
-            self.metrics.inflight.dec()
-            self._done(fmt, mode, status, t0, encoder.samples / SAMPLE_RATE)
-
-    async def _audio_body(self, first, chunks, req, mode, t0) -> AsyncIterator[bytes]:
-        async for data in self._encoded(first, chunks, req, mode, t0):
-            yield data
-
-    async def _sse_body(self, first, chunks, req, mode, t0) -> AsyncIterator[bytes]:
-        """OpenAI's speech events: speech.audio.delta (base64 of the next bytes in response_format), then
-        speech.audio.done; an error after the start is an `error` event."""
-        try:
-            async for data in self._encoded(first, chunks, req, mode, t0):
-                event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
-                yield f"data: {json.dumps(event)}\n\n".encode()
-            yield b'data: {"type": "speech.audio.done"}\n\n'
-        except SynthesisError as e:
-            yield f"data: {json.dumps({'type': 'error', **api_error(e, req).body()})}\n\n".encode()
+        media_type = "text/event-stream" if mode == "sse" else CONTENT_TYPES[req.response_format]
+        return _StreamingResponse(stream.sse() if mode == "sse" else stream.audio(), stream.end, media_type=media_type,
+                                  headers={**headers, "Cache-Control": "no-store"})
 
     # --- the rest ----------------------------------------------------------------------------------
     def voices(self) -> List[Dict[str, object]]:

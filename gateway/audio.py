@@ -107,6 +107,10 @@ class StreamEncoder:
         if fmt != "pcm":
             self._sink = _Sink()
             self._out, self._stream = _open(fmt, self._sink, streaming=True)
+            # the codec opened and the header written now (up to a few ms: make the encoder before the first
+            # chunk arrives); the header goes out with the first audio
+            self._stream.codec_context.open()
+            self._out.start_encoding()
 
     def push(self, audio: np.ndarray) -> bytes:
         self.samples += audio.size

@@ -170,8 +170,11 @@ class FakeSynth:
     def __init__(self):
         self.error: Optional[SynthesisError] = None
         self.delay_s = 0.0
+        self.chunk_delay_s = 0.0
         self.jobs: List[Job] = []
         self.is_ready = True
+        self.cancelled = 0  # syntheses stopped before their end
+        self.closed = 0  # streams ended, however
         self.pause = np.zeros(4800, np.float32)
 
     async def ready(self):
@@ -179,18 +182,26 @@ class FakeSynth:
 
     async def synthesize(self, job):
         self.jobs.append(job)
-        await asyncio.sleep(self.delay_s)
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
         if self.error:
             raise self.error
         return tone(0.5 * len(job.pieces))
 
     async def stream(self, job):
         self.jobs.append(job)
-        await asyncio.sleep(self.delay_s)
-        if self.error:
-            raise self.error
-        for _ in job.pieces:
-            yield tone(0.5)
+        try:
+            await asyncio.sleep(self.delay_s)
+            if self.error:
+                raise self.error
+            for _ in job.pieces:
+                yield tone(0.5)
+                await asyncio.sleep(self.chunk_delay_s)
+        finally:
+            self.closed += 1
 
     async def close(self):
         pass
@@ -343,3 +354,36 @@ def test_make_gateway_runs_the_gateway_against_the_given_server():
                          cwd=root, capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if "-m gateway" in x)
     assert line.split("-m gateway", 1)[1].split() == ["--grpc-url", "10.0.0.5:9001", "--host", "127.0.0.1", "--port", "9090"]
+
+
+def _leave_early(port: int, body: dict, read: int) -> None:
+    """Send a request, read `read` bytes of the answer (0: none), then close the connection."""
+    import socket
+
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        got = b""
+        while len(got) < read:
+            got += sock.recv(65536)
+
+
+def _eventually(check, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "not in time"
+        time.sleep(0.02)
+
+
+def test_a_client_that_leaves_stops_its_synthesis_and_its_stream():
+    with Served(Settings(stream_default=False)) as s:
+        gw = s.app.state.gateway
+        s.synth.delay_s = 5.0
+        _leave_early(s.port, OK, 0)  # gone before the audio exists
+        _eventually(lambda: s.synth.cancelled == 1 and gw.inflight == 0)
+        s.synth.delay_s, s.synth.chunk_delay_s = 0.0, 5.0
+        _leave_early(s.port, {**OK, "input": "One. Two. Three.", "stream": True, "response_format": "pcm"}, 1)
+        _eventually(lambda: s.synth.closed == 1 and gw.inflight == 0)  # gone mid-stream
+        metrics = s.request("/metrics")[2].decode()
+        assert 'status="499"} 1.0' in metrics and 'mode="stream",status="aborted"} 1.0' in metrics

@@ -187,17 +187,18 @@ def first_byte_s(gateway: str, body: dict) -> float:
 
 @pytest.mark.parametrize("fmt", ["pcm", "mp3"])
 def test_first_audio_byte_within_10_ms_of_the_first_chunk(gateway, grpc, fmt):
-    """Concurrency 1, interleaved with the same call straight to chattts_stream (medians of 9)."""
+    """Concurrency 1, each request through the gateway right after the same call straight to chattts_stream:
+    the pairs' median difference (pairs cancel the load other processes put on the machine)."""
     body = {"model": "chattts", "input": "Hello world.", "voice": "alloy", "response_format": fmt, "seed": 1, **FIXED}
-    direct, through = [], []
-    for _ in range(9):
+    later = []
+    for _ in range(11):
         t0 = time.perf_counter()
         chunks = grpc.stream("Hello world.", voice="alloy", seed=1, prompt="[speed_5]", **FIXED)
         next(chunks)
-        direct.append(time.perf_counter() - t0)
+        direct = time.perf_counter() - t0
         list(chunks)
-        through.append(first_byte_s(gateway, body))
-    assert statistics.median(through) <= statistics.median(direct) + 0.010, (direct, through)
+        later.append(first_byte_s(gateway, body) - direct)
+    assert statistics.median(later) <= 0.010, later
 
 
 def test_health_voices_models_and_metrics(gateway, oai, served_tiny):
