@@ -58,13 +58,14 @@ class Gateway:
         import subprocess
         import urllib.request
 
-        from chattts_triton.tritonserver import free_port
+        from chattts_triton.tritonserver import _set_parent_death_signal, free_port
 
         self.port = free_port()
         cmd = [sys.executable, "-m", "gateway", "--grpc-url", grpc_url, "--port", str(self.port), "--log-level", "warning",
                *(["--repo", str(repo)] if repo else []), *args]
         self.out = open(log_file, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT)
+        # SIGTERM when this process dies, as the server gets: no gateway left behind by an interrupted bench
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, preexec_fn=_set_parent_death_signal)
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -95,7 +96,9 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
     options = {"voice": "alloy", "prompt": "[speed_5]", "seed": 1, **fixed}
     body = {"model": "chattts", "input": TEXT, "voice": "alloy", "seed": 1, "stream": False, "response_format": "wav",
             **fixed}
-    direct = AsyncChatTTSClient(grpc_url, retries=0, max_concurrency=1 << 20)
+    # the same client the gateway holds, with as many connections (one gRPC connection carried about half the
+    # requests two did at concurrency 256 on the 2-core CPU)
+    direct = AsyncChatTTSClient(grpc_url, retries=0, max_concurrency=1 << 20, channels=a.channels)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     http = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))
     speech = gateway.url + "/v1/audio/speech"
@@ -175,11 +178,11 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
                     except Exception:  # noqa: BLE001  counted: an overloaded server answers 503 / UNAVAILABLE
                         errors[0] += 1
 
-            cpu0, t0 = cpu_seconds(gateway.proc.pid), time.perf_counter()
+            cpu0, t0, load0 = cpu_seconds(gateway.proc.pid), time.perf_counter(), os.getloadavg()[0]
             await asyncio.gather(*(loop() for _ in range(a.concurrency)))
             wall, cpu = time.perf_counter() - t0, cpu_seconds(gateway.proc.pid) - cpu0
             return {"requests": done[0], "errors": errors[0], "seconds": wall, "rps": done[0] / wall,
-                    "gateway_cpu_s": cpu}
+                    "gateway_cpu_s": cpu, "loadavg": [load0, os.getloadavg()[0]]}
 
         phases = {"direct": [], "gateway": []}
         for _ in range(a.phases):
@@ -231,7 +234,9 @@ def to_markdown(res: dict) -> str:
         "",
         f"`{res['command']}`; repository `{res['repo']}` ({res['weights']}), {res['tokens']} forced code frames per "
         f"request ({samples_for_codes(res['tokens']) / SAMPLE_RATE:.2f} s of audio), Triton, gateway and load generator "
-        f"on the same {os.cpu_count()} cores.",
+        f"on the same {os.cpu_count()} cores (load average {res['loadavg']['start'][0]:.1f} at the start, "
+        f"{res['loadavg']['end'][0]:.1f} at the end; other processes shared them), {res['channels']} gRPC connections "
+        "for the direct client and for the gateway.",
         "",
         "| | direct gRPC | through the gateway | gateway − direct | target |",
         "|---|---|---|---|---|",
@@ -267,6 +272,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0, help="each throughput phase")
     ap.add_argument("--phases", type=int, default=2, help="direct/gateway phase pairs")
     ap.add_argument("--encode-repeats", type=int, default=5)
+    ap.add_argument("--channels", type=int, default=2, help="gRPC connections of the direct client and of the gateway")
     ap.add_argument("--gateway-arg", action="append", default=[], help="a flag for python -m gateway (repeatable)")
     ap.add_argument("--machine", default=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores")
     a = ap.parse_args(argv)
@@ -280,16 +286,19 @@ def main(argv=None) -> int:
         server = TritonServer(a.repo, log_file=a.out.with_suffix(".tritonserver.log"), startup_timeout_s=600).start()
     try:
         grpc_url = a.grpc_url or server.grpc_url
-        gateway = Gateway(grpc_url, a.repo, a.out.with_suffix(".gateway.log"), a.gateway_arg)
+        gateway = Gateway(grpc_url, a.repo, a.out.with_suffix(".gateway.log"),
+                          ["--channels", str(a.channels), *a.gateway_arg])
+        load0 = os.getloadavg()
         try:
             res = asyncio.run(run(a, grpc_url, gateway))
+            res["loadavg"] = {"start": load0, "end": os.getloadavg()}
         finally:
             gateway.close()
     finally:
         if server is not None:
             server.stop()
     res.update(machine=a.machine, command=" ".join(["python -m bench.gateway", *(argv or sys.argv[1:])]),
-               repo=str(a.repo), tokens=a.tokens, weights=f"hidden {man['arch']['gpt']['hidden']}, {man.get('dtype')}",
+               repo=str(a.repo), tokens=a.tokens, channels=a.channels, weights=f"hidden {man['arch']['gpt']['hidden']}, {man.get('dtype')}",
                deployment=man.get("deployment"))
     a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     a.out.with_suffix(".md").write_text(to_markdown(res))

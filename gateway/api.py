@@ -67,7 +67,7 @@ class SpeechRequest(BaseModel):
     normalize_text: Optional[bool] = None
     use_decoder: Optional[bool] = None
     # --- gateway switches
-    stream: Optional[bool] = None  # audio as it is made (default: the gateway's --stream-default)
+    stream: Optional[bool] = None  # audio as it is made (default: the gateway's --stream-default; flac: whole)
     split: bool = True  # long input in pieces (sentences); false sends it as one piece (≤ 2000 characters)
 
 

@@ -41,6 +41,7 @@ from .synth import Job, SynthesisError, Synthesizer, split_text
 log = logging.getLogger("chattts_gateway")
 STATIC = Path(__file__).with_name("static")
 OWNER = "chattts-triton"
+WHOLE_BY_DEFAULT = ("flac",)  # formats streamed only when a request says `stream: true`
 DRAIN_BYTES = 64 << 20  # an oversized body is read (and dropped) up to this much before the 400
 
 
@@ -222,7 +223,9 @@ class Gateway:
         self.authenticate(request)
         req = api.parse(await self.body(request))
         fmt = req.response_format
-        streamed = req.stream_format == "sse" or (req.stream if req.stream is not None else self.settings.stream_default)
+        # a FLAC stream cannot carry its length (libsndfile's readers refuse it): whole unless asked for
+        default = self.settings.stream_default and fmt not in WHOLE_BY_DEFAULT
+        streamed = req.stream_format == "sse" or (req.stream if req.stream is not None else default)
         mode = "sse" if req.stream_format == "sse" else ("stream" if streamed else "whole")
         if self.inflight >= self.settings.max_concurrency:
             self.metrics.requests.labels(fmt, mode, "429").inc()

@@ -321,6 +321,16 @@ def test_pieces_seeds_headers_health_and_listings():
         assert status == 503 and json.loads(body)["ready"]["chattts"] is False
 
 
+def test_streaming_is_the_default_except_for_flac():
+    with Served(Settings()) as s:
+        for fmt in ("mp3", "flac", "wav"):
+            assert s.request("/v1/audio/speech", {**OK, "response_format": fmt})[0] == 200
+        s.request("/v1/audio/speech", {**OK, "response_format": "flac", "stream": True})
+        metrics = s.request("/metrics")[2].decode()
+        for fmt, mode in (("mp3", "stream"), ("flac", "whole"), ("wav", "stream"), ("flac", "stream")):
+            assert f'chattts_gateway_requests_total{{format="{fmt}",mode="{mode}",status="200"}} 1.0' in metrics
+
+
 @pytest.mark.parametrize("fmt", ["mp3", "pcm"])
 def test_streamed_and_sse_responses(fmt):
     import base64

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from chattts_triton.config import SAMPLE_RATE, samples_for_codes
-from chattts_triton.tritonserver import free_port
+from chattts_triton.tritonserver import _set_parent_death_signal, free_port
 from client import ChatTTSClient
 from gateway.audio import FORMATS, decode, to_int16
 
@@ -43,7 +43,8 @@ def gateway(served_tiny, tmp_path_factory):
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port", str(port),
-                                 "--repo", str(served_tiny.model_repository)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+                                 "--repo", str(served_tiny.model_repository)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=_set_parent_death_signal)  # no gateway outlives an interrupted run
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -101,7 +102,7 @@ def test_speech_create_in_every_format_is_the_audio_of_the_same_grpc_call(oai, g
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_streamed_speech_is_the_stream_of_the_same_grpc_call(oai, grpc, fmt):
     with oai.audio.speech.with_streaming_response.create(model="chattts", voice="nova", input="你好，世界。",
-                                                          response_format=fmt, extra_body={**FIXED, "seed": 3}) as r:
+                                                          response_format=fmt, extra_body={**FIXED, "seed": 3, "stream": True}) as r:
         parts = list(r.iter_bytes())
     expected = np.concatenate(list(grpc.stream("你好，世界。", voice="nova", seed=3, prompt="[speed_5]", **FIXED)))
     check_decoded(fmt, decode(b"".join(parts), fmt), expected, exact_length=False)
