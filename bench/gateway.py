@@ -9,8 +9,8 @@ over gRPC (`client.AsyncChatTTSClient`), on one server.
 2. Concurrency 1, streams: the first chunk of `chattts_stream` over gRPC against the first byte of the gateway's
    streamed pcm and mp3 (target ≤ first chunk + 10 ms).
 3. Concurrency C (default 256), whole wav: closed loops for --seconds, direct and through the gateway in
-   alternating phases (D G D G), requests/s of each (target: the gateway ≥ 95 % of direct), with the gateway
-   process's CPU time per request.
+   alternating phases (D G G D D G …), requests/s of each (target: the gateway ≥ 95 % of direct), with the
+   gateway process's CPU time per request.
 4. Encoding: CPU time per second of audio of each format, whole files and streams (4096-sample chunks), on audio
    the server made.
 
@@ -168,38 +168,47 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
 
         # 3. concurrency C, closed loops, alternating phases
         async def phase(call, seconds: float) -> Dict[str, float]:
-            done, errors, stop = [0], [0], time.monotonic() + seconds
+            """Closed loops for `seconds`; requests/s counted in the steady part (after a third of the phase,
+            up to its end), not in the ramp or in the drain of the requests still in flight at the end."""
+            finished: List[float] = []
+            errors = [0]
+            t0 = time.monotonic()
+            stop, steady = t0 + seconds, t0 + seconds / 3
 
             async def loop():
                 while time.monotonic() < stop:
                     try:
                         await call()
-                        done[0] += 1
+                        finished.append(time.monotonic())
                     except Exception:  # noqa: BLE001  counted: an overloaded server answers 503 / UNAVAILABLE
                         errors[0] += 1
 
-            cpu0, t0, load0 = cpu_seconds(gateway.proc.pid), time.perf_counter(), os.getloadavg()[0]
+            cpu0, load0 = cpu_seconds(gateway.proc.pid), os.getloadavg()[0]
             await asyncio.gather(*(loop() for _ in range(a.concurrency)))
-            wall, cpu = time.perf_counter() - t0, cpu_seconds(gateway.proc.pid) - cpu0
-            return {"requests": done[0], "errors": errors[0], "seconds": wall, "rps": done[0] / wall,
-                    "gateway_cpu_s": cpu, "loadavg": [load0, os.getloadavg()[0]]}
+            cpu = cpu_seconds(gateway.proc.pid) - cpu0
+            counted = sum(steady <= t <= stop for t in finished)
+            return {"requests": len(finished), "errors": errors[0], "steady_requests": counted,
+                    "steady_seconds": stop - steady, "rps": counted / (stop - steady), "gateway_cpu_s": cpu,
+                    "gateway_cpu_ms_per_request": 1e3 * cpu / max(1, len(finished)), "loadavg": [load0, os.getloadavg()[0]]}
 
         phases = {"direct": [], "gateway": []}
-        for _ in range(a.phases):
-            phases["direct"].append(await phase(lambda: direct.infer_one(TEXT, options), a.seconds))
-            log(f"concurrency {a.concurrency}, direct: {phases['direct'][-1]}")
-            phases["gateway"].append(await phase(lambda: via_gateway(body), a.seconds))
-            log(f"concurrency {a.concurrency}, gateway: {phases['gateway'][-1]}")
-        total = {k: {"requests": sum(p["requests"] for p in v), "errors": sum(p["errors"] for p in v),
-                     "seconds": sum(p["seconds"] for p in v)} for k, v in phases.items()}
+        calls = {"direct": lambda: direct.infer_one(TEXT, options), "gateway": lambda: via_gateway(body)}
+        for i in range(a.phases):  # D G G D D G ...: a drift of the machine's speed falls on both alike
+            for name in (("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")):
+                phases[name].append(await phase(calls[name], a.seconds))
+                log(f"concurrency {a.concurrency}, {name}: {phases[name][-1]}")
+        total = {k: {"requests": sum(p["steady_requests"] for p in v), "errors": sum(p["errors"] for p in v),
+                     "seconds": sum(p["steady_seconds"] for p in v)} for k, v in phases.items()}
         for k, v in total.items():
             v["rps"] = v["requests"] / v["seconds"]
         gw_cpu = sum(p["gateway_cpu_s"] for p in phases["gateway"])
+        gw_requests = sum(p["requests"] for p in phases["gateway"])
         result["throughput"] = {"concurrency": a.concurrency, "phases": phases, "direct_rps": total["direct"]["rps"],
                                 "gateway_rps": total["gateway"]["rps"],
                                 "ratio": total["gateway"]["rps"] / total["direct"]["rps"],
                                 "errors": {k: v["errors"] for k, v in total.items()},
-                                "gateway_cpu_ms_per_request": 1e3 * gw_cpu / max(1, total["gateway"]["requests"])}
+                                "phase_ratios": [g["rps"] / d["rps"] for d, g in zip(phases["direct"], phases["gateway"])],
+                                "gateway_cpu_ms_per_request": 1e3 * gw_cpu / max(1, gw_requests)}
         log(f"throughput: {result['throughput']['gateway_rps']:.1f} / {result['throughput']['direct_rps']:.1f} req/s")
 
         # 4. encoding per second of audio, on the server's audio
@@ -234,9 +243,9 @@ def to_markdown(res: dict) -> str:
         "",
         f"`{res['command']}`; repository `{res['repo']}` ({res['weights']}), {res['tokens']} forced code frames per "
         f"request ({samples_for_codes(res['tokens']) / SAMPLE_RATE:.2f} s of audio), Triton, gateway and load generator "
-        f"on the same {os.cpu_count()} cores (load average {res['loadavg']['start'][0]:.1f} at the start, "
-        f"{res['loadavg']['end'][0]:.1f} at the end; other processes shared them), {res['channels']} gRPC connections "
-        "for the direct client and for the gateway.",
+        f"on the same {os.cpu_count()} cores (load average {res['loadavg']['start'][0]:.1f} before the run, "
+        f"{res['loadavg']['end'][0]:.1f} at its end), {res['channels']} gRPC connections for the direct client and "
+        "for the gateway.",
         "",
         "| | direct gRPC | through the gateway | gateway − direct | target |",
         "|---|---|---|---|---|",
@@ -249,7 +258,11 @@ def to_markdown(res: dict) -> str:
                      f"{r['paired_later_p50_ms']:+.1f}) | ≤ 10 ms |")
     lines.append(f"| concurrency {tp['concurrency']}, whole wav | {tp['direct_rps']:.1f} req/s | {tp['gateway_rps']:.1f} "
                  f"req/s | **{100 * tp['ratio']:.1f} %** of direct | ≥ 95 % |")
-    lines += ["", f"Errors at concurrency {tp['concurrency']}: {tp['errors']}. The gateway process used "
+    lines += ["", f"Concurrency {tp['concurrency']}: {len(tp['phase_ratios'])} phase pairs of {res['seconds']:g} s "
+              "(direct and gateway in turn, D G G D …), requests/s counted after the first third of each phase; "
+              f"gateway/direct per pair: {', '.join(f'{100 * r:.0f} %' for r in tp['phase_ratios'])} (mean "
+              f"{100 * statistics.mean(tp['phase_ratios']):.0f} %, sd {100 * statistics.pstdev(tp['phase_ratios']):.0f}). "
+              f"Errors: {tp['errors']}. The gateway process used "
               f"**{tp['gateway_cpu_ms_per_request']:.2f} ms of CPU per request** at that load "
               "(HTTP, JSON, gRPC, wav encoding).", "",
               f"Encoding cost on {enc['audio_seconds']:.1f} s of the server's audio (CPU time per second of audio, "
@@ -270,7 +283,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=40, help="paired requests at concurrency 1")
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--seconds", type=float, default=20.0, help="each throughput phase")
-    ap.add_argument("--phases", type=int, default=2, help="direct/gateway phase pairs")
+    ap.add_argument("--phases", type=int, default=4, help="direct/gateway phase pairs")
     ap.add_argument("--encode-repeats", type=int, default=5)
     ap.add_argument("--channels", type=int, default=2, help="gRPC connections of the direct client and of the gateway")
     ap.add_argument("--gateway-arg", action="append", default=[], help="a flag for python -m gateway (repeatable)")
@@ -298,7 +311,7 @@ def main(argv=None) -> int:
         if server is not None:
             server.stop()
     res.update(machine=a.machine, command=" ".join(["python -m bench.gateway", *(argv or sys.argv[1:])]),
-               repo=str(a.repo), tokens=a.tokens, channels=a.channels, weights=f"hidden {man['arch']['gpt']['hidden']}, {man.get('dtype')}",
+               repo=str(a.repo), tokens=a.tokens, channels=a.channels, seconds=a.seconds, weights=f"hidden {man['arch']['gpt']['hidden']}, {man.get('dtype')}",
                deployment=man.get("deployment"))
     a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     a.out.with_suffix(".md").write_text(to_markdown(res))
