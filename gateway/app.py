@@ -57,7 +57,7 @@ class Settings:
     piece_concurrency: int = 16  # pieces of one request in flight at once
     pause_s: float = 0.2  # silence between the pieces of a long input
     stream_default: bool = True  # `stream` when a request does not say
-    max_body_bytes: int = 1 << 20  # a body of OpenAI's longest input is < 20 KB; larger is refused unread
+    max_body_bytes: int = 1 << 20  # a body of OpenAI's longest input is < 50 KB; a larger one is refused
 
 
 STATUS_OF = {"INVALID_ARGUMENT": 400, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "NOT_FOUND": 503,
@@ -73,6 +73,8 @@ def api_error(err: SynthesisError, req: Optional[api.SpeechRequest] = None) -> a
                             None, "server_unavailable", {"Retry-After": "1"})
     if status == 504:
         return api.APIError(504, f"synthesis timed out ({err.message})", "server_error", None, "timeout")
+    if status == 429:
+        return api.APIError(429, err.message, "rate_limit_error", None, "rate_limit_exceeded", {"Retry-After": "1"})
     return api.APIError(status, f"synthesis failed: {err.message}", "server_error", None, err.status.lower())
 
 
@@ -198,7 +200,7 @@ class Gateway:
             raise api.APIError(401, "you must provide an API key: 'Authorization: Bearer KEY'", "invalid_request_error",
                                None, "missing_api_key", {"WWW-Authenticate": "Bearer"})
         token = token.strip().encode()
-        if not any(hmac.compare_digest(token, k.encode()) for k in keys):  # every key compared: no timing hint
+        if not any([hmac.compare_digest(token, k.encode()) for k in keys]):  # every key compared: no timing hint
             raise api.APIError(401, "incorrect API key provided", "invalid_request_error", None, "invalid_api_key",
                                {"WWW-Authenticate": "Bearer"})
 
