@@ -158,7 +158,10 @@ class Synthesizer:
         raises SynthesisError from the iterator; before the first chunk nothing has been sent."""
         rest = self._start(job, 1)
         try:
-            chunks = self.client.stream(job.pieces[0], split=False, voice_from_first=False, **job.piece_options(0))
+            try:
+                chunks = self.client.stream(job.pieces[0], split=False, voice_from_first=False, **job.piece_options(0))
+            except ChatTTSError as e:  # refused before anything was sent
+                raise synthesis_error(e) from None
             async with contextlib.aclosing(chunks):
                 try:
                     async for chunk in chunks:
