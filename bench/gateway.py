@@ -96,8 +96,8 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
     options = {"voice": "alloy", "prompt": "[speed_5]", "seed": 1, **fixed}
     body = {"model": "chattts", "input": TEXT, "voice": "alloy", "seed": 1, "stream": False, "response_format": "wav",
             **fixed}
-    # the same client the gateway holds, with as many connections (one gRPC connection carried about half the
-    # requests two did at concurrency 256 on the 2-core CPU)
+    # the same client the gateway holds, with as many connections: all of a channel's calls share one HTTP/2
+    # connection, so a comparison with fewer would measure the connection, not the gateway
     direct = AsyncChatTTSClient(grpc_url, retries=0, max_concurrency=1 << 20, channels=a.channels)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     http = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))

@@ -359,7 +359,7 @@ def create_app(settings: Settings, synthesizer: Optional[Synthesizer] = None) ->
     @contextlib.asynccontextmanager
     async def lifespan(app):
         # what was loaded at start (torch, through the splitter, is most of it) leaves the collector's generations:
-        # a full collection of it took 50 ms, a pause of every request in flight
+        # each full collection would walk it all again, a pause of every request in flight
         gc.freeze()
         yield
         await gw.synth.close()

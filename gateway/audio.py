@@ -84,8 +84,8 @@ def _open(fmt: str, file, streaming: bool, samples: int = 0):
     container, codec, bit_rate = FFMPEG[fmt]
     if streaming:
         options = {"flush_packets": "1", **STREAM_OPTIONS.get(container, {})}
-    else:  # FFmpeg's Ogg muxer writes a granule without the pre-skip when one page holds the whole stream (a file
-        # of 0.4 s decoded 156 samples long, by FFmpeg and libsndfile alike): short files get short pages
+    else:  # FFmpeg's Ogg muxer writes a granule without the pre-skip when one page holds the whole stream (such a
+        # file decodes a pre-skip too long, by FFmpeg and libsndfile alike): short files get short pages
         options = STREAM_OPTIONS.get(container, {}) if samples < 2 * SAMPLE_RATE else {}
     out = av.open(file, "w", format=container, options=options)
     stream = out.add_stream(codec, rate=SAMPLE_RATE, layout="mono")
