@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=d.max_concurrency, help="speech requests in flight before 429")
     p.add_argument("--piece-concurrency", type=int, default=d.piece_concurrency,
                    help="pieces (sentences) of one long input synthesised at once")
-    p.add_argument("--pause-ms", type=int, default=int(d.pause_s * 1000), help="silence between the pieces of a long input")
+    p.add_argument("--pause-ms", type=int, default=d.pause_ms, help="silence between the pieces of a long input")
     p.add_argument("--stream-default", action=argparse.BooleanOptionalAction, default=d.stream_default,
                    help="stream audio when a request does not say (its 'stream' field)")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         p.error(f"--repo {a.repo}: no manifest.json, not an exported model repository")
     settings = Settings(grpc_url=a.grpc_url, repo=a.repo, api_keys=tuple(keys), timeout_s=a.timeout,
                         channels=a.channels, max_concurrency=a.max_concurrency, piece_concurrency=a.piece_concurrency,
-                        pause_s=a.pause_ms / 1000, stream_default=a.stream_default)
+                        pause_ms=a.pause_ms, stream_default=a.stream_default)
 
     import uvicorn
 

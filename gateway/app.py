@@ -55,7 +55,7 @@ class Settings:
     channels: int = 2  # gRPC connections to Triton
     max_concurrency: int = 1024  # speech requests in flight before 429
     piece_concurrency: int = 16  # pieces of one request in flight at once
-    pause_s: float = 0.2  # silence between the pieces of a long input
+    pause_ms: int = 200  # silence between the pieces of a long input
     stream_default: bool = True  # `stream` when a request does not say
     max_body_bytes: int = 1 << 20  # a body of OpenAI's longest input is < 50 KB; a larger one is refused
 
@@ -184,7 +184,7 @@ class Gateway:
     def __init__(self, settings: Settings, synthesizer: Optional[Synthesizer] = None):
         self.settings = settings
         self.synth = synthesizer or Synthesizer(settings.grpc_url, settings.timeout_s, settings.channels,
-                                                settings.piece_concurrency, settings.pause_s)
+                                                settings.piece_concurrency, settings.pause_ms)
         self.metrics = Metrics()
         self.inflight = 0
         self.playground = (STATIC / "index.html").read_text(encoding="utf-8")

@@ -97,11 +97,11 @@ class Synthesizer:
     overloaded server's UNAVAILABLE goes back to the HTTP client, whose library retries it)."""
 
     def __init__(self, url: str, timeout_s: float = 300.0, channels: int = 2, piece_concurrency: int = 16,
-                 pause_s: float = 0.2, model: str = MODEL, stream_model: str = STREAM_MODEL):
+                 pause_ms: int = 200, model: str = MODEL, stream_model: str = STREAM_MODEL):
         self.url, self.timeout_s, self.channels = url, float(timeout_s), int(channels)
         self.model, self.stream_model = model, stream_model
         self.piece_concurrency = int(piece_concurrency)
-        self.pause = np.zeros(int(round(pause_s * SAMPLE_RATE)), np.float32)
+        self.pause = np.zeros(int(round(pause_ms * SAMPLE_RATE / 1000)), np.float32)
         self._client: Optional[AsyncChatTTSClient] = None
 
     @property

@@ -397,3 +397,23 @@ def test_a_client_that_leaves_stops_its_synthesis_and_its_stream():
         _eventually(lambda: s.synth.closed == 1 and gw.inflight == 0)  # gone mid-stream
         metrics = s.request("/metrics")[2].decode()
         assert 'status="499"} 1.0' in metrics and 'mode="stream",status="aborted"} 1.0' in metrics
+
+
+def test_command_line_binds_loopback_unless_told_and_guards_a_public_host(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gateway.__main__ import api_keys, build_parser, is_loopback
+
+    a = build_parser().parse_args([])
+    assert a.host == "127.0.0.1" and is_loopback(a.host) and is_loopback("::1") and not is_loopback("0.0.0.0")
+    keys = tmp_path / "keys"
+    keys.write_text("k2\n\nk3\n")
+    monkeypatch.setenv("CHATTTS_GATEWAY_API_KEYS", "k4, k5")
+    assert api_keys(build_parser().parse_args(["--api-key", "k1", "--api-key-file", str(keys)])) == ["k1", "k2", "k3", "k4", "k5"]
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CHATTTS_GATEWAY_API_KEYS"}
+    run = subprocess.run([sys.executable, "-m", "gateway", "--host", "0.0.0.0", "--require-api-key"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--require-api-key" in run.stderr and "CHATTTS_GATEWAY_API_KEYS" in run.stderr
