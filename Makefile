@@ -13,6 +13,9 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 HOST ?=
+GRPC_URL ?= 127.0.0.1:$(GRPC_PORT)
+GATEWAY_HOST ?= 127.0.0.1
+GATEWAY_PORT ?= 8080
 GPUS ?=
 INSTANCES ?= 1
 PROTOCOL ?= grpc
@@ -39,7 +42,7 @@ SYNTHETIC :=
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast assets export configure serve demo loadtest sweep perf soak bundle clean
+.PHONY: help setup test test-fast assets export configure serve gateway demo loadtest sweep perf soak bundle clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -74,7 +77,10 @@ configure: setup ## set instance groups of REPO: GPUS=0,1 INSTANCES=2 (empty GPU
 serve: setup ## run Triton on REPO in the foreground, bound to 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)
 	$(PY) -m chattts_triton.serve --repo $(REPO) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --log-file $(BUILD)/tritonserver.log
 
-demo: export ## set up, export (ASSETS=DIR or synthetic noise), serve, synthesise build/demo.wav over gRPC, stream it, stop
+gateway: setup ## OpenAI-compatible speech gateway in the foreground against a running server: GRPC_URL= GATEWAY_HOST= GATEWAY_PORT= (REPO's voices)
+	$(PY) -m gateway --grpc-url $(GRPC_URL) --host $(GATEWAY_HOST) --port $(GATEWAY_PORT) $(if $(wildcard $(REPO)/manifest.json),--repo $(REPO))
+
+demo: export ## set up, export (ASSETS=DIR or synthetic noise), serve, synthesise build/demo.wav over gRPC, stream it, build/demo.mp3 through the speech gateway, stop
 	$(PY) -m client.demo --repo $(REPO) --out $(BUILD)/demo.wav $(SYNTHETIC)
 
 loadtest: setup ## Locust (headless) against a running server: HOST= PROTOCOL=grpc|http USERS= SPAWN_RATE= DURATION= -> build/loadtest

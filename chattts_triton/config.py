@@ -222,6 +222,7 @@ ENSEMBLE_INPUTS = {
     "SPEAKER_AUDIO": ("TYPE_FP32", [-1], False),  # 24 kHz mono reference audio (spk_smp)
     "SPEAKER_TEXT": ("TYPE_STRING", [1], False),  # transcript of the reference speaker (txt_smp)
     "SPEAKER_SAMPLE": ("TYPE_STRING", [1], False),  # spk_smp string, as Chat.sample_audio_speaker returns
+    "VOICE": ("TYPE_STRING", [1], False),  # a voice of the repository's registry (voices.py) or a seed number
 }
 ENSEMBLE_OUTPUTS = {
     "AUDIO": ("TYPE_FP32", [-1]),
@@ -229,6 +230,12 @@ ENSEMBLE_OUTPUTS = {
     # its first response
     "SPOKEN_TEXT": ("TYPE_STRING", [1]),
 }
+
+# Voices every new repository holds (export writes them into its voices.json): OpenAI's voice names, so a
+# client of the speech API can say voice="alloy", each the speaker `torch.manual_seed(seed);
+# Chat.sample_random_speaker()` gives. The seeds are speakers ChatTTS users share by number; what each sounds
+# like depends on the weights (not heard here: no real weights), so listen and re-map with the voices CLI.
+BUILTIN_VOICE_SEEDS = {"alloy": 2222, "echo": 6653, "fable": 4099, "onyx": 7869, "nova": 5099, "shimmer": 1111}
 
 # Defaults of the optional contract inputs that are not sampling parameters.
 REFINE_TEXT_DEFAULT = False  # upstream refines by default; a TTS service should not rewrite text unasked

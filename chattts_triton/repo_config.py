@@ -28,12 +28,13 @@ VOCODER = "chattts_vocoder"
 STREAM = "chattts_stream"  # decoupled: the ensemble's inputs, audio in chunks
 MODELS = (PREPROCESS, GPT, VOCODER)  # the ensemble's steps (they hold the artifacts)
 MANIFEST = "manifest.json"
+VOICES = "voices.json"  # the voice registry (voices.py), shared by every model and replica that reads the repository
 
 # Contract inputs each composing model takes from the ensemble.
 PREPROCESS_FROM_ENSEMBLE = (
     "TEXT", "SPEAKER", "SEED", "PROMPT", "REFINE_TEXT", "REFINE_PROMPT", "REFINE_TEMPERATURE", "REFINE_TOP_P",
     "REFINE_TOP_K", "REFINE_REPETITION_PENALTY", "REFINE_MAX_NEW_TOKENS", "NORMALIZE_TEXT", "SPEAKER_AUDIO",
-    "SPEAKER_TEXT", "SPEAKER_SAMPLE",
+    "SPEAKER_TEXT", "SPEAKER_SAMPLE", "VOICE",
 )
 GPT_FROM_ENSEMBLE = (
     "SEED", "TEMPERATURE", "TOP_P", "TOP_K", "REPETITION_PENALTY", "MAX_NEW_TOKENS", "MIN_NEW_TOKENS", "USE_DECODER",

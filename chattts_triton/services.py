@@ -49,6 +49,7 @@ from .graphs import GraphCache, bucket, to_host
 from .gpt import eager_from_script
 from .serve import DRAIN_FILE_ENV
 from .text import InputError
+from .voices import Voice, VoiceRegistry
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +259,23 @@ def device_for(kind: str, device_id: int) -> torch.device:
 
 
 # --- preprocess --------------------------------------------------------------------------------
+def check_reference_audio(wav: np.ndarray) -> None:
+    """SPEAKER_AUDIO's bounds: 24 kHz mono, 2048 samples to the reference-audio limit, finite."""
+    max_n = int(LIMITS.max_reference_audio_seconds * SAMPLE_RATE)
+    if wav.size > max_n:
+        raise InputError(f"SPEAKER_AUDIO is longer than {LIMITS.max_reference_audio_seconds:g} s at {SAMPLE_RATE} Hz")
+    if wav.size < 2048:
+        raise InputError("SPEAKER_AUDIO is too short (at least 2048 samples of 24 kHz audio)")
+    if not np.isfinite(wav).all():
+        raise InputError("SPEAKER_AUDIO holds NaN or Inf")
+
+
+def reference_codes(encoder: "Artifact", wav: np.ndarray) -> np.ndarray:
+    """upstream `sample_audio_speaker`'s codes [4, T] of checked reference audio, by the DVAE encoder."""
+    codes = encoder(torch.from_numpy(np.ascontiguousarray(wav, dtype=np.float32)).view(1, -1))  # [1, T, 4]
+    return codes[0].T.cpu().numpy().astype(np.int64)
+
+
 class PreprocessService:
     """TEXT and speaker inputs → GPT prompt tensors. Refine-text runs on the GPT model (`refine`)."""
 
@@ -282,6 +300,8 @@ class PreprocessService:
         # CUDA with the JIT fuser on (seen on an H200, torch 2.11), and it is not on the hot path.
         self.encoder_path = (Path(version_dir) / "dvae_encode", artifact_format, torch.device("cpu"))
         self._encoder: Optional[Artifact] = None
+        # named voices: REPO/voices.json beside the model folders (version_dir is REPO/MODEL/1)
+        self.voices = VoiceRegistry(Path(version_dir).parent.parent, arch.gpt.hidden)
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="chattts-pre")
         # Triton 2.51 fails in-flight ensemble requests at their next step once it got SIGTERM, so
         # the launcher drains first: it creates this file, waits for idle, then signals Triton
@@ -316,26 +336,43 @@ class PreprocessService:
             self._encoder = Artifact(*self.encoder_path)
         return self._encoder
 
-    def reference_codes(self, inputs) -> Optional[np.ndarray]:
-        """spk_smp codes [4, T] from SPEAKER_SAMPLE or SPEAKER_AUDIO (both: an error)."""
+    def reference_codes(self, inputs, voice: Optional[Voice] = None) -> Optional[np.ndarray]:
+        """spk_smp codes [4, T] from SPEAKER_SAMPLE, SPEAKER_AUDIO or the voice (more than one: an error)."""
         sample = get_str(inputs, "SPEAKER_SAMPLE")
         audio = inputs.get("SPEAKER_AUDIO")
         if sample is not None and audio is not None:
             raise InputError("give SPEAKER_SAMPLE or SPEAKER_AUDIO, not both")
+        if voice is not None and voice.sample is not None:
+            if sample is not None or audio is not None:
+                raise InputError(f"VOICE {voice.name!r} holds a reference sample: give VOICE or "
+                                 f"{'SPEAKER_SAMPLE' if sample is not None else 'SPEAKER_AUDIO'}, not both")
+            return named("VOICE", spk.decode_prompt, voice.sample)
         if sample is not None:
             return named("SPEAKER_SAMPLE", spk.decode_prompt, sample)
         if audio is None:
             return None
         wav = np.asarray(audio, dtype=np.float32).reshape(-1)
-        max_n = int(LIMITS.max_reference_audio_seconds * SAMPLE_RATE)
-        if wav.size > max_n:
-            raise InputError(f"SPEAKER_AUDIO is longer than {LIMITS.max_reference_audio_seconds:g} s at {SAMPLE_RATE} Hz")
-        if wav.size < 2048:
-            raise InputError("SPEAKER_AUDIO is too short (at least 2048 samples of 24 kHz audio)")
-        if not np.isfinite(wav).all():
-            raise InputError("SPEAKER_AUDIO holds NaN or Inf")
-        codes = self.encoder()(torch.from_numpy(wav).view(1, -1))  # [1, T, 4]
-        return codes[0].T.cpu().numpy().astype(np.int64)
+        check_reference_audio(wav)
+        return reference_codes(self.encoder(), wav)
+
+    def voice_inputs(self, inputs) -> Tuple[Optional[Voice], Optional[str], Optional[str]]:
+        """(voice, speaker string, reference transcript): VOICE resolved in the repository's registry; an
+        explicit SPEAKER / SPEAKER_TEXT for what the voice also holds is an error naming both."""
+        speaker = get_str(inputs, "SPEAKER")
+        txt_smp = get_str(inputs, "SPEAKER_TEXT")
+        name = get_str(inputs, "VOICE")
+        if name is None:
+            return None, speaker, txt_smp
+        voice = self.voices.resolve(name)
+        if voice.speaker is not None:
+            if speaker is not None:
+                raise InputError(f"VOICE {name!r} holds a speaker: give VOICE or SPEAKER, not both")
+            speaker = voice.speaker
+        if voice.text is not None:
+            if txt_smp is not None:
+                raise InputError(f"VOICE {name!r} holds a reference transcript: give VOICE or SPEAKER_TEXT, not both")
+            txt_smp = voice.text
+        return voice, speaker, txt_smp
 
     def prepare(self, inputs) -> Outputs:
         text = txt.validate_text(get_str(inputs, "TEXT"))
@@ -344,16 +381,15 @@ class PreprocessService:
         txt.validate_prompt(get_str(inputs, "REFINE_PROMPT", RefineTextParams.prompt), what="REFINE_PROMPT")
         if get_bool(inputs, "NORMALIZE_TEXT", NORMALIZE_TEXT_DEFAULT):
             text = self.normalize(text)
+        voice, speaker, txt_smp = self.voice_inputs(inputs)  # an unknown voice fails before any refine
         if get_bool(inputs, "REFINE_TEXT", REFINE_TEXT_DEFAULT):
             text = self.refine_text(text, inputs)
-        speaker = get_str(inputs, "SPEAKER")
         emb = named("SPEAKER", spk.speaker_embedding, speaker, self.arch.gpt.hidden) if speaker else None
-        txt_smp = get_str(inputs, "SPEAKER_TEXT")
         if txt_smp is not None:
             txt_smp = txt.validate_text(txt_smp, what="SPEAKER_TEXT")
         cp = txt.build_code_prompt(
             self.tokenizer, text, prompt, spk_emb=emb is not None, txt_smp=txt_smp,
-            spk_smp_codes=self.reference_codes(inputs), max_tokens=LIMITS.max_prompt_tokens,
+            spk_smp_codes=self.reference_codes(inputs, voice), max_tokens=LIMITS.max_prompt_tokens,
         )
         return {
             "TEXT_IDS": cp.text_ids.reshape(1, -1),

@@ -128,12 +128,14 @@ class _RetryPolicy:
 
 
 def _voice_reference_needed(sentences: Sequence[str], options: Mapping[str, Any], voice_from_first: bool) -> bool:
-    # upstream's condition is `spk_smp is None`; SPEAKER_AUDIO and SPEAKER_SAMPLE both provide it
+    # upstream's condition is `spk_smp is None`; SPEAKER_AUDIO and SPEAKER_SAMPLE both provide it. A named
+    # VOICE is the same speaker for every sentence already (and may hold a reference sample itself)
     return (
         voice_from_first
         and len(sentences) > 1
         and options.get("speaker_audio") is None
         and options.get("speaker_sample") is None
+        and options.get("voice") is None
     )
 
 
@@ -616,12 +618,26 @@ class _HttpTransport:
 
 
 class _AioGrpcTransport:
-    def __init__(self, url: str, model: str, timeout_s: float, max_concurrency: int):
+    """`channels` > 1: that many gRPC channels, each on its own connection (a local subchannel pool), calls
+    spread over them in turn: one HTTP/2 connection carries every call of a channel."""
+
+    def __init__(self, url: str, model: str, timeout_s: float, max_concurrency: int, channels: int = 1):
         import tritonclient.grpc.aio as aio
         import tritonclient.grpc as module
 
         self._module, self._model, self._timeout_s = module, model, timeout_s
-        self._client = aio.InferenceServerClient(url)
+        if channels == 1:
+            self._clients = [aio.InferenceServerClient(url)]
+        else:
+            args = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", 2**31 - 1),
+                    ("grpc.max_receive_message_length", 2**31 - 1)]
+            self._clients = [aio.InferenceServerClient(url, channel_args=args) for _ in range(channels)]
+        self._turn = 0
+
+    @property
+    def _client(self):
+        self._turn = (self._turn + 1) % len(self._clients)
+        return self._clients[self._turn]
 
     async def infer(self, arrays: Mapping[str, np.ndarray], spoken_text: bool = False):
         result = await self._client.infer(
@@ -632,10 +648,10 @@ class _AioGrpcTransport:
         )
         return _infer_result(result, spoken_text)
 
-    async def is_ready(self) -> bool:
+    async def is_ready(self, model: Optional[str] = None) -> bool:
         t = min(self._timeout_s, CONNECT_TIMEOUT_S)
         return await self._client.is_server_ready(client_timeout=t) and await self._client.is_model_ready(
-            self._model, client_timeout=t
+            model or self._model, client_timeout=t
         )
 
     async def statistics(self, model: str) -> dict:
@@ -645,7 +661,8 @@ class _AioGrpcTransport:
         return _AioGrpcStreamSession(self._client, self._module, model, chunk_timeout_s, spoken_text)
 
     async def close(self) -> None:
-        await self._client.close()
+        for client in self._clients:
+            await client.close()
 
 
 class _AioHttpTransport:
@@ -882,6 +899,7 @@ class ChatTTSClient(_ClientBase):
         speaker_audio: Optional[np.ndarray] = None,
         speaker_text: Optional[str] = None,
         speaker_sample: Optional[str] = None,
+        voice: Optional[str] = None,
         split: bool = True,
         voice_from_first: bool = True,
         on_spoken_text: Optional[OnSpokenText] = None,
@@ -952,6 +970,7 @@ class ChatTTSClient(_ClientBase):
         speaker_audio: Optional[np.ndarray] = None,
         speaker_text: Optional[str] = None,
         speaker_sample: Optional[str] = None,
+        voice: Optional[str] = None,
         split: bool = True,
         voice_from_first: bool = True,
         chunk_timeout_s: Optional[float] = None,
@@ -1033,18 +1052,27 @@ class AsyncChatTTSClient(_ClientBase):
         stream_model: str = STREAM_MODEL,
         transport: Any = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        channels: int = 1,
     ):
+        """`channels` (gRPC): calls go over that many connections in turn (a pool for a server of many
+        concurrent calls, such as the speech gateway)."""
         super().__init__(
             url, protocol, model, timeout_s, retries, backoff_s, max_backoff_s, max_concurrency, stream_model
         )
+        if channels < 1:
+            raise ValueError(f"channels must be >= 1, got {channels!r}")
         self._transport = transport  # created on first use: aio channels/sessions belong to a running loop
         self._sleep = sleep
         self._semaphore: Optional[asyncio.Semaphore] = None
+        self._channels = int(channels)
 
     def _get_transport(self):
         if self._transport is None:
-            cls = _AioGrpcTransport if self.protocol == "grpc" else _AioHttpTransport
-            self._transport = cls(self.url, self.model, self.timeout_s, self.max_concurrency)
+            if self.protocol == "grpc":
+                self._transport = _AioGrpcTransport(self.url, self.model, self.timeout_s, self.max_concurrency,
+                                                    self._channels)
+            else:
+                self._transport = _AioHttpTransport(self.url, self.model, self.timeout_s, self.max_concurrency)
         return self._transport
 
     async def close(self) -> None:
@@ -1058,9 +1086,11 @@ class AsyncChatTTSClient(_ClientBase):
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def is_ready(self) -> bool:
+    async def is_ready(self, model: Optional[str] = None) -> bool:
+        """The server and `model` (default: this client's; gRPC only for another) are ready."""
         try:
-            return bool(await self._get_transport().is_ready())
+            transport = self._get_transport()
+            return bool(await (transport.is_ready(model) if model else transport.is_ready()))
         except Exception:
             return False
 
@@ -1140,6 +1170,7 @@ class AsyncChatTTSClient(_ClientBase):
         speaker_audio: Optional[np.ndarray] = None,
         speaker_text: Optional[str] = None,
         speaker_sample: Optional[str] = None,
+        voice: Optional[str] = None,
         split: bool = True,
         voice_from_first: bool = True,
         on_spoken_text: Optional[OnSpokenText] = None,
@@ -1195,6 +1226,7 @@ class AsyncChatTTSClient(_ClientBase):
         speaker_audio: Optional[np.ndarray] = None,
         speaker_text: Optional[str] = None,
         speaker_sample: Optional[str] = None,
+        voice: Optional[str] = None,
         split: bool = True,
         voice_from_first: bool = True,
         chunk_timeout_s: Optional[float] = None,

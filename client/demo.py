@@ -1,6 +1,7 @@
-"""`make demo`: start Triton on an exported repository, synthesise one sentence over gRPC, stream it, stop.
+"""`make demo`: start Triton on an exported repository, synthesise one sentence over gRPC, stream it, then the
+same through the OpenAI-compatible speech gateway with OpenAI's own client (build/demo.mp3), stop.
 
-    python -m client.demo --repo build/repo --out build/demo.wav [--text "..."] [--synthetic]
+    python -m client.demo --repo build/repo --out build/demo.wav [--text "..."] [--synthetic] [--no-gateway]
 """
 
 from __future__ import annotations
@@ -37,6 +38,52 @@ def compare_stream(streamed, audio, exact_from: int):
                   f"{exact_from} samples (early first chunk and fade: {snr})")
 
 
+def speech_through_gateway(grpc_url: str, a, options: dict, say) -> bool:
+    """`python -m gateway` in front of the server, called as OpenAI's speech API by the `openai` package."""
+    import subprocess
+    import urllib.request
+
+    import av
+    import openai
+
+    from chattts_triton.tritonserver import free_port
+
+    port = free_port()
+    log = a.out.with_suffix(".gateway.log")
+    with open(log, "wb") as out:
+        gateway = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", grpc_url, "--port", str(port),
+                                    "--repo", str(a.repo)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5):
+                    break
+            except OSError:
+                if gateway.poll() is not None or time.monotonic() > deadline:
+                    say(f"[demo] the speech gateway did not start (log: {log})")
+                    return False
+                time.sleep(0.3)
+        say(f"[demo] speech gateway on {url} (playground: {url}/, log: {log})")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        extra = {k: v for k, v in options.items() if k != "seed"}  # the synthetic cap, if any
+        t0 = time.perf_counter()
+        speech = client.audio.speech.create(model="chattts", voice="alloy", input=a.text, response_format="mp3",
+                                            extra_body={"seed": a.seed, **extra})
+        took = time.perf_counter() - t0
+        mp3 = a.out.with_suffix(".mp3")
+        mp3.write_bytes(speech.content)
+        with av.open(str(mp3)) as f:  # FFmpeg reads it back: playable audio
+            seconds = sum(frame.samples for frame in f.decode(audio=0)) / f.streams.audio[0].rate
+        say(f"[demo] openai.OpenAI(base_url='{url}/v1').audio.speech.create(model='chattts', voice='alloy', "
+            f"response_format='mp3') → {mp3}: {seconds:.2f} s of MP3 in {took:.2f} s")
+        return seconds > 0
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m client.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--repo", type=Path, required=True)
@@ -44,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--text", default=DEFAULT_TEXT)
     ap.add_argument("--seed", type=int, default=2024)
     ap.add_argument("--synthetic", action="store_true", help="the repository holds random weights: warn, cap the length")
+    ap.add_argument("--no-gateway", dest="gateway", action="store_false", help="skip the speech gateway's part")
     a = ap.parse_args(argv)
 
     import numpy as np
@@ -89,6 +137,8 @@ def main(argv=None) -> int:
                 say(f"[demo] the stream is {message}")
                 if not same:
                     return 1
+        if a.gateway and not speech_through_gateway(server.grpc_url, a, options, say):
+            return 1
     if a.synthetic:
         say(WARNING)
     return 0

@@ -10,6 +10,7 @@ Writes, into a folder beside REPO that is renamed over REPO only when complete:
   chattts_gpt/1/           model.py, gpt.pt (TorchScript, paged KV cache)
   chattts_vocoder/1/       model.py, decoder/dvae_decode/vocos.{pt,onnx}
   manifest.json            sha256 of every source file, architecture, dtype, versions, deployment
+  voices.json              named voices (chattts_triton.voices): the built-in ones
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from chattts_triton import repo_config as rc
 from chattts_triton.assets import AssetError, check_folder, infer_arch, sha256_files
 from chattts_triton.config import CPU_ONLY_PRECISIONS
 from chattts_triton.services import DTYPES
+from chattts_triton.voices import carried_over, write_voices
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "model_repository"
@@ -144,6 +146,11 @@ def export_repository(
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (tmp / rc.MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False), encoding="utf-8")
+        # voice="alloy" etc. (chattts_triton.voices); a re-export keeps the voices added to the repository it replaces
+        voices, notes = carried_over(out / rc.VOICES, arch.gpt.hidden)
+        for note in notes:
+            progress(f"[export] {note}")
+        write_voices(tmp / rc.VOICES, voices)
         rc.write_configs(tmp, arch, dep)
         os.chmod(tmp, 0o755)
         _swap_into_place(tmp, out)

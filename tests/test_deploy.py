@@ -54,6 +54,7 @@ FIXED_IN = {
 }
 NGC_TRITON = re.compile(r"^nvcr\.io/nvidia/tritonserver:(\d{2})\.(\d{2})-py3$")
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+SPEECH_PORT = 8080  # the speech gateway (python3 -m gateway)
 LAUNCHER = ["python3", "-m", "chattts_triton.serve"]
 NGC_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
 
@@ -110,8 +111,9 @@ def dockerfile_problems(text: str) -> List[str]:
     if not checks or "/v2/health/ready" not in checks[-1] or ":8000/" not in checks[-1]:
         problems.append("HEALTHCHECK does not probe http://127.0.0.1:8000/v2/health/ready")
     exposed = {int(x.split("/")[0]) for i in final_stage if i["instruction"] == "EXPOSE" for x in i["value"].split()}
-    if not set(PORTS.values()) <= exposed:
-        problems.append(f"EXPOSE {sorted(exposed)} lacks {sorted(set(PORTS.values()) - exposed)}")
+    wanted = set(PORTS.values()) | {SPEECH_PORT}
+    if not wanted <= exposed:
+        problems.append(f"EXPOSE {sorted(exposed)} lacks {sorted(wanted - exposed)}")
     cmds = [i["value"] for i in final_stage if i["instruction"] == "CMD"]
     cmd = _exec_form(cmds[-1]) if cmds else None
     if not cmd or cmd[:3] != LAUNCHER:
@@ -132,6 +134,11 @@ def dockerfile_problems(text: str) -> List[str]:
     if not envs.get("CHATTTS_TRITON_CACHE", "").startswith("/tmp/"):
         problems.append("ENV CHATTTS_TRITON_CACHE is not under /tmp: site-packages is read-only to uid 1000")
     runs = " ".join(i["value"] for i in final_stage if i["instruction"] == "RUN")
+    if '".[gateway]"' not in runs or "import gateway.app" not in runs:
+        problems.append("the package is not installed with its gateway extra (and imported): no python3 -m gateway")
+    copied = [i["value"].split()[-1] for i in final_stage if i["instruction"] == "COPY"]
+    if "/opt/chattts/src/gateway" not in copied:
+        problems.append("gateway/ is not copied into the image")
     if not all(pkg in runs for pkg in ("gcc", "python3-dev")):
         problems.append("no gcc/python3-dev: the compiled GPT step (the GPU default) cannot build its kernels' launcher")
     entry = [i["value"] for i in final_stage if i["instruction"] == "ENTRYPOINT"]
@@ -163,6 +170,9 @@ def test_dockerfile_base_is_the_documented_release():
         (("USER 1000:1000\n", ""), "no USER"),
         (("/v2/health/ready", "/v2/health/live"), "HEALTHCHECK"),
         (("EXPOSE 8000 8001 8002", "EXPOSE 8000 8001"), "lacks [8002]"),
+        (("EXPOSE 8000 8001 8002 8080", "EXPOSE 8000 8001 8002"), "lacks [8080]"),
+        (('".[gateway]"', "."), "gateway extra"),
+        (("COPY gateway /opt/chattts/src/gateway\n", ""), "gateway/ is not copied"),
         (('"python3", "-m", "chattts_triton.serve", ', '"tritonserver", '), "not the exec-form launcher"),
         (('"--host=0.0.0.0", ', ""), "--host=0.0.0.0"),
         (('"--exit-timeout=60", ', ""), "--exit-timeout=N"),
@@ -306,6 +316,12 @@ def test_entrypoint_execs_the_image_cmd(fake_python, repo_copy):
     (r, _) = _entry(fake_python, *LAUNCHER, "--host=0.0.0.0", "--repo", str(repo_copy))
     assert r.returncode == 0, r.stderr
     assert _launched(fake_python)["argv"][-2:] == ["--repo", str(repo_copy)]
+
+
+def test_entrypoint_runs_the_speech_gateway_as_given(fake_python):
+    (r, _) = _entry(fake_python, "python3", "-m", "gateway", "--help")
+    assert r.returncode == 0 and "usage: python -m gateway" in r.stdout and "--grpc-url" in r.stdout
+    assert not Path(fake_python["record"]).exists()  # not mistaken for the launcher
 
 
 def test_entrypoint_refuses_a_missing_repository(fake_python, tmp_path):
@@ -609,7 +625,7 @@ def test_deployment_serves_with_the_image_contract():
     # ports, probes
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == PORTS
-    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == PORTS
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {**PORTS, "speech": SPEECH_PORT}
     assert all(p["targetPort"] == p["name"] for p in svc["spec"]["ports"])
     assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
@@ -624,6 +640,44 @@ def test_deployment_serves_with_the_image_contract():
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
     assert vols[mounts["/models"]]["persistentVolumeClaim"]["readOnly"] is True
+
+
+def test_speech_gateway_runs_beside_the_server_in_each_pod():
+    docs = render()
+    dep, svc = _one(docs, "Deployment"), _one(docs, "Service")
+    server, gw = _container(dep), _container(dep, "gateway")
+    assert "command" not in gw and gw["image"] == server["image"]  # the image's entry point execs it as given
+    assert gw["args"][:3] == ["python3", "-m", "gateway"]
+    flags = _flags(gw["args"])
+    server_flags, _ = _split(server["args"][3:])
+    assert flags["--host"] == "0.0.0.0" and flags["--port"] == str(SPEECH_PORT)
+    assert flags["--grpc-url"] == f"127.0.0.1:{server_flags['--grpc-port']}"  # this pod's Triton
+    assert flags["--repo"] == server_flags["--repo"]  # the voices of the repository served
+    assert "--require-api-key" not in gw["args"] and "env" not in gw
+    assert {p["name"]: p["containerPort"] for p in gw["ports"]} == {"speech": SPEECH_PORT}
+    speech = next(p for p in svc["spec"]["ports"] if p["name"] == "speech")
+    assert (speech["port"], speech["targetPort"]) == (SPEECH_PORT, "speech")
+    assert gw["readinessProbe"]["httpGet"] == {"path": "/health", "port": "speech"}  # follows Triton's readiness
+    assert gw["livenessProbe"]["tcpSocket"] == {"port": "speech"}  # not Triton's: a loading server restarts nothing
+    assert gw["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {m["mountPath"] for m in server["volumeMounts"]} >= {m["mountPath"] for m in gw["volumeMounts"]}
+    assert "nvidia.com/gpu" not in gw["resources"].get("limits", {})
+    monitor = _one(docs, "ServiceMonitor")
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics", "speech"]
+
+
+def test_speech_gateway_keys_and_switch():
+    values = {"gateway": {"apiKeysSecret": "speech-keys", "requireApiKey": True, "extraArgs": ["--pause-ms", "300"]}}
+    gw = _container(_one(render(values), "Deployment"), "gateway")
+    assert gw["env"] == [{"name": "CHATTTS_GATEWAY_API_KEYS",
+                          "valueFrom": {"secretKeyRef": {"name": "speech-keys", "key": "api-keys"}}}]
+    assert gw["args"][-3:] == ["--require-api-key", "--pause-ms", "300"]
+    docs = render({"gateway": {"enabled": False}})
+    assert k8s_problems(docs) == []
+    dep = _one(docs, "Deployment")
+    assert [c["name"] for c in dep["spec"]["template"]["spec"]["containers"]] == ["tritonserver"]
+    assert {p["name"] for p in _one(docs, "Service")["spec"]["ports"]} == set(PORTS)
+    assert [e["port"] for e in _one(docs, "ServiceMonitor")["spec"]["endpoints"]] == ["metrics"]
 
 
 def termination_problems(dep: dict, exit_timeout: int, margin: int) -> List[str]:

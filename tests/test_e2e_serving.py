@@ -328,6 +328,7 @@ BAD = [
     (dict(TEXT="hi", PROMPT="[speed_99]"), "PROMPT"),
     (dict(TEXT="hi", SPEAKER_AUDIO=np.full(4800, np.inf, np.float32)), "SPEAKER_AUDIO"),
     (dict(TEXT="hi", SPEAKER_SAMPLE="garbage"), "SPEAKER_SAMPLE"),
+    (dict(TEXT="hi", VOICE="no-such-voice"), "VOICE"),
 ]
 
 

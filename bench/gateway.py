@@ -1,0 +1,323 @@
+"""What the speech gateway costs: the gateway (`python -m gateway`, HTTP) against the same calls straight to Triton
+over gRPC (`client.AsyncChatTTSClient`), on one server.
+
+    python -m bench.gateway --repo build/repo-tiny --out bench/results/DATE-cpu-gateway     # starts both
+    python -m bench.gateway --repo REPO --grpc-url HOST:8001 --out OUT                      # a running server
+
+1. Concurrency 1, whole wav: paired requests (direct, then through the gateway), p50 of each and of the pairs'
+   differences: the overhead (issue target ≤ 5 ms p50).
+2. Concurrency 1, streams: the first chunk of `chattts_stream` over gRPC against the first byte of the gateway's
+   streamed pcm and mp3 (target ≤ first chunk + 10 ms).
+3. Concurrency C (default 256), whole wav: closed loops for --seconds, direct and through the gateway in
+   alternating phases (D G G D D G …), requests/s of each (target: the gateway ≥ 95 % of direct), with the
+   gateway process's CPU time per request.
+4. Encoding: CPU time per second of audio of each format, whole files and streams (4096-sample chunks), on audio
+   the server made.
+
+Every request forces --tokens code frames (MIN = MAX_NEW_TOKENS), as bench.run does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from chattts_triton.config import SAMPLE_RATE, samples_for_codes
+
+TEXT = "The quick brown fox jumps over the lazy dog."
+
+
+def log(msg: str) -> None:
+    print(f"[bench.gateway] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(values: List[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Gateway:
+    """`python -m gateway` on a free port until closed."""
+
+    def __init__(self, grpc_url: str, repo: Optional[Path], log_file: Path, args: List[str]):
+        import subprocess
+        import urllib.request
+
+        from chattts_triton.tritonserver import _set_parent_death_signal, free_port
+
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "gateway", "--grpc-url", grpc_url, "--port", str(self.port), "--log-level", "warning",
+               *(["--repo", str(repo)] if repo else []), *args]
+        self.out = open(log_file, "wb")
+        # SIGTERM when this process dies, as the server gets: no gateway left behind by an interrupted bench
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, preexec_fn=_set_parent_death_signal)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5):
+                    return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the gateway did not start: {log_file.read_text()}")
+                time.sleep(0.2)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.out.close()
+
+
+async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[str, object]:
+    import aiohttp
+
+    from client import AsyncChatTTSClient
+    from gateway.audio import FORMATS, StreamEncoder, decode, encode
+
+    fixed = {"max_new_tokens": a.tokens, "min_new_tokens": a.tokens}
+    options = {"voice": "alloy", "prompt": "[speed_5]", "seed": 1, **fixed}
+    body = {"model": "chattts", "input": TEXT, "voice": "alloy", "seed": 1, "stream": False, "response_format": "wav",
+            **fixed}
+    # the same client the gateway holds, with as many connections: all of a channel's calls share one HTTP/2
+    # connection, so a comparison with fewer would measure the connection, not the gateway
+    direct = AsyncChatTTSClient(grpc_url, retries=0, max_concurrency=1 << 20, channels=a.channels)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    http = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))
+    speech = gateway.url + "/v1/audio/speech"
+    result: Dict[str, object] = {}
+
+    async def via_gateway(b: dict) -> bytes:
+        async with http.post(speech, json=b) as r:
+            data = await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"gateway {r.status}: {data[:300]!r}")
+            return data
+
+    async def first_byte(b: dict) -> float:
+        t0 = time.perf_counter()
+        async with http.post(speech, json=b) as r:
+            assert r.status == 200, await r.read()
+            await r.content.readany()
+            t = time.perf_counter() - t0
+            await r.read()
+        return t
+
+    async def first_chunk() -> float:
+        t0 = time.perf_counter()
+        chunks = direct.stream(TEXT, split=False, voice_from_first=False, **options)
+        await chunks.__anext__()
+        t = time.perf_counter() - t0
+        async for _ in chunks:
+            pass
+        return t
+
+    try:
+        audio = await direct.infer_one(TEXT, options)  # warm both paths
+        assert audio.size == samples_for_codes(a.tokens), audio.size
+        for _ in range(3):
+            assert decode(await via_gateway(body)).size == audio.size
+            await first_chunk()
+            await first_byte({**body, "stream": True, "response_format": "pcm"})
+
+        # 1. concurrency 1, whole wav
+        d, g = [], []
+        for _ in range(a.requests):
+            t0 = time.perf_counter()
+            await direct.infer_one(TEXT, options)
+            d.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await via_gateway(body)
+            g.append(time.perf_counter() - t0)
+        diff = [x - y for x, y in zip(g, d)]
+        result["c1_wav"] = {"requests": a.requests, "direct_p50_ms": pct(d, 50) * 1e3, "direct_p90_ms": pct(d, 90) * 1e3,
+                            "gateway_p50_ms": pct(g, 50) * 1e3, "gateway_p90_ms": pct(g, 90) * 1e3,
+                            "overhead_p50_ms": (pct(g, 50) - pct(d, 50)) * 1e3,
+                            "paired_overhead_p50_ms": statistics.median(diff) * 1e3}
+        log(f"concurrency 1, wav: {result['c1_wav']}")
+
+        # 2. concurrency 1, first chunk against first byte
+        rows = {}
+        for fmt in ("pcm", "mp3"):
+            fc, fb = [], []
+            for _ in range(a.requests):
+                fc.append(await first_chunk())
+                fb.append(await first_byte({**body, "stream": True, "response_format": fmt}))
+            rows[fmt] = {"first_chunk_p50_ms": pct(fc, 50) * 1e3, "first_byte_p50_ms": pct(fb, 50) * 1e3,
+                         "later_p50_ms": (pct(fb, 50) - pct(fc, 50)) * 1e3,
+                         "paired_later_p50_ms": statistics.median([b - c for b, c in zip(fb, fc)]) * 1e3}
+        result["c1_first_byte"] = rows
+        log(f"concurrency 1, first byte: {rows}")
+
+        # 3. concurrency C, closed loops, alternating phases
+        async def phase(call, seconds: float) -> Dict[str, float]:
+            """Closed loops for `seconds`; requests/s counted in the steady part (after a third of the phase,
+            up to its end), not in the ramp or in the drain of the requests still in flight at the end."""
+            finished: List[float] = []
+            errors = [0]
+            t0 = time.monotonic()
+            stop, steady = t0 + seconds, t0 + seconds / 3
+
+            async def loop():
+                while time.monotonic() < stop:
+                    try:
+                        await call()
+                        finished.append(time.monotonic())
+                    except Exception:  # noqa: BLE001  counted: an overloaded server answers 503 / UNAVAILABLE
+                        errors[0] += 1
+
+            cpu0, load0 = cpu_seconds(gateway.proc.pid), os.getloadavg()[0]
+            await asyncio.gather(*(loop() for _ in range(a.concurrency)))
+            cpu = cpu_seconds(gateway.proc.pid) - cpu0
+            counted = sum(steady <= t <= stop for t in finished)
+            return {"requests": len(finished), "errors": errors[0], "steady_requests": counted,
+                    "steady_seconds": stop - steady, "rps": counted / (stop - steady), "gateway_cpu_s": cpu,
+                    "gateway_cpu_ms_per_request": 1e3 * cpu / max(1, len(finished)), "loadavg": [load0, os.getloadavg()[0]]}
+
+        phases = {"direct": [], "gateway": []}
+        calls = {"direct": lambda: direct.infer_one(TEXT, options), "gateway": lambda: via_gateway(body)}
+        for i in range(a.phases):  # D G G D D G ...: a drift of the machine's speed falls on both alike
+            for name in (("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")):
+                phases[name].append(await phase(calls[name], a.seconds))
+                log(f"concurrency {a.concurrency}, {name}: {phases[name][-1]}")
+        total = {k: {"requests": sum(p["steady_requests"] for p in v), "errors": sum(p["errors"] for p in v),
+                     "seconds": sum(p["steady_seconds"] for p in v)} for k, v in phases.items()}
+        for k, v in total.items():
+            v["rps"] = v["requests"] / v["seconds"]
+        gw_cpu = sum(p["gateway_cpu_s"] for p in phases["gateway"])
+        gw_requests = sum(p["requests"] for p in phases["gateway"])
+        result["throughput"] = {"concurrency": a.concurrency, "phases": phases, "direct_rps": total["direct"]["rps"],
+                                "gateway_rps": total["gateway"]["rps"],
+                                "ratio": total["gateway"]["rps"] / total["direct"]["rps"],
+                                "errors": {k: v["errors"] for k, v in total.items()},
+                                "phase_ratios": [g["rps"] / d["rps"] for d, g in zip(phases["direct"], phases["gateway"])],
+                                "gateway_cpu_ms_per_request": 1e3 * gw_cpu / max(1, gw_requests)}
+        log(f"throughput: {result['throughput']['gateway_rps']:.1f} / {result['throughput']['direct_rps']:.1f} req/s")
+
+        # 4. encoding per second of audio, on the server's audio
+        long_audio = np.concatenate([await direct.infer_one(TEXT, {**options, "seed": s}) for s in range(8)])
+        seconds = long_audio.size / SAMPLE_RATE
+        enc = {}
+        for fmt in FORMATS:
+            t0 = time.process_time()
+            for _ in range(a.encode_repeats):
+                data = encode(fmt, long_audio)
+            whole = (time.process_time() - t0) / a.encode_repeats
+            t0 = time.process_time()
+            for _ in range(a.encode_repeats):
+                e = StreamEncoder(fmt)
+                parts = [e.push(long_audio[i:i + 4096]) for i in range(0, long_audio.size, 4096)] + [e.close()]
+            streamed = (time.process_time() - t0) / a.encode_repeats
+            enc[fmt] = {"whole_ms_per_audio_s": 1e3 * whole / seconds, "stream_ms_per_audio_s": 1e3 * streamed / seconds,
+                        "kbit_per_s": len(data) * 8 / seconds / 1e3,
+                        "decoded_samples": int(decode(data, fmt).size), "stream_bytes": sum(len(p) for p in parts)}
+        result["encoding"] = {"audio_seconds": seconds, "samples": int(long_audio.size), "formats": enc}
+        log(f"encoding: {enc}")
+    finally:
+        await http.close()
+        await direct.close()
+    return result
+
+
+def to_markdown(res: dict) -> str:
+    c1, fb, tp, enc = res["c1_wav"], res["c1_first_byte"], res["throughput"], res["encoding"]
+    lines = [
+        f"# Speech gateway against direct gRPC — {res['machine']}",
+        "",
+        f"`{res['command']}`; repository `{res['repo']}` ({res['weights']}), {res['tokens']} forced code frames per "
+        f"request ({samples_for_codes(res['tokens']) / SAMPLE_RATE:.2f} s of audio), Triton, gateway and load generator "
+        f"on the same {os.cpu_count()} cores (load average {res['loadavg']['start'][0]:.1f} before the run, "
+        f"{res['loadavg']['end'][0]:.1f} at its end), {res['channels']} gRPC connections for the direct client and "
+        "for the gateway.",
+        "",
+        "| | direct gRPC | through the gateway | gateway − direct | target |",
+        "|---|---|---|---|---|",
+        f"| concurrency 1, whole wav, p50 | {c1['direct_p50_ms']:.1f} ms | {c1['gateway_p50_ms']:.1f} ms | "
+        f"{c1['overhead_p50_ms']:+.1f} ms (pairs' median {c1['paired_overhead_p50_ms']:+.1f}) | ≤ 5 ms |",
+    ]
+    for fmt, r in fb.items():
+        lines.append(f"| concurrency 1, first chunk / first {fmt} byte, p50 | {r['first_chunk_p50_ms']:.1f} ms | "
+                     f"{r['first_byte_p50_ms']:.1f} ms | {r['later_p50_ms']:+.1f} ms (pairs' median "
+                     f"{r['paired_later_p50_ms']:+.1f}) | ≤ 10 ms |")
+    lines.append(f"| concurrency {tp['concurrency']}, whole wav | {tp['direct_rps']:.1f} req/s | {tp['gateway_rps']:.1f} "
+                 f"req/s | **{100 * tp['ratio']:.1f} %** of direct | ≥ 95 % |")
+    lines += ["", f"Concurrency {tp['concurrency']}: {len(tp['phase_ratios'])} phase pairs of {res['seconds']:g} s "
+              "(direct and gateway in turn, D G G D …), requests/s counted after the first third of each phase; "
+              f"gateway/direct per pair: {', '.join(f'{100 * r:.0f} %' for r in tp['phase_ratios'])} (mean "
+              f"{100 * statistics.mean(tp['phase_ratios']):.0f} %, sd {100 * statistics.pstdev(tp['phase_ratios']):.0f}). "
+              f"Errors: {tp['errors']}. The gateway process used "
+              f"**{tp['gateway_cpu_ms_per_request']:.2f} ms of CPU per request** at that load "
+              "(HTTP, JSON, gRPC, wav encoding).", "",
+              f"Encoding cost on {enc['audio_seconds']:.1f} s of the server's audio (CPU time per second of audio, "
+              "one thread):", "",
+              "| format | whole file | streamed (4096-sample chunks) | bit rate |", "|---|---|---|---|"]
+    for fmt, r in enc["formats"].items():
+        lines.append(f"| {fmt} | {r['whole_ms_per_audio_s']:.2f} ms | {r['stream_ms_per_audio_s']:.2f} ms | "
+                     f"{r['kbit_per_s']:.0f} kbit/s |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repo", type=Path, required=True, help="the exported repository (started here unless --grpc-url)")
+    ap.add_argument("--grpc-url", help="a running server's gRPC HOST:PORT (default: start one on --repo)")
+    ap.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
+    ap.add_argument("--tokens", type=int, default=20)
+    ap.add_argument("--requests", type=int, default=40, help="paired requests at concurrency 1")
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--seconds", type=float, default=20.0, help="each throughput phase")
+    ap.add_argument("--phases", type=int, default=4, help="direct/gateway phase pairs")
+    ap.add_argument("--encode-repeats", type=int, default=5)
+    ap.add_argument("--channels", type=int, default=2, help="gRPC connections of the direct client and of the gateway")
+    ap.add_argument("--gateway-arg", action="append", default=[], help="a flag for python -m gateway (repeatable)")
+    ap.add_argument("--machine", default=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores")
+    a = ap.parse_args(argv)
+    from chattts_triton.repo_config import read_manifest
+    from chattts_triton.tritonserver import TritonServer
+
+    man = read_manifest(a.repo)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    server = None
+    if a.grpc_url is None:
+        server = TritonServer(a.repo, log_file=a.out.with_suffix(".tritonserver.log"), startup_timeout_s=600).start()
+    try:
+        grpc_url = a.grpc_url or server.grpc_url
+        gateway = Gateway(grpc_url, a.repo, a.out.with_suffix(".gateway.log"),
+                          ["--channels", str(a.channels), *a.gateway_arg])
+        load0 = os.getloadavg()
+        try:
+            res = asyncio.run(run(a, grpc_url, gateway))
+            res["loadavg"] = {"start": load0, "end": os.getloadavg()}
+        finally:
+            gateway.close()
+    finally:
+        if server is not None:
+            server.stop()
+    res.update(machine=a.machine, command=" ".join(["python -m bench.gateway", *(argv or sys.argv[1:])]),
+               repo=str(a.repo), tokens=a.tokens, channels=a.channels, seconds=a.seconds, weights=f"hidden {man['arch']['gpt']['hidden']}, {man.get('dtype')}",
+               deployment=man.get("deployment"))
+    a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    a.out.with_suffix(".md").write_text(to_markdown(res))
+    print(to_markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""Named voices stored in the model repository: `REPO/voices.json`, read by every model that prepares a
+request (`chattts_preprocess`, `chattts_stream`) and so shared by every replica that serves the repository.
+
+A voice is what upstream `InferCodeParams` takes as a speaker: a speaker embedding string (`spk_emb`, e.g. the
+speaker `torch.manual_seed(seed); Chat.sample_random_speaker()` gives), and/or a reference-audio prompt
+(`spk_smp`, the DVAE codes of a recording) with its transcript (`txt_smp`). The contract input `VOICE` names
+one; a decimal number that is no stored name is the seed's speaker (`VOICE=2222`, as ChatTTS users share
+voices). A repository without voices.json (exported before it existed) serves the built-in voices
+(`config.BUILTIN_VOICE_SEEDS`).
+
+    python -m chattts_triton.voices --repo REPO list
+    python -m chattts_triton.voices --repo REPO add NAME --seed 2222
+    python -m chattts_triton.voices --repo REPO add NAME --speaker @speaker.txt
+    python -m chattts_triton.voices --repo REPO add NAME --audio reference.wav --text "what it says"
+    python -m chattts_triton.voices --repo REPO remove NAME
+
+Edits are atomic (written aside, renamed over voices.json, under a lock on the repository folder); a
+running server picks them up at its next request that names a voice (the file's identity is checked each time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import functools
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from . import speaker as spk
+from .config import BUILTIN_VOICE_SEEDS, LIMITS, SAMPLE_RATE
+from .repo_config import MANIFEST, PREPROCESS, VOICES
+from .text import InputError, validate_text
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # voices.json "format"
+# Names: what an HTTP client can put in a JSON string and a shell in an argument without quoting; never all
+# digits (a number is a seed)
+NAME_RE = re.compile(r"^(?!\d+$)[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+SEED_RE = re.compile(r"^\d{1,20}$")
+LISTED_IN_ERRORS = 40  # an unknown voice's error lists at most this many names
+
+
+class VoiceFileError(RuntimeError):
+    """voices.json cannot be read or holds something that is not a voice: a server-side fault."""
+
+
+@dataclass(frozen=True)
+class Voice:
+    name: str
+    speaker: Optional[str] = None  # spk_emb string
+    sample: Optional[str] = None  # spk_smp string (reference-audio codes)
+    text: Optional[str] = None  # txt_smp: the transcript of the reference audio
+    seed: Optional[int] = None  # where the speaker came from, when a seed
+    builtin: bool = False
+    description: str = ""
+
+    def to_json(self) -> dict:
+        d = {k: getattr(self, k) for k in ("speaker", "sample", "text", "seed") if getattr(self, k) is not None}
+        if self.builtin:
+            d["builtin"] = True
+        if self.description:
+            d["description"] = self.description
+        return d
+
+    @property
+    def source(self) -> str:
+        """What the voice is made of, in a few words (listings)."""
+        if self.seed is not None:
+            return f"seed {self.seed}"
+        parts = (["speaker string"] if self.speaker else []) + (["reference audio"] if self.sample else [])
+        return " + ".join(parts)
+
+    def check(self, hidden: int) -> None:
+        """Raises InputError (a SpeakerError) if this voice cannot serve a model of this hidden size."""
+        if self.speaker is None and self.sample is None:
+            raise InputError(f"voice {self.name!r} has neither a speaker nor a reference sample")
+        if self.speaker is not None:
+            spk.decode_speaker(self.speaker, hidden)
+        if self.sample is not None:
+            spk.decode_prompt(self.sample)
+            if self.text is None:
+                raise InputError(f"voice {self.name!r} has a reference sample without its transcript")
+        if self.text is not None:
+            validate_text(self.text, what="the transcript")
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise InputError(f"voice name {name!r} must be 1-64 letters, digits, '_', '.' or '-', starting with a letter "
+                         f"or digit and not all digits (a number names the seed's speaker)")
+    return name
+
+
+def _voice_from_json(name: str, d) -> Voice:
+    if not isinstance(d, dict):
+        raise VoiceFileError(f"voice {name!r} is not an object")
+    unknown = set(d) - {"speaker", "sample", "text", "seed", "builtin", "description"}
+    if unknown:
+        raise VoiceFileError(f"voice {name!r} has unknown fields {sorted(unknown)}")
+    for k in ("speaker", "sample", "text", "description"):
+        if k in d and not isinstance(d[k], str):
+            raise VoiceFileError(f"voice {name!r}: {k} must be a string")
+    seed = d.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise VoiceFileError(f"voice {name!r}: seed must be an integer")
+    return Voice(name, d.get("speaker"), d.get("sample"), d.get("text"), seed, bool(d.get("builtin", False)),
+                 d.get("description", ""))
+
+
+def seed_voice(name: str, seed: int, hidden: int, builtin: bool = False, description: str = "") -> Voice:
+    """The speaker upstream's `torch.manual_seed(seed); Chat.sample_random_speaker()` gives (speaker.py)."""
+    return Voice(name, speaker=spk.sample_random_speaker(seed, hidden), seed=int(seed), builtin=builtin,
+                 description=description)
+
+
+def builtin_voices(hidden: int) -> Dict[str, Voice]:
+    return {name: seed_voice(name, seed, hidden, builtin=True) for name, seed in BUILTIN_VOICE_SEEDS.items()}
+
+
+def carried_over(old: Path, hidden: int) -> Tuple[Dict[str, Voice], List[str]]:
+    """The registry a re-export writes: the previous repository's voices.json (`old`) where there is one,
+    else the built-ins. Seed voices are made again for this model's hidden size; a voice that cannot serve
+    this model is dropped, said in the notes returned."""
+    if not Path(old).is_file():
+        return builtin_voices(hidden), []
+    try:
+        previous = read_voices(old)
+    except VoiceFileError as e:
+        return builtin_voices(hidden), [f"the previous {VOICES} was not kept: {e}"]
+    voices, notes = {}, []
+    for name, v in previous.items():
+        if v.seed is not None and v.sample is None:
+            voices[name] = seed_voice(name, v.seed, hidden, v.builtin, v.description)
+            continue
+        try:
+            v.check(hidden)
+        except InputError as e:
+            notes.append(f"voice {name!r} dropped: {e}")
+            continue
+        voices[name] = v
+    if any(v.sample is not None for v in voices.values()):
+        notes.append("reference-audio voices keep the codes the previous weights' encoder gave: re-add them after "
+                     "a change of weights")
+    return voices, notes
+
+
+def read_voices(path: Path) -> Dict[str, Voice]:
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise VoiceFileError(f"{path} cannot be read: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("voices"), dict):
+        raise VoiceFileError(f"{path} is not a voice registry of format {FORMAT} ({{\"format\": {FORMAT}, \"voices\": {{...}}}})")
+    voices = {}
+    for name, d in doc["voices"].items():
+        try:
+            check_name(name)
+        except InputError as e:
+            raise VoiceFileError(f"{path}: {e}") from None
+        voices[name] = _voice_from_json(name, d)
+    return voices
+
+
+def write_voices(path: Path, voices: Dict[str, Voice]) -> None:
+    """Atomically: a reader sees the old file or the new one, never half of one."""
+    path = Path(path)
+    doc = {"format": FORMAT, "voices": {n: voices[n].to_json() for n in sorted(voices)}}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def editing(repo: Path, hidden: int) -> Iterator[Dict[str, Voice]]:
+    """The registry of `repo` to change in place; written back when the block ends without an error. Edits
+    from several processes are serialised by a lock on the repository folder."""
+    repo = Path(repo)
+    fd = os.open(repo, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        path = repo / VOICES
+        voices = read_voices(path) if path.exists() else builtin_voices(hidden)
+        yield voices
+        write_voices(path, voices)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+class VoiceRegistry:
+    """Resolves VOICE for a model of hidden size `hidden` from `repo`'s voices.json (re-read when the file
+    changes; the built-in voices when there is none)."""
+
+    def __init__(self, repo: Path, hidden: int):
+        self.path = Path(repo) / VOICES
+        self.hidden = hidden
+        self._lock = threading.Lock()
+        self._key: Optional[Tuple] = ("unread",)
+        self._voices: Dict[str, Voice] = {}
+        self._error: Optional[VoiceFileError] = None
+        self._broken: Dict[str, str] = {}
+
+    def _identity(self) -> Optional[Tuple]:
+        try:
+            st = os.stat(self.path)  # follows a configured view's symlink to the file it names
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_dev, st.st_mtime_ns, st.st_size
+
+    def voices(self) -> Dict[str, Voice]:
+        return self._load()[0]
+
+    def _load(self) -> Tuple[Dict[str, Voice], Dict[str, str]]:
+        """(voices, why each unusable one is) of the current file, checked once per version of it."""
+        key = self._identity()
+        with self._lock:
+            if key != self._key:
+                self._error = None
+                try:
+                    self._voices = read_voices(self.path) if key is not None else builtin_voices(self.hidden)
+                except VoiceFileError as e:
+                    log.error("voice registry: %s", e)
+                    self._voices, self._error = {}, e
+                self._broken = {}
+                for name, voice in self._voices.items():
+                    try:
+                        voice.check(self.hidden)
+                    except InputError as e:
+                        self._broken[name] = str(e)
+                if self._broken:
+                    log.error("voice registry %s: unusable voices %s", self.path, self._broken)
+                self._key = key
+            if self._error is not None:
+                raise self._error
+            return self._voices, self._broken
+
+    def resolve(self, name: str) -> Voice:
+        """The voice VOICE names; InputError (listing the known names) for an unknown one."""
+        voices, broken = self._load()
+        voice = voices.get(name)
+        if voice is None and SEED_RE.match(name or ""):
+            return _seed_voice_cached(int(name), self.hidden)
+        if voice is None:
+            names = sorted(voices)
+            listed = ", ".join(names[:LISTED_IN_ERRORS]) + (f", … ({len(names) - LISTED_IN_ERRORS} more)"
+                                                             if len(names) > LISTED_IN_ERRORS else "")
+            raise InputError(f"VOICE {name!r} is not a voice of this server; known: {listed or '(none)'}, "
+                             f"or a seed number (e.g. 2222)")
+        if name in broken:
+            raise InputError(f"VOICE {name!r} cannot be used with this model: {broken[name]}")
+        return voice
+
+
+@functools.lru_cache(maxsize=256)
+def _seed_voice_cached(seed: int, hidden: int) -> Voice:
+    try:
+        return seed_voice(str(seed), seed, hidden)
+    except InputError as e:
+        raise InputError(f"VOICE {seed}: {e}") from None
+
+
+# --- command line ------------------------------------------------------------------------------------
+def _hidden(repo: Path) -> int:
+    path = repo / MANIFEST
+    if not path.is_file():
+        raise SystemExit(f"error: {path} not found: --repo must be an exported repository (make export)")
+    return int(json.loads(path.read_text(encoding="utf-8"))["arch"]["gpt"]["hidden"])
+
+
+def read_reference_audio(path: Path):
+    """Mono float32 samples at the model's rate from any file FFmpeg reads (PyAV: resampled, channels mixed)."""
+    import numpy as np
+
+    try:
+        import av
+    except ImportError:
+        raise SystemExit("error: reading reference audio needs PyAV: pip install 'chattts-triton[gateway]'") from None
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+    out = []
+    try:
+        with av.open(str(path)) as f:
+            for frame in f.decode(audio=0):
+                out += [r.to_ndarray().reshape(-1) for r in resampler.resample(frame)]
+            out += [r.to_ndarray().reshape(-1) for r in resampler.resample(None)]
+    except (av.FFmpegError, OSError, IndexError) as e:
+        raise SystemExit(f"error: {path}: not readable audio ({e})") from None
+    return np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
+
+
+def encode_reference(repo: Path, wav) -> str:
+    """The spk_smp string of reference audio, encoded by the repository's DVAE encoder as the server does."""
+    from .services import Artifact, check_reference_audio, reference_codes
+
+    import torch
+
+    check_reference_audio(wav)
+    encoder = Artifact(repo / PREPROCESS / "1" / "dvae_encode", "torchscript", torch.device("cpu"))
+    return spk.encode_prompt(reference_codes(encoder, wav))
+
+
+def _text_arg(value: Optional[str]) -> Optional[str]:
+    if value is not None and value.startswith("@"):
+        return Path(value[1:]).read_text(encoding="utf-8").strip()
+    return value
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m chattts_triton.voices",
+                                 description="List, add and remove the named voices of a model repository (REPO/voices.json).")
+    ap.add_argument("--repo", type=Path, required=True, help="an exported model repository")
+    sub = ap.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("list", help="the voices and what each is made of")
+    ls.add_argument("--json", action="store_true", help="voices.json's content")
+    add = sub.add_parser("add", help="add (or with --force replace) a voice")
+    add.add_argument("name")
+    src = add.add_mutually_exclusive_group(required=True)
+    src.add_argument("--seed", type=int, help="the speaker torch.manual_seed(SEED); Chat.sample_random_speaker() gives")
+    src.add_argument("--speaker", metavar="STR", help="a speaker string (Chat.sample_random_speaker()); @FILE reads it")
+    src.add_argument("--audio", type=Path, metavar="FILE",
+                     help=f"reference audio (any format FFmpeg reads, ≤ {LIMITS.max_reference_audio_seconds:g} s), with --text")
+    src.add_argument("--sample", metavar="STR", help="a reference sample string (Chat.sample_audio_speaker()), with --text; @FILE reads it")
+    add.add_argument("--text", help="what the reference audio says (its transcript); @FILE reads it")
+    add.add_argument("--description", default="")
+    add.add_argument("--force", action="store_true", help="replace a voice of that name")
+    rm = sub.add_parser("remove", help="remove a voice (built-in ones too)")
+    rm.add_argument("name")
+    a = ap.parse_args(argv)
+
+    repo = a.repo
+    hidden = _hidden(repo)
+    try:
+        if a.command == "list":
+            path = repo / VOICES
+            voices = read_voices(path) if path.exists() else builtin_voices(hidden)
+            if a.json:
+                print(json.dumps({n: voices[n].to_json() for n in sorted(voices)}, indent=2, ensure_ascii=False))
+            for name in ([] if a.json else sorted(voices)):
+                v = voices[name]
+                extra = (" (built-in)" if v.builtin else "") + (f": {v.description}" if v.description else "")
+                print(f"{name}\t{v.source}{extra}")
+            return 0
+        check_name(a.name)
+        if a.command == "add":
+            text = _text_arg(a.text)
+            if (a.audio is not None or a.sample is not None) != (text is not None):
+                ap.error("--text goes with --audio or --sample (the transcript of the reference), and they need it")
+            if a.seed is not None:
+                voice = seed_voice(a.name, a.seed, hidden, description=a.description)
+            elif a.speaker is not None:
+                voice = Voice(a.name, speaker=_text_arg(a.speaker), description=a.description)
+            else:
+                sample = _text_arg(a.sample) if a.sample is not None else encode_reference(repo, read_reference_audio(a.audio))
+                voice = Voice(a.name, sample=sample, text=text, description=a.description)
+            voice.check(hidden)
+            with editing(repo, hidden) as voices:
+                if a.name in voices and not a.force:
+                    raise InputError(f"voice {a.name!r} exists ({voices[a.name].source}); --force replaces it")
+                voices[a.name] = voice
+            print(f"added {a.name}: {voice.source}")
+        else:
+            with editing(repo, hidden) as voices:
+                if voices.pop(a.name, None) is None:
+                    raise InputError(f"no voice {a.name!r} (known: {', '.join(sorted(voices)) or 'none'})")
+            print(f"removed {a.name}")
+    except (InputError, VoiceFileError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

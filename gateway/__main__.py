@@ -1,0 +1,107 @@
+"""`python -m gateway`: the OpenAI-compatible speech gateway in front of a running Triton server.
+
+    python -m gateway --grpc-url 127.0.0.1:8001 --port 8080 --repo build/repo      # make gateway
+
+Binds 127.0.0.1 unless told otherwise; on another address it warns when no API key is set, and with
+--require-api-key refuses to start without one. Keys: --api-key KEY (repeatable), --api-key-file FILE (one
+per line) or CHATTTS_GATEWAY_API_KEYS=KEY1,KEY2 (never logged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import List
+
+from .app import Settings
+
+KEYS_ENV = "CHATTTS_GATEWAY_API_KEYS"
+log = logging.getLogger("chattts_gateway")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = Settings()
+    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split("\n\n")[0])
+    p.add_argument("--grpc-url", default=d.grpc_url, help="Triton's gRPC HOST:PORT (default %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--repo", type=Path, help="the served model repository, for GET /v1/audio/voices (its voices.json)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY", help="accept 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key-file", type=Path, help="API keys, one per line")
+    p.add_argument("--require-api-key", action="store_true", help="refuse to start on a non-loopback host without a key")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, metavar="S", help="a whole synthesis; a stream: each chunk")
+    p.add_argument("--channels", type=int, default=d.channels, help="gRPC connections to Triton")
+    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency, help="speech requests in flight before 429")
+    p.add_argument("--piece-concurrency", type=int, default=d.piece_concurrency,
+                   help="pieces (sentences) of one long input synthesised at once")
+    p.add_argument("--pause-ms", type=int, default=d.pause_ms, help="silence between the pieces of a long input")
+    p.add_argument("--stream-default", action=argparse.BooleanOptionalAction, default=d.stream_default,
+                   help="stream audio when a request does not say (its 'stream' field)")
+    p.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def api_keys(a: argparse.Namespace) -> List[str]:
+    keys = list(a.api_key)
+    if a.api_key_file is not None:
+        keys += [line.strip() for line in a.api_key_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    keys += [k.strip() for k in os.environ.get(KEYS_ENV, "").split(",") if k.strip()]
+    return keys
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    for name in ("channels", "max_concurrency", "piece_concurrency"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be ≥ 1")
+    if a.timeout <= 0 or a.pause_ms < 0:
+        p.error("--timeout must be > 0 and --pause-ms ≥ 0")
+    try:
+        keys = api_keys(a)
+    except OSError as e:
+        p.error(f"--api-key-file: {e}")
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not is_loopback(a.host) and not keys:
+        if a.require_api_key:
+            p.error(f"--host {a.host} is not loopback and --require-api-key is set: give --api-key, --api-key-file or {KEYS_ENV}")
+        log.warning("binding %s without an API key: anyone who reaches this port can synthesise speech "
+                    "(set --api-key / %s, or --require-api-key to refuse this)", a.host, KEYS_ENV)
+    if a.repo is not None and not (a.repo / "manifest.json").is_file():
+        p.error(f"--repo {a.repo}: no manifest.json, not an exported model repository")
+    settings = Settings(grpc_url=a.grpc_url, repo=a.repo, api_keys=tuple(keys), timeout_s=a.timeout,
+                        channels=a.channels, max_concurrency=a.max_concurrency, piece_concurrency=a.piece_concurrency,
+                        pause_ms=a.pause_ms, stream_default=a.stream_default)
+
+    import uvicorn
+
+    from .app import create_app
+
+    try:
+        import httptools  # noqa: F401  the C HTTP parser: less CPU per request than h11
+        http = "httptools"
+    except ImportError:
+        http = "h11"
+    log.info("speech gateway on http://%s:%d → Triton gRPC %s (API keys: %s)", a.host, a.port, a.grpc_url,
+             len(keys) or "none")
+    uvicorn.run(create_app(settings), host=a.host, port=a.port, http=http, loop="asyncio", log_level=a.log_level,
+                access_log=a.access_log, timeout_graceful_shutdown=int(min(a.timeout, 60)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

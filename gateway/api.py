@@ -1,0 +1,170 @@
+"""The OpenAI speech API's request body, its errors, and how its fields become `chattts` contract inputs.
+
+`POST /v1/audio/speech` takes OpenAI's body (`model`, `input`, `voice`, `response_format`, `speed`,
+`stream_format`, `instructions`) and, as optional extras, the ChatTTS sampling inputs under their contract
+names in lower case (`seed`, `temperature`, `top_p`, ...). Fields of newer API versions that this gateway
+does not know are ignored, as OpenAI's own clients send them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from chattts_triton.config import LIMITS, InferCodeParams
+from chattts_triton.repo_config import ENSEMBLE
+
+from .audio import FORMATS
+
+# `model` values taken: this server's model, and OpenAI's speech model names (clients hard-code them)
+MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+MODELS = (ENSEMBLE,) + MODEL_ALIASES
+MAX_INPUT_CHARS = 4096  # OpenAI's limit of `input`; the gateway splits it into pieces the server takes
+
+# OpenAI `speed` (0.25-4.0, 1.0 normal) -> ChatTTS [speed_N] (0-9, upstream's default 5). N grows with the
+# logarithm of the speed: N = 5 + 2.5 log2(speed), rounded and held to 0-9 (0.25 -> 0, 0.5 -> 3, 1 -> 5,
+# 2 -> 8, 4 -> 9; docs/gateway.md prints the table). ChatTTS has ten speeds, so nearby values share one.
+SPEED_UPPER_BOUNDS = tuple(2 ** ((n - 4.5) / 2.5) for n in range(9))  # speed < bound[N] -> [speed_N]
+SPEED_TOKEN = re.compile(r"\[speed_\d\]")
+
+
+def speed_token(speed: float) -> str:
+    n = next((i for i, bound in enumerate(SPEED_UPPER_BOUNDS) if speed < bound), len(SPEED_UPPER_BOUNDS))
+    return f"[speed_{n}]"
+
+
+class VoiceRef(BaseModel):
+    """OpenAI's newer form of `voice`: {"id": "..."}."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str
+
+
+class SpeechRequest(BaseModel):
+    # strict: "1.5" is not a speed and 1 is not a string (wrong types get a 400 naming the field)
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    input: str
+    voice: Union[str, VoiceRef]
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] = "audio"
+    instructions: Optional[str] = None  # gpt-4o-mini-tts's style prompt: accepted, not used (ChatTTS takes none)
+    # --- extras: ChatTTS inputs (contract names in lower case), omitted = the server's default
+    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
+    temperature: Optional[float] = Field(None, gt=0, le=100)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=1, le=2**30)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=100)
+    max_new_tokens: Optional[int] = Field(None, ge=1, le=LIMITS.max_new_tokens)
+    min_new_tokens: Optional[int] = Field(None, ge=0, le=LIMITS.max_new_tokens)
+    prompt: Optional[str] = Field(None, max_length=256)
+    refine_text: Optional[bool] = None
+    normalize_text: Optional[bool] = None
+    use_decoder: Optional[bool] = None
+    # --- gateway switches
+    stream: Optional[bool] = None  # audio as it is made (default: the gateway's --stream-default; flac: whole)
+    split: bool = True  # long input in pieces (sentences); false sends it as one piece (≤ 2000 characters)
+
+
+assert set(SpeechRequest.model_fields["response_format"].annotation.__args__) == set(FORMATS)
+EXTRAS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "min_new_tokens",
+          "refine_text", "normalize_text", "use_decoder")
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None, headers: Optional[Dict[str, str]] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: Optional[str], code: Optional[str] = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def _describe(err: Dict[str, Any]) -> Tuple[str, Optional[str]]:
+    loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
+    # a Union's branch name ("str", "VoiceRef") is no field of the body
+    loc = [x for x in loc if x not in ("str", "VoiceRef", "function-after[...]")]
+    param = loc[0] if loc else None
+    if err.get("type") == "missing":
+        return f"'{param}' is a required property", param
+    if err.get("type") in ("json_invalid", "model_type"):
+        return f"the body must be a JSON object ({err.get('msg')})", None
+    got = err.get("input")
+    shown = repr(got) if isinstance(got, (int, float, bool, type(None))) or (isinstance(got, str) and len(got) < 60) \
+        else type(got).__name__
+    return f"'{'.'.join(loc)}': {err.get('msg')}, got {shown}", param
+
+
+def parse(body: bytes) -> SpeechRequest:
+    """The request, or APIError(400) naming the first field at fault."""
+    try:
+        req = SpeechRequest.model_validate_json(body)
+    except ValidationError as e:
+        message, param = _describe(e.errors(include_url=False)[0])
+        raise invalid(message, param) from None
+    if req.model not in MODELS:
+        raise APIError(400, f"model {req.model!r} does not exist here; use one of {', '.join(MODELS)}",
+                       "invalid_request_error", "model", "model_not_found")
+    if not req.input.strip():
+        raise invalid("'input' is empty", "input")
+    if len(req.input) > MAX_INPUT_CHARS:
+        raise invalid(f"'input' has {len(req.input)} characters, more than the limit of {MAX_INPUT_CHARS}", "input",
+                      "string_above_max_length")
+    if not req.split and len(req.input) > LIMITS.max_text_chars:
+        raise invalid(f"with split false 'input' must be at most {LIMITS.max_text_chars} characters", "input")
+    if not voice_name(req).strip():
+        raise invalid("'voice' is empty", "voice")
+    if req.min_new_tokens is not None and req.max_new_tokens is not None and req.min_new_tokens > req.max_new_tokens:
+        raise invalid("'min_new_tokens' must not exceed 'max_new_tokens'", "min_new_tokens")
+    if req.prompt is not None and SPEED_TOKEN.search(req.prompt) and "speed" in req.model_fields_set:
+        raise invalid("give 'speed' or a [speed_N] token in 'prompt', not both", "speed")
+    return req
+
+
+def voice_name(req: SpeechRequest) -> str:
+    return req.voice if isinstance(req.voice, str) else req.voice.id
+
+
+def contract_options(req: SpeechRequest) -> Dict[str, Any]:
+    """Contract options (client keywords) every piece of the request gets; SEED comes from the schedule."""
+    prompt = req.prompt if req.prompt is not None else ""
+    if not SPEED_TOKEN.search(prompt):
+        prompt = speed_token(req.speed) + prompt
+    options: Dict[str, Any] = {"voice": voice_name(req), "prompt": prompt}
+    for name in EXTRAS:
+        value = getattr(req, name)
+        if value is not None:
+            options[name] = value
+    return options
+
+
+def speed_table() -> List[Tuple[float, float, str]]:
+    """(from, below, token) rows of the speed mapping (docs)."""
+    edges = (0.25,) + SPEED_UPPER_BOUNDS + (math.inf,)
+    return [(edges[i], edges[i + 1], f"[speed_{i}]") for i in range(len(edges) - 1)]
+
+
+# the contract input a server error names -> the body field a client sent it as
+FIELD_OF_INPUT = {"TEXT": "input", "VOICE": "voice", "PROMPT": "speed"}
+assert InferCodeParams.prompt == speed_token(1.0)  # speed 1.0 is upstream's default prompt
+
+
+def field_of(input_name: Optional[str], req: Optional[SpeechRequest] = None) -> Optional[str]:
+    if input_name is None:
+        return None
+    if input_name == "PROMPT" and req is not None and req.prompt is not None:
+        return "prompt"
+    return FIELD_OF_INPUT.get(input_name, input_name.lower())

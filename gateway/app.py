@@ -1,0 +1,427 @@
+"""The speech gateway's HTTP application (FastAPI): OpenAI's speech API in front of a Triton server.
+
+    POST /v1/audio/speech    OpenAI's body → audio (mp3, opus, aac, flac, wav, pcm), whole or streamed, or SSE
+    GET  /v1/audio/voices    the voices VOICE can name (the repository's registry, chattts_triton.voices)
+    GET  /v1/audio/models, /v1/models, /v1/models/{id}
+    GET  /health             200 when Triton and both models are ready, else 503
+    GET  /metrics            Prometheus
+    GET  /                   the playground (static/index.html)
+
+Errors are OpenAI's: {"error": {"message", "type", "param", "code"}}, 400 naming the field at fault, 401 for a
+missing or wrong API key, 429 over the gateway's own concurrency bound, 503 when Triton is overloaded or down
+(UNAVAILABLE), 504 on a timeout. See docs/gateway.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import gc
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from chattts_triton.config import BUILTIN_VOICE_SEEDS, SAMPLE_RATE
+
+from . import api
+from .audio import CONTENT_TYPES, StreamEncoder, encode
+from .metrics import Metrics
+from .synth import Job, SynthesisError, Synthesizer, split_text
+
+log = logging.getLogger("chattts_gateway")
+STATIC = Path(__file__).with_name("static")
+OWNER = "chattts-triton"
+WHOLE_BY_DEFAULT = ("flac",)  # formats streamed only when a request says `stream: true`
+DRAIN_BYTES = 64 << 20  # an oversized body is read (and dropped) up to this much before the 400
+
+
+@dataclass
+class Settings:
+    grpc_url: str = "127.0.0.1:8001"
+    repo: Optional[Path] = None  # the model repository, for /v1/audio/voices (the server resolves VOICE itself)
+    api_keys: Tuple[str, ...] = ()  # empty: no authentication
+    timeout_s: float = 300.0  # a whole synthesis (streams: each chunk)
+    channels: int = 2  # gRPC connections to Triton
+    max_concurrency: int = 1024  # speech requests in flight before 429
+    piece_concurrency: int = 16  # pieces of one request in flight at once
+    pause_ms: int = 200  # silence between the pieces of a long input
+    stream_default: bool = True  # `stream` when a request does not say
+    max_body_bytes: int = 1 << 20  # a body of OpenAI's longest input is < 50 KB; a larger one is refused
+
+
+STATUS_OF = {"INVALID_ARGUMENT": 400, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "NOT_FOUND": 503,
+             "CANCELLED": 503, "RESOURCE_EXHAUSTED": 429}
+
+
+def api_error(err: SynthesisError, req: Optional[api.SpeechRequest] = None) -> api.APIError:
+    status = STATUS_OF.get(err.status, 500)
+    if status == 400:
+        return api.invalid(err.message, api.field_of(err.field, req))
+    if status == 503:
+        return api.APIError(503, f"the TTS server is overloaded or not ready, retry later ({err.message})", "server_error",
+                            None, "server_unavailable", {"Retry-After": "1"})
+    if status == 504:
+        return api.APIError(504, f"synthesis timed out ({err.message})", "server_error", None, "timeout")
+    if status == 429:
+        return api.APIError(429, err.message, "rate_limit_error", None, "rate_limit_exceeded", {"Retry-After": "1"})
+    return api.APIError(status, f"synthesis failed: {err.message}", "server_error", None, err.status.lower())
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body already read, the server's next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _timeout(timeout_s: float) -> api.APIError:
+    return api.APIError(504, f"synthesis took longer than {timeout_s:g} s", "server_error", None, "timeout")
+
+
+class _StreamingResponse(StreamingResponse):
+    """Runs `end` however the response ends: sent, failed, or never started (a client gone before the first
+    byte never starts the body iterator, whose own `finally` would then never run)."""
+
+    def __init__(self, content, end: Callable[[], Awaitable[None]], **kwargs):
+        super().__init__(content, **kwargs)
+        self._end = end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._end()
+
+
+class _Stream:
+    """One streamed response: the chunks encoded as they come (FFmpeg on a worker thread: it lets the GIL go),
+    and the request's accounting when it ends. An error after the first byte cuts the response (the client sees
+    it incomplete); as server-sent events it is an `error` event."""
+
+    def __init__(self, gw: "Gateway", req: api.SpeechRequest, mode: str, t0: float, first: Optional[np.ndarray],
+                 chunks: AsyncIterator[np.ndarray], encoder: StreamEncoder):
+        self.gw, self.req, self.mode, self.t0 = gw, req, mode, t0
+        self.fmt = req.response_format
+        self.first, self.chunks = first, chunks
+        self.encoder = encoder
+        self.status = "aborted"
+        self.busy: Optional[asyncio.Future] = None  # the encoder call on a thread, if any
+        self.ended = False
+
+    async def _encode(self, fn: Callable, *args) -> bytes:
+        if self.fmt == "pcm":  # a numpy cast: no thread hop
+            return fn(*args)
+        self.busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        return await asyncio.shield(self.busy)  # a cancelled request waits for it in end(), never races it
+
+    async def _encoded(self) -> AsyncIterator[bytes]:
+        metrics, sent = self.gw.metrics, False
+        pending = [self.first] if self.first is not None else []
+        while True:
+            if pending:
+                chunk = pending.pop()
+            else:
+                try:
+                    chunk = await self.chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except SynthesisError as e:
+                    metrics.errors.labels(e.status).inc()
+                    log.warning("stream failed after its first chunk: %s", e)
+                    raise
+            t = time.perf_counter()
+            data = await self._encode(self.encoder.push, chunk)
+            metrics.encode_seconds.labels(self.fmt).inc(time.perf_counter() - t)
+            if data:
+                if not sent:
+                    metrics.first_byte.labels(self.fmt).observe(time.perf_counter() - self.t0)
+                    sent = True
+                yield data
+        tail = await self._encode(self.encoder.close)
+        if tail:
+            yield tail
+        self.status = "200"
+
+    async def audio(self) -> AsyncIterator[bytes]:
+        async for data in self._encoded():
+            yield data
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        """OpenAI's speech events: speech.audio.delta (base64 of the next bytes in response_format), then
+        speech.audio.done."""
+        try:
+            async for data in self._encoded():
+                event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
+                yield f"data: {json.dumps(event)}\n\n".encode()
+            yield b'data: {"type": "speech.audio.done"}\n\n'
+        except SynthesisError as e:
+            yield f"data: {json.dumps({'type': 'error', **api_error(e, self.req).body()})}\n\n".encode()
+
+    async def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        with contextlib.suppress(BaseException):
+            await self.chunks.aclose()  # a stream still running is cancelled on the server
+        if self.busy is not None:
+            with contextlib.suppress(BaseException):
+                await self.busy
+        self.encoder.abort()
+        self.gw.finished(self.fmt, self.mode, self.status, self.t0, self.encoder.samples / SAMPLE_RATE)
+
+
+class Gateway:
+    def __init__(self, settings: Settings, synthesizer: Optional[Synthesizer] = None):
+        self.settings = settings
+        self.synth = synthesizer or Synthesizer(settings.grpc_url, settings.timeout_s, settings.channels,
+                                                settings.piece_concurrency, settings.pause_ms)
+        self.metrics = Metrics()
+        self.inflight = 0
+        self.playground = (STATIC / "index.html").read_text(encoding="utf-8")
+
+    # --- guards ------------------------------------------------------------------------------------
+    def authenticate(self, request: Request) -> None:
+        keys = self.settings.api_keys
+        if not keys:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise api.APIError(401, "you must provide an API key: 'Authorization: Bearer KEY'", "invalid_request_error",
+                               None, "missing_api_key", {"WWW-Authenticate": "Bearer"})
+        token = token.strip().encode()
+        if not any([hmac.compare_digest(token, k.encode()) for k in keys]):  # every key compared: no timing hint
+            raise api.APIError(401, "incorrect API key provided", "invalid_request_error", None, "invalid_api_key",
+                               {"WWW-Authenticate": "Bearer"})
+
+    async def body(self, request: Request) -> bytes:
+        """The request body, at most max_body_bytes of it: a larger one is read to its end (up to DRAIN_BYTES,
+        so that the client, still sending, gets the answer instead of a reset connection) and refused."""
+        limit = self.settings.max_body_bytes
+        data, seen = bytearray(), 0
+        async for part in request.stream():
+            seen += len(part)
+            if seen <= limit:
+                data += part
+            elif seen > DRAIN_BYTES:
+                break
+        if seen > limit:
+            raise api.invalid(f"the request body is larger than {limit} bytes ('input' may have at most "
+                              f"{api.MAX_INPUT_CHARS} characters)", "input", "string_above_max_length")
+        return bytes(data)
+
+    # --- speech ------------------------------------------------------------------------------------
+    async def speech(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        self.authenticate(request)
+        req = api.parse(await self.body(request))
+        fmt = req.response_format
+        # a FLAC stream cannot carry its length (libsndfile's readers refuse it): whole unless asked for
+        default = self.settings.stream_default and fmt not in WHOLE_BY_DEFAULT
+        streamed = req.stream_format == "sse" or (req.stream if req.stream is not None else default)
+        mode = "sse" if req.stream_format == "sse" else ("stream" if streamed else "whole")
+        if self.inflight >= self.settings.max_concurrency:
+            self.metrics.requests.labels(fmt, mode, "429").inc()
+            raise api.APIError(429, f"more than {self.settings.max_concurrency} speech requests in flight, retry later",
+                               "rate_limit_error", None, "rate_limit_exceeded", {"Retry-After": "1"})
+        pieces = split_text(req.input) if req.split else [req.input]
+        if not pieces:
+            raise api.invalid("'input' has nothing to speak", "input")
+        job = Job(pieces, api.contract_options(req), **({"seed": req.seed} if req.seed is not None else {}))
+        headers = {"X-ChatTTS-Seed": str(job.seed), "X-ChatTTS-Pieces": str(len(pieces))}
+        self.metrics.pieces.inc(len(pieces))
+        self.inflight += 1
+        self.metrics.inflight.inc()
+        handed_over = False
+        try:
+            if not streamed:
+                response, seconds = await self._whole(job, req, headers, request)
+                self._done(fmt, mode, str(response.status_code), t0, seconds)
+                return response
+            response = await self._stream(job, req, headers, mode, t0)
+            handed_over = True  # the response's end ends the request
+            return response
+        except api.APIError as e:
+            self.metrics.requests.labels(fmt, mode, str(e.status)).inc()
+            raise
+        finally:
+            if not handed_over:
+                self.inflight -= 1
+                self.metrics.inflight.dec()
+
+    def finished(self, fmt: str, mode: str, status: str, t0: float, audio_s: float) -> None:
+        """A stream's end: out of the in-flight count, into the metrics."""
+        self.inflight -= 1
+        self.metrics.inflight.dec()
+        self._done(fmt, mode, status, t0, audio_s)
+
+    def _done(self, fmt: str, mode: str, status: str, t0: float, audio_s: float) -> None:
+        self.metrics.requests.labels(fmt, mode, status).inc()
+        self.metrics.latency.labels(fmt, mode).observe(time.perf_counter() - t0)
+        if audio_s:
+            self.metrics.audio_seconds.labels(fmt).inc(audio_s)
+
+    def _synthesis_failed(self, e: SynthesisError, req: api.SpeechRequest) -> api.APIError:
+        self.metrics.errors.labels(e.status).inc()
+        return api_error(e, req)
+
+    async def _whole(self, job: Job, req: api.SpeechRequest, headers: Dict[str, str],
+                     request: Request) -> Tuple[Response, float]:
+        work = asyncio.ensure_future(asyncio.wait_for(self.synth.synthesize(job), self.settings.timeout_s))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:  # a client that leaves stops its synthesis (and frees the server's slots) instead of paying for it
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(BaseException):
+                await work
+            return Response(status_code=499), 0.0  # nobody reads it (nginx's "client closed request")
+        try:
+            audio = work.result()
+        except SynthesisError as e:
+            raise self._synthesis_failed(e, req) from None
+        except asyncio.TimeoutError:
+            raise _timeout(self.settings.timeout_s) from None
+        fmt = req.response_format
+        t = time.perf_counter()
+        data = encode(fmt, audio) if fmt in ("pcm", "wav") else await asyncio.to_thread(encode, fmt, audio)
+        self.metrics.encode_seconds.labels(fmt).inc(time.perf_counter() - t)
+        return Response(data, media_type=CONTENT_TYPES[fmt], headers=headers), audio.size / SAMPLE_RATE
+
+    async def _stream(self, job: Job, req: api.SpeechRequest, headers: Dict[str, str], mode: str,
+                      t0: float) -> Response:
+        chunks = self.synth.stream(job)
+        fmt = req.response_format
+        # the encoder is made (its codec opened) while the first chunk is generated
+        encoder = asyncio.get_running_loop().run_in_executor(None, StreamEncoder, fmt)
+        try:  # the first chunk (or the error) before any header: a bad voice is still a 400
+            try:
+                first: Optional[np.ndarray] = await asyncio.wait_for(chunks.__anext__(), self.settings.timeout_s)
+            except StopAsyncIteration:
+                first = None
+            stream = _Stream(self, req, mode, t0, first, chunks, await encoder)
+        except BaseException as e:
+            await chunks.aclose()
+            with contextlib.suppress(BaseException):
+                (await encoder).abort()
+            if isinstance(e, SynthesisError):
+                raise self._synthesis_failed(e, req) from None
+            if isinstance(e, asyncio.TimeoutError):
+                raise _timeout(self.settings.timeout_s) from None
+            raise
+        media_type = "text/event-stream" if mode == "sse" else CONTENT_TYPES[req.response_format]
+        return _StreamingResponse(stream.sse() if mode == "sse" else stream.audio(), stream.end, media_type=media_type,
+                                  headers={**headers, "Cache-Control": "no-store"})
+
+    # --- the rest ----------------------------------------------------------------------------------
+    def voices(self) -> List[Dict[str, object]]:
+        if self.settings.repo is None:
+            return [{"id": n, "name": n, "source": f"seed {s}", "builtin": True} for n, s in sorted(BUILTIN_VOICE_SEEDS.items())]
+        from chattts_triton.repo_config import VOICES
+        from chattts_triton.voices import VoiceFileError, builtin_voices, read_voices
+
+        path = self.settings.repo / VOICES
+        try:  # the built-ins where the repository has no registry (the server serves those then)
+            voices = read_voices(path) if path.exists() else builtin_voices(1)
+        except VoiceFileError as e:
+            raise api.APIError(500, str(e), "server_error", None, "voice_registry_unreadable") from None
+        return [{"id": n, "name": n, "source": v.source, "builtin": v.builtin, **({"description": v.description}
+                                                                                   if v.description else {})}
+                for n, v in sorted(voices.items())]
+
+    async def health(self) -> Tuple[int, Dict[str, object]]:
+        ready = await self.synth.ready()
+        ok = all(ready.values())
+        return (200 if ok else 503), {"status": "ok" if ok else "unavailable", "triton": self.settings.grpc_url,
+                                      "ready": ready}
+
+
+def _error_response(e: api.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def create_app(settings: Settings, synthesizer: Optional[Synthesizer] = None) -> FastAPI:
+    gw = Gateway(settings, synthesizer)
+    split_text("Warm up.")  # imports the splitter's modules now, not in the first client's request
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        # what was loaded at start (torch, through the splitter, is most of it) leaves the collector's generations:
+        # each full collection would walk it all again, a pause of every request in flight
+        gc.freeze()
+        yield
+        await gw.synth.close()
+
+    app = FastAPI(title="chattts-triton speech gateway", version="0.1.0", lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    app.state.gateway = gw
+
+    @app.exception_handler(api.APIError)
+    async def _api_error(request: Request, e: api.APIError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return _error_response(api.APIError(e.status_code, str(e.detail), kind, None, None, dict(e.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("internal error")
+        return _error_response(api.APIError(500, f"internal error: {type(e).__name__}", "server_error", None, "internal_error"))
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request):
+        return await gw.speech(request)
+
+    @app.get("/v1/audio/voices")
+    async def voices(request: Request):
+        gw.authenticate(request)
+        return {"voices": gw.voices()}
+
+    def model_card(name: str) -> Dict[str, object]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        gw.authenticate(request)
+        return {"object": "list", "data": [model_card(m) for m in api.MODELS]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str, request: Request):
+        gw.authenticate(request)
+        if model not in api.MODELS:
+            raise api.APIError(404, f"the model {model!r} does not exist", "invalid_request_error", "model", "model_not_found")
+        return model_card(model)
+
+    @app.get("/v1/audio/models")
+    async def audio_models(request: Request):  # Open WebUI lists speech models here
+        gw.authenticate(request)
+        return {"models": [{"id": m} for m in api.MODELS]}
+
+    @app.get("/health")
+    async def health():
+        status, body = await gw.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground():
+        return HTMLResponse(gw.playground)
+
+    return app

@@ -1,0 +1,419 @@
+"""The speech gateway without Triton: the request body and its errors, the speed table, the text split, the
+encoders (decoded back by FFmpeg), and the HTTP application served by uvicorn with a stand-in synthesizer
+(authentication, overload, timeouts, health, metrics). Against the real server: tests/test_gateway_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import pytest
+
+from chattts_triton.config import LIMITS, SAMPLE_RATE
+from chattts_triton.tritonserver import free_port
+from client.errors import ChatTTSError
+from gateway import api
+from gateway.app import Settings, create_app
+from gateway.audio import CONTENT_TYPES, FORMATS, StreamEncoder, decode, encode, to_int16
+from gateway.synth import Job, SynthesisError, split_text, synthesis_error
+
+OK = {"model": "chattts", "input": "Hello world.", "voice": "alloy"}
+
+
+# --- the body --------------------------------------------------------------------------------------
+def parse(**fields) -> api.SpeechRequest:
+    return api.parse(json.dumps({**OK, **fields}).encode())
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"input": 5}, "input", "valid string"),
+    ({"input": ""}, "input", "empty"),
+    ({"input": "  \n"}, "input", "empty"),
+    ({"input": "x" * (api.MAX_INPUT_CHARS + 1)}, "input", "limit of 4096"),
+    ({"input": "x" * (LIMITS.max_text_chars + 1), "split": False}, "input", "split false"),
+    ({"voice": 7}, "voice", "valid string"),
+    ({"voice": " "}, "voice", "empty"),
+    ({"voice": {"name": "x"}}, "voice", "id"),
+    ({"response_format": "ogg"}, "response_format", "'mp3', 'opus', 'aac', 'flac', 'wav' or 'pcm'"),
+    ({"speed": 0.1}, "speed", "greater than or equal to 0.25"),
+    ({"speed": 4.5}, "speed", "less than or equal to 4"),
+    ({"speed": "1.0"}, "speed", "valid number"),
+    ({"stream_format": "chunks"}, "stream_format", "'audio' or 'sse'"),
+    ({"model": "whisper-1"}, "model", "does not exist"),
+    ({"seed": 1.5}, "seed", "valid integer"),
+    ({"seed": -1}, "seed", "greater than or equal to 0"),
+    ({"temperature": 0}, "temperature", "greater than 0"),
+    ({"top_p": 2}, "top_p", "less than or equal to 1"),
+    ({"stream": "yes"}, "stream", "valid boolean"),
+    ({"max_new_tokens": 5, "min_new_tokens": 9}, "min_new_tokens", "must not exceed"),
+    ({"prompt": "[speed_2]", "speed": 1.5}, "speed", "not both"),
+])
+def test_bad_fields_are_400s_naming_the_field(fields, param, words):
+    with pytest.raises(api.APIError) as e:
+        parse(**fields)
+    assert e.value.status == 400 and e.value.param == param and words in e.value.message
+    assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("body, param", [(b"not json", None), (b"[1, 2]", None), (b'{"model": "chattts"}', "input"),
+                                         (b'{"model": "chattts", "input": "x"}', "voice")])
+def test_malformed_and_incomplete_bodies(body, param):
+    with pytest.raises(api.APIError) as e:
+        api.parse(body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_a_good_body_becomes_contract_options():
+    req = parse(voice={"id": "nova"}, speed=2.0, seed=9, temperature=0.5, top_k=3, instructions="cheerful",
+                unknown_future_field=1, model="tts-1")
+    assert api.contract_options(req) == {"voice": "nova", "prompt": "[speed_8]", "temperature": 0.5, "top_k": 3}
+    assert api.contract_options(parse(prompt="[oral_2]"))["prompt"] == "[speed_5][oral_2]"
+    assert api.contract_options(parse(prompt="[speed_1][oral_2]"))["prompt"] == "[speed_1][oral_2]"
+    assert parse(speed=1).speed == 1.0  # an integer is a number
+
+
+def test_speed_table_is_monotone_and_follows_the_logarithm():
+    assert api.speed_token(1.0) == "[speed_5]" and api.speed_token(0.25) == "[speed_0]" and api.speed_token(4.0) == "[speed_9]"
+    speeds = np.geomspace(0.25, 4.0, 400)
+    steps = [int(api.speed_token(float(s))[7]) for s in speeds]
+    assert steps == sorted(steps) and set(steps) == set(range(10))
+    for s, n in zip(speeds, steps):   # N = 5 + 2.5 log2(speed), rounded
+        exact = min(9.0, max(0.0, 5 + 2.5 * math.log2(s)))
+        assert abs(n - exact) <= 0.5 + 1e-9, s
+    rows = api.speed_table()
+    assert len(rows) == 10 and rows[0][0] == 0.25 and rows[5][2] == "[speed_5]" and rows[5][0] < 1.0 < rows[5][1]
+
+
+# --- splitting and errors ----------------------------------------------------------------------------
+def test_split_text_pieces():
+    assert split_text("First one. Second one. 第三句。") == ["First one.", "Second one.", "第三句。"]
+    assert split_text("line one\n\nline two\n") == ["line one", "line two"]
+    assert split_text("Hello.\n...\n!!\nBye.") == ["Hello. ... !!", "Bye."]  # nothing to say: kept with the previous
+    long = ("word " * 900).strip()  # 4499 characters, no sentence end
+    pieces = split_text(long)
+    assert all(len(p) <= LIMITS.max_text_chars for p in pieces) and " ".join(pieces) == long
+
+
+def test_server_errors_keep_their_message_and_field():
+    err = synthesis_error(ChatTTSError("INVALID_ARGUMENT", "grpc://127.0.0.1:1 model 'chattts': in ensemble "
+                                       "'chattts', VOICE 'x' is not a voice of this server; known: alloy"))
+    assert (err.status, err.field) == ("INVALID_ARGUMENT", "VOICE") and err.message.startswith("VOICE 'x' is not")
+    assert synthesis_error(ChatTTSError("INVALID_ARGUMENT", "INVALID_ARGUMENT: REFINE_TOP_P must be")).field == "REFINE_TOP_P"
+    assert api.field_of("VOICE") == "voice" and api.field_of("TEXT") == "input" and api.field_of("TOP_P") == "top_p"
+
+
+def test_seed_schedule():
+    job = Job(["a", "b", "c"], {"voice": "alloy"}, seed=2**63 - 2)
+    assert [job.piece_options(i)["seed"] for i in range(3)] == [2**63 - 2, 2**63 - 1, 0]
+    assert job.piece_options(1)["voice"] == "alloy"
+
+
+# --- audio -------------------------------------------------------------------------------------------
+def tone(seconds: float) -> np.ndarray:
+    t = np.arange(int(seconds * SAMPLE_RATE)) / SAMPLE_RATE
+    return (0.4 * np.sin(2 * np.pi * 330 * t)).astype(np.float32)
+
+
+def samples16(decoded: np.ndarray) -> np.ndarray:
+    return np.round(decoded * 32768).astype(np.int16)
+
+
+# samples a decoder may add: encoder priming and the last frame's padding (a stream has no gapless header)
+SLACK = {"mp3": 2 * 1152, "aac": 2 * 1024, "opus": 0, "flac": 0, "wav": 0, "pcm": 0}
+
+
+@pytest.mark.parametrize("seconds", [0.03, 0.4, 1.3, 2.5])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_whole_files_decode_to_the_audio(fmt, seconds):
+    x = tone(seconds)
+    data = encode(fmt, x)
+    y = decode(data, fmt)
+    exact = fmt != "aac"  # MP3 (LAME header) and Opus (pre-skip) carry their exact length; ADTS cannot
+    assert y.size == x.size if exact else 0 <= y.size - x.size <= SLACK["aac"]
+    if fmt in ("pcm", "wav", "flac"):
+        assert np.array_equal(samples16(y), to_int16(x))
+    if fmt == "wav":
+        import soundfile
+
+        info = soundfile.info(__import__("io").BytesIO(data))
+        assert (info.samplerate, info.channels, info.frames, info.subtype) == (SAMPLE_RATE, 1, x.size, "PCM_16")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_streams_give_bytes_from_the_first_chunk_and_decode_to_the_audio(fmt):
+    x = tone(1.0)
+    enc = StreamEncoder(fmt)
+    parts = [enc.push(x[i:i + 4096]) for i in range(0, x.size, 4096)]
+    parts.append(enc.close())
+    assert len(parts[0]) > 0 and sum(len(p) > 0 for p in parts[:-1]) >= len(parts) - 2  # audio as it comes
+    y = decode(b"".join(parts), fmt)
+    assert 0 <= y.size - x.size <= SLACK[fmt]
+    if fmt in ("pcm", "wav", "flac"):
+        assert np.array_equal(samples16(y), to_int16(x))
+    else:  # lossy: the tone is still there (the best lag's correlation)
+        lag = int(np.argmax(np.correlate(y[:6000], x[:2000], "valid")))
+        seg = y[lag:lag + x.size]
+        assert np.corrcoef(seg, x[:seg.size])[0, 1] > 0.9
+
+
+# --- the application, with a stand-in synthesizer -----------------------------------------------------
+class FakeSynth:
+    """Audio of 0.5 s per piece (or `error`), after `delay_s`."""
+
+    def __init__(self):
+        self.error: Optional[SynthesisError] = None
+        self.delay_s = 0.0
+        self.chunk_delay_s = 0.0
+        self.jobs: List[Job] = []
+        self.is_ready = True
+        self.cancelled = 0  # syntheses stopped before their end
+        self.closed = 0  # streams ended, however
+        self.pause = np.zeros(4800, np.float32)
+
+    async def ready(self):
+        return {"chattts": self.is_ready, "chattts_stream": True}
+
+    async def synthesize(self, job):
+        self.jobs.append(job)
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if self.error:
+            raise self.error
+        return tone(0.5 * len(job.pieces))
+
+    async def stream(self, job):
+        self.jobs.append(job)
+        try:
+            await asyncio.sleep(self.delay_s)
+            if self.error:
+                raise self.error
+            for _ in job.pieces:
+                yield tone(0.5)
+                await asyncio.sleep(self.chunk_delay_s)
+        finally:
+            self.closed += 1
+
+    async def close(self):
+        pass
+
+
+class Served:
+    def __init__(self, settings: Settings):
+        import uvicorn
+
+        self.synth = FakeSynth()
+        self.port = free_port()
+        self.app = create_app(settings, self.synth)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "Served":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def request(self, path: str, body: Any = None, headers: Optional[Dict[str, str]] = None, raw: Optional[bytes] = None):
+        """(status, headers, body bytes)."""
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.headers, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+
+
+def error_of(body: bytes) -> Dict[str, Any]:
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_api_keys_are_checked_on_the_api_not_on_health_or_the_playground():
+    with Served(Settings(api_keys=("k1", "k2"), stream_default=False)) as s:
+        status, _, body = s.request("/v1/audio/speech", OK)
+        assert status == 401 and error_of(body)["code"] == "missing_api_key"
+        status, headers, body = s.request("/v1/audio/speech", OK, {"Authorization": "Bearer nope"})
+        assert status == 401 and error_of(body)["code"] == "invalid_api_key" and headers["WWW-Authenticate"] == "Bearer"
+        assert s.request("/v1/models", headers={"Authorization": "Bearer nope"})[0] == 401
+        status, headers, body = s.request("/v1/audio/speech", {**OK, "response_format": "wav"}, {"Authorization": "Bearer k2"})
+        assert status == 200 and headers["Content-Type"] == "audio/wav" and decode(body).size == SAMPLE_RATE // 2
+        assert s.request("/health")[0] == 200 and s.request("/")[0] == 200
+
+
+def test_openai_client_gets_openai_errors():
+    import openai
+
+    with Served(Settings(stream_default=False, max_body_bytes=1 << 20)) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:  # 10 MB of input: refused, the connection intact
+            client.audio.speech.create(model="chattts", voice="alloy", input="x" * (10 << 20))
+        assert e.value.body["param"] == "input" and "larger than" in e.value.body["message"]
+        s.synth.error = SynthesisError("INVALID_ARGUMENT", "VOICE 'zz' is not a voice of this server; known: alloy", "VOICE")
+        with pytest.raises(openai.BadRequestError) as e:
+            client.audio.speech.create(model="chattts", voice="zz", input="hi")
+        assert e.value.body["param"] == "voice" and "known: alloy" in e.value.body["message"]
+        s.synth.error = SynthesisError("UNAVAILABLE", "server busy: 32 generations in flight, retry later")
+        with pytest.raises(openai.InternalServerError) as e:
+            client.audio.speech.create(model="chattts", voice="alloy", input="hi")
+        assert e.value.status_code == 503 and e.value.response.headers["Retry-After"] == "1"
+        s.synth.error = SynthesisError("DEADLINE_EXCEEDED", "timed out")
+        with pytest.raises(openai.APIStatusError) as e:
+            client.audio.speech.create(model="chattts", voice="alloy", input="hi", extra_body={"stream": True})
+        assert e.value.status_code == 504 and e.value.body["code"] == "timeout"
+
+
+def test_overload_and_timeouts_of_the_gateway_itself():
+    with Served(Settings(max_concurrency=2, timeout_s=0.5, stream_default=False)) as s:
+        s.synth.delay_s = 0.3
+        results: List[int] = []
+        threads = [threading.Thread(target=lambda: results.append(s.request("/v1/audio/speech", OK)[0])) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results) == [200, 200, 429, 429]
+        s.synth.delay_s = 2.0
+        status, _, body = s.request("/v1/audio/speech", OK)
+        assert status == 504 and "longer than 0.5 s" in error_of(body)["message"]
+        metrics = s.request("/metrics")[2].decode()
+        assert 'chattts_gateway_requests_total{format="mp3",mode="whole",status="429"} 2.0' in metrics
+        assert 'chattts_gateway_requests_total{format="mp3",mode="whole",status="200"} 2.0' in metrics
+
+
+def test_pieces_seeds_headers_health_and_listings():
+    with Served(Settings(stream_default=False)) as s:
+        status, headers, _ = s.request("/v1/audio/speech", {**OK, "input": "One. Two. Three.", "seed": 11})
+        job = s.synth.jobs[-1]
+        assert status == 200 and job.pieces == ["One.", "Two.", "Three."] and job.seed == 11
+        assert headers["X-ChatTTS-Seed"] == "11" and headers["X-ChatTTS-Pieces"] == "3"
+        s.request("/v1/audio/speech", {**OK, "input": "One. Two.", "split": False})
+        assert s.synth.jobs[-1].pieces == ["One. Two."]
+        voices = json.loads(s.request("/v1/audio/voices")[2])["voices"]
+        assert [v["id"] for v in voices][:2] == ["alloy", "echo"] and voices[0]["source"] == "seed 2222"
+        assert [m["id"] for m in json.loads(s.request("/v1/models")[2])["data"]][0] == "chattts"
+        status, _, body = s.request("/v1/models/nope")
+        assert status == 404 and error_of(body)["code"] == "model_not_found"
+        assert s.request("/v1/nowhere")[0] == 404
+        s.synth.is_ready = False
+        status, _, body = s.request("/health")
+        assert status == 503 and json.loads(body)["ready"]["chattts"] is False
+
+
+def test_streaming_is_the_default_except_for_flac():
+    with Served(Settings()) as s:
+        for fmt in ("mp3", "flac", "wav"):
+            assert s.request("/v1/audio/speech", {**OK, "response_format": fmt})[0] == 200
+        s.request("/v1/audio/speech", {**OK, "response_format": "flac", "stream": True})
+        metrics = s.request("/metrics")[2].decode()
+        for fmt, mode in (("mp3", "stream"), ("flac", "whole"), ("wav", "stream"), ("flac", "stream")):
+            assert f'chattts_gateway_requests_total{{format="{fmt}",mode="{mode}",status="200"}} 1.0' in metrics
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "pcm"])
+def test_streamed_and_sse_responses(fmt):
+    import base64
+
+    with Served(Settings()) as s:
+        status, headers, body = s.request("/v1/audio/speech", {**OK, "input": "One. Two.", "response_format": fmt})
+        assert status == 200 and headers["Content-Type"] == CONTENT_TYPES[fmt]
+        assert 0 <= decode(body, fmt).size - (SAMPLE_RATE + 0) <= 2 * 1152  # two pieces of 0.5 s (the fake's pause: none)
+        status, headers, body = s.request("/v1/audio/speech", {**OK, "response_format": fmt, "stream_format": "sse"})
+        events = [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: ")]
+        assert headers["Content-Type"].startswith("text/event-stream") and events[-1] == {"type": "speech.audio.done"}
+        audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+        assert all(e["type"] == "speech.audio.delta" for e in events[:-1]) and decode(audio, fmt).size >= SAMPLE_RATE // 2
+
+
+# --- documentation and make ---------------------------------------------------------------------------
+def test_docs_speed_table_is_the_mapping():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "gateway.md").read_text(encoding="utf-8")
+    for lo, hi, token in api.speed_table():
+        assert f"| {lo:.3g} – {min(hi, 4.0):.3g} | `{token}` |" in doc
+
+
+def test_make_gateway_runs_the_gateway_against_the_given_server():
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["make", "-n", "gateway", "GRPC_URL=10.0.0.5:9001", "GATEWAY_PORT=9090", "REPO=/nonexistent"],
+                         cwd=root, capture_output=True, text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if "-m gateway" in x)
+    assert line.split("-m gateway", 1)[1].split() == ["--grpc-url", "10.0.0.5:9001", "--host", "127.0.0.1", "--port", "9090"]
+
+
+def _leave_early(port: int, body: dict, read: int) -> None:
+    """Send a request, read `read` bytes of the answer (0: none), then close the connection."""
+    import socket
+
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        got = b""
+        while len(got) < read:
+            got += sock.recv(65536)
+
+
+def _eventually(check, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "not in time"
+        time.sleep(0.02)
+
+
+def test_a_client_that_leaves_stops_its_synthesis_and_its_stream():
+    with Served(Settings(stream_default=False)) as s:
+        gw = s.app.state.gateway
+        s.synth.delay_s = 5.0
+        _leave_early(s.port, OK, 0)  # gone before the audio exists
+        _eventually(lambda: s.synth.cancelled == 1 and gw.inflight == 0)
+        s.synth.delay_s, s.synth.chunk_delay_s = 0.0, 5.0
+        _leave_early(s.port, {**OK, "input": "One. Two. Three.", "stream": True, "response_format": "pcm"}, 1)
+        _eventually(lambda: s.synth.closed == 1 and gw.inflight == 0)  # gone mid-stream
+        metrics = s.request("/metrics")[2].decode()
+        assert 'status="499"} 1.0' in metrics and 'mode="stream",status="aborted"} 1.0' in metrics
+
+
+def test_command_line_binds_loopback_unless_told_and_guards_a_public_host(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gateway.__main__ import api_keys, build_parser, is_loopback
+
+    a = build_parser().parse_args([])
+    assert a.host == "127.0.0.1" and is_loopback(a.host) and is_loopback("::1") and not is_loopback("0.0.0.0")
+    keys = tmp_path / "keys"
+    keys.write_text("k2\n\nk3\n")
+    monkeypatch.setenv("CHATTTS_GATEWAY_API_KEYS", "k4, k5")
+    assert api_keys(build_parser().parse_args(["--api-key", "k1", "--api-key-file", str(keys)])) == ["k1", "k2", "k3", "k4", "k5"]
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CHATTTS_GATEWAY_API_KEYS"}
+    run = subprocess.run([sys.executable, "-m", "gateway", "--host", "0.0.0.0", "--require-api-key"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--require-api-key" in run.stderr and "CHATTTS_GATEWAY_API_KEYS" in run.stderr

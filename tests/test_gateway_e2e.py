@@ -1,0 +1,258 @@
+"""The speech gateway (`python -m gateway`) in front of a real tritonserver (`served_tiny`: tiny weights on CPU),
+called by OpenAI's own Python client and by Chromium: every format decoded back by FFmpeg and compared with
+the audio the same call gives over gRPC, streams, server-sent events, long text, named voices, the error
+bodies, and the browser playground."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chattts_triton.config import SAMPLE_RATE, samples_for_codes
+from chattts_triton.tritonserver import _set_parent_death_signal, free_port
+from client import ChatTTSClient
+from gateway.audio import FORMATS, decode, to_int16
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = 20
+FIXED = {"max_new_tokens": TOKENS, "min_new_tokens": TOKENS}
+N = samples_for_codes(TOKENS)
+PAUSE = int(0.2 * SAMPLE_RATE)  # the gateway's default pause between pieces
+SLACK = {"mp3": 2 * 1152, "aac": 2 * 1024}  # priming and padding a decoder of a stream (or of ADTS) keeps
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+@pytest.fixture(scope="module")
+def gateway(served_tiny, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port", str(port),
+                                 "--repo", str(served_tiny.model_repository)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=_set_parent_death_signal)  # no gateway outlives an interrupted run
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    code = proc.wait(30)  # uvicorn shuts down, then ends by the signal it got
+    assert code in (0, -15) and "Application shutdown complete" in log.read_text(), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def oai(gateway):
+    import openai
+
+    return openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def grpc(served_tiny):
+    with ChatTTSClient(served_tiny.grpc_url) as c:
+        yield c
+
+
+def samples16(decoded: np.ndarray) -> np.ndarray:
+    return np.round(decoded * 32768).astype(np.int16)
+
+
+def check_decoded(fmt: str, decoded: np.ndarray, expected: np.ndarray, exact_length: bool) -> None:
+    """Lossless formats carry the expected samples; lossy ones its length (exactly where the file says it)."""
+    if fmt in ("pcm", "wav", "flac"):
+        assert np.array_equal(samples16(decoded), to_int16(expected))
+    elif exact_length and fmt != "aac":
+        assert decoded.size == expected.size
+    else:
+        assert 0 <= decoded.size - expected.size <= SLACK.get(fmt, 0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_speech_create_in_every_format_is_the_audio_of_the_same_grpc_call(oai, grpc, fmt):
+    response = oai.audio.speech.create(model="chattts", voice="alloy", input="Hello world.", response_format=fmt,
+                                       extra_body={**FIXED, "seed": 7, "stream": False})
+    assert response.response.headers["x-chattts-seed"] == "7"
+    expected = grpc.synthesize("Hello world.", voice="alloy", seed=7, prompt="[speed_5]", **FIXED)
+    assert expected.size == N
+    check_decoded(fmt, decode(response.content, fmt), expected, exact_length=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_streamed_speech_is_the_stream_of_the_same_grpc_call(oai, grpc, fmt):
+    with oai.audio.speech.with_streaming_response.create(model="chattts", voice="nova", input="你好，世界。",
+                                                          response_format=fmt, extra_body={**FIXED, "seed": 3, "stream": True}) as r:
+        parts = list(r.iter_bytes())
+    expected = np.concatenate(list(grpc.stream("你好，世界。", voice="nova", seed=3, prompt="[speed_5]", **FIXED)))
+    check_decoded(fmt, decode(b"".join(parts), fmt), expected, exact_length=False)
+
+
+def test_sse_events_carry_the_stream(oai, grpc):
+    with oai.audio.speech.with_streaming_response.create(model="chattts", voice="echo", input="Hello.", response_format="pcm",
+                                                          stream_format="sse", extra_body={**FIXED, "seed": 5}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done" and {e["type"] for e in events[:-1]} == {"speech.audio.delta"}
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    expected = np.concatenate(list(grpc.stream("Hello.", voice="echo", seed=5, prompt="[speed_5]", **FIXED)))
+    assert np.array_equal(np.frombuffer(audio, "<i2"), to_int16(expected))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_long_text_is_spoken_in_pieces_with_one_voice_and_the_seed_schedule(oai, grpc, stream):
+    text = "The first sentence. Then a second one. 最后是第三句。"
+    with oai.audio.speech.with_streaming_response.create(model="chattts", voice="fable", input=text, response_format="pcm",
+                                                          extra_body={**FIXED, "seed": 40, "stream": stream}) as r:
+        assert r.headers["x-chattts-pieces"] == "3"
+        audio = np.frombuffer(r.read(), "<i2")
+    assert audio.size == 3 * N + 2 * PAUSE
+    pieces = ["The first sentence.", "Then a second one.", "最后是第三句。"]
+    for i, piece in enumerate(pieces):
+        got = audio[i * (N + PAUSE): i * (N + PAUSE) + N]
+        if i == 0 and stream:  # the first piece is streamed by chattts_stream
+            expected = np.concatenate(list(grpc.stream(piece, voice="fable", seed=40, prompt="[speed_5]", **FIXED)))
+        else:
+            expected = grpc.synthesize(piece, voice="fable", seed=40 + i, prompt="[speed_5]", **FIXED)
+        # the same tokens; pieces batched together may round in the last bits (≤ 1e-5, test_e2e_serving): ≤ 1 LSB
+        assert np.abs(got.astype(np.int32) - to_int16(expected)).max() <= 1, i
+        if i:
+            assert not audio[i * (N + PAUSE) - PAUSE: i * (N + PAUSE)].any()  # the pause
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"voice": "no-such-voice"}, "voice", "known: alloy, echo, fable, nova, onyx, shimmer"),
+    ({"input": ""}, "input", "empty"),
+    ({"input": "x" * (10 << 20)}, "input", "larger than"),
+    ({"response_format": "ogg"}, "response_format", "'mp3', 'opus'"),
+    ({"speed": 4.01}, "speed", "less than or equal to 4"),
+    ({"speed": "fast"}, "speed", "valid number"),
+    ({"input": ["a"]}, "input", "valid string"),
+    ({"input": "hi [not_a_token]"}, "input", "not_a_token"),
+    ({"temperature": 500}, "temperature", "less than or equal to 100"),
+])
+def test_bad_bodies_get_openai_400s_naming_the_field(gateway, body, param, words):
+    full = {"model": "chattts", "input": "Hello.", "voice": "alloy", "stream": False, **FIXED, **body}
+    req = urllib.request.Request(gateway + "/v1/audio/speech", data=json.dumps(full).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    error = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and error["type"] == "invalid_request_error" and error["param"] == param
+    assert words in error["message"]
+
+
+def test_unknown_voice_through_the_openai_client_and_the_stream_path(oai):
+    import openai
+
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.audio.speech.create(model="chattts", voice="nobody", input="hi", extra_body={"stream": stream, **FIXED})
+        assert e.value.body["param"] == "voice" and "known: alloy" in e.value.body["message"]
+
+
+def first_byte_s(gateway: str, body: dict) -> float:
+    host, port = gateway[len("http://"):].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/audio/speech", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and r.read(1)
+        t = time.perf_counter() - t0
+        r.read()
+        return t
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("fmt", ["pcm", "mp3"])
+def test_first_audio_byte_within_10_ms_of_the_first_chunk(gateway, grpc, fmt):
+    """Concurrency 1, each request through the gateway right after the same call straight to chattts_stream:
+    the pairs' median difference (pairs cancel the load other processes put on the machine)."""
+    body = {"model": "chattts", "input": "Hello world.", "voice": "alloy", "response_format": fmt, "seed": 1, **FIXED}
+    later = []
+    for _ in range(11):
+        t0 = time.perf_counter()
+        chunks = grpc.stream("Hello world.", voice="alloy", seed=1, prompt="[speed_5]", **FIXED)
+        next(chunks)
+        direct = time.perf_counter() - t0
+        list(chunks)
+        later.append(first_byte_s(gateway, body) - direct)
+    assert statistics.median(later) <= 0.010, later
+
+
+def test_health_voices_models_and_metrics(gateway, oai, served_tiny):
+    for stream in (False, True):
+        oai.audio.speech.create(model="chattts", voice="alloy", input="Hi.", response_format="pcm",
+                                extra_body={**FIXED, "stream": stream})
+
+    def get(path):
+        with urllib.request.urlopen(gateway + path, timeout=30) as r:
+            return r.read()
+
+    health = json.loads(get("/health"))
+    assert health == {"status": "ok", "triton": served_tiny.grpc_url, "ready": {"chattts": True, "chattts_stream": True}}
+    voices = {v["id"]: v for v in json.loads(get("/v1/audio/voices"))["voices"]}
+    assert voices["alloy"]["source"] == "seed 2222" and voices["alloy"]["builtin"]
+    assert {m["id"] for m in json.loads(get("/v1/models"))["data"]} >= {"chattts", "tts-1"}
+    metrics = get("/metrics").decode()
+    assert 'chattts_gateway_requests_total{format="pcm",mode="whole",status="200"}' in metrics
+    assert 'chattts_gateway_requests_total{format="pcm",mode="stream",status="200"}' in metrics
+    assert 'chattts_gateway_first_byte_seconds_bucket{format="pcm"' in metrics and "chattts_gateway_pieces_total" in metrics
+
+
+def test_playground_plays_streamed_audio_in_chromium(gateway):
+    if not os.path.exists(CHROMIUM):  # CI installs it (.ci/run): there a missing browser is a failure
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"needs Debian's chromium at {CHROMIUM}: apt-get install chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            # random tiny weights seldom end an utterance: each request gets the tests' fixed length
+            page.route("**/v1/audio/speech", lambda route: route.continue_(
+                post_data=json.dumps({**json.loads(route.request.post_data), **FIXED})))
+            page.goto(gateway + "/")
+            page.wait_for_function("document.querySelectorAll('#voice option').length >= 6")  # from /v1/audio/voices
+            page.fill("#input", "Hello from the playground. A second sentence.")
+            page.select_option("#voice", "nova")
+            for fmt in ("mp3", "pcm", "wav"):  # MSE stream, Web Audio stream, whole file
+                page.select_option("#format", fmt)
+                page.click("#play")
+                page.wait_for_function("document.getElementById('status').textContent.startsWith('done') || "
+                                       "document.getElementById('status').className === 'error'", timeout=120_000)
+                status = page.inner_text("#status")
+                assert status.startswith("done") and f"of {fmt}" in status, status
+                page.wait_for_function("document.getElementById('audio').duration > 0 && "
+                                       "isFinite(document.getElementById('audio').duration)", timeout=30_000)
+            assert not errors
+            page.fill("#input", "")
+            page.click("#play")
+            page.wait_for_function("document.getElementById('status').className === 'error'")
+            assert "HTTP 400" in page.inner_text("#status") and "[input]" in page.inner_text("#status")
+        finally:
+            browser.close()
