@@ -34,7 +34,7 @@ KERNELS = ("op", "traced")
 # a package is loaded in a fresh process first: on the H200 (torch 2.11 cu130, 2026-12-02) torch's loader
 # died of SIGSEGV in `_load_aoti`, taking the whole bench with it; now that fails its variant only (and
 # `probe` showed that loader crashing on a two-layer package there too)
-LOAD_CHECK = ("import sys, torch, chattts_triton.attention; "  # the package calls back the decode-attention op
+LOAD_CHECK = ("import sys, torch, chattts_triton.model.attention; "  # the package calls back the decode-attention op
               "torch._inductor.aoti_load_package(sys.argv[1], run_single_threaded=True)")
 
 
@@ -48,7 +48,7 @@ class _StepModule(nn.Module):
 
     def forward(self, pi: Tensor, pf: Tensor, tokens: Tensor, hiddens: Tensor, k_cache: Tensor, v_cache: Tensor,
                 block_table: Tensor, n_live: Tensor) -> Tensor:
-        from chattts_triton.engine import I_N
+        from chattts_triton.runtime.engine import I_N
 
         e = self.engine
         saved = {name: getattr(e, name) for name in STATE + ("n_dev",)}
@@ -70,14 +70,14 @@ def _attention_kernel(kernel: str):
     if kernel == "op":
         yield
         return
-    from chattts_triton import attention
+    from chattts_triton.model import attention
 
     def direct(q, keys, values, tables, lengths):
         if not attention.kernel_available(q.device, q.shape[-1]):
             return attention.reference(q, keys, values, tables, lengths)
         return attention.run_kernel(q, keys, values, tables, lengths, traceable=True)
 
-    with mock.patch("chattts_triton.gpt.decode_attention", direct):
+    with mock.patch("chattts_triton.model.gpt.decode_attention", direct):
         yield
 
 

@@ -15,7 +15,7 @@ OUT_DIR then holds:
     stub-numpy.tar.xz       numpy 1.26.4 as an installed site folder (tests removed; xz halves the
                             wheel's 18 MB), unpacked only if the host's numpy is 2.x, into a folder
                             that only the python-backend stub sees (Triton 2.51's stub silently
-                            returns empty outputs with numpy 2; see chattts_triton.tritonserver)
+                            returns empty outputs with numpy 2; see chattts_triton.launcher.tritonserver)
     tritonserver.tar.xz     the server from the nvidia-pytriton wheel, in the wheel's layout:
                               pytriton/tritonserver/bin/tritonserver
                               pytriton/tritonserver/backends/python/{libtriton_python.so,
@@ -33,7 +33,7 @@ OUT_DIR then holds:
     MANIFEST.txt            every file with its size and sha256
 
 `TRITONSERVER=$TRITON_DIR/pytriton/tritonserver/bin/tritonserver` makes
-`chattts_triton.tritonserver` use the unpacked tree: the libraries are found at
+`chattts_triton.launcher.tritonserver` use the unpacked tree: the libraries are found at
 `../../nvidia_pytriton.libs` relative to the server root, as in the wheel.
 """
 
@@ -68,7 +68,7 @@ PACKAGES: Tuple[Tuple[str, str], ...] = (
     ("tritonclient", "2.73.0"),
     ("python-rapidjson", "1.25"),
     ("py-spy", "0.4.3"),  # bench.gil
-    # the spoken-form text normaliser (chattts_triton.spoken) and what it needs
+    # the spoken-form text normaliser (chattts_triton.model.spoken) and what it needs
     ("wetext", "0.1.8"),
     ("kaldifst", "1.8.3"),
     ("contractions", "0.1.73"),

@@ -34,8 +34,8 @@ from bench.common import add_device_args, cuda_missing, int_list, write_rows
 
 def load_prompts(repo: Path) -> List[torch.Tensor]:
     """The corpus's code prompts as the preprocess model lays them out (with a speaker embedding)."""
-    from chattts_triton import text as txt
-    from chattts_triton.repo_config import PREPROCESS
+    from chattts_triton.model import text as txt
+    from chattts_triton.config import PREPROCESS
     from loadtest.corpus import load_corpus
 
     tok = txt.TextTokenizer(Path(repo) / PREPROCESS / "1" / "tokenizer")
@@ -49,7 +49,7 @@ class ClosedLoop:
     def __init__(self, service, prompts: List[torch.Tensor], tokens: int, concurrency: int, seed: int = 0,
                  think_s: float = 0.0):
         from chattts_triton.config import InferCodeParams
-        from chattts_triton.services import sampling_params
+        from chattts_triton.runtime.inputs import sampling_params
 
         self.service, self.prompts, self.concurrency = service, prompts, concurrency
         forced = {"MAX_NEW_TOKENS": np.array([tokens]), "MIN_NEW_TOKENS": np.array([tokens])}
@@ -71,7 +71,7 @@ class ClosedLoop:
         self.thinker: Optional[threading.Thread] = None
 
     def _submit(self) -> None:
-        from chattts_triton.engine import GenRequest
+        from chattts_triton.runtime.engine import GenRequest
 
         with self.lock:
             if self.stopping:
@@ -169,8 +169,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if cuda_missing(a):
         return 2
-    from chattts_triton.backend import ModelContext, gpt_service
-    from chattts_triton.repo_config import GPT
+    from chattts_triton.triton.backend import ModelContext, gpt_service
+    from chattts_triton.config import GPT
 
     levels = int_list(ap, a.concurrency, "--concurrency")
     if not levels or min(levels) < 1:

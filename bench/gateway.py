@@ -58,7 +58,7 @@ class Gateway:
         import subprocess
         import urllib.request
 
-        from chattts_triton.tritonserver import _set_parent_death_signal, free_port
+        from chattts_triton.launcher.tritonserver import _set_parent_death_signal, free_port
 
         self.port = free_port()
         cmd = [sys.executable, "-m", "gateway", "--grpc-url", grpc_url, "--port", str(self.port), "--log-level", "warning",
@@ -289,8 +289,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gateway-arg", action="append", default=[], help="a flag for python -m gateway (repeatable)")
     ap.add_argument("--machine", default=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores")
     a = ap.parse_args(argv)
-    from chattts_triton.repo_config import read_manifest
-    from chattts_triton.tritonserver import TritonServer
+    from chattts_triton.triton.repo_config import read_manifest
+    from chattts_triton.launcher.tritonserver import TritonServer
 
     man = read_manifest(a.repo)
     a.out.parent.mkdir(parents=True, exist_ok=True)

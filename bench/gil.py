@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         print("py-spy not found: pip install py-spy (requirements.txt pins it), or pass --py-spy", file=sys.stderr)
         return 2
     from bench.run import hold
-    from chattts_triton.tritonserver import TritonServer
+    from chattts_triton.launcher.tritonserver import TritonServer
 
     raw = (a.out.with_suffix(".pyspy.txt") if a.out else Path("/tmp/bench-gil.pyspy.txt"))
     raw.parent.mkdir(parents=True, exist_ok=True)

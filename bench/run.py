@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from chattts_triton.config import FIRST_CHUNK_BUCKETS_MS, first_chunk_bucket
-from chattts_triton.repo_config import Deployment
+from chattts_triton.triton.repo_config import Deployment
 
 TEXT = "四川美食确实以辣闻名，但也有不辣的选择。"
 
@@ -196,8 +196,8 @@ def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, metric
     time to first chunk, gaps between chunks, whole stream; with `metrics_url`, the server's own
     split of the first chunk's time (`stream_window`)."""
     from bench import clients
-    from chattts_triton.backend import STATS_PERIOD_S
-    from chattts_triton.repo_config import STREAM
+    from chattts_triton.triton.backend import STATS_PERIOD_S
+    from chattts_triton.config import STREAM
     from loadtest.sweep import fetch_metrics, parse_counters
 
     def read_counters():
@@ -229,7 +229,8 @@ def gpu_processes(server) -> Dict[str, dict]:
     """GPU memory per model instance of the launched server, from what each process's allocator holds (its
     `chattts_gpu_memory_*` gauges; nvidia-smi's per-process list names host pids inside a container), and
     nvidia-smi's per-process figures (context included) as it lists them."""
-    from chattts_triton.repo_config import MODELS, STREAM
+    from chattts_triton.triton.repo_config import MODELS
+    from chattts_triton.config import STREAM
     from loadtest.sweep import fetch_metrics, parse_counters
 
     text = fetch_metrics(server.metrics_url)
@@ -262,7 +263,7 @@ def memory_snapshot(server, label: str) -> dict:
 
 def engine_slots(metrics_url: str) -> int:
     """The GPT engines' slots together, as they sized themselves (their `chattts_engine_slots` gauges)."""
-    from chattts_triton.repo_config import GPT
+    from chattts_triton.config import GPT
     from loadtest.sweep import fetch_metrics, parse_counters
 
     time.sleep(2 * 0.25)  # a gauge refresh
@@ -397,7 +398,7 @@ def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, s
     """Everything against one server started by the launcher, in order; `save(out)` after each phase."""
     import asyncio
 
-    from chattts_triton.serve import Launched
+    from chattts_triton.launcher.serve import Launched
     from loadtest.sweep import SweepConfig, run_sweep
 
     out: Dict[str, object] = {}
@@ -683,7 +684,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gil-switch-interval-us", type=int, default=Deployment.gil_switch_interval_us,
                     help="the interpreter's switch interval in the engines' processes (0: Python's 5000)")
     ap.add_argument("--mps", action="store_true",
-                    help="serve under a CUDA MPS daemon (chattts_triton.mps): the model processes share the GPU")
+                    help="serve under a CUDA MPS daemon (chattts_triton.launcher.mps): the model processes share the GPU")
     a = ap.parse_args(argv)
     if a.stream_procs < 1:
         ap.error("--stream-procs must be at least 1")

@@ -116,7 +116,7 @@ def _profile(fn, steps: int, cuda: bool, top: int = 12) -> dict:
 def _set_positions(engine, b: int, attn_len: int, lengths: str) -> None:
     """Rows 0..b-1 feed position attn_len-1 ("full") or uniform positions below it, the largest attn_len-1
     ("uniform": a served mix; each row attends its own keys with the decode kernel)."""
-    from chattts_triton.engine import I_N, I_PLEN
+    from chattts_triton.runtime.engine import I_N, I_PLEN
 
     g = torch.Generator().manual_seed(b)
     pos = torch.full((b,), attn_len - 1) if lengths == "full" else torch.randint(0, attn_len, (b,), generator=g)
@@ -133,7 +133,7 @@ def _set_positions(engine, b: int, attn_len: int, lengths: str) -> None:
 def _prefill_once(engine, k: int, t: int, graphed: bool):
     """A callable admitting k prompts of t tokens into an idle engine (`Engine._prefill`, which ends in
     the first-token draw's host sync), then freeing their slots."""
-    from chattts_triton.engine import GenRequest, SamplingParams
+    from chattts_triton.runtime.engine import GenRequest, SamplingParams
 
     g = torch.Generator().manual_seed(k * 1000 + t)
     reqs = [GenRequest(torch.randint(0, 21000, (t,), generator=g), SamplingParams(1.0, None, None, 1.0, 8, 8, seed=i),
@@ -156,8 +156,8 @@ def _time_prefill(engine, k: int, t: int, graphed: bool, iters: int) -> float:
 
 
 def run_variant(variant: str, args, arch, dtype) -> dict:
-    from chattts_triton.engine import PREFILL_GRAPH_TOKENS, Engine
-    from chattts_triton.gpt import load_gpt
+    from chattts_triton.runtime.engine import PREFILL_GRAPH_TOKENS, Engine
+    from chattts_triton.model.gpt import load_gpt
 
     # "_unfused": q/k/v and gate/up as five GEMMs, as before fusing; "_sdpa": the dense masked attention
     # over the step's attention length instead of each row's own keys (`attention.decode_attention`)
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench.step needs a CUDA GPU, or --device cpu", file=sys.stderr)
         return 2
-    from chattts_triton.assets import infer_arch
+    from chattts_triton.model.assets import infer_arch
 
     args.batches = [int(b) for b in args.batches.split(",")]
     args.prefill = [p for p in args.prefill.split(",") if p]

@@ -47,7 +47,7 @@ def _quantile(xs: List[float], q: float) -> float:
 
 def start_up() -> Dict[str, float]:
     """Seconds to import and load the grammars and serve a first text, in a fresh interpreter."""
-    code = ("import time; t=time.perf_counter(); from chattts_triton.spoken import default; s=default(); "
+    code = ("import time; t=time.perf_counter(); from chattts_triton.model.spoken import default; s=default(); "
             "t1=time.perf_counter(); s('我有3个苹果', 'zh'); s('at 10:30', 'en'); t2=time.perf_counter(); "
             "print(t1-t, t2-t1)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -57,8 +57,8 @@ def start_up() -> Dict[str, float]:
 
 def per_request(reps: int) -> dict:
     sys.path.insert(0, str(ROOT))
-    from chattts_triton.spoken import default
-    from chattts_triton.text import Normalizer
+    from chattts_triton.model.spoken import default
+    from chattts_triton.model.text import Normalizer
     from tests.spoken_cases import EN_CASES, ZH_CASES
 
     plain, served = Normalizer(), Normalizer(spoken=default())

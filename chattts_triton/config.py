@@ -1,8 +1,8 @@
 """One source of truth for shapes, limits, defaults and tensor names.
 
-Everything that the exporter, the core engine, the Triton adapters, the client and the tests need to
-agree on lives here. Values that mirror upstream ChatTTS 0.2.5 are checked against upstream by
-`tests/test_config.py`.
+Everything that the exporter, the core engine, the Triton adapters, the launcher, the client and the tests
+need to agree on lives here, with no dependency beyond the standard library (the client imports it). Values
+that mirror upstream ChatTTS 0.2.5 are checked against upstream by `tests/test_config.py`.
 """
 
 from __future__ import annotations
@@ -196,6 +196,21 @@ class Limits:
 
 
 LIMITS = Limits()
+
+# --- the models of a repository -----------------------------------------------------------------
+ENSEMBLE = "chattts"  # the public contract: preprocess -> GPT -> vocoder
+STREAM = "chattts_stream"  # decoupled: the ensemble's inputs, audio in chunks
+PREPROCESS = "chattts_preprocess"
+GPT = "chattts_gpt"
+VOCODER = "chattts_vocoder"
+MANIFEST = "manifest.json"  # beside the model folders: the architecture, tokens and deployment it was exported with
+VOICES = "voices.json"  # the voice registry (runtime/voices.py), shared by every model and replica that reads the repository
+
+# --- what the launcher and the models tell each other ------------------------------------------
+# the ensemble's entries (chattts_preprocess, chattts_stream) refuse new requests while this file exists: the launcher
+# drains before it signals Triton, which would fail in-flight ensemble requests at their next step
+DRAIN_FILE_ENV = "CHATTTS_DRAIN_FILE"
+INFLIGHT_METRIC = "chattts_inflight_requests"  # per model instance: requests admitted and not yet answered
 
 # --- the public contract of the `chattts` ensemble ---------------------------------------------
 # name -> (triton dtype, dims, required)

@@ -3,7 +3,7 @@
 
 - Every contract input is a keyword of `synthesize` (None = server default, input not sent).
 - Long text is split into pieces that fit (`split_sentences`: sentence ends, then clauses when a sentence is
-  too long to be spoken whole, very short sentences joined; chattts_triton.split); the pieces go out as
+  too long to be spoken whole, very short sentences joined; chattts_triton.model.split); the pieces go out as
   concurrent requests (so Triton's dynamic batcher can batch them) and are joined in order.
   Like upstream, when no reference audio is given the first sentence is synthesised once and used as
   the speaker reference (SPEAKER_AUDIO / SPEAKER_TEXT) for all sentences, so the voice stays the same.
@@ -77,8 +77,8 @@ OnSpokenText = Callable[[str], None]
 def split_sentences(text: str, max_frames: Optional[int] = None) -> List[str]:
     """`text` as the pieces `synthesize(split=True)` sends: cut at sentence ends, a sentence too long to be spoken
     whole cut at clauses, very short ones joined, none cut inside a number or control token; each estimated under
-    `max_frames` code frames (default chattts_triton.split.DEFAULT_MAX_FRAMES, ≈ 21.8 s). Blank pieces dropped."""
-    from chattts_triton.split import DEFAULT_MAX_FRAMES, split_for_synthesis
+    `max_frames` code frames (default chattts_triton.model.split.DEFAULT_MAX_FRAMES, ≈ 21.8 s). Blank pieces dropped."""
+    from chattts_triton.model.split import DEFAULT_MAX_FRAMES, split_for_synthesis
 
     return split_for_synthesis(text, DEFAULT_MAX_FRAMES if max_frames is None else max_frames)
 

@@ -14,11 +14,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from chattts_triton import config as C
-from chattts_triton.repo_config import ENSEMBLE as MODEL
 
 from .errors import INTERNAL, ChatTTSError, ChatTTSInputError
 
-STREAM_MODEL = "chattts_stream"  # decoupled variant (AUDIO chunks), see ChatTTSClient.stream
+MODEL = C.ENSEMBLE
+STREAM_MODEL = C.STREAM  # decoupled variant (AUDIO chunks), see ChatTTSClient.stream
 TEXT_INPUT = "TEXT"
 AUDIO_OUTPUT = "AUDIO"
 SPOKEN_TEXT_OUTPUT = "SPOKEN_TEXT"  # what the server voices: TEXT after normalisation (and refine-text)

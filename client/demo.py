@@ -46,7 +46,7 @@ def speech_through_gateway(grpc_url: str, a, options: dict, say) -> bool:
     import av
     import openai
 
-    from chattts_triton.tritonserver import free_port
+    from chattts_triton.launcher.tritonserver import free_port
 
     port = free_port()
     log = a.out.with_suffix(".gateway.log")
@@ -97,8 +97,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     from chattts_triton.config import SAMPLE_RATE, SAMPLES_PER_CODE, Arch
-    from chattts_triton.repo_config import Deployment, read_manifest
-    from chattts_triton.tritonserver import TritonServer
+    from chattts_triton.triton.repo_config import Deployment, read_manifest
+    from chattts_triton.launcher.tritonserver import TritonServer
     from client.audio import save_wav
     from client.client import ChatTTSClient, split_sentences
 

@@ -29,11 +29,11 @@ from typing import Callable, List
 
 import torch
 
-from chattts_triton import repo_config as rc
-from chattts_triton.assets import AssetError, check_folder, infer_arch, sha256_files
-from chattts_triton.config import CPU_ONLY_PRECISIONS
-from chattts_triton.services import DTYPES
-from chattts_triton.voices import carried_over, write_voices
+from chattts_triton.config import CPU_ONLY_PRECISIONS, ENSEMBLE, GPT, MANIFEST, PREPROCESS, VOCODER, VOICES
+from chattts_triton.model.assets import AssetError, check_folder, infer_arch, sha256_files
+from chattts_triton.model.gpt import DTYPES
+from chattts_triton.runtime.voices import carried_over, write_voices
+from chattts_triton.triton import repo_config as rc
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "model_repository"
@@ -69,7 +69,7 @@ def resolve_dtype(dtype: str, gpus: List[int], formats: List[str] = (), progress
 
 
 def export_gpt(assets: Path, arch, out_dir: Path, dtype: str, progress: Callable[[str], None]) -> dict:
-    from chattts_triton.gpt import load_gpt
+    from chattts_triton.model.gpt import load_gpt
 
     t0 = time.perf_counter()
     # int8 keeps q/k/v and gate/up apart: one quantisation scale per projection, as measured (bench/README.md)
@@ -92,9 +92,8 @@ def export_repository(
     deployment: rc.Deployment | None = None,
     progress: Callable[[str], None] = print,
 ) -> Path:
+    from chattts_triton.model.text import TextTokenizer
     from export.codec import export_codecs
-
-    from chattts_triton.text import TextTokenizer
 
     t0 = time.perf_counter()
     assets = check_folder(Path(assets))
@@ -124,13 +123,13 @@ def export_repository(
         dirs = {m: tmp / m / "1" for m in rc.MODELS}
         for d in dirs.values():
             d.mkdir(parents=True, exist_ok=True)
-        (tmp / rc.ENSEMBLE / "1").mkdir(parents=True, exist_ok=True)
+        (tmp / ENSEMBLE / "1").mkdir(parents=True, exist_ok=True)
         torch_dtype = DTYPES[dtype]
-        artifacts = {"gpt": export_gpt(assets, arch, dirs[rc.GPT], dtype, progress)}
-        out_dirs = {"decoder": dirs[rc.VOCODER], "dvae_decode": dirs[rc.VOCODER], "vocos": dirs[rc.VOCODER],
-                    "dvae_encode": dirs[rc.PREPROCESS]}
+        artifacts = {"gpt": export_gpt(assets, arch, dirs[GPT], dtype, progress)}
+        out_dirs = {"decoder": dirs[VOCODER], "dvae_decode": dirs[VOCODER], "vocos": dirs[VOCODER],
+                    "dvae_encode": dirs[PREPROCESS]}
         artifacts.update(export_codecs(assets, arch, out_dirs, formats, torch_dtype, device, progress))
-        shutil.copytree(assets / "tokenizer", dirs[rc.PREPROCESS] / "tokenizer")
+        shutil.copytree(assets / "tokenizer", dirs[PREPROCESS] / "tokenizer")
         progress("[export] hashing source files")
         manifest = {
             "source": str(assets),
@@ -145,12 +144,12 @@ def export_repository(
             "deployment": asdict(dep),
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        (tmp / rc.MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False), encoding="utf-8")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False), encoding="utf-8")
         # voice="alloy" etc. (chattts_triton.voices); a re-export keeps the voices added to the repository it replaces
-        voices, notes = carried_over(out / rc.VOICES, arch.gpt.hidden)
+        voices, notes = carried_over(out / VOICES, arch.gpt.hidden)
         for note in notes:
             progress(f"[export] {note}")
-        write_voices(tmp / rc.VOICES, voices)
+        write_voices(tmp / VOICES, voices)
         rc.write_configs(tmp, arch, dep)
         os.chmod(tmp, 0o755)
         _swap_into_place(tmp, out)

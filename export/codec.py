@@ -1,4 +1,4 @@
-"""Export ChatTTS's audio networks (chattts_triton.codec) to TorchScript and ONNX.
+"""Export ChatTTS's audio networks (chattts_triton.model.codec) to TorchScript and ONNX.
 
     python -m export.codec ASSETS OUT [--names decoder,vocos] [--formats torchscript,onnx] [--dtype float16]
 
@@ -20,16 +20,9 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from chattts_triton.assets import infer_arch, load_safetensors
-from chattts_triton.codec import (
-    CODEC_ASSET_FILES,
-    CODEC_INPUTS,
-    CODEC_NAMES,
-    CODEC_OUTPUTS,
-    cast_codec,
-    load_codec,
-)
-from chattts_triton.config import Arch, N_MELS, NUM_VQ
+from chattts_triton.config import N_MELS, NUM_VQ, Arch
+from chattts_triton.model.assets import infer_arch, load_safetensors
+from chattts_triton.model.codec import CODEC_ASSET_FILES, CODEC_INPUTS, CODEC_NAMES, CODEC_OUTPUTS, cast_codec, load_codec
 
 ONNX_OPSET = 17
 FORMATS = ("torchscript", "onnx")
@@ -198,7 +191,7 @@ def export_codecs(
 
     Writes `<name>.pt` (TorchScript, scripted: any batch and length) and `<name>.onnx` (opset 17,
     dynamic batch/length axes, weights inside the file). `arch` None infers it from the assets.
-    Reduced `dtype` casts the network weights (see chattts_triton.codec.cast_codec); inputs and
+    Reduced `dtype` casts the network weights (see chattts_triton.model.codec.cast_codec); inputs and
     outputs stay fp32/int64. Returns {name: manifest entry}.
     """
     unknown = sorted(set(out_dirs) - set(CODEC_NAMES))

@@ -7,7 +7,7 @@ adds to an exported repository (python -m export, with --formats torchscript,onn
   chattts_dvae_decode_native/1/model.{onnx,pt}   CODES [B,T,4] int64, LENGTHS [B] int64 -> MEL [B,100,2T]
   chattts_vocos_native/1/model.{onnx,pt}         MEL [B,100,F] fp32, MEL_LENGTHS [B] int64 -> AUDIO [B,256(F-1)]
 
-The same tensor names, dtypes and shapes as the artifacts (chattts_triton.codec CODEC_INPUTS/CODEC_OUTPUTS).
+The same tensor names, dtypes and shapes as the artifacts (chattts_triton.model.codec CODEC_INPUTS/CODEC_OUTPUTS).
 max_batch_size is 0: each request carries its own batch, padded, with per-item LENGTHS; Triton's batcher
 would concatenate requests of different T along dim 0, which these shapes do not allow (no ragged batching).
 The pytorch backend binds inputs by position when config names are neither forward() argument names nor
@@ -31,9 +31,9 @@ from typing import Dict, List, Optional, Sequence
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from chattts_triton import repo_config as rc
-from chattts_triton.codec import CODEC_INPUTS, CODEC_OUTPUTS
-from chattts_triton.config import Arch
+from chattts_triton.config import MANIFEST, VOCODER, Arch
+from chattts_triton.model.codec import CODEC_INPUTS, CODEC_OUTPUTS
+from chattts_triton.triton import repo_config as rc
 
 NATIVE_MODELS = {
     "decoder": "chattts_decoder_native",
@@ -53,7 +53,7 @@ class NativeExportError(ValueError):
 
 def artifact_dir(repo: Path) -> Path:
     """Where `python -m export` puts decoder/dvae_decode/vocos."""
-    return Path(repo) / rc.VOCODER / "1"
+    return Path(repo) / VOCODER / "1"
 
 
 def config_dims(shape: Sequence, arch: Arch) -> List[int]:
@@ -166,7 +166,7 @@ def add_native_models(
         "gpus": gpus,
         "instances": instances,
     }
-    (repo / rc.MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False), encoding="utf-8")
+    (repo / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False), encoding="utf-8")
     return written
 
 

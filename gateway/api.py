@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chattts_triton.config import LIMITS, InferCodeParams
-from chattts_triton.repo_config import ENSEMBLE
+from chattts_triton.config import ENSEMBLE
 
 from .audio import FORMATS
 

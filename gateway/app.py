@@ -329,8 +329,8 @@ class Gateway:
     def voices(self) -> List[Dict[str, object]]:
         if self.settings.repo is None:
             return [{"id": n, "name": n, "source": f"seed {s}", "builtin": True} for n, s in sorted(BUILTIN_VOICE_SEEDS.items())]
-        from chattts_triton.repo_config import VOICES
-        from chattts_triton.voices import VoiceFileError, builtin_voices, read_voices
+        from chattts_triton.config import VOICES
+        from chattts_triton.runtime.voices import VoiceFileError, builtin_voices, read_voices
 
         path = self.settings.repo / VOICES
         try:  # the built-ins where the repository has no registry (the server serves those then)

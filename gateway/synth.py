@@ -28,7 +28,7 @@ SEED_LIMIT = 2**63  # SEED is INT64: the schedule wraps below this
 
 def split_text(text: str) -> List[str]:
     """The pieces of a request's input, each one Triton request. The one place the gateway splits text: the
-    client's length-aware split (`client.split_sentences`, chattts_triton.split.split_for_synthesis: pieces that
+    client's length-aware split (`client.split_sentences`, chattts_triton.model.split.split_for_synthesis: pieces that
     fit in time, never cut inside a number or control token), a piece still over the server's TEXT limit cut at
     the last space or punctuation before it, and pieces with nothing to say (no letter or digit, e.g. "…") kept
     with their neighbour."""

@@ -54,7 +54,7 @@ class SoakResult:
 
 
 def group_rss_bytes(pgid: int) -> int:
-    from chattts_triton.tritonserver import processes_in_group
+    from chattts_triton.launcher.tritonserver import processes_in_group
 
     total = 0
     for pid in processes_in_group(pgid):
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     server = None
     if a.repo:  # as the container runs it: the launcher (a restart would be counted and fail the soak)
-        from chattts_triton.serve import Launched
+        from chattts_triton.launcher.serve import Launched
 
         a.out.mkdir(parents=True, exist_ok=True)
         server = Launched(a.repo, a.out / "tritonserver.log", ready_timeout_s=600).start()

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from chattts_triton.config import GPT
 from client.client import DEFAULT_URLS, PROTOCOLS, AsyncChatTTSClient
 from client.contract import MODEL, SAMPLE_RATE
 from client.errors import ChatTTSError
@@ -34,12 +35,12 @@ from loadtest.tts_stats import percentile, real_time_factor
 
 ERROR_PAUSE_S = 0.05  # a failing worker pauses briefly instead of spinning on an unreachable server
 GPU_MEMORY_METRIC = "nv_gpu_memory_used_bytes"
-# cumulative gauges of each GPT engine instance (chattts_triton.backend.STAT_HELP)
+# cumulative gauges of each GPT engine instance (chattts_triton.triton.backend.STAT_HELP)
 ENGINE_COUNTERS = ("engine_steps", "engine_step_rows", "engine_step_seconds", "engine_step_device_seconds",
                    "engine_step_gpu_seconds", "engine_step_gpu_samples", "engine_prefill_seconds",
                    "engine_gil_wait_seconds", "engine_gil_wait_samples", "engine_step_graph_seconds",
                    "engine_step_graph_samples", "engine_prefills", "engine_prefill_rows")
-ENGINE_MODEL = "chattts_gpt"
+ENGINE_MODEL = GPT
 _COUNTER_LINE = re.compile(r"chattts_(\w+)\{([^}]*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 DEFAULT_METRICS_PORT = 8002

@@ -33,9 +33,8 @@ def full_assets() -> Path:
 
 
 def _export(assets: Path, out: Path, **deployment) -> Path:
+    from chattts_triton.triton.repo_config import Deployment
     from export.__main__ import export_repository
-
-    from chattts_triton.repo_config import Deployment
 
     return export_repository(assets, out, ["torchscript", "onnx"], deployment=Deployment(**deployment), progress=lambda m: None)
 
@@ -51,7 +50,7 @@ def full_repo(full_assets, tmp_path_factory) -> Path:
 
 
 def _serve(repo: Path, tmp_path_factory):
-    from chattts_triton.tritonserver import TritonServer
+    from chattts_triton.launcher.tritonserver import TritonServer
 
     log = tmp_path_factory.mktemp("triton-log") / "tritonserver.log"
     return TritonServer(repo, log_file=log, startup_timeout_s=600)

@@ -13,7 +13,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from chattts_triton.config import ENSEMBLE_INPUTS
-from chattts_triton.tritonserver import TritonServer, python_stubs
+from chattts_triton.launcher.tritonserver import TritonServer, python_stubs
 
 NP = {"TYPE_STRING": object, "TYPE_INT64": np.int64, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_BOOL": bool}
 WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT64": "INT64", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL"}

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from chattts_triton.engine import CudaGraphs, SamplingParams
-from tests.test_gpt_engine import check_same_as_alone, drive, make_engine, tiny  # noqa: F401  (fixture)
-
 from bench.aoti import AotiStep, package_step
+from chattts_triton.runtime.engine import CudaGraphs, SamplingParams
+from tests.test_gpt_engine import check_same_as_alone, drive, make_engine, tiny  # noqa: F401  (fixture)
 
 
 def _specs():
@@ -29,7 +28,7 @@ def test_packaged_step_gives_the_engine_steps_tokens_hidden_states_and_cache(tin
     arch, _, _, ours = tiny
     kernel = attention == "op"
     if kernel:  # on a CPU decode_attention skips the operator: route it through, as on a GPU
-        monkeypatch.setattr("chattts_triton.gpt.decode_attention",
+        monkeypatch.setattr("chattts_triton.model.gpt.decode_attention",
                             lambda q, k, v, t, n: torch.ops.chattts_triton.decode_attention(q, k, v, t, n))
     plain = make_engine(ours, arch, max_slots=2, start=False, decode_kernel=kernel)
     plain.graphs = CudaGraphs(plain, capture=False)

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from chattts_triton import backend
-from chattts_triton import repo_config as rc
+from chattts_triton.config import GPT
+from chattts_triton.triton import backend
 from tests.reliability_util import wait_for
 
 
@@ -102,7 +102,7 @@ def _model(tiny_repo, pb, service):
     cls = backend.make_model(pb, lambda ctx: service)
     model = cls()
     model.initialize({"model_config": json.dumps({"input": [{"name": "X"}], "output": [{"name": "Y"}]}),
-                      "model_name": rc.GPT, "model_repository": str(tiny_repo / rc.GPT), "model_version": "1"})
+                      "model_name": GPT, "model_repository": str(tiny_repo / GPT), "model_version": "1"})
     return model
 
 
@@ -175,8 +175,9 @@ def test_finalize_waits_for_the_requests_in_flight(tiny_repo):
 def test_the_drain_sees_a_request_before_it_calls_the_server_idle(publish_s, poll_s, polls):
     """serve.quiesce needs `polls` zero readings `poll_s` apart: a request admitted before the first
     shows in the gauge before the last, since the gauge lags by at most `publish_s`."""
-    from chattts_triton import serve
     import inspect
+
+    from chattts_triton.launcher import serve
 
     sig = inspect.signature(serve.quiesce).parameters
     assert (sig["poll_s"].default, sig["quiet_polls"].default) == (poll_s, polls)
@@ -206,13 +207,13 @@ def test_package_logs_reach_tritons_log_at_their_level():
         backend.forward_logs(pb)
         backend.forward_logs(pb)
         assert sum(isinstance(h, backend.TritonLogHandler) for h in root.handlers) == 1
-        log = logging.getLogger("chattts_triton.services")
+        log = logging.getLogger("chattts_triton.runtime.preprocess")
         log.debug("removed %d", 3)
         log.info("warm")
         log.warning("slow")
         log.error("broken")
-        assert calls == [("verbose", "chattts_triton.services: removed 3"), ("info", "chattts_triton.services: warm"),
-                         ("warn", "chattts_triton.services: slow"), ("error", "chattts_triton.services: broken")]
+        assert calls == [("verbose", "chattts_triton.runtime.preprocess: removed 3"), ("info", "chattts_triton.runtime.preprocess: warm"),
+                         ("warn", "chattts_triton.runtime.preprocess: slow"), ("error", "chattts_triton.runtime.preprocess: broken")]
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)

@@ -406,7 +406,7 @@ def e2e_request(i: int):
 
 @pytest.mark.e2e
 def test_two_servers_one_stopped_mid_run_no_request_lost(tiny_repo, tmp_path):
-    from chattts_triton.tritonserver import LOCALHOST, TritonServer, _free_ports
+    from chattts_triton.launcher.tritonserver import LOCALHOST, TritonServer, _free_ports
 
     ports = _free_ports(6, LOCALHOST)  # distinct ports for both servers, so they can start at once
     servers = [

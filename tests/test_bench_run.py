@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from chattts_triton.serve import STUB_DIED_EXIT, Launched
-from chattts_triton.tritonserver import python_stubs
+from chattts_triton.launcher.serve import STUB_DIED_EXIT, Launched
+from chattts_triton.launcher.tritonserver import python_stubs
 from tests.reliability_util import grpc_synth, wait_for
 
 pytestmark = pytest.mark.e2e

@@ -27,7 +27,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from chattts_triton import config as C
-from chattts_triton.text import split_text
+from chattts_triton.model.text import split_text
 from client import (
     AsyncChatTTSClient,
     ChatTTSClient,
@@ -35,12 +35,12 @@ from client import (
     ChatTTSInputError,
     ChatTTSUnavailableError,
     WavError,
+    cli,
     load_reference_audio,
     read_wav,
     save_wav,
     split_sentences,
 )
-from client import cli
 from client.audio import to_pcm16
 from client.contract import OPTION_INPUTS, build_inputs, input_datatype
 from client.errors import normalize_status, to_chattts_error
@@ -460,8 +460,9 @@ def test_spoken_text_of_each_piece_is_handed_over_in_order_and_only_when_asked()
 
 
 def test_spoken_text_from_responses_and_stream_events():
-    from client.contract import requested_outputs, spoken_text_from_json, spoken_text_from_result
     import tritonclient.grpc as grpcclient
+
+    from client.contract import requested_outputs, spoken_text_from_json, spoken_text_from_result
 
     class Result:
         def __init__(self, value):
@@ -500,7 +501,7 @@ def test_retry_policy_with_a_fake_transport():
     )[0].status == "UNAVAILABLE"
 
 
-# sentences long enough not to be joined (chattts_triton.split.DEFAULT_MIN_FRAMES), short enough to fit one request
+# sentences long enough not to be joined (chattts_triton.model.split.DEFAULT_MIN_FRAMES), short enough to fit one request
 LONG_TEXT = ("The first sentence is long enough to stand alone. The second one is here as well. 第三句话也足够长了。"
              "And the fourth one closes the text. ")
 

@@ -23,16 +23,14 @@ import urllib.request
 import wave
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from chattts_triton import config as C
-from chattts_triton.backend import STATS_PERIOD_S
-from client import AsyncChatTTSClient, BalancedChatTTSClient, ChatTTSClient, ChatTTSError, ChatTTSInputError, read_wav
-from client import cli
+from chattts_triton.triton.backend import STATS_PERIOD_S
+from client import AsyncChatTTSClient, BalancedChatTTSClient, ChatTTSClient, ChatTTSError, ChatTTSInputError, cli, read_wav
 from client.audio import WavStreamWriter, save_wav
 from client.client import _SSEParser, split_sentences
 from client.contract import STREAM_MODEL, build_inputs, input_datatype, to_json_inputs

@@ -1,4 +1,4 @@
-"""Audio networks (chattts_triton.codec) and their TorchScript/ONNX exports against upstream ChatTTS.
+"""Audio networks (chattts_triton.model.codec) and their TorchScript/ONNX exports against upstream ChatTTS.
 
 Every comparison is per item: a padded batch of mixed lengths through our module / artifact must
 equal upstream run on each item alone (batch 1, no padding), and padded outputs must be zero.
@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,8 +22,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from chattts_triton.assets import AssetError
-from chattts_triton.codec import (
+from chattts_triton.config import FULL_ARCH, N_MELS, TINY_ARCH, Arch
+from chattts_triton.model.assets import AssetError
+from chattts_triton.model.codec import (
     CODEC_ASSET_FILES,
     CODEC_INPUTS,
     CODEC_NAMES,
@@ -35,7 +35,6 @@ from chattts_triton.codec import (
     load_codecs,
     vocos_samples,
 )
-from chattts_triton.config import FULL_ARCH, HOP_LENGTH, N_MELS, TINY_ARCH, Arch
 from export.codec import export_codecs
 
 TOL = {"decoder": 1e-4, "dvae_decode": 1e-4, "vocos": 1e-3}

@@ -1,4 +1,4 @@
-"""Decode attention over each row's own keys (`chattts_triton.attention`): the PyTorch reference here,
+"""Decode attention over each row's own keys (`chattts_triton.model.attention`): the PyTorch reference here,
 the Triton kernel in tests/test_gpu.py."""
 
 import shutil
@@ -7,10 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chattts_triton.attention import decode_attention, kernel_available, reference
-from chattts_triton.engine import Engine, EngineError
-from tests.test_gpt_engine import (assert_served_without_a_new_decode_graph, check_same_as_alone, drive, make_engine,
-                                   scenario_specs)
+from chattts_triton.model.attention import decode_attention, kernel_available, reference
+from chattts_triton.runtime.engine import Engine, EngineError
+from tests.test_gpt_engine import (
+    assert_served_without_a_new_decode_graph,
+    check_same_as_alone,
+    drive,
+    make_engine,
+    scenario_specs,
+)
 
 
 def paged(dense: torch.Tensor, g: torch.Generator, page: int = 8, spare: int = 3):
@@ -54,7 +59,7 @@ def test_the_operator_stays_opaque_to_torch_compile_so_the_kernel_launches_with_
     `chattts_triton::decode_attention` at run time (inductor does not trace into it: as a traced user
     kernel it got symbolic strides and ran 2.7× slower on the H200), on the cache's own memory as the
     model passes it, for each batch size. The kernel is stood in for by the reference on a CPU."""
-    import chattts_triton.attention as attention
+    import chattts_triton.model.attention as attention
 
     calls = []
 
@@ -112,7 +117,15 @@ def test_with_the_decode_kernel_one_graph_per_batch_bucket_serves_every_attentio
     """Rows read their own keys whatever the step's attention length: warm_graphs captures one decode
     graph per batch bucket, and a request attending past WARM_DECODE_LEN (a new length bucket for the
     dense step) captures nothing more and gets the tokens of a plain engine (graphs standing in eagerly)."""
-    from chattts_triton.engine import BATCH_STEP, LEN_STEP, WARM_DECODE_LEN, CudaGraphs, GenRequest, SamplingParams, bucket_sizes
+    from chattts_triton.runtime.engine import (
+        BATCH_STEP,
+        LEN_STEP,
+        WARM_DECODE_LEN,
+        CudaGraphs,
+        GenRequest,
+        SamplingParams,
+        bucket_sizes,
+    )
 
     arch, _, _, ours = tiny
     g = torch.Generator().manual_seed(3)
@@ -153,7 +166,7 @@ def test_torchscript_keeps_the_dense_attention_and_refuses_the_flag(tiny):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_assets):
-    from chattts_triton.gpt import load_gpt
+    from chattts_triton.model.gpt import load_gpt
     from tests.test_gpt_engine import upstream_gpt
 
     arch, emb, g = upstream_gpt(tiny_assets)

@@ -28,11 +28,12 @@ import kubernetes_validate
 import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
+from tritonclient.grpc import model_config_pb2 as mc
 
-from chattts_triton import repo_config as rc
+from chattts_triton.config import GPT, MANIFEST, PREPROCESS, VOCODER
+from chattts_triton.triton import repo_config as rc
 from tests.ngc_fake import launcher_env, make_fake_repository, make_ngc_tree
 from tests.reliability_util import wait_for
-from tritonclient.grpc import model_config_pb2 as mc
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "deploy" / "docker"
@@ -236,7 +237,7 @@ def test_image_installs_the_text_normaliser_and_checks_its_grammars_load():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert {"wetext", "num2words"} <= set(deps)
     runs = " ".join(i["value"] for i in _parse_dockerfile(DOCKERFILE.read_text()).structure if i["instruction"] == "RUN")
-    assert "from chattts_triton.spoken import default" in runs and "-c /tmp/constraints.txt" in runs
+    assert "from chattts_triton.model.spoken import default" in runs and "-c /tmp/constraints.txt" in runs
 
 
 # --- entry point and `make configure` in the container ----------------------------------------------------------
@@ -367,24 +368,24 @@ def test_entrypoint_configures_a_writable_view(fake_python, repo_copy, tmp_path)
     argv = _launched(fake_python)["argv"]
     assert argv == [f"--repo={work}" if a == f"--repo={repo_copy}" else a for a in cmd[1:]]  # only --repo changed
     groups = _instance_groups(work)
-    assert groups[rc.GPT] == ("KIND_GPU", [0, 1], 1)  # one engine per GPU
-    assert groups[rc.VOCODER] == ("KIND_GPU", [0, 1], 2)
-    assert groups[rc.PREPROCESS] == ("KIND_CPU", [], 4)  # on the CPU: as many as the vocoders on both GPUs
-    voc = rc.parse_pbtxt((work / rc.VOCODER / "config.pbtxt").read_text())
+    assert groups[GPT] == ("KIND_GPU", [0, 1], 1)  # one engine per GPU
+    assert groups[VOCODER] == ("KIND_GPU", [0, 1], 2)
+    assert groups[PREPROCESS] == ("KIND_CPU", [], 4)  # on the CPU: as many as the vocoders on both GPUs
+    voc = rc.parse_pbtxt((work / VOCODER / "config.pbtxt").read_text())
     assert voc.dynamic_batching.default_queue_policy.max_queue_size == 32
-    man = json.loads((work / rc.MANIFEST).read_text())
+    man = json.loads((work / MANIFEST).read_text())
     assert man["deployment"]["gpus"] == [0, 1] and man["deployment"]["instances"] == 2
     # weights are links into the source, which is unchanged
-    gpt = work / rc.GPT / "1" / "gpt.pt"
-    assert gpt.is_symlink() and gpt.resolve() == (repo_copy / rc.GPT / "1" / "gpt.pt").resolve()
+    gpt = work / GPT / "1" / "gpt.pt"
+    assert gpt.is_symlink() and gpt.resolve() == (repo_copy / GPT / "1" / "gpt.pt").resolve()
     assert {p: p.read_bytes() for p in repo_copy.rglob("config.pbtxt")} == before
-    assert not (repo_copy / rc.MANIFEST).is_symlink()
+    assert not (repo_copy / MANIFEST).is_symlink()
     # CPU: CHATTTS_GPUS empty; --repo as two arguments
     (r, _) = _entry(fake_python, *LAUNCHER, "--repo", str(repo_copy), "--", "--log-info=true", CHATTTS_GPUS="",
                     CHATTTS_WORK_REPOSITORY=work)
     assert r.returncode == 0, r.stderr
     assert _launched(fake_python)["argv"][2:] == ["--repo", str(work), "--", "--log-info=true"]
-    assert _instance_groups(work)[rc.VOCODER] == ("KIND_CPU", [], 1)
+    assert _instance_groups(work)[VOCODER] == ("KIND_CPU", [], 1)
 
 
 def _start_container_cmd(tmp_path, **env):
@@ -481,20 +482,20 @@ def test_configure_script_refuses_bad_paths(fake_python, repo_copy, tmp_path):
 @pytest.mark.e2e
 def test_configured_view_is_served_by_tritonserver(tiny_repo, tmp_path):
     """The symlink view `configure-repository.sh` makes (the chart's init step) loads and is ready in Triton."""
-    from chattts_triton.tritonserver import TritonServer
+    from chattts_triton.launcher.tritonserver import TritonServer
 
     work = tmp_path / "view"
     env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", CHATTTS_INSTANCES="2")
     env.pop("CHATTTS_GPUS", None)
     subprocess.run([str(DOCKER / "configure-repository.sh"), str(tiny_repo), str(work)], env=env, check=True,
                    capture_output=True, timeout=120)
-    assert _instance_groups(work)[rc.VOCODER] == ("KIND_CPU", [], 2)
+    assert _instance_groups(work)[VOCODER] == ("KIND_CPU", [], 2)
     with TritonServer(work, log_file=tmp_path / "triton.log", startup_timeout_s=600) as server:
         import tritonclient.http as http
 
         client = http.InferenceServerClient(server.http_url.replace("http://", ""))
         assert client.is_server_ready()
-        assert client.get_model_config(rc.VOCODER)["instance_group"][0]["count"] == 2
+        assert client.get_model_config(VOCODER)["instance_group"][0]["count"] == 2
 
 
 # --- Helm chart ------------------------------------------------------------------------------------------------

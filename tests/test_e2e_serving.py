@@ -12,8 +12,20 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from chattts_triton import repo_config as rc
-from chattts_triton.config import ENSEMBLE_INPUTS, HOP_LENGTH, SAMPLE_RATE, Arch, samples_for_codes
+from chattts_triton.config import (
+    ENSEMBLE,
+    ENSEMBLE_INPUTS,
+    GPT,
+    HOP_LENGTH,
+    MANIFEST,
+    PREPROCESS,
+    SAMPLE_RATE,
+    STREAM,
+    VOCODER,
+    Arch,
+    samples_for_codes,
+)
+from chattts_triton.triton import repo_config as rc
 from tests.reliability_util import contract_inputs
 from tests.spoken_cases import EN_CASES, ZH_CASES
 
@@ -36,7 +48,7 @@ def test_repository_configs_parse_and_match_the_source_of_truth(tiny_repo):
     for name, cfg in expected.items():
         parsed = rc.parse_pbtxt((Path(tiny_repo) / name / "config.pbtxt").read_text())
         assert parsed == cfg
-    ens = expected[rc.ENSEMBLE]
+    ens = expected[ENSEMBLE]
     assert {i.name for i in ens.input} == set(ENSEMBLE_INPUTS)
     assert [o.name for o in ens.output] == ["AUDIO", "SPOKEN_TEXT"] and ens.max_batch_size > 0
     # every composing model batches dynamically
@@ -49,13 +61,13 @@ def test_configure_sets_gpu_instance_groups(tiny_repo, tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)
     assert rc.main(["--repo", str(repo), "--gpus", "0,1", "--instances", "2"]) == 0
-    voc = rc.parse_pbtxt((repo / rc.VOCODER / "config.pbtxt").read_text())
-    gpt = rc.parse_pbtxt((repo / rc.GPT / "config.pbtxt").read_text())
+    voc = rc.parse_pbtxt((repo / VOCODER / "config.pbtxt").read_text())
+    gpt = rc.parse_pbtxt((repo / GPT / "config.pbtxt").read_text())
     assert voc.instance_group[0].kind == voc.instance_group[0].KIND_GPU
     assert list(voc.instance_group[0].gpus) == [0, 1] and voc.instance_group[0].count == 2
     assert list(gpt.instance_group[0].gpus) == [0, 1] and gpt.instance_group[0].count == 1
     assert rc.main(["--repo", str(repo), "--gpus", ""]) == 0
-    voc = rc.parse_pbtxt((repo / rc.VOCODER / "config.pbtxt").read_text())
+    voc = rc.parse_pbtxt((repo / VOCODER / "config.pbtxt").read_text())
     assert voc.instance_group[0].kind == voc.instance_group[0].KIND_CPU
 
 
@@ -67,7 +79,7 @@ def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo
 
     def compile_params():
         return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["compile_step"].string_value
-                for m in (rc.GPT, rc.STREAM)]
+                for m in (GPT, STREAM)]
 
     assert compile_params() == ["1", "1"]  # the export's default (CPU instances ignore it)
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-gpt-compile"]) == 0
@@ -76,9 +88,9 @@ def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo
     assert compile_params() == ["0", "0"]
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-compile"]) == 0
     assert compile_params() == ["1", "1"]
-    man = json.loads((repo / rc.MANIFEST).read_text())  # exported before the option: TorchScript step kept
+    man = json.loads((repo / MANIFEST).read_text())  # exported before the option: TorchScript step kept
     del man["deployment"]["gpt_compile"]
-    (repo / rc.MANIFEST).write_text(json.dumps(man))
+    (repo / MANIFEST).write_text(json.dumps(man))
     assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0
     assert compile_params() == ["0", "0"]
 
@@ -88,27 +100,27 @@ def test_configure_gpt_compile_prefill_reaches_both_engine_services_and_is_off_b
     the service factory hands it to the GPT service (which compiles prefills only with the step)."""
     import shutil
 
-    from chattts_triton import services
-    from chattts_triton.backend import ModelContext, gpt_service
+    from chattts_triton.runtime import gpt as gpt_runtime
+    from chattts_triton.triton.backend import ModelContext, gpt_service
 
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)
 
     def prefill_params():
         return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["compile_prefill"].string_value
-                for m in (rc.GPT, rc.STREAM)]
+                for m in (GPT, STREAM)]
 
     seen = []
-    monkeypatch.setattr(services, "GPTService", lambda *a, **kw: seen.append(kw))
+    monkeypatch.setattr(gpt_runtime, "GPTService", lambda *a, **kw: seen.append(kw))
     assert prefill_params() == ["0", "0"]
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-compile-prefill"]) == 0
     assert prefill_params() == ["1", "1"]
-    gpt_service(ModelContext.from_repo(repo, rc.GPT))
+    gpt_service(ModelContext.from_repo(repo, GPT))
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-slots", "64"]) == 0  # kept unless told
     assert prefill_params() == ["1", "1"]
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-gpt-compile-prefill"]) == 0
     assert prefill_params() == ["0", "0"]
-    gpt_service(ModelContext.from_repo(repo, rc.GPT))
+    gpt_service(ModelContext.from_repo(repo, GPT))
     assert [kw["compile_prefill"] for kw in seen] == [True, False]
 
 
@@ -137,32 +149,32 @@ def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_t
     CPU instance makes no graphs whatever the flag."""
     import shutil
 
-    from chattts_triton import services
-    from chattts_triton.backend import ModelContext, vocoder_service
+    from chattts_triton.runtime import vocoder as vocoder_runtime
+    from chattts_triton.triton.backend import ModelContext, vocoder_service
 
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)
 
     def graphs_param():
-        return rc.parse_pbtxt((repo / rc.VOCODER / "config.pbtxt").read_text()).parameters["codec_graphs"].string_value
+        return rc.parse_pbtxt((repo / VOCODER / "config.pbtxt").read_text()).parameters["codec_graphs"].string_value
 
     asked = []
-    monkeypatch.setattr(services.VocoderService, "__init__", lambda self, *a, graphs=False, **kw: asked.append(graphs))
+    monkeypatch.setattr(vocoder_runtime.VocoderService, "__init__", lambda self, *a, graphs=False, **kw: asked.append(graphs))
     assert graphs_param() == "1"
-    vocoder_service(ModelContext.from_repo(repo, rc.VOCODER))
+    vocoder_service(ModelContext.from_repo(repo, VOCODER))
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-vocoder-graphs"]) == 0
     assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0  # kept unless told
-    vocoder_service(ModelContext.from_repo(repo, rc.VOCODER))
+    vocoder_service(ModelContext.from_repo(repo, VOCODER))
     assert asked == [True, False] and graphs_param() == "0"
     assert rc.read_manifest(repo)["deployment"]["vocoder_graphs"] is False
     monkeypatch.undo()
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--vocoder-graphs"]) == 0
     assert graphs_param() == "1"
-    assert vocoder_service(ModelContext.from_repo(repo, rc.VOCODER)).graphs is None  # a CPU instance
-    assert rc.parse_pbtxt((repo / rc.STREAM / "config.pbtxt").read_text()).parameters.get("codec_graphs") is None
-    man = json.loads((repo / rc.MANIFEST).read_text())  # exported before the option: eager vocoder kept
+    assert vocoder_service(ModelContext.from_repo(repo, VOCODER)).graphs is None  # a CPU instance
+    assert rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters.get("codec_graphs") is None
+    man = json.loads((repo / MANIFEST).read_text())  # exported before the option: eager vocoder kept
     del man["deployment"]["vocoder_graphs"]
-    (repo / rc.MANIFEST).write_text(json.dumps(man))
+    (repo / MANIFEST).write_text(json.dumps(man))
     assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0
     assert graphs_param() == "0"
 
@@ -172,10 +184,10 @@ def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_t
 def test_configure_stream_options_reach_the_stream_service_and_persist(tiny_repo, tmp_path, monkeypatch, flag, key, field):
     """The stream model's opt-in switches (off by default) set chattts_stream's parameter, which its
     service gets; a CPU service has no CUDA stream to use whatever --stream-codec-stream says."""
-    from chattts_triton import streaming
-    from chattts_triton.backend import ModelContext, stream_service
+    from chattts_triton.runtime import streaming
+    from chattts_triton.triton.backend import ModelContext, stream_service
 
-    repo, param = _switched_on_and_kept(tiny_repo, tmp_path, flag, rc.STREAM, key)
+    repo, param = _switched_on_and_kept(tiny_repo, tmp_path, flag, STREAM, key)
     assert rc.read_manifest(repo)["deployment"][field] is True
     asked, real_init = [], streaming.StreamService.__init__
 
@@ -184,7 +196,7 @@ def test_configure_stream_options_reach_the_stream_service_and_persist(tiny_repo
         real_init(self, *a, **kw)
 
     monkeypatch.setattr(streaming.StreamService, "__init__", init)
-    svc = stream_service(ModelContext.from_repo(repo, rc.STREAM))
+    svc = stream_service(ModelContext.from_repo(repo, STREAM))
     try:
         assert asked == [True] and svc.codec_stream is None  # a CPU instance
         assert svc.first_chunks_first == (key == "first_chunks_first")
@@ -197,15 +209,15 @@ def test_configure_stream_options_reach_the_stream_service_and_persist(tiny_repo
 def test_configure_admission_policy_reaches_the_engines_and_refuses_nonsense(tiny_repo, tmp_path, capsys):
     import shutil
 
-    from chattts_triton.backend import ModelContext, gpt_service
+    from chattts_triton.triton.backend import ModelContext, gpt_service
 
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)
     assert rc.main(["--repo", str(repo), "--gpt-admit-batch", "8", "--gpt-admit-wait-steps", "12"]) == 0
-    for model in (rc.GPT, rc.STREAM):
+    for model in (GPT, STREAM):
         params = rc.parse_pbtxt((repo / model / "config.pbtxt").read_text()).parameters
         assert (params["admit_batch"].string_value, params["admit_wait_steps"].string_value) == ("8", "12")
-    svc = gpt_service(ModelContext.from_repo(repo, rc.GPT))
+    svc = gpt_service(ModelContext.from_repo(repo, GPT))
     try:
         assert (svc.engine.admit_batch, svc.engine.admit_wait_steps) == (8, 12)
     finally:
@@ -213,7 +225,7 @@ def test_configure_admission_policy_reaches_the_engines_and_refuses_nonsense(tin
     with pytest.raises(SystemExit) as e:
         rc.main(["--repo", str(repo), "--gpt-admit-batch", "0"])
     assert e.value.code == 2 and "gpt_admit_batch must be ≥ 1" in capsys.readouterr().err
-    assert rc.parse_pbtxt((repo / rc.GPT / "config.pbtxt").read_text()).parameters["admit_batch"].string_value == "8"
+    assert rc.parse_pbtxt((repo / GPT / "config.pbtxt").read_text()).parameters["admit_batch"].string_value == "8"
 
 
 def test_configure_batching_delay_of_the_vocoder_only(tiny_repo, tmp_path, capsys):
@@ -224,17 +236,17 @@ def test_configure_batching_delay_of_the_vocoder_only(tiny_repo, tmp_path, capsy
 
     def delays():
         return {m: rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).dynamic_batching.max_queue_delay_microseconds
-                for m in (rc.PREPROCESS, rc.GPT, rc.VOCODER, rc.STREAM)}
+                for m in (PREPROCESS, GPT, VOCODER, STREAM)}
 
     assert set(delays().values()) == {0}  # by default none waits
     assert rc.main(["--repo", str(repo), "--max-queue-delay-us", "1500"]) == 0
-    assert delays() == {rc.PREPROCESS: 0, rc.GPT: 0, rc.VOCODER: 1500, rc.STREAM: 0}
+    assert delays() == {PREPROCESS: 0, GPT: 0, VOCODER: 1500, STREAM: 0}
     assert rc.main(["--repo", str(repo)]) == 0  # kept unless told
-    assert delays()[rc.VOCODER] == 1500
+    assert delays()[VOCODER] == 1500
     with pytest.raises(SystemExit) as e:
         rc.main(["--repo", str(repo), "--max-queue-delay-us", "-1"])
     assert e.value.code == 2 and "max_queue_delay_us must be ≥ 0" in capsys.readouterr().err
-    assert delays()[rc.VOCODER] == 1500
+    assert delays()[VOCODER] == 1500
 
 
 def test_configure_stream_schedule_persists_and_refuses_a_fade_longer_than_the_lookahead(tiny_repo, tmp_path, capsys):
@@ -244,7 +256,7 @@ def test_configure_stream_schedule_persists_and_refuses_a_fade_longer_than_the_l
     shutil.copytree(tiny_repo, repo)
 
     def params():
-        p = rc.parse_pbtxt((repo / rc.STREAM / "config.pbtxt").read_text()).parameters
+        p = rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters
         return {k: p[k].string_value for k in ("first_chunk_frames", "first_lookahead_frames", "fade_frames")}
 
     assert params() == {"first_chunk_frames": "8", "first_lookahead_frames": "8", "fade_frames": "4"}
@@ -255,7 +267,7 @@ def test_configure_stream_schedule_persists_and_refuses_a_fade_longer_than_the_l
         rc.main(["--repo", str(repo), "--stream-first-lookahead-frames", "2", "--stream-fade-frames", "3"])
     assert "fade must be" in capsys.readouterr().err
     assert params()["fade_frames"] == "2"  # nothing written
-    manifest = repo / rc.MANIFEST  # exported before the early first chunk: it keeps exact chunks
+    manifest = repo / MANIFEST  # exported before the early first chunk: it keeps exact chunks
     man = json.loads(manifest.read_text())
     for k in ("stream_first_lookahead_frames", "stream_fade_frames"):
         del man["deployment"][k]
@@ -285,7 +297,7 @@ def test_concurrent_texts_equal_their_single_request_output(served_tiny):
 
 
 def test_every_optional_input_over_grpc_and_http(served_tiny):
-    from chattts_triton.speaker import encode_prompt, sample_random_speaker
+    from chattts_triton.model.speaker import encode_prompt, sample_random_speaker
 
     t = np.arange(SAMPLE_RATE) / SAMPLE_RATE
     reference = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
@@ -384,7 +396,7 @@ def spoken(server, protocol="grpc", **values) -> str:
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_spoken_text_shows_what_is_voiced_over_grpc_and_http(served_tiny, protocol):
-    from chattts_triton.text import Normalizer
+    from chattts_triton.model.text import Normalizer
     from tests.test_spoken import same_speech
 
     assert len(SERVED_CASES) == 23
@@ -450,11 +462,11 @@ def test_int8_cpu_repository_serves(tiny_assets, tmp_path, served_tiny):
     """The opt-in int8 CPU mode: dynamic int8 linears in the GPT, everything else fp32."""
     import torch
 
-    from chattts_triton.tritonserver import TritonServer
+    from chattts_triton.launcher.tritonserver import TritonServer
     from export.__main__ import export_repository
 
     repo = export_repository(tiny_assets, tmp_path / "int8", ["torchscript"], dtype="int8", progress=lambda m: None)
-    gpt = torch.jit.load(str(repo / rc.GPT / "1" / "gpt.pt"))
+    gpt = torch.jit.load(str(repo / GPT / "1" / "gpt.pt"))
     linear = dict(gpt.named_modules())["layers.0.q_proj"]
     assert "_packed_params" in dict(linear.named_modules())  # an int8 dynamically quantised linear
     with TritonServer(repo, log_file=tmp_path / "int8.log", startup_timeout_s=300) as server:
@@ -470,24 +482,24 @@ def test_configure_gil_switch_interval_reaches_the_engine_processes_and_refuses_
     import shutil
     import sys
 
-    from chattts_triton.backend import ModelContext, gpt_service, set_switch_interval
     from chattts_triton.config import GIL_SWITCH_INTERVAL_MAX_US, GIL_SWITCH_INTERVAL_US
+    from chattts_triton.triton.backend import ModelContext, gpt_service, set_switch_interval
 
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)
     params = lambda model: rc.parse_pbtxt((repo / model / "config.pbtxt").read_text()).parameters  # noqa: E731
-    assert params(rc.GPT)["gil_switch_interval_us"].string_value == str(GIL_SWITCH_INTERVAL_US)
+    assert params(GPT)["gil_switch_interval_us"].string_value == str(GIL_SWITCH_INTERVAL_US)
     old = sys.getswitchinterval()
     try:
         assert rc.main(["--repo", str(repo), "--gil-switch-interval-us", "750"]) == 0
-        assert [params(m)["gil_switch_interval_us"].string_value for m in (rc.GPT, rc.STREAM)] == ["750", "750"]
-        assert "gil_switch_interval_us" not in params(rc.VOCODER)
+        assert [params(m)["gil_switch_interval_us"].string_value for m in (GPT, STREAM)] == ["750", "750"]
+        assert "gil_switch_interval_us" not in params(VOCODER)
         sys.setswitchinterval(0.005)
-        gpt_service(ModelContext.from_repo(repo, rc.GPT)).close()
+        gpt_service(ModelContext.from_repo(repo, GPT)).close()
         assert sys.getswitchinterval() == pytest.approx(750e-6)
         assert rc.main(["--repo", str(repo), "--gil-switch-interval-us", "0"]) == 0
         sys.setswitchinterval(0.005)
-        gpt_service(ModelContext.from_repo(repo, rc.GPT)).close()
+        gpt_service(ModelContext.from_repo(repo, GPT)).close()
         assert sys.getswitchinterval() == pytest.approx(0.005)  # 0: Python's own left alone
     finally:
         sys.setswitchinterval(old)
@@ -496,4 +508,4 @@ def test_configure_gil_switch_interval_reaches_the_engine_processes_and_refuses_
     assert e.value.code == 2 and "gil_switch_interval_us must be in" in capsys.readouterr().err
     with pytest.raises(RuntimeError, match="gil_switch_interval_us must be in"):  # a hand-edited config, at load
         set_switch_interval(GIL_SWITCH_INTERVAL_MAX_US + 1)
-    assert params(rc.GPT)["gil_switch_interval_us"].string_value == "0"
+    assert params(GPT)["gil_switch_interval_us"].string_value == "0"

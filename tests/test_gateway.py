@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from chattts_triton.config import LIMITS, SAMPLE_RATE
-from chattts_triton.tritonserver import free_port
+from chattts_triton.launcher.tritonserver import free_port
 from client.errors import ChatTTSError
 from gateway import api
 from gateway.app import Settings, create_app

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from chattts_triton.config import SAMPLE_RATE, samples_for_codes
-from chattts_triton.tritonserver import _set_parent_death_signal, free_port
+from chattts_triton.launcher.tritonserver import _set_parent_death_signal, free_port
 from client import ChatTTSClient
 from gateway.audio import FORMATS, decode, to_int16
 

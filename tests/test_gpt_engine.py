@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from chattts_triton import sampling
-from chattts_triton.assets import infer_arch
 from chattts_triton.config import KV_PAGE_TOKENS
-from chattts_triton.engine import Engine, EngineError, GenRequest, SamplingParams
-from chattts_triton.gpt import load_gpt
+from chattts_triton.model import sampling
+from chattts_triton.model.assets import infer_arch
+from chattts_triton.model.gpt import load_gpt
+from chattts_triton.runtime.engine import Engine, EngineError, GenRequest, SamplingParams
 
 
 def upstream_gpt(folder):
@@ -241,9 +241,8 @@ def test_context_overflow_and_cancel(tiny):
 
 
 def test_sampling_filters_equal_transformers_warpers():
-    from transformers.generation import TopKLogitsWarper, TopPLogitsWarper
-
     from ChatTTS.model.processors import CustomRepetitionPenaltyLogitsProcessorRepeat
+    from transformers.generation import TopKLogitsWarper, TopPLogitsWarper
 
     torch.manual_seed(0)
     logits = torch.randn(8, 626) * 3
@@ -482,7 +481,7 @@ def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs):
     mid-flight; compaction moves slots under them. Each one's tokens, hiddens and stream chunks are
     what it produces alone. "buckets" runs the CUDA-graph bucket logic eagerly: padding rows (free
     slots, warm-up runs over live rows) must not change anything."""
-    from chattts_triton.engine import CudaGraphs
+    from chattts_triton.runtime.engine import CudaGraphs
 
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, max_slots=8, start=False)
@@ -514,7 +513,7 @@ def test_requests_suspended_for_want_of_pages_resume_exactly_where_they_stopped(
     request of the full context): the newest are suspended mid-generation, their pages copied out, and
     resumed later. Each request's tokens, hidden states and stream chunks are still what it produces
     alone, and every page comes back to the pool."""
-    from chattts_triton.engine import CudaGraphs
+    from chattts_triton.runtime.engine import CudaGraphs
 
     arch, _, _, ours = tiny
     specs = scenario_specs()
@@ -594,7 +593,7 @@ def test_admission_waits_for_pages_and_a_pool_below_one_full_context_is_refused(
 def test_eager_module_from_the_exported_torchscript_computes_the_same(tiny, fused_export):
     """torch.compile traces the plain module rebuilt from gpt.pt's weights, buffers included; it has
     its projections fused, also from a gpt.pt exported before they were (then to rounding)."""
-    from chattts_triton.gpt import eager_from_script
+    from chattts_triton.model.gpt import eager_from_script
 
     arch, _, _, ours = tiny
     for dtype in (torch.float32, torch.bfloat16):
@@ -643,7 +642,7 @@ def test_fused_projections_compute_what_the_separate_ones_do(tiny_assets, script
 
 
 def load_gpt_like(model, arch, dtype, fused=True):
-    from chattts_triton.gpt import ChatTTSGPT
+    from chattts_triton.model.gpt import ChatTTSGPT
 
     m = ChatTTSGPT(arch).to(dtype)
     m.fuse_projections()
@@ -676,7 +675,8 @@ def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compi
     `warm_up` (code and text, 1 and 2 requests) nothing compiles again; with `prefill` the prefills
     (every bucket shape of the warm-up and the scenario's others) run compiled too."""
     import torch._dynamo
-    from chattts_triton.engine import CudaGraphs
+
+    from chattts_triton.runtime.engine import CudaGraphs
 
     arch, _, _, ours = tiny
     g = torch.Generator().manual_seed(3)
@@ -714,7 +714,7 @@ def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compi
 def test_a_compiled_prefill_that_fails_falls_back_to_the_plain_prefill(tiny, caplog):
     """If the compiled prefill raises (inductor unable to compile it on some host), the engine logs it,
     runs that prefill and every later one plainly, and the requests get their plain tokens."""
-    from chattts_triton.engine import CudaGraphs
+    from chattts_triton.runtime.engine import CudaGraphs
 
     arch, _, _, ours = tiny
     specs = [dict(ids=torch.arange(1 + i, 12 + 3 * i), params=SamplingParams(0.3, 0.7, 20, 1.05, 12, 12, seed=i))
@@ -752,8 +752,15 @@ def test_warm_graphs_captures_every_bucket_a_load_reaches_on_the_engine_thread(t
     prompt counts past PREFILL_WARM_BATCHES, captured on the engine's own thread (where graphs
     replay) before any client; requests served afterwards capture nothing new and get the tokens a
     plain engine gives them."""
-    from chattts_triton.engine import (BATCH_STEP, PREFILL_GRAPH_TOKENS, PREFILL_WARM_BATCHES, PREFILL_WARM_LENGTHS,
-                                       WARM_DECODE_LEN, CudaGraphs, bucket_sizes)
+    from chattts_triton.runtime.engine import (
+        BATCH_STEP,
+        PREFILL_GRAPH_TOKENS,
+        PREFILL_WARM_BATCHES,
+        PREFILL_WARM_LENGTHS,
+        WARM_DECODE_LEN,
+        CudaGraphs,
+        bucket_sizes,
+    )
 
     arch, _, _, ours = tiny
     reqs = [GenRequest(torch.arange(3 + i, 20 + 2 * i), SamplingParams(0.3, 0.7, 20, 1.05, 30, 30, seed=i), None) for i in range(5)]
@@ -808,7 +815,7 @@ def test_an_engine_task_fails_its_caller_not_the_engine(tiny):
 def test_warm_graphs_refuses_an_engine_with_running_requests(tiny):
     """Its warm-up steps run every row of a bucket in one mode: with requests running it refuses
     rather than step them."""
-    from chattts_triton.engine import CudaGraphs, EngineError
+    from chattts_triton.runtime.engine import CudaGraphs, EngineError
 
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, start=False)
@@ -824,7 +831,7 @@ def test_warm_graphs_refuses_an_engine_with_running_requests(tiny):
 def test_a_result_whose_copies_failed_reaches_its_consumer_as_an_error():
     """Engine._call: if waiting for a finished result's host copies raises (a device error), the
     consumer still gets one reply, an error, instead of none."""
-    from chattts_triton.engine import GenResult
+    from chattts_triton.runtime.engine import GenResult
 
     class Broken:
         def synchronize(self):
@@ -843,7 +850,8 @@ def test_frozen_compiled_step_runs_an_unwarmed_bucket_plainly_instead_of_compili
     needs attention length 256, the warm-up saw 128) runs the plain step instead of stalling every
     running request for a compile; text mode (refine text) always runs the plain step, frozen or not."""
     import torch._dynamo
-    from chattts_triton.engine import CudaGraphs
+
+    from chattts_triton.runtime.engine import CudaGraphs
 
     arch, _, _, ours = tiny
     if case == "text_mode":
@@ -869,7 +877,7 @@ def test_frozen_compiled_step_runs_an_unwarmed_bucket_plainly_instead_of_compili
 def test_padding_row_over_a_slot_left_by_refine_text(tiny):
     """A free slot that held text-vocabulary tokens pads a code-only bucket: its lookups stay in
     range and the live rows are unaffected."""
-    from chattts_triton.engine import CudaGraphs
+    from chattts_triton.runtime.engine import CudaGraphs
 
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, max_slots=4, start=False)
@@ -936,14 +944,14 @@ def test_admission_batches_prefills_when_busy_and_admits_at_once_when_idle(tiny)
 
 
 def test_bucket_sizes():
-    from chattts_triton.graphs import bucket as _bucket
+    from chattts_triton.runtime.graphs import bucket as _bucket
 
     assert [_bucket(n, 32, 512) for n in (1, 2, 3, 5, 32, 33, 64, 65, 500, 512)] == [1, 2, 4, 8, 32, 64, 64, 96, 512, 512]
     assert _bucket(300, 32, 300) == 300 and _bucket(129, 128, 200) == 200
 
 
 def test_model_with_the_old_slots_signature_is_refused(tiny):
-    from chattts_triton.engine import EngineError
+    from chattts_triton.runtime.engine import EngineError
 
     arch = tiny[0]
 
@@ -962,13 +970,13 @@ def test_gpt_service_compiles_the_step_or_falls_back_to_torchscript(tiny_repo, m
     failed engine (its KV cache: GBs on a GPU) is gone, not kept beside the one that serves."""
     import weakref
 
-    from chattts_triton import services
-    from chattts_triton.config import Arch
-    from chattts_triton.repo_config import GPT, read_manifest
+    from chattts_triton.runtime import gpt as gpt_runtime
+    from chattts_triton.config import GPT, Arch
+    from chattts_triton.triton.repo_config import read_manifest
 
     man = read_manifest(tiny_repo)
     arch = Arch.from_json(man["arch"])
-    monkeypatch.setattr(services, "compile_applies", lambda device: True)  # CPU stands in for CUDA here
+    monkeypatch.setattr(gpt_runtime, "compile_applies", lambda device: True)  # CPU stands in for CUDA here
     real_warm_up = Engine.warm_up
 
     def warm_up(self, *args, **kw):
@@ -986,7 +994,7 @@ def test_gpt_service_compiles_the_step_or_falls_back_to_torchscript(tiny_repo, m
 
     monkeypatch.setattr(Engine, "__init__", init)
     caplog.set_level(logging.INFO)
-    svc = services.GPTService(tiny_repo / GPT / "1" / "gpt.pt", arch, torch.device("cpu"), "fp32", max_slots=2,
+    svc = gpt_runtime.GPTService(tiny_repo / GPT / "1" / "gpt.pt", arch, torch.device("cpu"), "fp32", max_slots=2,
                               max_context=256, max_new_tokens=32, text_eos_id=man["tokens"]["text_eos_id"],
                               spk_emb_id=man["tokens"]["spk_emb_id"], compile_step=True)
     try:
@@ -1005,13 +1013,13 @@ def test_only_a_failed_decode_graph_sends_a_compiled_engine_back_to_torchscript(
     """A warm-up graph that could not be captured: a decode bucket's means the compiled step cannot be
     served as measured (TorchScript instead); a prefill bucket's runs no compiled code and just runs
     eagerly, so the compiled step stays. (CPU has no graphs: the warm-up's outcome is stood in for.)"""
-    from chattts_triton import services
-    from chattts_triton.engine import CudaGraphs
-    from chattts_triton.config import Arch
-    from chattts_triton.repo_config import GPT, read_manifest
+    from chattts_triton.runtime import gpt as gpt_runtime
+    from chattts_triton.config import GPT, Arch
+    from chattts_triton.runtime.engine import CudaGraphs
+    from chattts_triton.triton.repo_config import read_manifest
 
     man = read_manifest(tiny_repo)
-    monkeypatch.setattr(services, "compile_applies", lambda device: True)
+    monkeypatch.setattr(gpt_runtime, "compile_applies", lambda device: True)
     real_warm_up = Engine.warm_up
 
     def warm_up(self, *args, **kw):
@@ -1023,7 +1031,7 @@ def test_only_a_failed_decode_graph_sends_a_compiled_engine_back_to_torchscript(
                                        ("code", 1, 128): None if failed == "code" else ok})
 
     monkeypatch.setattr(Engine, "warm_up", warm_up)
-    svc = services.GPTService(tiny_repo / GPT / "1" / "gpt.pt", Arch.from_json(man["arch"]), torch.device("cpu"), "fp32",
+    svc = gpt_runtime.GPTService(tiny_repo / GPT / "1" / "gpt.pt", Arch.from_json(man["arch"]), torch.device("cpu"), "fp32",
                               max_slots=2, max_context=256, max_new_tokens=32, text_eos_id=man["tokens"]["text_eos_id"],
                               spk_emb_id=man["tokens"]["spk_emb_id"], compile_step=True)
     try:
@@ -1086,7 +1094,7 @@ def test_the_gil_probe_reads_the_wait_another_python_thread_causes(tiny, monkeyp
     import sys
     import threading
 
-    import chattts_triton.engine as engine_mod
+    import chattts_triton.runtime.engine as engine_mod
 
     arch, _, _, ours = tiny
     specs = [dict(ids=torch.arange(1, 9), params=greedy(80, 80, seed=0))]
@@ -1161,7 +1169,7 @@ def test_a_graph_whose_timing_events_fail_to_capture_is_captured_without_them(mo
     import contextlib
     from types import SimpleNamespace
 
-    from chattts_triton import graphs
+    from chattts_triton.runtime import graphs
 
     cache = graphs.GraphCache(torch.device("cpu"), capture=False)
     cache.capture, cache.stream = True, SimpleNamespace(wait_stream=lambda s: None)

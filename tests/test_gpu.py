@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import threading
 import queue
+import threading
 import warnings
 
 import pytest
 import torch
 
-from chattts_triton.assets import infer_arch
-from chattts_triton.engine import Engine, GenRequest, SamplingParams
-from chattts_triton.gpt import load_gpt
+from chattts_triton.model.assets import infer_arch
+from chattts_triton.model.gpt import load_gpt
+from chattts_triton.runtime.engine import Engine, GenRequest, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -154,8 +154,8 @@ def test_codec_graphs_give_the_eager_audio_on_gpu(full_repo):
     for the padded shape), and every bucket met is captured."""
     import numpy as np
 
-    from chattts_triton.backend import ModelContext, vocoder_service
-    from chattts_triton.repo_config import VOCODER
+    from chattts_triton.config import VOCODER
+    from chattts_triton.triton.backend import ModelContext, vocoder_service
 
     ctx = ModelContext.from_repo(full_repo, VOCODER, kind="GPU")
     arch, voc = ctx.arch, vocoder_service(ctx, graphs=True)
@@ -175,7 +175,7 @@ def test_codec_graphs_give_the_eager_audio_on_gpu(full_repo):
 
 
 def test_to_host_copies_through_pinned_memory():
-    from chattts_triton.graphs import to_host
+    from chattts_triton.runtime.graphs import to_host
 
     t = torch.randn(5, 7, device="cuda") * 3
     host = to_host(t)
@@ -217,8 +217,8 @@ def test_decode_step_syncs_the_host_once(full_assets):
 def test_stream_first_chunk_leaves_while_the_utterance_is_generated_on_gpu(tiny_repo):
     """On the H200 (2026-11-30) the chunks of a lone stream left in one burst at its end; the CPU
     sends the first after its frames plus lookahead (tests/test_streaming.py). Same check on CUDA."""
-    from chattts_triton.backend import ModelContext, stream_service
-    from chattts_triton.repo_config import STREAM
+    from chattts_triton.config import STREAM
+    from chattts_triton.triton.backend import ModelContext, stream_service
     from tests.test_streaming import first_chunk_steps
 
     svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", first_chunk_frames=4, chunk_frames=8,
@@ -237,8 +237,8 @@ def test_stream_codec_on_its_own_cuda_stream_gives_the_offline_audio_on_gpu(tiny
     steps on the default one; several streams at once still equal their non-streamed audio."""
     import numpy as np
 
-    from chattts_triton.backend import ModelContext, stream_service
-    from chattts_triton.repo_config import STREAM
+    from chattts_triton.config import STREAM
+    from chattts_triton.triton.backend import ModelContext, stream_service
     from tests.test_streaming import Recorder, contract, offline
 
     svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", first_chunk_frames=4, chunk_frames=8,
@@ -265,7 +265,7 @@ def test_warm_graphs_captures_every_decode_bucket_before_a_load_on_gpu(tiny_asse
     running requests)."""
     import time
 
-    from chattts_triton.engine import BATCH_STEP, WARM_DECODE_LEN, bucket_sizes
+    from chattts_triton.runtime.engine import BATCH_STEP, WARM_DECODE_LEN, bucket_sizes
 
     arch = infer_arch(tiny_assets)
     model = torch.jit.script(load_gpt(tiny_assets, arch).cuda())
@@ -295,8 +295,8 @@ def test_stream_codec_captures_nothing_after_start_up_on_gpu(tiny_repo):
     up behind the codec calls included (windows capped at the warmed length), add no codec graph."""
     import time
 
-    from chattts_triton.backend import ModelContext, stream_service
-    from chattts_triton.repo_config import STREAM
+    from chattts_triton.config import STREAM
+    from chattts_triton.triton.backend import ModelContext, stream_service
     from tests.test_streaming import Recorder, contract
 
     svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", first_chunk_frames=4, chunk_frames=8,
@@ -319,7 +319,7 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets):
     positive and no longer than the launch-to-sync time the host saw for those steps on average
     (within the jitter of 2 ms over 10+ samples); the graphed ones also on the events their graph
     records itself, a span inside the host-recorded one."""
-    from chattts_triton.engine import GPU_TIMING_EVERY
+    from chattts_triton.runtime.engine import GPU_TIMING_EVERY
 
     arch = infer_arch(tiny_assets)
     model = torch.jit.script(load_gpt(tiny_assets, arch).cuda())
@@ -359,8 +359,8 @@ def test_decode_kernel_reads_each_rows_own_keys_as_the_reference_does(dtype, kv_
     (one layer; block table rows from an offset, pages in shuffled order), lengths 1..context incl. block and
     page edges, grouped heads (12 query heads on 4 key/value heads), and CUDA graph replays that read the
     lengths and block tables of their time."""
-    from chattts_triton.attention import BLOCK_KEYS, decode_attention, kernel_available, reference
     from chattts_triton.config import KV_PAGE_TOKENS as page
+    from chattts_triton.model.attention import BLOCK_KEYS, decode_attention, kernel_available, reference
 
     assert kernel_available(torch.device("cuda"), 64)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chattts_triton.config import samples_for_codes
-from chattts_triton.serve import Launched
+from chattts_triton.launcher.serve import Launched
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -48,7 +48,7 @@ def test_a_16gb_card_plan_serves_64_concurrent_utterances_through_the_launcher(f
     utterances are served without an error, the server's processes stay inside the card, and the launcher
     stays up past the compile workers' exit (a minute after start) with no restart."""
     from bench.run import engine_slots, gpu_processes
-    from chattts_triton.repo_config import Deployment
+    from chattts_triton.triton.repo_config import Deployment
     from export.__main__ import export_repository
 
     repo = export_repository(full_assets, tmp_path / "repo", ["torchscript"], "auto",

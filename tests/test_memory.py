@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from chattts_triton import memory as m
-from chattts_triton import repo_config as rc
-from chattts_triton.config import FULL_ARCH, KV_PAGE_TOKENS, TINY_ARCH
+from chattts_triton.config import FULL_ARCH, GPT, KV_PAGE_TOKENS, MANIFEST, TINY_ARCH
+from chattts_triton.triton import repo_config as rc
 
 H200 = 143771 << 20  # what an H200 reports, bytes
 
@@ -54,7 +54,7 @@ def test_gpu_memory_gb_never_plans_past_the_card():
 
 
 def test_on_the_cpu_an_engine_keeps_its_configured_slots_at_the_full_context():
-    from chattts_triton.services import engine_plan
+    from chattts_triton.runtime.device import engine_plan
 
     p = engine_plan(torch.device("cpu"), TINY_ARCH, "fp32", "gpt", None, None, 256, 64, None, 1)
     assert (p.slots, p.cache_tokens) == (m.CPU_SLOTS["gpt"], m.CPU_SLOTS["gpt"] * 256)
@@ -77,12 +77,12 @@ def test_configure_flags_take_auto_and_refuse_nonsense(tiny_repo, tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpu-memory-gb", "15", "--gpt-slots", "64"]) == 0
-    dep = json.loads((repo / rc.MANIFEST).read_text())["deployment"]
+    dep = json.loads((repo / MANIFEST).read_text())["deployment"]
     assert dep["gpu_memory_gb"] == 15 and dep["gpt_slots"] == 64
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-slots", "auto"]) == 0
-    dep = json.loads((repo / rc.MANIFEST).read_text())["deployment"]
+    dep = json.loads((repo / MANIFEST).read_text())["deployment"]
     assert dep["gpt_slots"] is None and dep["gpu_memory_gb"] == 15
-    cfg = (repo / rc.GPT / "config.pbtxt").read_text()
+    cfg = (repo / GPT / "config.pbtxt").read_text()
     assert 'key: "max_slots"' in cfg and 'string_value: "auto"' in cfg
     for bad in (["--gpt-slots", "0"], ["--gpu-memory-gb", "-1"], ["--max-queue-size", "x"]):
         with pytest.raises(SystemExit):

@@ -1,4 +1,4 @@
-"""The CUDA MPS daemon for one server's lifetime (chattts_triton.mps), against a stand-in
+"""The CUDA MPS daemon for one server's lifetime (chattts_triton.launcher.mps), against a stand-in
 `nvidia-cuda-mps-control` that records how it was called (no GPU here)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from chattts_triton import tritonserver as ts
-from chattts_triton.mps import MPS_CONTROL, MpsError, mps_daemon
+from chattts_triton.launcher import tritonserver as ts
+from chattts_triton.launcher.mps import MPS_CONTROL, MpsError, mps_daemon
 
 ROOT = Path(__file__).resolve().parents[1]
 SPIKE_REPO = ROOT / "tests" / "fixtures" / "spike_repo"
@@ -71,7 +71,7 @@ def test_a_missing_control_program_or_a_failed_start_is_a_clear_error(fake_contr
 
 
 def test_serve_without_the_control_program_refuses_mps_with_a_message(tmp_path, monkeypatch, capsys):
-    from chattts_triton import serve
+    from chattts_triton.launcher import serve
 
     monkeypatch.setattr("shutil.which", lambda name, *a, **k: None)
     assert serve.main(["--repo", str(SPIKE_REPO), "--mps"]) == 1

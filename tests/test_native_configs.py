@@ -16,10 +16,11 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from tritonclient.grpc import model_config_pb2 as mc
 
-from chattts_triton import repo_config as rc
-from chattts_triton.codec import CODEC_INPUTS, CODEC_OUTPUTS
-from chattts_triton.config import Arch
+from chattts_triton.config import ENSEMBLE, MANIFEST, Arch
+from chattts_triton.model.codec import CODEC_INPUTS, CODEC_OUTPUTS
+from chattts_triton.triton import repo_config as rc
 from export.codec import EXPORT_TOLERANCE, sample_inputs
 from export.native import (
     BACKENDS,
@@ -31,7 +32,6 @@ from export.native import (
     build_native_config,
     main,
 )
-from tritonclient.grpc import model_config_pb2 as mc
 
 ONNX_TO_TRITON = {onnx.TensorProto.FLOAT: "TYPE_FP32", onnx.TensorProto.INT64: "TYPE_INT64"}
 TRITON_TO_NUMPY = {"TYPE_FP32": np.float32, "TYPE_INT64": np.int64}
@@ -184,7 +184,7 @@ def test_native_files_are_the_artifacts(native_repo):
 
 def test_rerun_switches_backend_and_leaves_python_models_alone(tiny_repo, tmp_path):
     repo = _copy(tiny_repo, tmp_path / "repo")
-    before = {m: (repo / m / "config.pbtxt").read_bytes() for m in (rc.ENSEMBLE, *rc.MODELS)}
+    before = {m: (repo / m / "config.pbtxt").read_bytes() for m in (ENSEMBLE, *rc.MODELS)}
     add_native_models(repo, backend="onnxruntime")
     add_native_models(repo, backend="pytorch")
     for model in NATIVE_MODELS.values():
@@ -192,9 +192,9 @@ def test_rerun_switches_backend_and_leaves_python_models_alone(tiny_repo, tmp_pa
         assert files == ["model.pt"]
         assert _config(repo, next(k for k, v in NATIVE_MODELS.items() if v == model)).backend == "pytorch"
     assert {m: (repo / m / "config.pbtxt").read_bytes() for m in before} == before
-    man = json.loads((repo / rc.MANIFEST).read_text())
+    man = json.loads((repo / MANIFEST).read_text())
     assert man["native"]["backend"] == "pytorch"
-    assert man["arch"] == json.loads((tiny_repo / rc.MANIFEST).read_text())["arch"]
+    assert man["arch"] == json.loads((tiny_repo / MANIFEST).read_text())["arch"]
     assert not [p for p in repo.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
 
 

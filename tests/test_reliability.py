@@ -21,12 +21,10 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from chattts_triton import repo_config as rc
-from tests.test_streaming import contract as stream_contract
-from tests.test_streaming import grpc_stream
-from chattts_triton.config import LIMITS, SAMPLE_RATE, samples_for_codes
-from chattts_triton.speaker import sample_random_speaker
-from chattts_triton.tritonserver import LOCALHOST, TritonServer
+from chattts_triton.config import ENSEMBLE, GPT, LIMITS, PREPROCESS, SAMPLE_RATE, STREAM, VOCODER, samples_for_codes
+from chattts_triton.launcher.tritonserver import LOCALHOST
+from chattts_triton.model.speaker import sample_random_speaker
+from chattts_triton.triton import repo_config as rc
 from tests.reliability_util import (
     contract_inputs,
     grpc_synth,
@@ -37,6 +35,8 @@ from tests.reliability_util import (
     stub_processes,
     wait_for,
 )
+from tests.test_streaming import contract as stream_contract
+from tests.test_streaming import grpc_stream
 
 pytestmark = pytest.mark.e2e
 
@@ -267,7 +267,7 @@ def _in_engine(server) -> int:
     """Generations the GPT engine holds (running + waiting), from its gauges."""
     _, body = http_status(server.metrics_url.split("//", 1)[1].split("/", 1)[0], "/metrics")
     return int(sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
-                   if line.startswith(("chattts_engine_active{", "chattts_engine_waiting{")) and f'model="{rc.GPT}"' in line))
+                   if line.startswith(("chattts_engine_active{", "chattts_engine_waiting{")) and f'model="{GPT}"' in line))
 
 
 def test_a_burst_of_what_the_engine_admits_from_idle_is_all_served(burst_server):
@@ -321,7 +321,7 @@ def test_every_instance_publishes_its_own_gauges_and_the_engine_counters_advance
 
     lines = [line for line in text().splitlines() if line.startswith("chattts_inflight_requests{")]
     assert lines and all('instance="' in line for line in lines)
-    vocoder = {line.split('instance="')[1].split('"')[0] for line in lines if f'model="{rc.VOCODER}"' in line}
+    vocoder = {line.split('instance="')[1].split('"')[0] for line in lines if f'model="{VOCODER}"' in line}
     assert len(vocoder) == 2
     time.sleep(0.6)  # the gauges refresh every 0.25 s: let earlier requests' counts land first
     before = parse_engine_counters(text())
@@ -341,9 +341,9 @@ def test_only_models_that_batch_in_triton_wait_to_form_a_batch():
     """The GPT and stream models batch in their engines and the preprocess model prepares each request
     on its own: Triton's batching delay would only add latency to them."""
     cfgs = rc.build_configs(_tiny_arch(), rc.Deployment(max_queue_delay_us=1500))
-    delays = {m: cfgs[m].dynamic_batching.max_queue_delay_microseconds for m in rc.MODELS + (rc.STREAM,)}
-    assert delays[rc.GPT] == delays[rc.STREAM] == delays[rc.PREPROCESS] == 0
-    assert delays[rc.VOCODER] == 1500
+    delays = {m: cfgs[m].dynamic_batching.max_queue_delay_microseconds for m in rc.MODELS + (STREAM,)}
+    assert delays[GPT] == delays[STREAM] == delays[PREPROCESS] == 0
+    assert delays[VOCODER] == 1500
 
 
 def test_every_queue_holds_twice_what_the_engines_admit():
@@ -355,13 +355,13 @@ def test_every_queue_holds_twice_what_the_engines_admit():
         cfgs = rc.build_configs(_tiny_arch(), dep)
         for m in rc.MODELS:
             assert cfgs[m].dynamic_batching.default_queue_policy.max_queue_size == 2 * bound, (dep, m)
-        assert cfgs[rc.PREPROCESS].parameters["max_pending"].string_value == str(bound)
+        assert cfgs[PREPROCESS].parameters["max_pending"].string_value == str(bound)
     cfgs = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_slots=3))
-    assert cfgs[rc.GPT].parameters["max_pending"].string_value == "12"  # 4 × slots by default
+    assert cfgs[GPT].parameters["max_pending"].string_value == "12"  # 4 × slots by default
     gpu = rc.build_configs(_tiny_arch(), rc.Deployment(gpus=[0]))
-    assert {k: gpu[rc.GPT].parameters[k].string_value for k in ("max_slots", "max_pending", "cache_tokens")} == \
+    assert {k: gpu[GPT].parameters[k].string_value for k in ("max_slots", "max_pending", "cache_tokens")} == \
         {"max_slots": "auto", "max_pending": "auto", "cache_tokens": "auto"}
-    assert gpu[rc.STREAM].dynamic_batching.default_queue_policy.max_queue_size == 2 * 2 * 64
+    assert gpu[STREAM].dynamic_batching.default_queue_policy.max_queue_size == 2 * 2 * 64
     explicit = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_slots=3, max_queue_size=7))
     assert all(explicit[m].dynamic_batching.default_queue_policy.max_queue_size == 7 for m in rc.MODELS)
 
@@ -377,7 +377,7 @@ class ServeCLI:
     """`python -m chattts_triton.serve` as a child process (the production entry point)."""
 
     def __init__(self, repo, tmp, *args, env=None, exit_timeout=60):
-        from chattts_triton.tritonserver import _free_ports
+        from chattts_triton.launcher.tritonserver import _free_ports
 
         self.http, self.grpc, self.metrics = _free_ports(3, LOCALHOST)
         self.log = tmp / "server.log"
@@ -487,7 +487,7 @@ def test_plain_triton_does_not_restart_a_killed_stub(tiny_assets, tmp_path):
     server = private_server(tiny_assets, tmp_path, gpt_slots=2, exit_timeout_s=3)  # what it held never ends
     with server:
         url = server.grpc_url
-        gpt = next(s for s in stub_processes(server).values() if s["model"] == rc.GPT)
+        gpt = next(s for s in stub_processes(server).values() if s["model"] == GPT)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             held = [pool.submit(_outcome, grpc_synth, url, 10, SEED=i, **LONG) for i in range(2)]
             time.sleep(1.5)
@@ -496,7 +496,7 @@ def test_plain_triton_does_not_restart_a_killed_stub(tiny_assets, tmp_path):
         after = [_outcome(grpc_synth, url, 10, TEXT="你好", MAX_NEW_TOKENS=4) for _ in range(2)]
         live = http_status(server.http_url, "/v2/health/live")[0]
         ready = http_status(server.http_url, "/v2/health/ready")[0]
-        new = next((s for s in stub_processes(server).values() if s["model"] == rc.GPT), None)
+        new = next((s for s in stub_processes(server).values() if s["model"] == GPT), None)
         print(f"\nheld: {held}\nafter: {after}\nlive {live} ready {ready} new stub {new}")
         regions = [s["region"] for s in stub_processes(server).values()] + [gpt["region"]]
     leaked = set(regions) & set(shm_regions())
@@ -517,7 +517,7 @@ def test_serve_exits_when_a_stub_dies_so_the_supervisor_restarts_it(tiny_assets,
             pid = cli.server_pid
         stubs = stub_processes(_S())
         regions = [s["region"] for s in stubs.values()]
-        gpt = next(s for s in stubs.values() if s["model"] == rc.GPT)
+        gpt = next(s for s in stubs.values() if s["model"] == GPT)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             held = [pool.submit(_outcome, grpc_synth, cli.grpc_url, 60, SEED=i, **LONG) for i in range(2)]
             time.sleep(1.5)
@@ -538,7 +538,7 @@ def test_serve_exits_when_a_stub_dies_so_the_supervisor_restarts_it(tiny_assets,
 
 
 def serve_module():
-    from chattts_triton import serve
+    from chattts_triton.launcher import serve
 
     return serve
 
@@ -582,13 +582,13 @@ def test_default_binding_is_loopback_and_model_control_is_off(served_tiny):
 
 
 def test_serve_cli_restricts_admin_apis_behind_a_key(tiny_repo, tmp_path):
-    from chattts_triton import serve
+    from chattts_triton.launcher import serve
 
     key_file = tmp_path / "admin.key"
     log = tmp_path / "server.log"
     env = {**os.environ, "CHATTTS_ADMIN_KEY_FILE": str(key_file)}
     env.pop("CHATTTS_ADMIN_KEY", None)
-    from chattts_triton.tritonserver import _free_ports
+    from chattts_triton.launcher.tritonserver import _free_ports
 
     ports = [str(p) for p in _free_ports(3, LOCALHOST)]
     proc = subprocess.Popen(
@@ -626,7 +626,7 @@ def test_serve_cli_restricts_admin_apis_behind_a_key(tiny_repo, tmp_path):
 
 
 def test_restriction_is_on_by_default_for_a_non_loopback_host():
-    from chattts_triton import serve
+    from chattts_triton.launcher import serve
 
     assert serve.restricted_args("127.0.0.1", False, "k") == []
     args = serve.restricted_args("0.0.0.0", False, "k")
@@ -636,9 +636,9 @@ def test_restriction_is_on_by_default_for_a_non_loopback_host():
 
 
 def test_drain_counts_our_gauges_plus_triton_queues_but_not_the_ensemble():
-    from chattts_triton import serve
+    from chattts_triton.launcher import serve
 
-    assert serve.ENSEMBLE == rc.ENSEMBLE
+    assert serve.ENSEMBLE == ENSEMBLE
     text = "\n".join([
         "# HELP chattts_inflight_requests requests admitted and not yet answered",
         'chattts_inflight_requests{model="chattts_gpt"} 2',

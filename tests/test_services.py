@@ -1,4 +1,4 @@
-"""PreprocessService (chattts_triton.services): the text it hands the GPT, SPOKEN_TEXT, and what normalisation
+"""PreprocessService (chattts_triton.runtime.preprocess): the text it hands the GPT, SPOKEN_TEXT, and what normalisation
 removed (counted, logged, named when nothing is left)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from chattts_triton.config import TINY_ARCH
-from chattts_triton.services import PreprocessService
-from chattts_triton.text import InputError, TextTokenizer
+from chattts_triton.model.text import InputError, TextTokenizer
+from chattts_triton.runtime.preprocess import PreprocessService
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_refined_text_is_the_spoken_text(tiny_assets, tmp_path):
 
 def test_removed_characters_are_counted_and_logged(pre, caplog):
     before = pre.stats()
-    with caplog.at_level(logging.DEBUG, logger="chattts_triton.services"):
+    with caplog.at_level(logging.DEBUG, logger="chattts_triton.runtime.preprocess"):
         out = pre.prepare(inputs(TEXT="你好😀😀，世界#"))
     assert spoken(out) == "你好，世界"
     after = pre.stats()
@@ -92,8 +92,8 @@ def test_a_text_removed_entirely_is_refused_naming_what_was_removed(pre):
 def test_a_gpt_pt_exported_before_the_paged_cache_is_served_through_the_eager_module(tiny_assets, tmp_path, caplog):
     """A repository exported before the paged KV cache holds a gpt.pt whose forward takes a slot range: the
     service warns, builds the eager module from its weights and generates what the current export does."""
-    from chattts_triton.gpt import ChatTTSGPT, load_gpt
-    from chattts_triton.services import GPTService
+    from chattts_triton.model.gpt import ChatTTSGPT, load_gpt
+    from chattts_triton.runtime.gpt import GPTService
 
     class BeforePages(ChatTTSGPT):
         def forward(self, x: torch.Tensor, positions: torch.Tensor, slot_start: int, k_cache: torch.Tensor,

@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 import pytest
 
-from chattts_triton.serve import Launched
+from chattts_triton.launcher.serve import Launched
 from loadtest.soak import TARGETS, soak, summary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.soak]

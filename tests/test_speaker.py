@@ -1,4 +1,4 @@
-"""chattts_triton.speaker equals upstream `ChatTTS.model.speaker.Speaker`; malformed strings are rejected."""
+"""chattts_triton.model.speaker equals upstream `ChatTTS.model.speaker.Speaker`; malformed strings are rejected."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pybase16384 as b14
 import pytest
 import torch
 
-from chattts_triton import speaker as spk
 from chattts_triton.config import NUM_AUDIO_TOKENS, NUM_VQ, TINY_ARCH
-from chattts_triton.speaker import SpeakerError
-from chattts_triton.text import InputError, TextTokenizer, build_code_prompt
+from chattts_triton.model import speaker as spk
+from chattts_triton.model.speaker import SpeakerError
+from chattts_triton.model.text import InputError, TextTokenizer, build_code_prompt
 
 pytest.importorskip("ChatTTS")
 from ChatTTS.config import Config  # noqa: E402

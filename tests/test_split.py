@@ -1,4 +1,4 @@
-"""The length-aware splitter (chattts_triton.split) on long Chinese, English and mixed paragraphs."""
+"""The length-aware splitter (chattts_triton.model.split) on long Chinese, English and mixed paragraphs."""
 
 from __future__ import annotations
 
@@ -6,17 +6,17 @@ import re
 
 import pytest
 
-from chattts_triton.config import LIMITS, SAMPLES_PER_CODE, SAMPLE_RATE
-from chattts_triton.split import (
+from chattts_triton.config import LIMITS, SAMPLE_RATE, SAMPLES_PER_CODE
+from chattts_triton.model.split import (
+    _NUMBER,
+    _TOKEN,
     DEFAULT_MAX_FRAMES,
     DEFAULT_MIN_FRAMES,
     FRAMES_PER_SYLLABLE,
-    _NUMBER,
-    _TOKEN,
     estimate_frames,
     split_for_synthesis,
 )
-from chattts_triton.text import split_text
+from chattts_triton.model.text import split_text
 
 ZH_PARAGRAPH = (
     "四川美食确实以辣闻名，但也有不辣的选择。比如甜水面、赖汤圆、蛋烘糕、叶儿粑等，这些小吃口味温和，甜而不腻，也很受欢迎。"

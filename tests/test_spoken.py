@@ -1,4 +1,4 @@
-"""Spoken-form normalisation (chattts_triton.spoken): the hand-written tables of tests/spoken_cases.py through the
+"""Spoken-form normalisation (chattts_triton.model.spoken): the hand-written tables of tests/spoken_cases.py through the
 library function and through the server's Normalizer, control tokens, mixed text, failures, cost."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from chattts_triton import spoken as sp
-from chattts_triton.text import Normalizer, detect_language
+from chattts_triton.model import spoken as sp
+from chattts_triton.model.text import Normalizer, detect_language
 from tests.spoken_cases import EN_CASES, ZH_CASES
 
 
@@ -104,7 +104,7 @@ def test_text_without_digits_is_returned_as_is_without_the_grammars(monkeypatch)
 
 def test_a_grammar_failure_keeps_the_rest_and_never_fails_the_request(caplog):
     spoken = sp.SpokenForm()
-    with caplog.at_level(logging.WARNING, logger="chattts_triton.spoken"):
+    with caplog.at_level(logging.WARNING, logger="chattts_triton.model.spoken"):
         got = spoken("Call +1 555 123 4567 now", "en")  # the English grammar asserts on "+1"
     assert got.startswith("Call +1 ") and "five hundred and fifty five" in got and got.endswith(" now")
     assert "left as written" in caplog.text

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from chattts_triton import repo_config as rc
-from chattts_triton.codec import ConvNeXtBlock, load_codecs, stream_lookahead_codes
-from chattts_triton.config import FULL_ARCH, NUM_VQ, SAMPLES_PER_CODE, TINY_ARCH, samples_for_codes
-from chattts_triton.services import VocoderService
-from chattts_triton.streaming import Cancelled, ChunkPlanner, StreamCall, chunk_samples, crossfade, fade_in
+from chattts_triton.config import ENSEMBLE, FULL_ARCH, NUM_VQ, SAMPLES_PER_CODE, STREAM, TINY_ARCH, samples_for_codes
+from chattts_triton.model.chunks import ChunkPlanner, chunk_samples, crossfade, fade_in
+from chattts_triton.model.codec import ConvNeXtBlock, load_codecs, stream_lookahead_codes
+from chattts_triton.runtime.streaming import Cancelled, StreamCall
+from chattts_triton.runtime.vocoder import VocoderService
 from tests.reliability_util import wait_for
 
 TEXT = "你好，欢迎使用流式合成。"
@@ -113,7 +113,7 @@ def test_a_burst_of_frames_is_sent_as_windows_no_longer_than_the_cap():
 
 
 def test_stream_schedule_reads_zero_as_exact_and_caps_at_the_receptive_field():
-    from chattts_triton.streaming import stream_schedule
+    from chattts_triton.model.chunks import stream_schedule
 
     exact = stream_lookahead_codes(FULL_ARCH)
     assert stream_schedule(FULL_ARCH, 8, 32) == dict(first_chunk=8, chunk=32, lookahead=exact, first_lookahead=exact,
@@ -276,8 +276,8 @@ def test_codec_graph_buckets_give_each_item_its_eager_batch_audio(tiny_assets, m
     """CodecGraphs' padding (zero frames up to the frame bucket, one-frame rows up to the batch
     bucket), run eagerly here (capture=False): each item gets the audio the eager batch gives it. A
     group over CODEC_GRAPH_FRAMES padded frames runs eagerly, an empty item gets empty audio."""
-    from chattts_triton import services
-    from chattts_triton.services import CodecGraphs
+    from chattts_triton.runtime import vocoder
+    from chattts_triton.runtime.vocoder import CodecGraphs
 
     voc = _vocoder(tiny_assets, 0.1)
     g = torch.Generator().manual_seed(4)
@@ -296,10 +296,10 @@ def test_codec_graph_buckets_give_each_item_its_eager_batch_audio(tiny_assets, m
         assert np.abs(a - b).max() <= 1e-5
     key = ("decoder" if use_decoder else "dvae", 4, 32)
     assert list(voc.graphs.graphs) == [key]
-    long = item(services.CODEC_GRAPH_ITEM_FRAMES + 1)  # longer than graphs go: eager
+    long = item(vocoder.CODEC_GRAPH_ITEM_FRAMES + 1)  # longer than graphs go: eager
     assert [a.shape for a in voc.synthesize([long])] == [(samples_for_codes(long[1].shape[0]),)]
     assert list(voc.graphs.graphs) == [key]
-    monkeypatch.setattr(services, "CODEC_GRAPH_FRAMES", 64)
+    monkeypatch.setattr(vocoder, "CODEC_GRAPH_FRAMES", 64)
     eager = [item(40), item(3)]  # one group of 2 x 64 padded frames: over the limit
     assert [a.shape for a in voc.synthesize(eager)] == [(samples_for_codes(40),), (samples_for_codes(3),)]
     assert [a.shape for a in voc.synthesize([item(3), item(0)])] == [(samples_for_codes(3),), (0,)]
@@ -310,7 +310,7 @@ def test_a_codec_call_of_many_items_and_both_paths_replays_graphs_of_similar_len
     """A call of more items than CODEC_GRAPH_BATCH (the stream model decodes every due window of its
     streams in one call), of both paths and with an empty item: per path, groups of at most
     CODEC_GRAPH_BATCH items sorted by length, each item with the audio it gets alone."""
-    from chattts_triton.services import CODEC_GRAPH_BATCH, CodecGraphs
+    from chattts_triton.runtime.vocoder import CODEC_GRAPH_BATCH, CodecGraphs
 
     voc = _vocoder(tiny_assets, 0.1)
     g = torch.Generator().manual_seed(7)
@@ -332,8 +332,8 @@ def test_a_codec_call_of_many_items_and_both_paths_replays_graphs_of_similar_len
     # sorted by length: the decoder's first group holds its 16 shortest items, so its frame bucket
     # is that of the 16th shortest, not of the longest
     dec = sorted(n for (u, _), n in zip(items, lens) if u and n)
-    from chattts_triton.graphs import bucket
-    from chattts_triton.services import CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES
+    from chattts_triton.runtime.graphs import bucket
+    from chattts_triton.runtime.vocoder import CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES
 
     assert ("decoder", CODEC_GRAPH_BATCH, bucket(dec[CODEC_GRAPH_BATCH - 1], CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES)) in keys
 
@@ -341,9 +341,9 @@ def test_a_codec_call_of_many_items_and_both_paths_replays_graphs_of_similar_len
 # --- the service, without Triton ------------------------------------------------------------------
 def stream_context(repo, **params):
     """The ModelContext Triton would give chattts_stream."""
-    from chattts_triton.backend import ModelContext
+    from chattts_triton.triton.backend import ModelContext
 
-    return ModelContext.from_repo(repo, rc.STREAM, **params)
+    return ModelContext.from_repo(repo, STREAM, **params)
 
 
 class Recorder:
@@ -383,7 +383,7 @@ def contract(text=TEXT, seed=5, n=None, **extra):
 
 @pytest.fixture(scope="module")
 def stream_service(tiny_repo):
-    from chattts_triton.backend import stream_service as factory
+    from chattts_triton.triton.backend import stream_service as factory
 
     # exact chunks (first lookahead 0: as the later ones), with the served fade between them
     svc = factory(stream_context(tiny_repo, first_chunk_frames=4, chunk_frames=8, first_lookahead_frames=0, fade_frames=4,
@@ -396,10 +396,11 @@ def test_codec_graphs_of_the_stream_windows_are_made_at_start_up(stream_service,
     """warm_codec (run by the constructor when the codec has graphs, i.e. on a GPU) makes the graph of
     every frame bucket a window can fall in, for 1, 2, 4, 8, 16 windows decoded together, so no
     client's chunk waits for a capture."""
-    from chattts_triton.backend import stream_service as factory
-    from chattts_triton.graphs import bucket
-    from chattts_triton.services import CODEC_FRAMES_STEP, CODEC_GRAPH_BATCH, CODEC_GRAPH_FRAMES, CodecGraphs
-    from chattts_triton.streaming import WARM_STREAM_FRAMES, StreamService, stream_windows
+    from chattts_triton.model.chunks import stream_windows
+    from chattts_triton.runtime.graphs import bucket
+    from chattts_triton.runtime.streaming import WARM_STREAM_FRAMES, StreamService
+    from chattts_triton.runtime.vocoder import CODEC_FRAMES_STEP, CODEC_GRAPH_BATCH, CODEC_GRAPH_FRAMES, CodecGraphs
+    from chattts_triton.triton.backend import stream_service as factory
 
     voc = stream_service.voc
     assert voc.graphs is None  # a CPU instance: no graphs, nothing to warm
@@ -500,7 +501,7 @@ class _Req:
 def hand_streams(stream_service):
     """Streams made by hand and stepped on this thread through the shared service's `_step`; whatever
     a test leaves of them is taken out of the service after it (pass or fail)."""
-    from chattts_triton.streaming import _Stream
+    from chattts_triton.runtime.streaming import _Stream
 
     made = []
 
@@ -616,7 +617,7 @@ def grpc_stream(server, inputs_np, cancel_after=None, timeout=120):
         t = grpcclient.InferInput(name, list(arr.shape), dt)
         t.set_data_from_numpy(arr)
         inputs.append(t)
-    client.async_stream_infer(rc.STREAM, inputs, request_id="s", enable_empty_final_response=True)
+    client.async_stream_infer(STREAM, inputs, request_id="s", enable_empty_final_response=True)
     chunks, error = [], None
     try:
         while True:
@@ -635,7 +636,7 @@ def grpc_stream(server, inputs_np, cancel_after=None, timeout=120):
     return chunks, error
 
 
-def metric(server, name, model=rc.STREAM):
+def metric(server, name, model=STREAM):
     with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
         for line in r.read().decode().splitlines():
             if line.startswith(name + "{") and f'model="{model}"' in line:
@@ -653,7 +654,7 @@ def unary(server, inputs_np):
         t = grpcclient.InferInput(name, list(arr.shape), dt)
         t.set_data_from_numpy(arr)
         inputs.append(t)
-    return client.infer(rc.ENSEMBLE, inputs).as_numpy("AUDIO").reshape(-1)
+    return client.infer(ENSEMBLE, inputs).as_numpy("AUDIO").reshape(-1)
 
 
 def test_grpc_stream_equals_the_ensemble_audio(served_tiny):
@@ -669,7 +670,7 @@ def test_grpc_stream_equals_the_ensemble_audio(served_tiny):
 
 def test_http_sse_stream_equals_the_grpc_stream(served_tiny):
     body = json.dumps({"TEXT": TEXT, "SEED": 11, "MIN_NEW_TOKENS": 30, "MAX_NEW_TOKENS": 30}).encode()
-    req = urllib.request.Request(f"http://{served_tiny.http_url}/v2/models/{rc.STREAM}/generate_stream", data=body,
+    req = urllib.request.Request(f"http://{served_tiny.http_url}/v2/models/{STREAM}/generate_stream", data=body,
                                  headers={"Content-Type": "application/json"})
     events = []
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -697,7 +698,7 @@ def test_the_first_response_of_a_stream_carries_spoken_text_over_grpc_and_sse(se
         t.set_data_from_numpy(arr)
         inputs.append(t)
     outputs = [grpcclient.InferRequestedOutput("AUDIO"), grpcclient.InferRequestedOutput("SPOKEN_TEXT")]
-    client.async_stream_infer(rc.STREAM, inputs, outputs=outputs, request_id="s", enable_empty_final_response=True)
+    client.async_stream_infer(STREAM, inputs, outputs=outputs, request_id="s", enable_empty_final_response=True)
     texts = []
     try:
         while True:
@@ -713,7 +714,7 @@ def test_the_first_response_of_a_stream_carries_spoken_text_over_grpc_and_sse(se
     assert len(texts) > 2 and texts[0] == expected and set(texts[1:]) == {None}
 
     body = json.dumps({"TEXT": text, "SEED": 3, "MIN_NEW_TOKENS": 120, "MAX_NEW_TOKENS": 120}).encode()
-    req = urllib.request.Request(f"http://{served_tiny.http_url}/v2/models/{rc.STREAM}/generate_stream", data=body,
+    req = urllib.request.Request(f"http://{served_tiny.http_url}/v2/models/{STREAM}/generate_stream", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         events = [json.loads(line[6:]) for line in r if line.startswith(b"data: ")]
@@ -735,7 +736,7 @@ def test_stream_counters_split_the_first_chunk_time_on_the_server(served_tiny):
     from loadtest.sweep import fetch_metrics, parse_counters
 
     def read():
-        return parse_counters(fetch_metrics(served_tiny.metrics_url), STREAM_COUNTERS, rc.STREAM)
+        return parse_counters(fetch_metrics(served_tiny.metrics_url), STREAM_COUNTERS, STREAM)
 
     time.sleep(0.6)  # the gauges refresh every 0.25 s: let earlier streams' counts land first
     before = read()

@@ -1,4 +1,4 @@
-"""chattts_triton.text equals upstream ChatTTS 0.2.5 on the text path; input validation errors.
+"""chattts_triton.model.text equals upstream ChatTTS 0.2.5 on the text path; input validation errors.
 
 Upstream pieces used: `ChatTTS.Chat().normalizer` (the Normalizer exactly as Chat builds it; plain, and with the
 spoken-form step registered as upstream's docs register WeTextProcessing / NeMo: `normalizer.register(lang, fn)`),
@@ -20,10 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from chattts_triton import speaker as spk
 from chattts_triton.config import LIMITS, NUM_VQ, SPECIAL_TOKENS
-from tests.spoken_cases import EN_CASES, ZH_CASES
-from chattts_triton.text import (
+from chattts_triton.model import speaker as spk
+from chattts_triton.model.text import (
     HOMOPHONES_PATH,
     InputError,
     Normalizer,
@@ -35,6 +34,7 @@ from chattts_triton.text import (
     validate_prompt,
     validate_text,
 )
+from tests.spoken_cases import EN_CASES, ZH_CASES
 
 ChatTTS = pytest.importorskip("ChatTTS")
 from ChatTTS.model.speaker import Speaker as UpSpeaker  # noqa: E402
@@ -159,7 +159,7 @@ def test_normalizer_with_the_spoken_form_matches_upstream_with_it_registered(opt
     """Ours runs the spoken-form step where upstream runs a registered language normaliser (on the text between
     control tokens, before the half/full-width map), so both agree on text with digits and symbols too. Upstream
     raises IndexError on "" once a normaliser is registered (`texts[0]` of no texts); ours returns ""."""
-    from chattts_triton.spoken import default
+    from chattts_triton.model.spoken import default
 
     logging.getLogger("upstream-spoken").setLevel(logging.ERROR)
     up = ChatTTS.Chat(logging.getLogger("upstream-spoken")).normalizer
@@ -281,7 +281,7 @@ def test_decode_rejects_out_of_vocab(tok):
 
 
 def test_tokenizer_asset_errors(tmp_path):
-    from chattts_triton.assets import AssetError
+    from chattts_triton.model.assets import AssetError
 
     with pytest.raises(AssetError, match="missing"):
         TextTokenizer(tmp_path)
@@ -291,7 +291,7 @@ def test_tokenizer_asset_errors(tmp_path):
 
 
 def test_tokenizer_missing_special_tokens(tok_dir, tmp_path):
-    from chattts_triton.assets import AssetError
+    from chattts_triton.model.assets import AssetError
 
     d = json.loads((tok_dir / "tokenizer.json").read_text())
     d["added_tokens"] = [a for a in d["added_tokens"] if a["content"] != "[spk_emb]"]

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chattts_triton import tritonserver as ts
-from chattts_triton.tritonserver import TritonServer, TritonServerError, TritonSetupError
+from chattts_triton.launcher import tritonserver as ts
+from chattts_triton.launcher.tritonserver import TritonServer, TritonServerError, TritonSetupError
 
 ROOT = Path(__file__).resolve().parents[1]
 SPIKE_REPO = ROOT / "tests" / "fixtures" / "spike_repo"
@@ -236,6 +236,7 @@ def test_model_code_imports_repository_packages(tmp_path):
         """,
     )
     import tritonclient.http as httpclient
+
     from chattts_triton.config import SAMPLE_RATE
 
     with TritonServer(repo, log_file=tmp_path / "log", exit_timeout_s=5) as server:

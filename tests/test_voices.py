@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chattts_triton import speaker as spk
-from chattts_triton import voices as V
-from chattts_triton.config import BUILTIN_VOICE_SEEDS, FULL_ARCH, SAMPLE_RATE, samples_for_codes
-from chattts_triton.repo_config import PREPROCESS, VOICES, read_manifest
-from chattts_triton.text import InputError
+from chattts_triton.config import BUILTIN_VOICE_SEEDS, FULL_ARCH, PREPROCESS, SAMPLE_RATE, VOICES, samples_for_codes
+from chattts_triton.model import speaker as spk
+from chattts_triton.model.text import InputError
+from chattts_triton.runtime import voices as V
+from chattts_triton.triton.repo_config import read_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def pre(tiny_repo):
     import torch
 
     from chattts_triton.config import Arch
-    from chattts_triton.services import PreprocessService
+    from chattts_triton.runtime.preprocess import PreprocessService
 
     service = PreprocessService(tiny_repo / PREPROCESS / "1", Arch.from_json(read_manifest(tiny_repo)["arch"]),
                                 torch.device("cpu"), "torchscript")
@@ -171,7 +171,7 @@ def test_voice_from_reference_audio_equals_sending_that_audio(pre, repo_copy):
     sample = V.encode_reference(repo_copy, wav)
     with V.editing(repo_copy, 64) as voices:
         voices["reader"] = V.Voice("reader", sample=sample, text="参考音频")
-    from chattts_triton.services import PreprocessService
+    from chattts_triton.runtime.preprocess import PreprocessService
 
     own = PreprocessService(repo_copy / PREPROCESS / "1", pre.arch, pre.encoder_path[2], "torchscript")
     try:

@@ -1,7 +1,7 @@
-"""Triton python-backend entry of `chattts_stream`: the work is in chattts_triton.streaming."""
+"""Triton python-backend entry of `chattts_stream`: the work is in chattts_triton.runtime.streaming."""
 
 import triton_python_backend_utils as pb_utils
 
-from chattts_triton.backend import stream_service, make_model
+from chattts_triton.triton.backend import make_model, stream_service
 
 TritonPythonModel = make_model(pb_utils, stream_service)

@@ -1,7 +1,7 @@
-"""Triton python-backend entry of `chattts_vocoder`: the work is in chattts_triton.services."""
+"""Triton python-backend entry of `chattts_vocoder`: the work is in chattts_triton.runtime."""
 
 import triton_python_backend_utils as pb_utils
 
-from chattts_triton.backend import vocoder_service, make_model
+from chattts_triton.triton.backend import make_model, vocoder_service
 
 TritonPythonModel = make_model(pb_utils, vocoder_service)

@@ -54,11 +54,10 @@ import sys
 import sysconfig
 import tempfile
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CACHE_ENV = "CHATTTS_TRITON_CACHE"  # where generated folders go instead of REPO_ROOT/build
 DEFAULT_BACKEND_CACHE = REPO_ROOT / "build" / "triton-backends"
 DEFAULT_PYENV_CACHE = REPO_ROOT / "build" / "triton-pyenv"

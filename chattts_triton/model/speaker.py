@@ -21,7 +21,7 @@ import pybase16384 as b14
 import torch
 import torch.nn.functional as F
 
-from .config import FULL_ARCH, LIMITS, NUM_AUDIO_TOKENS, NUM_VQ, SAMPLE_RATE, SAMPLES_PER_CODE
+from ..config import FULL_ARCH, LIMITS, NUM_AUDIO_TOKENS, NUM_VQ, SAMPLE_RATE, SAMPLES_PER_CODE
 from .spk_stat import SPK_STAT
 from .text import InputError
 

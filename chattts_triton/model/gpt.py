@@ -18,9 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..config import PRECISIONS, Arch, GPTDims
 from .assets import AssetError, load_safetensors
 from .attention import decode_attention
-from .config import Arch, GPTDims
+
+# a precision's torch dtype (config.PRECISIONS names them without torch): the GPT's weights and its engine's
+# activations and KV cache
+DTYPES = {k: getattr(torch, v) for k, v in PRECISIONS.items()}
 
 
 class RMSNorm(nn.Module):

@@ -35,10 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from . import speaker as spk
-from .config import BUILTIN_VOICE_SEEDS, LIMITS, SAMPLE_RATE
-from .repo_config import MANIFEST, PREPROCESS, VOICES
-from .text import InputError, validate_text
+from ..config import BUILTIN_VOICE_SEEDS, LIMITS, MANIFEST, PREPROCESS, SAMPLE_RATE, VOICES
+from ..model import speaker as spk
+from ..model.text import InputError, validate_text
 
 log = logging.getLogger(__name__)
 
@@ -306,9 +305,9 @@ def read_reference_audio(path: Path):
 
 def encode_reference(repo: Path, wav) -> str:
     """The spk_smp string of reference audio, encoded by the repository's DVAE encoder as the server does."""
-    from .services import Artifact, check_reference_audio, reference_codes
-
     import torch
+
+    from .artifacts import Artifact, check_reference_audio, reference_codes
 
     check_reference_audio(wav)
     encoder = Artifact(repo / PREPROCESS / "1" / "dvae_encode", "torchscript", torch.device("cpu"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .config import MIN_TOKENS_TO_KEEP, REPETITION_WINDOW
+from ..config import MIN_TOKENS_TO_KEEP, REPETITION_WINDOW
 
 _MASK32 = 0xFFFFFFFF
 

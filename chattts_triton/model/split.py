@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from typing import List, Optional, Sequence, Tuple
 
-from .config import LIMITS, SAMPLE_RATE, SAMPLES_PER_CODE
+from ..config import LIMITS, SAMPLE_RATE, SAMPLES_PER_CODE
 
 FRAMES_PER_SECOND = SAMPLE_RATE / SAMPLES_PER_CODE  # 46.875 code frames a second
 FRAMES_PER_SYLLABLE = 12  # ≈ 3.9 syllables a second

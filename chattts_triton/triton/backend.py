@@ -2,7 +2,7 @@
 
 `make_model(pb_utils, factory)` returns a `TritonPythonModel` class. `pb_utils` is passed in (this
 package never imports `triton_python_backend_utils`). The adapter validates the config in
-`initialize`, turns each request into a `services.Call`, and answers each request exactly once
+`initialize`, turns each request into a `runtime.inputs.Call`, and answers each request exactly once
 through its response sender (default, non-decoupled mode) with COMPLETE_FINAL — so services may
 answer later from another thread, which is what lets the GPT engine batch in flight.
 """
@@ -20,14 +20,23 @@ from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
-from .config import (ADMIT_BATCH, ADMIT_WAIT_STEPS, FIRST_CHUNK_BUCKETS_MS, GIL_SWITCH_INTERVAL_MAX_US, GIL_SWITCH_INTERVAL_US,
-                     PENDING_PER_SLOT, Arch, first_chunk_bucket)
-from .memory import VOCODER_BYTES
-from .repo_config import AUTO, MANIFEST
-from .serve import INFLIGHT_METRIC
-from .services import Call, Overloaded
-from .streaming import StreamCall
-from .text import InputError
+from ..config import (
+    ADMIT_BATCH,
+    ADMIT_WAIT_STEPS,
+    FIRST_CHUNK_BUCKETS_MS,
+    GIL_SWITCH_INTERVAL_MAX_US,
+    GIL_SWITCH_INTERVAL_US,
+    INFLIGHT_METRIC,
+    MANIFEST,
+    PENDING_PER_SLOT,
+    Arch,
+    first_chunk_bucket,
+)
+from ..memory import VOCODER_BYTES
+from ..model.text import InputError
+from ..runtime.inputs import Call, Overloaded
+from ..runtime.streaming import StreamCall
+from .repo_config import AUTO
 
 log = logging.getLogger("chattts_triton")
 
@@ -96,7 +105,7 @@ class ModelContext:
 
 def _status(exc: BaseException):
     """(TritonError code attribute, gRPC status name, message) of a service's exception."""
-    from .streaming import Cancelled
+    from ..runtime.streaming import Cancelled
 
     if isinstance(exc, Overloaded):
         return "UNAVAILABLE", "UNAVAILABLE", str(exc)
@@ -367,8 +376,10 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
 
 # --- the factories the model.py files name -----------------------------------------------------
 def preprocess_service(ctx: ModelContext):
-    from .repo_config import GPT
-    from .services import PreprocessService, device_for, refine_request
+    from ..config import GPT
+    from ..runtime.device import device_for
+    from ..runtime.inputs import refine_request
+    from ..runtime.preprocess import PreprocessService
 
     gpt_model = ctx.param("gpt_model", GPT)
 
@@ -391,7 +402,8 @@ def _auto_float(text: str) -> Optional[float]:
 
 def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None):
     """A GPT engine's service; its slots and KV cache as configured, or (auto) sized from the GPU's memory."""
-    from .services import GPTService, device_for, engine_plan, limit_process_memory
+    from ..runtime.device import device_for, engine_plan, limit_process_memory
+    from ..runtime.gpt import GPTService
 
     set_switch_interval(ctx.param("gil_switch_interval_us", GIL_SWITCH_INTERVAL_US, cast=int))
     device = device_for(ctx.instance_kind, ctx.device_id)
@@ -432,7 +444,8 @@ def set_switch_interval(us: int) -> None:
 
 def vocoder_service(ctx: ModelContext, version_dir: Optional[Path] = None, graphs: Optional[bool] = None):
     """graphs: CUDA graphs of the codec (None: the model's `codec_graphs` parameter, default off)."""
-    from .services import VocoderService, check_dtype_supported, device_for, limit_process_memory
+    from ..runtime.device import check_dtype_supported, device_for, limit_process_memory
+    from ..runtime.vocoder import VocoderService
 
     if graphs is None:
         graphs = bool(ctx.param("codec_graphs", 0, cast=int))
@@ -446,10 +459,12 @@ def vocoder_service(ctx: ModelContext, version_dir: Optional[Path] = None, graph
 
 def stream_service(ctx: ModelContext):
     """`chattts_stream`: its own engine; the artifacts are read from the composing models' folders."""
-    from .repo_config import GPT, PREPROCESS, VOCODER
-    from .serve import DRAIN_FILE_ENV
-    from .services import PreprocessService, device_for, refine_request
-    from .streaming import StreamService, stream_schedule
+    from ..config import DRAIN_FILE_ENV, GPT, PREPROCESS, VOCODER
+    from ..model.chunks import stream_schedule
+    from ..runtime.device import device_for
+    from ..runtime.inputs import refine_request
+    from ..runtime.preprocess import PreprocessService
+    from ..runtime.streaming import StreamService
 
     version = lambda model: ctx.repo_dir / model / "1"  # noqa: E731
     schedule = stream_schedule(ctx.arch, ctx.param("first_chunk_frames", cast=int), ctx.param("chunk_frames", cast=int),

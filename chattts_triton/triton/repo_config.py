@@ -1,6 +1,7 @@
 """Model configurations of the repository, built as `model_config_pb2.ModelConfig` protos.
 
-The single place where model names, tensor names/shapes, batching and instance groups are decided;
+The single place where tensor names/shapes between the models, batching, instance groups and each model's
+parameters are decided (the model names are `config.py`'s);
 `python -m chattts_triton.repo_config --repo DIR --gpus 0,1 --instances 2` rewrites them in place
 (`make configure`).
 """
@@ -17,18 +18,27 @@ from typing import Dict, List, Optional, Tuple
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .config import (ADMIT_BATCH, ADMIT_WAIT_STEPS, ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, GIL_SWITCH_INTERVAL_MAX_US,
-                     GIL_SWITCH_INTERVAL_US, LIMITS, NUM_VQ, PENDING_PER_SLOT, Arch)
-from .memory import CPU_SLOTS, GPU_MEMORY_UTILIZATION, MAX_SLOTS
+from ..config import (
+    ADMIT_BATCH,
+    ADMIT_WAIT_STEPS,
+    ENSEMBLE,
+    ENSEMBLE_INPUTS,
+    ENSEMBLE_OUTPUTS,
+    GIL_SWITCH_INTERVAL_MAX_US,
+    GIL_SWITCH_INTERVAL_US,
+    GPT,
+    LIMITS,
+    MANIFEST,
+    NUM_VQ,
+    PENDING_PER_SLOT,
+    PREPROCESS,
+    STREAM,
+    VOCODER,
+    Arch,
+)
+from ..memory import CPU_SLOTS, GPU_MEMORY_UTILIZATION, MAX_SLOTS
 
-ENSEMBLE = "chattts"
-PREPROCESS = "chattts_preprocess"
-GPT = "chattts_gpt"
-VOCODER = "chattts_vocoder"
-STREAM = "chattts_stream"  # decoupled: the ensemble's inputs, audio in chunks
 MODELS = (PREPROCESS, GPT, VOCODER)  # the ensemble's steps (they hold the artifacts)
-MANIFEST = "manifest.json"
-VOICES = "voices.json"  # the voice registry (voices.py), shared by every model and replica that reads the repository
 
 # Contract inputs each composing model takes from the ensemble.
 PREPROCESS_FROM_ENSEMBLE = (
@@ -118,7 +128,7 @@ class Deployment:
 
     def stream_schedule(self, arch: Arch) -> Dict[str, int]:
         """`chattts_stream`'s ChunkPlanner arguments (streaming.stream_schedule; ValueError if refused)."""
-        from .streaming import stream_schedule  # torch: only where a schedule is needed
+        from ..model.chunks import stream_schedule  # torch: only where a schedule is needed
 
         return stream_schedule(arch, self.stream_first_chunk_frames, self.stream_chunk_frames,
                                self.stream_lookahead_frames, self.stream_first_lookahead_frames, self.stream_fade_frames)
@@ -402,7 +412,7 @@ def main(argv=None) -> int:
                     help="chattts_stream decodes new streams' first chunks in a codec call of their own, ahead of the "
                          "running streams' chunks (off by default until measured)")
     a = ap.parse_args(argv)
-    from .config import Arch
+    from ..config import Arch
 
     man = read_manifest(a.repo)
     dep = Deployment.from_manifest(man)

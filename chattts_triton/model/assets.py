@@ -13,7 +13,7 @@ from typing import Dict
 
 import torch
 
-from .config import Arch, ConvNetDims, GPTDims, VocosDims
+from ..config import Arch, ConvNetDims, GPTDims, VocosDims
 
 ASSET_FILES = (
     "Vocos.safetensors",
@@ -160,7 +160,7 @@ def infer_arch(folder: Path, states: Dict[str, Dict[str, torch.Tensor]] | None =
     nl = 0
     while f"backbone.convnext.{nl}.dwconv.weight" in vc:
         nl += 1
-    from .config import N_FFT, N_MELS
+    from ..config import N_FFT, N_MELS
 
     if n_mels != N_MELS or _shape(vc, "head.out.weight", "Vocos.safetensors")[0] != N_FFT + 2:
         raise AssetError(f"Vocos.safetensors: expected {N_MELS} mel bins and n_fft {N_FFT}")

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import attention, sampling
-from .config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, KV_PAGE_TOKENS, REPETITION_WINDOW
+from ..config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, KV_PAGE_TOKENS, REPETITION_WINDOW
+from ..model import attention, sampling
 from .graphs import GraphCache, bucket, to_host
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class Engine:
         self.decode_kernel = False  # the model's decode steps read each row's own keys (attn_len unused)
         if isinstance(model, torch.jit.ScriptModule) or not hasattr(model, "decode_kernel"):
             if decode_kernel:
-                raise EngineError("decode_kernel needs the eager GPT module (chattts_triton.gpt), not TorchScript")
+                raise EngineError("decode_kernel needs the eager GPT module (chattts_triton.model.gpt), not TorchScript")
         else:
             model.decode_kernel = self.decode_kernel = bool(
                 attention.kernel_available(self.device, model.head_dim) if decode_kernel is None else decode_kernel)
@@ -332,7 +332,7 @@ class Engine:
         shapes (opt-in: on the H200 alone 1.4-1.8x faster from its graph; a served start-up with it had not
         finished after 4 minutes; bench/README.md twelfth and fourteenth sessions)."""
         if isinstance(self.model, torch.jit.ScriptModule):
-            raise EngineError("compile_step needs the eager GPT module (chattts_triton.gpt), not TorchScript")
+            raise EngineError("compile_step needs the eager GPT module (chattts_triton.model.gpt), not TorchScript")
         import torch._dynamo as dynamo
         import torch._inductor.config as inductor_config
 

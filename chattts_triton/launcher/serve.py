@@ -39,15 +39,11 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..config import DRAIN_FILE_ENV, ENSEMBLE, INFLIGHT_METRIC
 from .mps import MpsError, mps_daemon
 from .tritonserver import LOCALHOST, TritonServer, TritonServerError, python_stubs
 
-
-# Shared with the models (services.py, backend.py); defined here so the launcher never imports torch.
-DRAIN_FILE_ENV = "CHATTTS_DRAIN_FILE"  # the ensemble's entry rejects new requests while this file exists
-INFLIGHT_METRIC = "chattts_inflight_requests"  # per-model gauge: admitted, not yet answered
 PENDING_METRIC = "nv_inference_pending_request_count"  # Triton's: queued, not yet in execute()
-ENSEMBLE = "chattts"
 SHM_PREFIX = "triton_python_backend_shm_region_"
 STUB_DIED_EXIT = 70  # EX_SOFTWARE: a model process died; restart the server
 ADMIN_HEADER = "chattts-admin-key"  # HTTP header; lower case like gRPC metadata keys
@@ -85,7 +81,7 @@ def admin_key(key_file: Path) -> str:
 
 
 def inflight_requests(metrics_url: str) -> Optional[int]:
-    """Sum of the models' in-flight gauges (backend.INFLIGHT_METRIC); None if unreadable or absent."""
+    """Sum of the models' in-flight gauges (config.INFLIGHT_METRIC); None if unreadable or absent."""
     import urllib.request
 
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -40,8 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import HOP_LENGTH, MEL_FRAMES_PER_CODE, N_FFT, N_MELS, NUM_VQ, Arch, ConvNetDims, VocosDims
 from .assets import AssetError, infer_arch, load_safetensors
-from .config import HOP_LENGTH, MEL_FRAMES_PER_CODE, N_FFT, N_MELS, NUM_VQ, Arch, ConvNetDims, VocosDims
 
 # --- artifact contract ---------------------------------------------------------------------------
 # Symbolic dims: B batch, T code steps, H GPT hidden size, F mel frames, N waveform samples.

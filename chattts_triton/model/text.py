@@ -1,7 +1,7 @@
 """Serving-side text path of ChatTTS 0.2.5, without ChatTTS/transformers/numba.
 
 - `Normalizer`: port of `ChatTTS.norm.Normalizer.__call__`; with `spoken=` (the server's), the spoken-form step
-  (chattts_triton.spoken) runs where upstream runs its registered language normalisers.
+  (chattts_triton.model.spoken) runs where upstream runs its registered language normalisers.
 - `split_text`: the split `Chat.infer` applies to a str input.
 - `TextTokenizer`: `ChatTTS.model.tokenizer.Tokenizer` on top of the `tokenizers` library.
 - `build_code_prompt` / `build_refine_prompt` / `refined_text`: what upstream feeds the GPT for ONE text
@@ -25,16 +25,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 
 import numpy as np
 
+from ..config import LIMITS, NUM_AUDIO_TOKENS, NUM_VQ, REFINE_KEEP_BELOW_TOKEN, SPECIAL_TOKENS, SPK_EMB_TOKEN, TEXT_EOS_TOKEN
 from .assets import AssetError
-from .config import (
-    LIMITS,
-    NUM_AUDIO_TOKENS,
-    NUM_VQ,
-    REFINE_KEEP_BELOW_TOKEN,
-    SPECIAL_TOKENS,
-    SPK_EMB_TOKEN,
-    TEXT_EOS_TOKEN,
-)
 
 
 class InputError(ValueError):
@@ -216,7 +208,7 @@ def split_text(text: str, drop_empty: bool = False) -> List[str]:
 
     Upstream keeps empty pieces of the newline split (and synthesizes them); `drop_empty=True` removes
     whitespace-only pieces from either split. Kept equal to upstream; what clients send is
-    `chattts_triton.split.split_for_synthesis`, which also cuts sentences too long to be spoken whole.
+    `chattts_triton.model.split.split_for_synthesis`, which also cuts sentences too long to be spoken whole.
     """
     if "\n" in text:
         parts = text.split("\n")

@@ -1,0 +1,93 @@
+"""The package's wings are layers and imports only point down (`chattts_triton/__init__.py` draws them):
+ground (config, memory) < model < runtime < triton < launcher, and the top-level command paths above all.
+Imports are read with `ast`, those inside functions too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterator, List, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "chattts_triton"
+RANK = {"ground": 0, "model": 1, "runtime": 2, "triton": 3, "launcher": 4, "face": 5}
+# the paths of the commands (python -m chattts_triton.serve | repo_config | voices) and of the adapter that
+# repositories exported before the wings import (chattts_triton.backend): nothing of the package imports them
+FACES = {"serve", "repo_config", "voices", "backend"}
+CONFIG_WRITER = {"chattts_triton.triton.repo_config", "chattts_triton.triton.params"}
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "ground"  # the package's own __init__: a docstring
+    if len(parts) == 2:
+        return "face" if parts[1] in FACES else "ground"
+    return parts[1]
+
+
+def imports(path: Path, root: Path = ROOT) -> Iterator[Tuple[int, str]]:
+    """(line, module) of every import of a `chattts_triton` module in `path`; `from X import name` counts as X.name
+    where that is a module of the package, else as X."""
+    me = module_name(path, root)
+    package = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module or ""
+            targets = [f"{base}.{a.name}" if (root / Path(*f"{base}.{a.name}".split("."))).with_suffix(".py").is_file()
+                       or (root / Path(*f"{base}.{a.name}".split("."))).is_dir() else base for a in node.names]
+        else:
+            continue
+        for t in dict.fromkeys(targets):
+            if t == "chattts_triton" or t.startswith("chattts_triton."):
+                yield node.lineno, t
+
+
+def violations(root: Path = ROOT) -> List[str]:
+    out = []
+    for path in sorted((root / "chattts_triton").rglob("*.py")):
+        me = module_name(path, root)
+        for line, target in imports(path, root):
+            where = f"{path.relative_to(root)}:{line} imports {target}"
+            mine, theirs = layer(me), layer(target)
+            if RANK[theirs] > RANK[mine]:
+                out.append(f"{where}: {mine} below {theirs}")
+            elif theirs == "face" and not target.startswith(me):
+                out.append(f"{where}: a command's path, not the code (import the wing)")
+            elif me in CONFIG_WRITER and theirs == "runtime":
+                out.append(f"{where}: the config writer never needs the runtime")
+            elif mine == "launcher" and theirs not in ("ground", "launcher"):
+                out.append(f"{where}: the launcher runs Triton, not the models' code")
+    return out
+
+
+def test_no_import_points_up_a_layer():
+    assert violations() == []
+
+
+def test_the_layer_check_sees_imports_inside_functions_and_relative_ones(tmp_path):
+    """The check itself: an upward import, written the ways the package writes imports, is caught."""
+    pkg = tmp_path / "chattts_triton"
+    for wing in ("model", "runtime", "triton", "launcher"):
+        (pkg / wing).mkdir(parents=True)
+        (pkg / wing / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config.py").write_text("X = 1\n")
+    (pkg / "serve.py").write_text("from .launcher.serve import main\n")
+    (pkg / "launcher" / "serve.py").write_text("from ..config import X\n\ndef main():\n    pass\n")
+    (pkg / "model" / "gpt.py").write_text("def f():\n    from ..runtime import engine\n")
+    (pkg / "runtime" / "engine.py").write_text("from chattts_triton.launcher.serve import main\nfrom ..model import gpt\n")
+    (pkg / "triton" / "repo_config.py").write_text("import chattts_triton.runtime.engine\n")
+    (pkg / "triton" / "backend.py").write_text("from .. import serve\nfrom ..runtime.engine import x\n")
+    found = violations(tmp_path)
+    assert [v.split(" imports ")[0] for v in found] == [
+        "chattts_triton/model/gpt.py:2", "chattts_triton/runtime/engine.py:1", "chattts_triton/triton/backend.py:1",
+        "chattts_triton/triton/repo_config.py:1"], found
