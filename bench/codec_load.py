@@ -59,11 +59,12 @@ def main(argv=None) -> int:
     batches = int_list(ap, a.batches, "--batches")
     if not batches or min(batches) < 1 or a.frames < 1 or a.calls < 1:
         ap.error("--batches, --frames and --calls must be ≥ 1")
-    from chattts_triton.triton.backend import ModelContext, vocoder_service
     from chattts_triton.config import VOCODER
+    from chattts_triton.triton.backend import ModelContext, vocoder_service
 
-    ctx = ModelContext.from_repo(a.repo, VOCODER, kind="GPU" if a.device == "cuda" else "CPU", device_id=a.gpu)
-    voc = vocoder_service(ctx, graphs=a.device == "cuda")
+    ctx = ModelContext.from_repo(a.repo, VOCODER, kind="GPU" if a.device == "cuda" else "CPU", device_id=a.gpu,
+                                 vocoder_graphs=int(a.device == "cuda"))
+    voc = vocoder_service(ctx)
     g = torch.Generator().manual_seed(0)
     rows = []
     with torch.inference_mode():

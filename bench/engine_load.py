@@ -34,8 +34,8 @@ from bench.common import add_device_args, cuda_missing, int_list, write_rows
 
 def load_prompts(repo: Path) -> List[torch.Tensor]:
     """The corpus's code prompts as the preprocess model lays them out (with a speaker embedding)."""
-    from chattts_triton.model import text as txt
     from chattts_triton.config import PREPROCESS
+    from chattts_triton.model import text as txt
     from loadtest.corpus import load_corpus
 
     tok = txt.TextTokenizer(Path(repo) / PREPROCESS / "1" / "tokenizer")
@@ -159,18 +159,19 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of load before each window")
     ap.add_argument("--tokens", type=int, default=150, help="frames forced per utterance")
-    ap.add_argument("--slots", type=int, help="engine slots instead of the repository's max_slots (a served sweep's 512)")
+    ap.add_argument("--slots", type=int, help="engine slots instead of the repository's gpt_slots (a served sweep's 512)")
     ap.add_argument("--think-ms", default="0",
                     help="mean wait of a client between a result and its next request (uniform 0..2x; 0: at once); "
                          "a comma list runs every level with each")
     ap.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
-                    help="override the repository's compile_prefill (prefills through torch.compile with the step)")
+                    help="override the repository's gpt_compile_prefill (prefills through torch.compile with the step)")
     add_device_args(ap)
     a = ap.parse_args(argv)
     if cuda_missing(a):
         return 2
-    from chattts_triton.triton.backend import ModelContext, gpt_service
     from chattts_triton.config import GPT
+    from chattts_triton.triton.backend import ModelContext, gpt_service
+    from chattts_triton.triton.params import GPTParams
 
     levels = int_list(ap, a.concurrency, "--concurrency")
     if not levels or min(levels) < 1:
@@ -183,13 +184,13 @@ def main(argv=None) -> int:
         ap.error("--think-ms must be numbers of milliseconds, comma-separated")
     if not thinks or min(thinks) < 0:
         ap.error("--think-ms must be ≥ 0")
-    overrides = {} if a.slots is None else {"max_slots": a.slots}
+    overrides = {} if a.slots is None else {"gpt_slots": a.slots}
     if a.compile_prefill is not None:
-        overrides["compile_prefill"] = int(a.compile_prefill)
+        overrides["gpt_compile_prefill"] = int(a.compile_prefill)
     ctx = ModelContext.from_repo(a.repo, GPT, kind="GPU" if a.device == "cuda" else "CPU", device_id=a.gpu, **overrides)
-    if max(levels) > ctx.param("max_slots", cast=int):
-        print(f"note: concurrency above the model's max_slots ({ctx.param('max_slots')}) waits in the engine's queue",
-              file=sys.stderr)
+    slots = ctx.params(GPTParams).gpt_slots
+    if slots is not None and max(levels) > slots:
+        print(f"note: concurrency above the model's gpt_slots ({slots}) waits in the engine's queue", file=sys.stderr)
     t0 = time.perf_counter()
     service = gpt_service(ctx)
     print(f"[engine_load] engine ready in {time.perf_counter() - t0:.1f} s "

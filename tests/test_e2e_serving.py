@@ -78,7 +78,7 @@ def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo
     shutil.copytree(tiny_repo, repo)
 
     def compile_params():
-        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["compile_step"].string_value
+        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["gpt_compile"].string_value
                 for m in (GPT, STREAM)]
 
     assert compile_params() == ["1", "1"]  # the export's default (CPU instances ignore it)
@@ -96,7 +96,7 @@ def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo
 
 
 def test_configure_gpt_compile_prefill_reaches_both_engine_services_and_is_off_by_default(tiny_repo, tmp_path, monkeypatch):
-    """--gpt-compile-prefill (opt-in until measured) sets compile_prefill on both engine models, and
+    """--gpt-compile-prefill (opt-in) sets gpt_compile_prefill on both engine models, and
     the service factory hands it to the GPT service (which compiles prefills only with the step)."""
     import shutil
 
@@ -107,7 +107,7 @@ def test_configure_gpt_compile_prefill_reaches_both_engine_services_and_is_off_b
     shutil.copytree(tiny_repo, repo)
 
     def prefill_params():
-        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["compile_prefill"].string_value
+        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["gpt_compile_prefill"].string_value
                 for m in (GPT, STREAM)]
 
     seen = []
@@ -144,7 +144,7 @@ def _switched_on_and_kept(tiny_repo, tmp_path, flag, model, key):
 
 
 def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_the_service(tiny_repo, tmp_path, monkeypatch):
-    """chattts_vocoder's codec_graphs is on by default; --no-vocoder-graphs turns it off, a re-configure
+    """chattts_vocoder's vocoder_graphs is on by default; --no-vocoder-graphs turns it off, a re-configure
     that does not name it keeps that, and its service reads it. The stream model keeps its own (on); a
     CPU instance makes no graphs whatever the flag."""
     import shutil
@@ -156,7 +156,7 @@ def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_t
     shutil.copytree(tiny_repo, repo)
 
     def graphs_param():
-        return rc.parse_pbtxt((repo / VOCODER / "config.pbtxt").read_text()).parameters["codec_graphs"].string_value
+        return rc.parse_pbtxt((repo / VOCODER / "config.pbtxt").read_text()).parameters["vocoder_graphs"].string_value
 
     asked = []
     monkeypatch.setattr(vocoder_runtime.VocoderService, "__init__", lambda self, *a, graphs=False, **kw: asked.append(graphs))
@@ -171,7 +171,7 @@ def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_t
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--vocoder-graphs"]) == 0
     assert graphs_param() == "1"
     assert vocoder_service(ModelContext.from_repo(repo, VOCODER)).graphs is None  # a CPU instance
-    assert rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters.get("codec_graphs") is None
+    assert rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters.get("vocoder_graphs") is None
     man = json.loads((repo / MANIFEST).read_text())  # exported before the option: eager vocoder kept
     del man["deployment"]["vocoder_graphs"]
     (repo / MANIFEST).write_text(json.dumps(man))
@@ -187,7 +187,7 @@ def test_configure_stream_options_reach_the_stream_service_and_persist(tiny_repo
     from chattts_triton.runtime import streaming
     from chattts_triton.triton.backend import ModelContext, stream_service
 
-    repo, param = _switched_on_and_kept(tiny_repo, tmp_path, flag, STREAM, key)
+    repo, param = _switched_on_and_kept(tiny_repo, tmp_path, flag, STREAM, field)
     assert rc.read_manifest(repo)["deployment"][field] is True
     asked, real_init = [], streaming.StreamService.__init__
 
@@ -216,7 +216,7 @@ def test_configure_admission_policy_reaches_the_engines_and_refuses_nonsense(tin
     assert rc.main(["--repo", str(repo), "--gpt-admit-batch", "8", "--gpt-admit-wait-steps", "12"]) == 0
     for model in (GPT, STREAM):
         params = rc.parse_pbtxt((repo / model / "config.pbtxt").read_text()).parameters
-        assert (params["admit_batch"].string_value, params["admit_wait_steps"].string_value) == ("8", "12")
+        assert (params["gpt_admit_batch"].string_value, params["gpt_admit_wait_steps"].string_value) == ("8", "12")
     svc = gpt_service(ModelContext.from_repo(repo, GPT))
     try:
         assert (svc.engine.admit_batch, svc.engine.admit_wait_steps) == (8, 12)
@@ -225,7 +225,7 @@ def test_configure_admission_policy_reaches_the_engines_and_refuses_nonsense(tin
     with pytest.raises(SystemExit) as e:
         rc.main(["--repo", str(repo), "--gpt-admit-batch", "0"])
     assert e.value.code == 2 and "gpt_admit_batch must be ≥ 1" in capsys.readouterr().err
-    assert rc.parse_pbtxt((repo / GPT / "config.pbtxt").read_text()).parameters["admit_batch"].string_value == "8"
+    assert rc.parse_pbtxt((repo / GPT / "config.pbtxt").read_text()).parameters["gpt_admit_batch"].string_value == "8"
 
 
 def test_configure_batching_delay_of_the_vocoder_only(tiny_repo, tmp_path, capsys):
@@ -257,23 +257,23 @@ def test_configure_stream_schedule_persists_and_refuses_a_fade_longer_than_the_l
 
     def params():
         p = rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters
-        return {k: p[k].string_value for k in ("first_chunk_frames", "first_lookahead_frames", "fade_frames")}
+        return {k: p[k].string_value for k in ("stream_first_chunk_frames", "stream_first_lookahead_frames", "stream_fade_frames")}
 
-    assert params() == {"first_chunk_frames": "8", "first_lookahead_frames": "8", "fade_frames": "4"}
+    assert params() == {"stream_first_chunk_frames": "8", "stream_first_lookahead_frames": "8", "stream_fade_frames": "4"}
     assert rc.main(["--repo", str(repo), "--stream-first-lookahead-frames", "0", "--stream-fade-frames", "2"]) == 0
     assert rc.main(["--repo", str(repo), "--stream-first-chunk-frames", "4"]) == 0  # the others are kept
-    assert params() == {"first_chunk_frames": "4", "first_lookahead_frames": "0", "fade_frames": "2"}
+    assert params() == {"stream_first_chunk_frames": "4", "stream_first_lookahead_frames": "0", "stream_fade_frames": "2"}
     with pytest.raises(SystemExit):
         rc.main(["--repo", str(repo), "--stream-first-lookahead-frames", "2", "--stream-fade-frames", "3"])
     assert "fade must be" in capsys.readouterr().err
-    assert params()["fade_frames"] == "2"  # nothing written
+    assert params()["stream_fade_frames"] == "2"  # nothing written
     manifest = repo / MANIFEST  # exported before the early first chunk: it keeps exact chunks
     man = json.loads(manifest.read_text())
     for k in ("stream_first_lookahead_frames", "stream_fade_frames"):
         del man["deployment"][k]
     manifest.write_text(json.dumps(man))
     assert rc.main(["--repo", str(repo), "--gpus", ""]) == 0
-    assert params()["first_lookahead_frames"] == "0" and params()["fade_frames"] == "0"
+    assert params()["stream_first_lookahead_frames"] == "0" and params()["stream_fade_frames"] == "0"
 
 
 def test_forced_length_gives_exactly_that_many_samples(served_tiny):

@@ -157,8 +157,8 @@ def test_codec_graphs_give_the_eager_audio_on_gpu(full_repo):
     from chattts_triton.config import VOCODER
     from chattts_triton.triton.backend import ModelContext, vocoder_service
 
-    ctx = ModelContext.from_repo(full_repo, VOCODER, kind="GPU")
-    arch, voc = ctx.arch, vocoder_service(ctx, graphs=True)
+    ctx = ModelContext.from_repo(full_repo, VOCODER, kind="GPU", vocoder_graphs=1)
+    arch, voc = ctx.arch, vocoder_service(ctx)
     assert voc.graphs is not None
     g = torch.Generator().manual_seed(0)
     for sizes in ((16,), (40, 38, 24), (40, 38, 24), (150,)):
@@ -221,8 +221,8 @@ def test_stream_first_chunk_leaves_while_the_utterance_is_generated_on_gpu(tiny_
     from chattts_triton.triton.backend import ModelContext, stream_service
     from tests.test_streaming import first_chunk_steps
 
-    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", first_chunk_frames=4, chunk_frames=8,
-                                                max_slots=4, max_pending=8))
+    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", stream_first_chunk_frames=4, stream_chunk_frames=8,
+                                                stream_slots=4, stream_max_pending=8))
     try:
         first_chunk_steps(svc)  # warm-up: graph capture, first codec calls
         steps, frames = first_chunk_steps(svc)
@@ -241,9 +241,9 @@ def test_stream_codec_on_its_own_cuda_stream_gives_the_offline_audio_on_gpu(tiny
     from chattts_triton.triton.backend import ModelContext, stream_service
     from tests.test_streaming import Recorder, contract, offline
 
-    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", first_chunk_frames=4, chunk_frames=8,
-                                                first_lookahead_frames=0, fade_frames=4, max_slots=4, max_pending=8,
-                                                codec_stream=1))
+    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", stream_first_chunk_frames=4, stream_chunk_frames=8,
+                                                stream_first_lookahead_frames=0, stream_fade_frames=4, stream_slots=4, stream_max_pending=8,
+                                                stream_codec_stream=1))
     try:
         assert svc.codec_stream is not None
         recs = [Recorder(contract(seed=40 + i, n=60 + 7 * i)) for i in range(4)]
@@ -299,8 +299,8 @@ def test_stream_codec_captures_nothing_after_start_up_on_gpu(tiny_repo):
     from chattts_triton.triton.backend import ModelContext, stream_service
     from tests.test_streaming import Recorder, contract
 
-    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", first_chunk_frames=4, chunk_frames=8,
-                                                max_slots=32, max_pending=32))
+    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", stream_first_chunk_frames=4, stream_chunk_frames=8,
+                                                stream_slots=32, stream_max_pending=32))
     try:
         warmed = set(svc.voc.graphs.graphs)
         assert warmed and all(v is not None for v in svc.voc.graphs.graphs.values())

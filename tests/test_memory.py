@@ -83,7 +83,7 @@ def test_configure_flags_take_auto_and_refuse_nonsense(tiny_repo, tmp_path):
     dep = json.loads((repo / MANIFEST).read_text())["deployment"]
     assert dep["gpt_slots"] is None and dep["gpu_memory_gb"] == 15
     cfg = (repo / GPT / "config.pbtxt").read_text()
-    assert 'key: "max_slots"' in cfg and 'string_value: "auto"' in cfg
+    assert 'key: "gpt_slots"' in cfg and 'string_value: "auto"' in cfg
     for bad in (["--gpt-slots", "0"], ["--gpu-memory-gb", "-1"], ["--max-queue-size", "x"]):
         with pytest.raises(SystemExit):
             rc.main(["--repo", str(repo), "--gpus", "0", *bad])

@@ -357,10 +357,10 @@ def test_every_queue_holds_twice_what_the_engines_admit():
             assert cfgs[m].dynamic_batching.default_queue_policy.max_queue_size == 2 * bound, (dep, m)
         assert cfgs[PREPROCESS].parameters["max_pending"].string_value == str(bound)
     cfgs = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_slots=3))
-    assert cfgs[GPT].parameters["max_pending"].string_value == "12"  # 4 × slots by default
+    assert cfgs[GPT].parameters["gpt_max_pending"].string_value == "12"  # 4 × slots by default
     gpu = rc.build_configs(_tiny_arch(), rc.Deployment(gpus=[0]))
-    assert {k: gpu[GPT].parameters[k].string_value for k in ("max_slots", "max_pending", "cache_tokens")} == \
-        {"max_slots": "auto", "max_pending": "auto", "cache_tokens": "auto"}
+    assert {k: gpu[GPT].parameters[k].string_value for k in ("gpt_slots", "gpt_max_pending", "gpt_cache_tokens")} == \
+        {"gpt_slots": "auto", "gpt_max_pending": "auto", "gpt_cache_tokens": "auto"}
     assert gpu[STREAM].dynamic_batching.default_queue_policy.max_queue_size == 2 * 2 * 64
     explicit = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_slots=3, max_queue_size=7))
     assert all(explicit[m].dynamic_batching.default_queue_policy.max_queue_size == 7 for m in rc.MODELS)

@@ -386,8 +386,8 @@ def stream_service(tiny_repo):
     from chattts_triton.triton.backend import stream_service as factory
 
     # exact chunks (first lookahead 0: as the later ones), with the served fade between them
-    svc = factory(stream_context(tiny_repo, first_chunk_frames=4, chunk_frames=8, first_lookahead_frames=0, fade_frames=4,
-                                 max_slots=4, max_pending=16))
+    svc = factory(stream_context(tiny_repo, stream_first_chunk_frames=4, stream_chunk_frames=8, stream_first_lookahead_frames=0, stream_fade_frames=4,
+                                 stream_slots=4, stream_max_pending=16))
     yield svc
     svc.close()
 
@@ -419,7 +419,7 @@ def test_codec_graphs_of_the_stream_windows_are_made_at_start_up(stream_service,
         voc.graphs = None
     calls = []
     monkeypatch.setattr(StreamService, "warm_codec", lambda self: calls.append(self))
-    other = factory(stream_context(tiny_repo, max_slots=2, max_pending=2))
+    other = factory(stream_context(tiny_repo, stream_slots=2, stream_max_pending=2))
     try:
         assert calls == [other]  # the constructor warms
     finally:

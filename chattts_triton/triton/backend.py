@@ -21,14 +21,15 @@ from typing import Any, Callable, Dict, Optional
 import numpy as np
 
 from ..config import (
-    ADMIT_BATCH,
-    ADMIT_WAIT_STEPS,
+    DRAIN_FILE_ENV,
     FIRST_CHUNK_BUCKETS_MS,
     GIL_SWITCH_INTERVAL_MAX_US,
-    GIL_SWITCH_INTERVAL_US,
+    GPT,
     INFLIGHT_METRIC,
     MANIFEST,
     PENDING_PER_SLOT,
+    PREPROCESS,
+    VOCODER,
     Arch,
     first_chunk_bucket,
 )
@@ -36,7 +37,7 @@ from ..memory import VOCODER_BYTES
 from ..model.text import InputError
 from ..runtime.inputs import Call, Overloaded
 from ..runtime.streaming import StreamCall
-from .repo_config import AUTO
+from .params import EngineParams, GPTParams, P, PreprocessParams, StreamParams, VocoderParams
 
 log = logging.getLogger("chattts_triton")
 
@@ -69,22 +70,17 @@ class ModelContext:
 
         cfg = parse_pbtxt((Path(repo) / model / "config.pbtxt").read_text(encoding="utf-8"))
         for k, v in params.items():
+            if k not in cfg.parameters:  # a misspelt key would silently leave the configured value
+                raise KeyError(f"{model} has no parameter {k!r} (its parameters: {', '.join(sorted(cfg.parameters))})")
             cfg.parameters[k].string_value = str(v)
         args = {"model_config": json.dumps(json_format.MessageToDict(cfg, preserving_proto_field_name=True)),
                 "model_name": model, "model_repository": str(Path(repo) / model), "model_version": "1",
                 "model_instance_kind": kind, "model_instance_device_id": str(device_id)}
         return cls(args, pb_utils=None)
 
-    def param(self, key: str, default=None, cast: Callable = str):
-        entry = self.config.get("parameters", {}).get(key)
-        if entry is None:
-            if default is None:
-                raise RuntimeError(f"model {self.name}: parameter {key!r} missing from config.pbtxt")
-            return default
-        try:
-            return cast(entry["string_value"])
-        except (KeyError, ValueError) as e:
-            raise RuntimeError(f"model {self.name}: parameter {key!r} is invalid: {entry}") from e
+    def params(self, schema: type[P]) -> P:
+        """The model's parameters (triton/params.py)."""
+        return schema.read(self.name, self.config.get("parameters", {}))
 
     def bls(self, model: str, inputs: Dict[str, np.ndarray], outputs) -> Dict[str, np.ndarray]:
         """Synchronous call of another model of the server (used for refine-text)."""
@@ -376,60 +372,45 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
 
 # --- the factories the model.py files name -----------------------------------------------------
 def preprocess_service(ctx: ModelContext):
-    from ..config import GPT
     from ..runtime.device import device_for
     from ..runtime.inputs import refine_request
     from ..runtime.preprocess import PreprocessService
 
-    gpt_model = ctx.param("gpt_model", GPT)
+    p = ctx.params(PreprocessParams)
 
     def refine(ids: np.ndarray, params: Dict[str, np.ndarray]) -> np.ndarray:
-        return ctx.bls(gpt_model, refine_request(ids, params), ["CODES"])["CODES"][0, :, 0]
+        return ctx.bls(p.gpt_model, refine_request(ids, params), ["CODES"])["CODES"][0, :, 0]
 
-    return PreprocessService(
-        ctx.version_dir, ctx.arch, device_for(ctx.instance_kind, ctx.device_id),
-        ctx.param("artifact_format", "torchscript"), refine=refine, max_pending=ctx.param("max_pending", 0, cast=int),
-    )
+    return PreprocessService(ctx.version_dir, ctx.arch, device_for(ctx.instance_kind, ctx.device_id), p.artifact_format,
+                             refine=refine, max_pending=p.max_pending)
 
 
-def _auto_int(text: str) -> Optional[int]:
-    return None if text == AUTO else int(text)
-
-
-def _auto_float(text: str) -> Optional[float]:
-    return None if text == AUTO else float(text)
-
-
-def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None):
-    """A GPT engine's service; its slots and KV cache as configured, or (auto) sized from the GPU's memory."""
+def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None, params: Optional[EngineParams] = None):
+    """A GPT engine's service (`params`: chattts_gpt's unless given); its slots and KV cache as configured, or (auto)
+    sized from the GPU's memory."""
     from ..runtime.device import device_for, engine_plan, limit_process_memory
     from ..runtime.gpt import GPTService
 
-    set_switch_interval(ctx.param("gil_switch_interval_us", GIL_SWITCH_INTERVAL_US, cast=int))
+    p = params or ctx.params(GPTParams)
+    set_switch_interval(p.gil_switch_interval_us)
     device = device_for(ctx.instance_kind, ctx.device_id)
-    dtype, role = ctx.param("dtype", "fp32"), ctx.param("engine_role", "gpt")
-    max_context, max_new = ctx.param("max_context", cast=int), ctx.param("max_new_tokens", cast=int)
-    gpu_memory_gb = ctx.param("gpu_memory_gb", AUTO, cast=_auto_float)
-    plan = engine_plan(device, ctx.arch, dtype, role, ctx.param("max_slots", cast=_auto_int),
-                       ctx.param("cache_tokens", AUTO, cast=_auto_int), max_context, max_new, gpu_memory_gb,
-                       ctx.param("vocoder_instances", 1, cast=int))
-    limit_process_memory(device, plan.bytes + (VOCODER_BYTES if role == "stream" else 0), gpu_memory_gb)
-    pending = ctx.param("max_pending", "0", cast=_auto_int)
-
+    plan = engine_plan(device, ctx.arch, p.dtype, p.ROLE, p.slots, p.cache_tokens, p.gpt_context, p.max_new_tokens,
+                       p.gpu_memory_gb, p.instances)
+    limit_process_memory(device, plan.bytes + (VOCODER_BYTES if p.ROLE == "stream" else 0), p.gpu_memory_gb)
     return GPTService(
         (version_dir or ctx.version_dir) / "gpt.pt", ctx.arch, device,
-        dtype=dtype,
+        dtype=p.dtype,
         max_slots=plan.slots,
         cache_tokens=plan.cache_tokens,
-        max_context=max_context,
-        max_new_tokens=max_new,
+        max_context=p.gpt_context,
+        max_new_tokens=p.max_new_tokens,
         text_eos_id=int(ctx.manifest["tokens"]["text_eos_id"]),
         spk_emb_id=int(ctx.manifest["tokens"]["spk_emb_id"]),
-        max_pending=PENDING_PER_SLOT[role] * plan.slots if pending is None else pending,
-        compile_step=bool(ctx.param("compile_step", 0, cast=int)),
-        compile_prefill=bool(ctx.param("compile_prefill", 0, cast=int)),  # with compile_step only
-        admit_batch=ctx.param("admit_batch", ADMIT_BATCH, cast=int),  # repositories configured before: the defaults
-        admit_wait_steps=ctx.param("admit_wait_steps", ADMIT_WAIT_STEPS, cast=int),
+        max_pending=PENDING_PER_SLOT[p.ROLE] * plan.slots if p.max_pending is None else p.max_pending,
+        compile_step=p.gpt_compile,
+        compile_prefill=p.gpt_compile_prefill,  # with compile_step only
+        admit_batch=p.gpt_admit_batch,
+        admit_wait_steps=p.gpt_admit_wait_steps,
     )
 
 
@@ -442,44 +423,39 @@ def set_switch_interval(us: int) -> None:
         sys.setswitchinterval(us / 1e6)
 
 
-def vocoder_service(ctx: ModelContext, version_dir: Optional[Path] = None, graphs: Optional[bool] = None):
-    """graphs: CUDA graphs of the codec (None: the model's `codec_graphs` parameter, default off)."""
+def vocoder_service(ctx: ModelContext):
+    """`chattts_vocoder`: CUDA graphs of the codec as its parameter `vocoder_graphs` says."""
     from ..runtime.device import check_dtype_supported, device_for, limit_process_memory
     from ..runtime.vocoder import VocoderService
 
-    if graphs is None:
-        graphs = bool(ctx.param("codec_graphs", 0, cast=int))
+    p = ctx.params(VocoderParams)
     device = device_for(ctx.instance_kind, ctx.device_id)
-    check_dtype_supported(device, ctx.manifest.get("dtype", "fp32"))
-    if version_dir is None:  # chattts_vocoder's own process (the stream model's codec shares its engine's cap)
-        limit_process_memory(device, VOCODER_BYTES, ctx.param("gpu_memory_gb", AUTO, cast=_auto_float))
-    return VocoderService(version_dir or ctx.version_dir, ctx.arch, device, ctx.param("artifact_format", "torchscript"),
-                          graphs=graphs)
+    check_dtype_supported(device, p.dtype)
+    limit_process_memory(device, VOCODER_BYTES, p.gpu_memory_gb)
+    return VocoderService(ctx.version_dir, ctx.arch, device, p.artifact_format, graphs=p.vocoder_graphs)
 
 
 def stream_service(ctx: ModelContext):
     """`chattts_stream`: its own engine; the artifacts are read from the composing models' folders."""
-    from ..config import DRAIN_FILE_ENV, GPT, PREPROCESS, VOCODER
-    from ..model.chunks import stream_schedule
-    from ..runtime.device import device_for
+    from ..runtime.device import check_dtype_supported, device_for
     from ..runtime.inputs import refine_request
     from ..runtime.preprocess import PreprocessService
     from ..runtime.streaming import StreamService
+    from ..runtime.vocoder import VocoderService
 
-    version = lambda model: ctx.repo_dir / model / "1"  # noqa: E731
-    schedule = stream_schedule(ctx.arch, ctx.param("first_chunk_frames", cast=int), ctx.param("chunk_frames", cast=int),
-                               ctx.param("lookahead_frames", 0, cast=int), ctx.param("first_lookahead_frames", 0, cast=int),
-                               ctx.param("fade_frames", 0, cast=int))
-    gpt = gpt_service(ctx, version(GPT))
+    p = ctx.params(StreamParams)
+    schedule = p.schedule(ctx.arch)
+    gpt = gpt_service(ctx, ctx.repo_dir / GPT / "1", p)
+    device = device_for(ctx.instance_kind, ctx.device_id)
     pre = PreprocessService(
-        version(PREPROCESS), ctx.arch, device_for(ctx.instance_kind, ctx.device_id), ctx.param("artifact_format", "torchscript"),
+        ctx.repo_dir / PREPROCESS / "1", ctx.arch, device, p.artifact_format,
         refine=lambda ids, params: gpt.call(refine_request(ids, params))["CODES"][0, :, 0],
     )
-    # the stream's codec windows come in a few sizes: CUDA graphs of them (parameter codec_graphs: 0 = off)
-    voc = vocoder_service(ctx, version(VOCODER), graphs=bool(ctx.param("codec_graphs", 1, cast=int)))
+    check_dtype_supported(device, p.dtype)
+    # the stream's codec windows come in a few sizes: always CUDA graphs of them (its memory is within the engine's cap)
+    voc = VocoderService(ctx.repo_dir / VOCODER / "1", ctx.arch, device, p.artifact_format, graphs=True)
     return StreamService(
         pre, gpt, voc, **schedule,
         max_streams=gpt.max_pending, drain_file=os.environ.get(DRAIN_FILE_ENV, ""),
-        codec_stream=bool(ctx.param("codec_stream", 0, cast=int)),
-        first_chunks_first=bool(ctx.param("first_chunks_first", 0, cast=int)),
+        codec_stream=p.stream_codec_stream, first_chunks_first=p.stream_first_chunks_first,
     )

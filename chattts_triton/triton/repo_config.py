@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -37,6 +37,7 @@ from ..config import (
     Arch,
 )
 from ..memory import CPU_SLOTS, GPU_MEMORY_UTILIZATION, MAX_SLOTS
+from .params import AUTO, GPTParams, Params, PreprocessParams, StreamParams, VocoderParams
 
 MODELS = (PREPROCESS, GPT, VOCODER)  # the ensemble's steps (they hold the artifacts)
 
@@ -74,8 +75,9 @@ class Deployment:
     # request the engine would take: the only overload answer is the engine's "server busy")
     max_queue_size: Optional[int] = None
     queue_timeout_us: int = 0  # 0: no timeout
-    # chattts_vocoder's batching delay (the other models never wait); 0 since 2026-12-02: with the vocoder's
-    # graphs, 138 ms at concurrency 1 against 155 with a 2-ms delay and no graphs, 463.8 vs 464.7 utt/s at 512
+    # chattts_vocoder's batching delay (the other models never wait); none: with its CUDA graphs it batches what
+    # queued while it worked, and a delay only added latency at low load without raising throughput at high
+    # (docs/performance.md)
     max_queue_delay_us: int = 0
     # engine slots per GPT instance and the positions of its paged KV cache (None: on a GPU from its memory,
     # memory.plan; on the CPU 8 slots, a cache of slots × context)
@@ -96,21 +98,19 @@ class Deployment:
     stream_chunk_frames: int = 32  # ... in each later chunk (more when generation runs ahead)
     stream_lookahead_frames: int = 0  # context each side of a chunk; 0: exact (codec.stream_lookahead_codes)
     stream_first_lookahead_frames: int = 8  # right context of the first chunk; 0: as the later chunks
-    stream_fade_frames: int = 4  # frames cross-faded at each seam (streaming.py)
-    # GPU: decode step through torch.compile (H200 served, 2026-12-01: 229 vs 291 ms at concurrency 1;
-    # compiles ≈ 2 min at start-up; bench/README.md). CPU instances run the TorchScript step.
+    stream_fade_frames: int = 4  # frames cross-faded at each seam (model/chunks.py)
+    # GPU: the decode step through torch.compile, which is faster than the TorchScript step served
+    # (docs/performance.md) and costs minutes of compiling at start-up. CPU instances run the TorchScript step.
     gpt_compile: bool = True
-    # ... and the prefills (opt-in: 1.4-1.8x faster alone on the H200; served, start-up took over 4 min)
+    # ... and the prefills: faster alone, but served the start-up grew longer than the gain was worth; opt-in
     gpt_compile_prefill: bool = False
-    # chattts_vocoder replays its codec from CUDA graphs (GPU only): its share of a request at concurrency 1
-    # fell from 13.2 to 3.3-3.5 ms on the H200 (with no batching delay); the whole sweep in bench/README.md
+    # chattts_vocoder replays its codec from CUDA graphs (GPU only): one launch per call instead of hundreds
     vocoder_graphs: bool = True
     # chattts_stream's codec on a CUDA stream of its own, so its calls overlap its engine's steps on the GPU
-    # instead of queueing with them on the default stream (GPU; with the next one: no gain on the H200, off)
+    # instead of queueing with them on the default stream (no gain measured: opt-in)
     stream_codec_stream: bool = False
     # chattts_stream decodes new streams' first chunks in a codec call of their own, ahead of the running
-    # streams' chunks (one more codec call per step that starts a stream; 64-stream p99 194 ms with both
-    # against 145-177 without on the H200, off)
+    # streams' chunks (one more codec call per step that starts a stream; its tail latency was worse: opt-in)
     stream_first_chunks_first: bool = False
 
     @classmethod
@@ -127,11 +127,8 @@ class Deployment:
                       "vocoder_graphs": False, **dep})
 
     def stream_schedule(self, arch: Arch) -> Dict[str, int]:
-        """`chattts_stream`'s ChunkPlanner arguments (streaming.stream_schedule; ValueError if refused)."""
-        from ..model.chunks import stream_schedule  # torch: only where a schedule is needed
-
-        return stream_schedule(arch, self.stream_first_chunk_frames, self.stream_chunk_frames,
-                               self.stream_lookahead_frames, self.stream_first_lookahead_frames, self.stream_fade_frames)
+        """`chattts_stream`'s ChunkPlanner arguments (ValueError if refused)."""
+        return model_params(self)[STREAM].schedule(arch)
 
     @property
     def kind(self) -> str:
@@ -186,40 +183,28 @@ def _contract(names) -> Dict[str, tuple]:
     return {n: ENSEMBLE_INPUTS[n][:2] for n in names}
 
 
-def _param(cfg, key: str, value) -> None:
-    cfg.parameters[key].string_value = str(value)
-
-
 OLD_DEFAULT_QUEUE_SIZE = 256
-AUTO = "auto"  # a parameter sized when the model loads (from the GPU's memory)
 
 
-def _auto(value) -> str:
-    return AUTO if value is None else str(value)
+def model_params(dep: Deployment) -> Dict[str, Params]:
+    """What each python model reads of the deployment (params.py): its settings, and what is worked out for it."""
+    engines = dict(instances=max(1, dep.instances), max_new_tokens=LIMITS.max_new_tokens)
+    return {
+        PREPROCESS: PreprocessParams.of(dep, gpt_model=GPT, max_pending=dep.admission_bound("gpt")),
+        GPT: GPTParams.of(dep, gpt_slots=dep.slots("gpt"), gpt_max_pending=dep.max_pending("gpt"), **engines),
+        VOCODER: VocoderParams.of(dep),
+        STREAM: StreamParams.of(dep, stream_slots=dep.slots("stream"), stream_max_pending=dep.max_pending("stream"),
+                                **engines),
+    }
 
 
-def _engine_params(cfg, dep: "Deployment", role: str) -> None:
-    """What `backend.gpt_service` reads: the parameters of a model that hosts a GPT engine."""
+def _check_engines(dep: Deployment) -> None:
     if dep.gpt_admit_batch < 1 or dep.gpt_admit_wait_steps < 0:
         raise ValueError(f"gpt_admit_batch must be ≥ 1 and gpt_admit_wait_steps ≥ 0, got "
                          f"{dep.gpt_admit_batch} and {dep.gpt_admit_wait_steps}")
     if not 0 <= dep.gil_switch_interval_us <= GIL_SWITCH_INTERVAL_MAX_US:
         raise ValueError(f"gil_switch_interval_us must be in [0, {GIL_SWITCH_INTERVAL_MAX_US}] (0: Python's default), "
                          f"got {dep.gil_switch_interval_us}")
-    _param(cfg, "max_slots", _auto(dep.slots(role)))
-    _param(cfg, "cache_tokens", _auto(dep.cache_tokens(role)))
-    _param(cfg, "max_context", dep.gpt_context)
-    _param(cfg, "max_pending", _auto(dep.max_pending(role)))
-    _param(cfg, "engine_role", role)
-    _param(cfg, "gpu_memory_gb", _auto(dep.gpu_memory_gb))
-    _param(cfg, "vocoder_instances", max(1, dep.instances))
-    _param(cfg, "max_new_tokens", LIMITS.max_new_tokens)
-    _param(cfg, "dtype", dep.dtype)
-    _param(cfg, "compile_step", int(dep.gpt_compile))
-    _param(cfg, "compile_prefill", int(dep.gpt_compile_prefill))
-    _param(cfg, "admit_batch", dep.gpt_admit_batch)
-    _param(cfg, "admit_wait_steps", dep.gpt_admit_wait_steps)
-    _param(cfg, "gil_switch_interval_us", dep.gil_switch_interval_us)
 
 
 def _python_model(name: str, dep: Deployment, instances: int, gpu: bool, role: str = "gpt") -> mc.ModelConfig:
@@ -244,8 +229,16 @@ def _python_model(name: str, dep: Deployment, instances: int, gpu: bool, role: s
     return cfg
 
 
+def _write(cfg: mc.ModelConfig, params: Params) -> None:
+    for key, text in params.texts().items():
+        cfg.parameters[key].string_value = text
+
+
 def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     h = arch.gpt.hidden
+    _check_engines(dep)
+    params = model_params(dep)
+    params[STREAM].schedule(arch)  # refuse a schedule the model would refuse at load
     optional_contract = tuple(n for n, spec in ENSEMBLE_INPUTS.items() if not spec[2])
 
     # tokenizer, normaliser, speaker strings and the reference-audio encoder run on the CPU: no GPU
@@ -253,32 +246,24 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     pre = _python_model(PREPROCESS, dep, max(1, dep.instances) * max(1, len(dep.gpus) or 1), gpu=False)
     _io(pre.input, _contract(PREPROCESS_FROM_ENSEMBLE), h, optional_contract)
     _io(pre.output, PREPROCESS_OUTPUTS, h, output=True)
-    _param(pre, "gpt_model", GPT)
-    _param(pre, "artifact_format", dep.artifact_format)
-    # requests it holds (being prepared) at most: what the GPT engines admit together; beyond that it
-    # answers "server busy" itself instead of queueing work the engines would refuse
-    _param(pre, "max_pending", dep.admission_bound("gpt"))
-    # each request is prepared on its own (a thread pool): waiting for a batch buys nothing (2.2 ms at
-    # concurrency 1 on the H200 and on the CPU)
+    _write(pre, params[PREPROCESS])
+    # each request is prepared on its own (a thread pool): waiting for a batch buys nothing
     pre.dynamic_batching.max_queue_delay_microseconds = 0
 
     gpt = _python_model(GPT, dep, 1, gpu=True)  # one engine per device: it batches in flight itself
-    # so a request waiting for Triton to form a batch only waits (2.2 ms at concurrency 1 on the H200)
+    # so a request waiting for Triton to form a batch would only wait
     gpt.dynamic_batching.max_queue_delay_microseconds = 0
     _io(gpt.input, PROMPT_TENSORS, h, optional=("SPK_EMB", "AUDIO_PROMPT"))
     _io(gpt.input, _contract(GPT_FROM_ENSEMBLE), h, optional_contract)
     _io(gpt.input, GPT_EXTRA_INPUTS, h, optional=tuple(GPT_EXTRA_INPUTS))
     _io(gpt.output, GPT_OUTPUTS, h, output=True)
-    _engine_params(gpt, dep, "gpt")
+    _write(gpt, params[GPT])
 
     voc = _python_model(VOCODER, dep, max(1, dep.instances), gpu=True)
     _io(voc.input, {"CODES": GPT_OUTPUTS["CODES"], "HIDDENS": GPT_OUTPUTS["HIDDENS"]}, h)
     _io(voc.input, _contract(VOCODER_FROM_ENSEMBLE), h, optional_contract)
     _io(voc.output, VOCODER_OUTPUTS, h, output=True)
-    _param(voc, "artifact_format", dep.artifact_format)
-    _param(voc, "dtype", dep.dtype)
-    _param(voc, "codec_graphs", int(dep.vocoder_graphs))
-    _param(voc, "gpu_memory_gb", _auto(dep.gpu_memory_gb))
+    _write(voc, params[VOCODER])
 
     ens = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=dep.max_batch_size)
     _io(ens.input, {n: s[:2] for n, s in ENSEMBLE_INPUTS.items()}, h, optional_contract)
@@ -300,21 +285,12 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     step(GPT, GPT_FROM_ENSEMBLE, prompt, {n: f"_{n}" for n in GPT_OUTPUTS})
     step(VOCODER, VOCODER_FROM_ENSEMBLE, {n: f"_{n}" for n in GPT_OUTPUTS}, {"AUDIO": "AUDIO"})
 
-    dep.stream_schedule(arch)  # refuse a schedule the model would refuse at load
     stream = _python_model(STREAM, dep, 1, gpu=True, role="stream")  # one engine per device, like the GPT
     stream.model_transaction_policy.decoupled = True
     stream.dynamic_batching.max_queue_delay_microseconds = 0  # a stream's first chunk must not wait for others
     _io(stream.input, {n: s[:2] for n, s in ENSEMBLE_INPUTS.items()}, h, optional_contract)
     _io(stream.output, ENSEMBLE_OUTPUTS, h, output=True)
-    _engine_params(stream, dep, "stream")
-    _param(stream, "artifact_format", dep.artifact_format)
-    _param(stream, "first_chunk_frames", dep.stream_first_chunk_frames)
-    _param(stream, "chunk_frames", dep.stream_chunk_frames)
-    _param(stream, "lookahead_frames", dep.stream_lookahead_frames)
-    _param(stream, "first_lookahead_frames", dep.stream_first_lookahead_frames)
-    _param(stream, "fade_frames", dep.stream_fade_frames)
-    _param(stream, "codec_stream", int(dep.stream_codec_stream))
-    _param(stream, "first_chunks_first", int(dep.stream_first_chunks_first))
+    _write(stream, params[STREAM])
     return {ENSEMBLE: ens, PREPROCESS: pre, GPT: gpt, VOCODER: voc, STREAM: stream}
 
 
@@ -359,7 +335,8 @@ def _gib_or_auto(text: str):
     return x
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """`python -m chattts_triton.repo_config`'s flags: each one after --repo and --gpus sets the Deployment field of its name."""
     ap = argparse.ArgumentParser(prog="python -m chattts_triton.repo_config", description="Rewrite instance groups and batching of an exported repository.")
     ap.add_argument("--repo", type=Path, required=True)
     ap.add_argument("--gpus", default="", help="comma-separated GPU ids; empty = CPU")
@@ -379,7 +356,7 @@ def main(argv=None) -> int:
                          "its memory, on the CPU slots × context)")
     ap.add_argument("--gpu-memory-gb", type=_gib_or_auto,
                     help="GPU memory the models plan with, GiB (auto, the default: the card's; less to share a card or to "
-                         f"size for a smaller one; they plan within {int(GPU_MEMORY_UTILIZATION * 100)} % of it)")
+                         f"size for a smaller one; they plan within {int(GPU_MEMORY_UTILIZATION * 100)} %% of it)")
     ap.add_argument("--gpt-context", type=int)
     ap.add_argument("--gpt-max-pending", type=int, help="generations running + waiting per GPT engine before UNAVAILABLE (0: no bound)")
     ap.add_argument("--gpt-admit-batch", type=int,
@@ -399,35 +376,34 @@ def main(argv=None) -> int:
                     help="right context of a stream's first chunk (0: as later chunks, exact by default)")
     ap.add_argument("--stream-fade-frames", type=int, help="frames cross-faded at each chunk seam (0: hard cut)")
     ap.add_argument("--gpt-compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="GPU instances run the decode step through torch.compile (default for new exports; each GPU instance compiles at start-up, ≈ 2 min measured)")
+                    help="GPU instances run the decode step through torch.compile (default for new exports; each GPU instance compiles for minutes at start-up)")
     ap.add_argument("--gpt-compile-prefill", action=argparse.BooleanOptionalAction, default=None,
-                    help="with --gpt-compile: prefills through torch.compile too (dynamic shapes; off by default until measured)")
+                    help="with --gpt-compile: prefills through torch.compile too (dynamic shapes; opt-in: start-up grows longer)")
     ap.add_argument("--vocoder-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU chattts_vocoder instances replay the decoder and Vocos from CUDA graphs (groups of up to 16 "
                          "utterances of up to 512 frames, longer ones eagerly; on by default)")
     ap.add_argument("--stream-codec-stream", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU chattts_stream instances decode on a CUDA stream of their own, beside their engine's "
-                         "steps (off by default until measured)")
+                         "steps (opt-in)")
     ap.add_argument("--stream-first-chunks-first", action=argparse.BooleanOptionalAction, default=None,
                     help="chattts_stream decodes new streams' first chunks in a codec call of their own, ahead of the "
-                         "running streams' chunks (off by default until measured)")
-    a = ap.parse_args(argv)
-    from ..config import Arch
+                         "running streams' chunks (opt-in)")
+    return ap
 
+
+def main(argv=None) -> int:
+    ap = parser()
+    a = ap.parse_args(argv)
     man = read_manifest(a.repo)
     dep = Deployment.from_manifest(man)
     dep.gpus = [int(g) for g in a.gpus.split(",") if g.strip() != ""]
     if a.instances < 1:
         ap.error("--instances must be ≥ 1")
     dep.instances = a.instances
-    for k in ("max_batch_size", "max_queue_size", "queue_timeout_us", "max_queue_delay_us", "gpt_slots", "gpt_cache_tokens",
-              "gpu_memory_gb", "gpt_context", "gpt_max_pending", "gpt_admit_batch", "gpt_admit_wait_steps", "gil_switch_interval_us",
-              "stream_slots", "stream_cache_tokens", "stream_max_pending", "stream_first_chunk_frames", "stream_chunk_frames",
-              "stream_lookahead_frames", "stream_first_lookahead_frames", "stream_fade_frames", "gpt_compile",
-              "gpt_compile_prefill", "vocoder_graphs", "stream_codec_stream", "stream_first_chunks_first"):
-        v = getattr(a, k)
-        if v is not None:
-            setattr(dep, k, None if v == AUTO else v)
+    for f in fields(Deployment):  # each flag is its field's name (--gpt-slots: gpt_slots); unnamed ones are kept
+        v = getattr(a, f.name, None)
+        if f.name not in ("gpus", "instances") and v is not None:
+            setattr(dep, f.name, None if v == AUTO else v)
     try:
         write_configs(a.repo, Arch.from_json(man["arch"]), dep)
     except ValueError as e:
