@@ -96,7 +96,7 @@ soak: setup ## reliability soak: 70 % of saturation on the tiny CPU server (SOAK
 	CHATTTS_SOAK_SECONDS=$(SOAK_SECONDS) CHATTTS_SOAK_OUT=$(BUILD)/soak $(PY) -m pytest -m soak -s --timeout=$$(( $(SOAK_SECONDS) + 900 )) tests/test_soak.py $(PYTEST_ARGS)
 
 bundle: setup ## gather wheels + tritonserver files for a GPU host without a package index (into .bundle/)
-	$(PY) -m bench.bundle .bundle
+	$(PY) -m tools.bundle .bundle
 
 clean: ## remove build outputs (keeps .venv)
 	rm -rf $(BUILD)

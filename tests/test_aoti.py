@@ -1,5 +1,5 @@
-"""bench/aoti.py: the decode step as AOTInductor packages (issue #5's "measure both"), checked on the CPU
-against the engine's own step; the GPU timing is `bench.step --variants aoti,aoti_traced`."""
+"""bench/probes/aoti.py: the decode step as AOTInductor packages (issue #5's "measure both"), checked on the CPU
+against the engine's own step; the GPU timing is `bench.probes.step --variants aoti,aoti_traced`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.aoti import AotiStep, package_step
+from bench.probes.aoti import AotiStep, package_step
 from chattts_triton.runtime.engine import CudaGraphs, SamplingParams
 from tests.test_gpt_engine import check_same_as_alone, drive, make_engine, tiny  # noqa: F401  (fixture)
 
@@ -65,7 +65,7 @@ def test_packaging_refuses_torchscript_and_unknown_kernels(tiny, tmp_path):
 
 
 def test_step_bench_times_the_packaged_step_on_cpu(tiny_assets, tmp_path):
-    from bench import step
+    from bench.probes import step
 
     args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--batches", "1",
             "--variants", "aoti_traced", "--iters", "2", "--prefill", "", "--context", "128", "--max-new-tokens", "16",
@@ -79,7 +79,7 @@ def test_step_bench_times_the_packaged_step_on_cpu(tiny_assets, tmp_path):
 
 def test_step_bench_records_a_variant_that_fails_and_runs_the_next(tiny_assets, tmp_path, monkeypatch):
     """A device session's time is short: a host without a C++ compiler for AOTInductor loses that variant only."""
-    from bench import aoti, step
+    from bench.probes import aoti, step
 
     def no_compiler(*a, **kw):
         raise RuntimeError("no C++ compiler")
@@ -96,14 +96,14 @@ def test_step_bench_records_a_variant_that_fails_and_runs_the_next(tiny_assets, 
 def test_a_package_is_loaded_in_a_fresh_process_first_and_a_crash_there_is_an_error(tiny, tmp_path, monkeypatch):
     """torch's loader died of SIGSEGV on the H200 (2026-12-02) and took the bench with it: the check
     loads each package in a child process, so a crash, a failure or a hang is an error naming the package."""
-    from bench import aoti
+    from bench.probes import aoti
 
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, max_slots=1, start=False)
     path = package_step(eng, 1, 32, tmp_path / "packages" / "good.pt2")
     aoti.check_loads(path)  # a sound package loads
     monkeypatch.chdir(tmp_path)
-    aoti.check_loads(Path("packages/good.pt2"))  # ... named relative to the caller's folder too (bench.step's build/aoti)
+    aoti.check_loads(Path("packages/good.pt2"))  # ... named relative to the caller's folder too (bench.probes.step's build/aoti)
     (tmp_path / "bad.pt2").write_bytes(b"not a zip")
     with pytest.raises(RuntimeError, match=r"bad\.pt2 in a fresh process failed \(exit 1\): .*Error"):
         aoti.check_loads(tmp_path / "bad.pt2")
@@ -116,7 +116,7 @@ def test_a_package_is_loaded_in_a_fresh_process_first_and_a_crash_there_is_an_er
 
 
 def test_step_bench_reports_a_package_whose_load_crashes_and_runs_the_next_variant(tiny_assets, tmp_path, monkeypatch):
-    from bench import aoti, step
+    from bench.probes import aoti, step
 
     monkeypatch.setattr(aoti, "LOAD_CHECK", "import ctypes; ctypes.string_at(0)")
     args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--batches", "1",
@@ -128,7 +128,7 @@ def test_step_bench_reports_a_package_whose_load_crashes_and_runs_the_next_varia
 
 
 def test_a_crashed_childs_report_keeps_its_fatal_error_line_and_names_any_signal():
-    from bench.aoti import _child_output, _signal_name
+    from bench.probes.aoti import _child_output, _signal_name
 
     stderr = "Fatal Python error: Segmentation fault\n\n" + "\n".join(f'  File "x.py", line {i}' for i in range(20))
     out = _child_output(stderr.encode())
@@ -138,9 +138,9 @@ def test_a_crashed_childs_report_keeps_its_fatal_error_line_and_names_any_signal
 
 
 def test_aoti_probe_loads_a_small_package_here_and_reports_a_loader_that_crashes(tmp_path, monkeypatch, capsys):
-    """`python -m bench.aoti` tells a host whose torch cannot load any package (the H200's, 2026-12-02)
+    """`python -m bench.probes.aoti` tells a host whose torch cannot load any package (the H200's, 2026-12-02)
     from a step package that fails: it builds a two-layer one and loads it in a fresh process."""
-    from bench import aoti
+    from bench.probes import aoti
 
     assert aoti.main(["--device", "cpu", "--workdir", str(tmp_path)]) == 0
     assert "probe-cpu.pt2 built and loaded in a fresh process" in capsys.readouterr().out

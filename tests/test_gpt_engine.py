@@ -1041,11 +1041,11 @@ def test_only_a_failed_decode_graph_sends_a_compiled_engine_back_to_torchscript(
 
 
 def test_step_bench_times_steps_and_prefills_of_each_variant_on_cpu(tiny_assets, tmp_path):
-    """bench.step's CPU mode (the GPU one needs the device): one JSON per variant, a step and forward
+    """bench.probes.step's CPU mode (the GPU one needs the device): one JSON per variant, a step and forward
     time per batch, an eager prefill time per shape (more prompts than batch rows fit too)."""
     import json
 
-    from bench import step
+    from bench.probes import step
 
     args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32",
             "--batches", "1,2", "--variants", "script,script_unfused", "--iters", "2", "--prefill", "1x8,4x16",

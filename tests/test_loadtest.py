@@ -421,10 +421,10 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
 
 
 def test_stream_stand_in_splits_a_first_chunk_into_its_way_in_the_schedule_and_its_way_out():
-    """bench.client_capacity --stream (two client processes): chunks on the stand-in's schedule (8
+    """bench.probes.client_capacity --stream (two client processes): chunks on the stand-in's schedule (8
     frames, then 32), and their stamps read back: the stand-in's wait, the request's way in and the
     chunks' way out."""
-    from bench.client_capacity import read_stamp, stamp, stand_in_server, stream_capacity, stream_schedule
+    from bench.probes.client_capacity import read_stamp, stamp, stand_in_server, stream_capacity, stream_schedule
     from chattts_triton.config import samples_for_codes
 
     t = time.monotonic()
@@ -480,7 +480,8 @@ def test_clients_spread_a_load_over_processes_and_fail_with_a_processs_error(tmp
                                   ["run", "--stream-procs", "0"], ["capacity", "--stream", "--concurrency", "0"],
                                   ["capacity", "--stream", "--procs", "0"]])
 def test_stream_bench_options_out_of_range_are_refused_before_anything_runs(argv, capsys):
-    from bench import client_capacity, run
+    from bench import run
+    from bench.probes import client_capacity
 
     tool, args = argv[0], argv[1:]
     with pytest.raises(SystemExit) as e:
@@ -493,7 +494,7 @@ def test_bench_hold_reports_the_steady_state_latency_beside_memory():
     utterances finished in its second half, against a stand-in server that answers at once."""
     import asyncio
 
-    from bench.client_capacity import stand_in_server
+    from bench.probes.client_capacity import stand_in_server
     from bench.run import hold, to_markdown
 
     with stand_in_server(frames=20) as url:
@@ -544,11 +545,11 @@ def test_bench_stream_table_gives_streams_per_second():
 
 
 def test_codec_load_bench_times_each_batch_per_utterance(tiny_repo, tmp_path):
-    """bench.codec_load on a CPU: the vocoder service of the repository, one row per batch size, the
+    """bench.probes.codec_load on a CPU: the vocoder service of the repository, one row per batch size, the
     per-utterance figure the call's over its items (no GPU clock, no graphs on a CPU)."""
     import json
 
-    from bench import codec_load
+    from bench.probes import codec_load
 
     out = tmp_path / "codec.json"
     assert codec_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--batches", "1,3", "--frames", "12",
@@ -563,7 +564,7 @@ def test_codec_load_bench_times_each_batch_per_utterance(tiny_repo, tmp_path):
 
 
 def test_gil_bench_reads_py_spy_samples_as_ms_per_request_per_thread():
-    from bench.gil import gil_ms_per_request
+    from bench.probes.gil import gil_ms_per_request
 
     raw = [
         "thread (101): MainThread;execute (backend.py:280);_count (backend.py:196) 30",
@@ -580,11 +581,11 @@ def test_gil_bench_reads_py_spy_samples_as_ms_per_request_per_thread():
 
 
 def test_engine_load_bench_keeps_requests_in_flight_on_the_served_engine(tiny_repo, tmp_path):
-    """bench.engine_load on a CPU: the GPT model's own service under a closed loop of corpus prompts;
+    """bench.probes.engine_load on a CPU: the GPT model's own service under a closed loop of corpus prompts;
     every window's utterance ran its forced frames and the engine's figures come with it."""
     import json
 
-    from bench import engine_load
+    from bench.probes import engine_load
 
     out = tmp_path / "engine.json"
     assert engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--concurrency", "1,3", "--seconds", "2",
@@ -608,7 +609,7 @@ def test_engine_load_think_time_spreads_the_arrivals(tiny_repo, tmp_path):
     engine than clients (here 4 clients thinking ≈ 2 generations' time each), and the level still ends."""
     import json
 
-    from bench import engine_load
+    from bench.probes import engine_load
 
     out = tmp_path / "think.json"
     assert engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--concurrency", "4", "--seconds", "2",
@@ -633,7 +634,7 @@ def test_engine_load_bench_says_why_when_the_engine_refuses_its_requests(tiny_re
 
     import torch
 
-    from bench import engine_load
+    from bench.probes import engine_load
 
     monkeypatch.setattr(engine_load, "load_prompts", lambda repo: [torch.zeros(0, dtype=torch.int64)])
     t0 = time.monotonic()

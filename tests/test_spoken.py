@@ -152,7 +152,7 @@ def test_the_grammars_read_only_the_windows_around_numbers():
 
 
 def test_normalising_an_issue_sentence_takes_under_4_ms_on_a_loaded_machine():
-    """A coarse guard (2 ms is the target, measured by bench/text_norm.py; CI may share its two cores with more):
+    """A coarse guard (2 ms is the target, measured by bench/probes/text_norm.py; CI may share its two cores with more):
     p50 of 30 runs of each issue sentence through the server's whole text path."""
     normalizer = Normalizer(spoken=sp.default())
     for text in ("我有3个苹果，价格是12.5元，增长了45%。", "Meet me at 10:30 on 2026-12-02, it costs $12.50."):

@@ -241,7 +241,7 @@ def test_short_first_lookahead_fades_into_the_exact_stream_within_the_stated_bou
 
 
 def test_stream_error_bench_measures_the_first_chunk_against_the_whole_decode(tiny_repo, tmp_path):
-    from bench import stream_error
+    from bench.probes import stream_error
 
     out = tmp_path / "err"
     argv = ["--repo", str(tiny_repo), "--first-lookahead", "1,0", "--fade", "1", "--first-chunk", "3", "--chunk", "7",
@@ -255,7 +255,7 @@ def test_stream_error_bench_measures_the_first_chunk_against_the_whole_decode(ti
 
 
 def test_stream_codec_bench_times_a_streams_windows_alone_and_beside_the_generating_engine(tiny_repo, tmp_path):
-    from bench import stream_codec
+    from bench.probes import stream_codec
 
     out = tmp_path / "codec.json"
     assert stream_codec.main(["--repo", str(tiny_repo), "--device", "cpu", "--tokens", "40", "--repeats", "1",

@@ -282,8 +282,8 @@ def test_serve_cli_foreground_ready_and_clean_exit_on_sigint(tmp_path):
 
 @pytest.mark.e2e
 def test_server_from_bundle_layout_via_env_override(tmp_path, monkeypatch):
-    """The tree bench.bundle ships, found through $TRITONSERVER, serves the spike repository."""
-    from bench.bundle import assemble_server_tree
+    """The tree tools.bundle ships, found through $TRITONSERVER, serves the spike repository."""
+    from tools.bundle import assemble_server_tree
 
     root = assemble_server_tree(tmp_path / "bundle", python_version=sys.version_info[:2])  # stripped
     monkeypatch.setenv("TRITONSERVER", str(root / "bin" / "tritonserver"))
@@ -355,7 +355,7 @@ def test_bundle_pins_match_the_tested_environment():
     """The offline bundle ships exactly the versions this suite runs with."""
     from importlib import metadata
 
-    from bench import bundle
+    from tools import bundle
 
     pins = list(bundle.PACKAGES) + [(n, v) for group in bundle.IF_MISSING_GROUPS.values() for n, v, _ in group]
     pins.append(bundle.STUB_NUMPY)
@@ -365,13 +365,13 @@ def test_bundle_pins_match_the_tested_environment():
             installed = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-        assert installed == version, f"bench.bundle pins {name}=={version}, the test environment has {installed}"
+        assert installed == version, f"tools.bundle pins {name}=={version}, the test environment has {installed}"
         checked += 1
     assert checked >= len(pins) - 2
 
 
 def test_bundle_install_script_is_complete_bash(tmp_path):
-    from bench import bundle
+    from tools import bundle
 
     wheels = {"gevent": tmp_path / "gevent-26.9.0-cp312-cp312-manylinux_2_28_x86_64.whl"}
     script = bundle.write_install_sh(tmp_path, "3.12", wheels)
@@ -384,7 +384,7 @@ def test_bundle_install_script_is_complete_bash(tmp_path):
 
 
 def test_elf_reader_finds_the_servers_bundled_libraries():
-    from bench import bundle
+    from tools import bundle
 
     root = bundle.wheel_server_root()
     needed = bundle.elf_needed(root / "bin" / "tritonserver")

@@ -1,6 +1,6 @@
 """Pack what a GPU host without a package index needs to run our server and benchmarks.
 
-    python -m bench.bundle OUT_DIR [--python 3.12]
+    python -m tools.bundle OUT_DIR [--python 3.12]
 
 The host is assumed to have Python 3.12 with torch, numpy, onnx, onnxruntime and transformers.
 OUT_DIR then holds:
@@ -67,7 +67,7 @@ PACKAGES: Tuple[Tuple[str, str], ...] = (
     ("encodec", "0.1.1"),
     ("tritonclient", "2.73.0"),
     ("python-rapidjson", "1.25"),
-    ("py-spy", "0.4.3"),  # bench.gil
+    ("py-spy", "0.4.3"),  # bench.probes.gil
     # the spoken-form text normaliser (chattts_triton.model.spoken) and what it needs
     ("wetext", "0.1.8"),
     ("kaldifst", "1.8.3"),
@@ -252,7 +252,7 @@ def write_tar_xz(tree: Path, out: Path) -> Path:
 
 # --- install script ----------------------------------------------------------------------------
 INSTALL_SH = r"""#!/usr/bin/env bash
-# Offline install of the chattts-triton runtime on a GPU host (written by python -m bench.bundle).
+# Offline install of the chattts-triton runtime on a GPU host (written by python -m tools.bundle).
 # Override the locations with SITE=..., STUB_SITE=..., TRITON_DIR=..., PYTHON=...
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -430,7 +430,7 @@ def build_bundle(
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.bundle", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.bundle", description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", type=Path)
     p.add_argument("--python", default="3.12", help="host Python version (default 3.12)")
     p.add_argument(

@@ -1,6 +1,6 @@
 """Who holds the GIL in a model's python-backend process, per request served.
 
-    python -m bench.gil --repo REPO [--model chattts_gpt] [--concurrency 16] [--seconds 20] [--tokens 20]
+    python -m bench.probes.gil --repo REPO [--model chattts_gpt] [--concurrency 16] [--seconds 20] [--tokens 20]
 
 Starts `tritonserver` on REPO, drives `chattts` with closed-loop gRPC clients (`bench.run.hold`), and samples the
 model's stub process with `py-spy record --gil` (only the thread holding the GIL is sampled). Prints,

@@ -1,4 +1,4 @@
-"""Why a stream's codec calls are slow on a GPU while its engine generates: `python -m bench.stream_codec --repo REPO`.
+"""Why a stream's codec calls are slow on a GPU while its engine generates: `python -m bench.probes.stream_codec --repo REPO`.
 
 Loads the repository's `chattts_stream` (engine and codec in one process, as Triton runs it) on a GPU
 and times the codec on the windows one stream decodes (its planner's windows for `--tokens` frames),
@@ -122,7 +122,7 @@ def time_calls(voc, hid: torch.Tensor, wins, repeats: int, variant: str, engine=
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.stream_codec", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.probes.stream_codec", description=__doc__.split("\n\n")[0])
     ap.add_argument("--repo", type=Path, required=True)
     ap.add_argument("--tokens", type=int, default=150)
     ap.add_argument("--repeats", type=int, default=5)

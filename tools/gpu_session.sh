@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device session on a GPU host without a package index (see bench/bundle.py):
-#   bash bench/gpu_session.sh STAGE...   stages: setup test bench detach collect step codec codecload gil engine aotiprobe clientcap
+# One device session on a GPU host without a package index (see tools/bundle.py):
+#   bash tools/gpu_session.sh STAGE...   stages: setup test bench detach collect step codec codecload gil engine aotiprobe clientcap
 # (detach: `bench` in a process session of its own, writing to build/detached/, so that a run longer than one
 #  device call (a soak) goes on between calls; collect [WAIT_S]: wait for it to end, copy its files to $OUT)
 # (test: PYTEST_ARGS picks the tests, default the whole GPU suite; quotes in it are kept, e.g. -k "a or b")
@@ -30,7 +30,7 @@ for stage in "$@"; do
       python3 -m bench.run --assets build/assets-full --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     detach)
       rm -rf build/detached && mkdir -p build/detached
-      OUT=build/detached setsid nohup bash bench/gpu_session.sh bench > build/detached/session.log 2>&1 < /dev/null &
+      OUT=build/detached setsid nohup bash tools/gpu_session.sh bench > build/detached/session.log 2>&1 < /dev/null &
       echo "detached bench.run: pid $!, log build/detached/session.log" ;;
     collect)  # ends when the detached run has (or after WAIT_S), then its files into $OUT
       deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
@@ -39,23 +39,23 @@ for stage in "$@"; do
       tail -5 build/detached/bench.log 2>/dev/null
       cp build/detached/*.json build/detached/*.md build/detached/bench.log "$OUT"/ 2>/dev/null; ls -la "$OUT" ;;
     step)
-      python3 -m bench.step --assets build/assets-full --out "$OUT" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" ;;
+      python3 -m bench.probes.step --assets build/assets-full --out "$OUT" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" ;;
     codec)
       export_repo build/codec-repo ${CODEC_EXPORT_ARGS:-}
-      python3 -m bench.stream_codec --repo build/codec-repo --out "$OUT/stream-codec.json" 2>&1 | tee "$OUT/stream_codec.log" ;;
-    codecload)  # the decoder + Vocos alone by batch size: GPU ms per utterance (bench/codec_load.py; CODECLOAD_ARGS)
+      python3 -m bench.probes.stream_codec --repo build/codec-repo --out "$OUT/stream-codec.json" 2>&1 | tee "$OUT/stream_codec.log" ;;
+    codecload)  # the decoder + Vocos alone by batch size: GPU ms per utterance (bench/probes/codec_load.py; CODECLOAD_ARGS)
       export_repo build/bench-repo
-      python3 -m bench.codec_load --repo build/bench-repo --out "$OUT/codec-load.json" ${CODECLOAD_ARGS:-} 2>&1 | tee "$OUT/codec_load.log" ;;
-    gil)  # who holds the GIL in the GPT model's process under load (bench/gil.py; GIL_ARGS)
+      python3 -m bench.probes.codec_load --repo build/bench-repo --out "$OUT/codec-load.json" ${CODECLOAD_ARGS:-} 2>&1 | tee "$OUT/codec_load.log" ;;
+    gil)  # who holds the GIL in the GPT model's process under load (bench/probes/gil.py; GIL_ARGS)
       export_repo build/bench-repo
-      python3 -m bench.gil --repo build/bench-repo --out "$OUT/gil.json" ${GIL_ARGS:---concurrency 256 --tokens 150} 2>&1 | tee "$OUT/gil.log" ;;
-    engine)  # the GPT engine alone under the served load, no other process on the GPU (bench/engine_load.py; ENGINE_ARGS)
+      python3 -m bench.probes.gil --repo build/bench-repo --out "$OUT/gil.json" ${GIL_ARGS:---concurrency 256 --tokens 150} 2>&1 | tee "$OUT/gil.log" ;;
+    engine)  # the GPT engine alone under the served load, no other process on the GPU (bench/probes/engine_load.py; ENGINE_ARGS)
       export_repo build/bench-repo
-      python3 -m bench.engine_load --repo build/bench-repo --out "$OUT/engine-load.json" ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine_load.log" ;;
-    aotiprobe)  # can this torch load any AOTInductor package? (bench/aoti.py: a two-layer one, in a fresh process)
-      python3 -m bench.aoti 2>&1 | tee "$OUT/aoti_probe.log" ;;
-    clientcap)  # the stream client's own share of a first chunk, against a stand-in server (bench/client_capacity.py; CLIENTCAP_ARGS)
-      python3 -m bench.client_capacity --stream --out "$OUT/client-capacity-stream.json" ${CLIENTCAP_ARGS:-} 2>&1 | tee "$OUT/client_capacity.log" ;;
+      python3 -m bench.probes.engine_load --repo build/bench-repo --out "$OUT/engine-load.json" ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine_load.log" ;;
+    aotiprobe)  # can this torch load any AOTInductor package? (bench/probes/aoti.py: a two-layer one, in a fresh process)
+      python3 -m bench.probes.aoti 2>&1 | tee "$OUT/aoti_probe.log" ;;
+    clientcap)  # the stream client's own share of a first chunk, against a stand-in server (bench/probes/client_capacity.py; CLIENTCAP_ARGS)
+      python3 -m bench.probes.client_capacity --stream --out "$OUT/client-capacity-stream.json" ${CLIENTCAP_ARGS:-} 2>&1 | tee "$OUT/client_capacity.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

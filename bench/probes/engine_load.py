@@ -1,6 +1,6 @@
 """The served GPT engine alone under the sweep's closed-loop load: no Triton, no other process on the device.
 
-    python -m bench.engine_load --repo REPO [--concurrency 256,512] [--slots N] [--think-ms 0] [--seconds 10]
+    python -m bench.probes.engine_load --repo REPO [--concurrency 256,512] [--slots N] [--think-ms 0] [--seconds 10]
                                 [--tokens 150] [--out FILE]
 
 Builds `chattts_gpt`'s service from an exported repository exactly as Triton's instance would
@@ -154,7 +154,7 @@ def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, s
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.engine_load", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.probes.engine_load", description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="256,512")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of load before each window")

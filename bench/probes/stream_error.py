@@ -1,5 +1,5 @@
 """How far a stream's first chunk and its fade are from the whole-utterance audio, for the weights of
-an exported repository: `python -m bench.stream_error --repo build/repo`.
+an exported repository: `python -m bench.probes.stream_error --repo build/repo`.
 
 After the first chunk's fade a stream equals the whole-utterance audio (tests/test_streaming.py);
 the first chunk and the fade depend on the weights, because the first window sees only
@@ -103,7 +103,7 @@ def to_markdown(res: Dict) -> str:
 
 def main(argv=None) -> int:
     d = Deployment()
-    ap = argparse.ArgumentParser(prog="python -m bench.stream_error", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.probes.stream_error", description=__doc__.split("\n\n")[0])
     ap.add_argument("--repo", type=Path, required=True, help="an exported repository (python -m export)")
     ap.add_argument("--first-lookahead", default="2,4,8,16,0", help="first lookaheads to compare (0: exact)")
     ap.add_argument("--fade", type=int, default=d.stream_fade_frames, help="frames faded (at most each lookahead)")

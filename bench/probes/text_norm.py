@@ -1,11 +1,11 @@
 """What the spoken-form step costs a request (docs/text-normalization.md), and how the candidate libraries compare.
 
-    python -m bench.text_norm [--reps 200] [--out FILE.json]
+    python -m bench.probes.text_norm [--reps 200] [--out FILE.json]
         start-up of the grammars (a fresh process), then per text of the corpus (the issue's two sentences, every
         input of the hand-written tables, plain sentences without digits) the server's Normalizer with and without
         the spoken-form step, one text at a time (concurrency 1); prints the added cost's p50 / p90 / max and the
         issue sentences' own.
-    python -m bench.text_norm --candidates DIR [--only wetext,cn2an]
+    python -m bench.probes.text_norm --candidates DIR [--only wetext,cn2an]
         one fresh virtual environment per candidate library under DIR (pip install from the package index):
         install time and size, start-up, cost per call on the issue sentences, cases of the tables read as expected.
 """
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CASES = ROOT / "tests" / "spoken_cases.py"
 ISSUE = ["我有3个苹果，价格是12.5元，增长了45%。", "Meet me at 10:30 on 2026-12-02, it costs $12.50."]
 PLAIN = ["四川美食确实以辣闻名，但也有不辣的选择。", "The weather is nice today, let us go for a walk in the park.",
@@ -99,7 +99,7 @@ def candidates(work: Path, only: List[str]) -> List[dict]:
         cache = work / f"cache-{name}"
         cache.mkdir(exist_ok=True)
         for run in ("first", "second"):  # NeMo compiles its grammars on the first start (cached after)
-            out = subprocess.run([py, str(ROOT / "bench" / "text_norm_candidate.py"), name, str(CASES), str(cache)],
+            out = subprocess.run([py, str(ROOT / "bench" / "probes" / "text_norm_candidate.py"), name, str(CASES), str(cache)],
                                  capture_output=True, text=True, check=True)
             result = json.loads(out.stdout.strip().splitlines()[-1])
             row[f"{run}_start_s"] = result.pop("start_s")
@@ -114,7 +114,7 @@ def _size(path: Path) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.text_norm", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.probes.text_norm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--candidates", type=Path, metavar="DIR", help="compare the candidate libraries in venvs under DIR")
     ap.add_argument("--only", default=",".join(CANDIDATES), help="with --candidates: which (comma-separated)")

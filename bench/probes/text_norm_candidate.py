@@ -1,8 +1,8 @@
-"""One text-normalisation library, measured inside its own virtual environment (run by `bench.text_norm
+"""One text-normalisation library, measured inside its own virtual environment (run by `bench.probes.text_norm
 --candidates`, with that environment's python): start-up, cost per call, and how many cases of the hand-written
 tables (tests/spoken_cases.py) it reads as expected. Prints one JSON line.
 
-usage: python bench/text_norm_candidate.py NAME CASES_FILE   (NAME: wetext | wetextprocessing | nemo | cn2an)
+usage: python bench/probes/text_norm_candidate.py NAME CASES_FILE   (NAME: wetext | wetextprocessing | nemo | cn2an)
 """
 
 from __future__ import annotations

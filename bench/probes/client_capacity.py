@@ -1,7 +1,7 @@
 """How many utterances/s the load generator itself can take: is a sweep measuring the server?
 
-    python -m bench.client_capacity [--concurrency 1,64,512] [--seconds 8] [--frames 150]
-    python -m bench.client_capacity --stream [--concurrency 1,64] [--first-ms 90 --gap-ms 60]
+    python -m bench.probes.client_capacity [--concurrency 1,64,512] [--seconds 8] [--frames 150]
+    python -m bench.probes.client_capacity --stream [--concurrency 1,64] [--first-ms 90 --gap-ms 60]
 
 Starts a stand-in gRPC server in another process that answers every ModelInfer at once with the
 audio of `--frames` code frames, then drives it with the same asyncio client and closed loop as

@@ -1,11 +1,10 @@
-"""The engine's decode step as AOTInductor packages, for `bench.step --variants aoti` (issue #5: "the GPT
-artifact stays an export: TorchScript, or an AOTInductor package if that is faster — measure both").
+"""Can this torch load an AOTInductor package of the decode step, and is it faster than the compiled step?
 
 One package per (batch bucket, attention length): `torch.export` of `Engine.step_core` (embedding, GPT,
 heads, sampling, the state writes) with the engine's state tensors as inputs it mutates in place, compiled
 ahead of time by `torch._inductor.aoti_compile_and_package` and loaded with `aoti_load_package`.
 `AotiStep` takes the place of the compiled step (`Engine.graph_step`), so the engine's CUDA graphs replay
-it exactly as they replay the torch.compile step, and `bench.step` times both the same way.
+it exactly as they replay the torch.compile step, and `bench.probes.step` times both the same way.
 
 kernel: how the decode attention reaches the package on a GPU — "op": the custom operator
 (`torch.ops.chattts_triton.decode_attention`, called back through the dispatcher), "traced": the Triton
@@ -118,7 +117,7 @@ def check_loads(path: Path, timeout_s: float = 600.0) -> None:
     that fails, dies of a signal or hangs past `timeout_s`. It catches what a fresh process meets: a crash
     that only the calling process's own state brings about still happens in `AotiStep.runner`'s load."""
     path = Path(path).resolve()  # the child runs in the package's folder
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     try:  # cwd: a core file of a crash lands beside the package, not in the working tree
         r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", LOAD_CHECK, str(path)], env=env,
@@ -183,7 +182,7 @@ def probe(workdir: Path, device: str) -> Path:
 def main(argv=None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m bench.aoti", description="Can this torch load an AOTInductor package?")
+    ap = argparse.ArgumentParser(prog="python -m bench.probes.aoti", description="Can this torch load an AOTInductor package?")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--workdir", type=Path, default=Path("build/aoti"))
     a = ap.parse_args(argv)

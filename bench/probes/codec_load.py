@@ -1,6 +1,6 @@
 """What the decoder + Vocos cost per utterance by batch size: the GPU time the codec takes from the engine.
 
-    python -m bench.codec_load --repo REPO [--batches 1,4,8,16,32,64] [--frames 150] [--calls 20] [--out FILE]
+    python -m bench.probes.codec_load --repo REPO [--batches 1,4,8,16,32,64] [--frames 150] [--calls 20] [--out FILE]
 
 Builds `chattts_vocoder`'s service from an exported repository (its dtype and artifacts), then times
 `synthesize` on `--batches` items of `--frames` code frames each (the decoder path, as served by
@@ -48,7 +48,7 @@ def time_calls(voc, items, calls: int, graphs: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.codec_load", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.probes.codec_load", description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,4,8,16,32,64")
     ap.add_argument("--frames", type=int, default=150, help="code frames per item")
     ap.add_argument("--calls", type=int, default=20, help="timed calls per batch (median)")

@@ -1,6 +1,6 @@
 """Decode-step time of the engine, per batch size, for each way of running the GPT.
 
-    python -m bench.step --assets build/assets-full --out OUT [--batches 1,8,64,256,512]
+    python -m bench.probes.step --assets build/assets-full --out OUT [--batches 1,8,64,256,512]
                          [--variants script,eager,compile] [--attn-len 256] [--device cpu]
 
 No Triton: one `Engine` on one GPU, the decode step of `--attn-len` captured in a CUDA graph per
@@ -13,7 +13,7 @@ the same module unscripted, `compile` = the engine step compiled by torch.compil
 compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all buckets; each with
 `_unfused` appended: q/k/v and gate/up as five GEMMs per layer (the model before `fuse_projections`);
 `_sdpa` (eager/compile): the dense masked attention over `--attn-len` instead of each row's own keys.
-`aoti` / `aoti_traced`: the step from AOTInductor packages, one per bucket (`bench/aoti.py`; the decode
+`aoti` / `aoti_traced`: the step from AOTInductor packages, one per bucket (`bench/probes/aoti.py`; the decode
 attention through its custom operator, or its Triton kernel compiled into the package): the export users
 would ship instead of TorchScript + torch.compile at start-up; `build_s` is a package's export + compile,
 `load_s` its load (a server's start-up cost, against `capture_s` of the compile variants).
@@ -177,8 +177,8 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
     if base.startswith("compile"):
         engine.compile_step(dynamic=base == "compile_dynamic", prefill=args.compile_prefill)
     aoti = None
-    if base.startswith("aoti"):  # the step from AOTInductor packages, one per bucket (bench/aoti.py)
-        from bench.aoti import AotiStep
+    if base.startswith("aoti"):  # the step from AOTInductor packages, one per bucket (bench/probes/aoti.py)
+        from bench.probes.aoti import AotiStep
 
         aoti = engine.graph_step = AotiStep(engine, args.aoti_dir, kernel="traced" if base == "aoti_traced" else "op")
 
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
                     help="cpu: the eager step and prefill as the CPU engine runs them (script/eager variants)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench.step needs a CUDA GPU, or --device cpu", file=sys.stderr)
+        print("bench.probes.step needs a CUDA GPU, or --device cpu", file=sys.stderr)
         return 2
     from chattts_triton.model.assets import infer_arch
 
