@@ -7,7 +7,8 @@ needs besides its engine (`PROCESS_CONTEXT_BYTES` outside torch's allocator, `VO
 `ENGINE_WORKSPACE_BYTES` and the weights for an engine), is split between the two engines
 (`GPT_SHARE`); an engine then takes as many slots as fit with `AVG_TOKENS_PER_SLOT` positions of KV cache
 each (the paged cache lends a long request the pages short ones leave), up to its largest batch.
-The constants were measured on the H200 (docs/performance.md); `plan` is pure arithmetic (no torch).
+The per-process constants are what the processes were seen to take on a GPU (docs/performance.md); `plan` is pure
+arithmetic (no torch).
 """
 
 from __future__ import annotations

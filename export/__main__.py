@@ -72,9 +72,9 @@ def export_gpt(assets: Path, arch, out_dir: Path, dtype: str, progress: Callable
     from chattts_triton.model.gpt import load_gpt
 
     t0 = time.perf_counter()
-    # int8 keeps q/k/v and gate/up apart: one quantisation scale per projection, as measured (bench/README.md)
+    # int8 keeps q/k/v and gate/up apart: one quantisation scale per projection keeps its accuracy
     model = load_gpt(assets, arch, fused=dtype != "int8").to(DTYPES[dtype])
-    if dtype == "int8":  # dynamic int8 linears: ~0.5x the fp32 step time on a 2-core CPU (bench/README.md)
+    if dtype == "int8":  # dynamic int8 linears: a CPU step in about half the fp32 time (docs/performance.md)
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     scripted = torch.jit.script(model)
     path = out_dir / "gpt.pt"

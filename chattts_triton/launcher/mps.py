@@ -2,8 +2,8 @@
 
 Each model instance of the python backend is a process with its own CUDA context, and a GPU
 time-slices contexts: the GPT engine's decode steps and the decoder/vocoder processes take turns
-instead of sharing the GPU (H200, 2026-12-01: the compiled step took 7.3 ms per step at 512 rows while
-serving, 3.8 ms alone). Under MPS their kernels run side by side. `mps_daemon` starts a control daemon
+instead of sharing the GPU (served, a large batch's decode step took about twice its time alone;
+docs/performance.md). Under MPS their kernels run side by side. `mps_daemon` starts a control daemon
 with its own pipe and log folders and yields the environment the server's processes need to reach it;
 the daemon is told to quit on exit. Where the host already runs MPS (a node-level setting), leave
 this off: clients find that daemon by themselves.

@@ -1,7 +1,7 @@
 """Find, configure and run a real `tritonserver` process.
 
 Where the server comes from:
-- env `TRITONSERVER=/path/to/bin/tritonserver` wins (e.g. the offline bundle from `bench.bundle`);
+- env `TRITONSERVER=/path/to/bin/tritonserver` wins (e.g. the offline bundle from `tools.bundle`);
 - otherwise the copy shipped in the `nvidia-pytriton` wheel (Triton 2.51).
 
 Both share one layout, the wheel's (`ROOT = bin/..`):
@@ -31,7 +31,7 @@ the server's libraries plus this Python's libpython on LD_LIBRARY_PATH.
 The stub needs numpy 1.x: its pybind11 predates numpy 2, with which every output tensor silently
 arrives empty and BYTES inputs abort the stub. `TritonServer` checks the numpy the stub will
 import and refuses numpy 2 (`CHATTTS_TRITON_STUB_PYTHONPATH` can point at a numpy 1.26 folder
-that only the stub sees; `bench.bundle` ships one).
+that only the stub sees; `tools.bundle` ships one).
 
 `TritonServer` starts the server in its own process group bound to 127.0.0.1, waits until the
 server and every model in the repository are ready, and on any failure raises `TritonServerError`

@@ -54,8 +54,8 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, le
 
 # An opaque operator to torch.compile: inductor calls it, and Triton's own launcher then specialises the
 # kernel on the real strides (multiples of 16: vectorised loads). Traced as a user kernel under dynamic
-# shapes, inductor passed the strides as symbols without that specialisation: 4.41 vs 1.64 ms per step's
-# 20 calls at 512 rows (H200, bench/README.md, eleventh session).
+# shapes, inductor passes the strides as symbols without that specialisation, and the kernel runs several
+# times slower (docs/performance.md).
 @torch.library.custom_op("chattts_triton::decode_attention", mutates_args=())
 def _decode_attention_op(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: Tensor) -> Tensor:
     return run_kernel(q, keys, values, tables, lengths)
@@ -65,7 +65,7 @@ def run_kernel(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths:
     """The operator's work: the Triton kernel, launched with the real strides (`reference` where it
     cannot run, so the operator means the same on every device). Returns a new contiguous [B, H, D].
     traceable: launched through `torch.library.wrap_triton`, so that torch.export records the kernel
-    itself (bench/aoti.py's `aoti_traced`; a plain launch there would read fake tensors' pointers)."""
+    itself (bench/probes/aoti.py's `aoti_traced`; a plain launch there would read fake tensors' pointers)."""
     if not kernel_available(q.device, q.shape[-1]) or keys.stride(-1) != 1 or values.stride(-1) != 1:
         # (the kernel reads a head's keys and values contiguously); contiguous as the fake says
         return reference(q, keys, values, tables, lengths).contiguous()

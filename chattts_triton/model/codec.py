@@ -20,7 +20,7 @@ express. The (inverse) STFTs are fp32 matmuls with fixed DFT bases; framing and 
 reshapes, shifted slices and adds (n_fft = 4 hops), so on a GPU they stay exact fp32 where cuDNN
 would run a conv1d / conv_transpose1d in TF32.
 
-On a GPU (measured on an H200, torch 2.11, full widths):
+On a GPU (seen with torch 2.11, full widths):
 - cuDNN runs the networks' own convolutions in TF32 by default: ~7e-3 error on mels of magnitude
   ~9, and a batched item then differs from the item alone by ~1e-3. With TF32 off
   (torch.backends.cudnn.allow_tf32 = False; onnxruntime CUDA provider option use_tf32=0) it is 2e-5.

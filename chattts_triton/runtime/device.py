@@ -61,7 +61,7 @@ def device_for(kind: str, device_id: int) -> torch.device:
         # an instance on GPU 1 must not create its graphs, streams and pools on GPU 0 (the default)
         torch.cuda.set_device(device_id)
         # Every GPU instance is its own process; with torch's default of one thread per core each,
-        # they oversubscribe the host (measured on 2×H200: 117 → 316 utt/s with 4 threads each)
+        # they oversubscribe the host (on two GPUs that cost more than half the throughput)
         torch.set_num_threads(int(os.environ.get(GPU_INSTANCE_THREADS_ENV, GPU_INSTANCE_THREADS)))
         return torch.device("cuda", device_id)
     # Log what the stub process gets: intra-op threads decide CPU step time.

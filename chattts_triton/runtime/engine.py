@@ -247,8 +247,8 @@ class Engine:
         self._graph_timing_failed = False
         self._step_events: Optional[Tuple[Any, Any]] = None
         # every GIL_PROBE_EVERY-th step: how long this thread waits to take the GIL back once it lets
-        # it go (a `time.sleep(0)` right after the step's host sync: ≈ 0.07 ms uncontended, Linux's
-        # timer slack — long enough for a waiting thread to take the GIL, as it does during a host
+        # it go (a `time.sleep(0)` right after the step's host sync: Linux's timer slack uncontended — long
+        # enough for a waiting thread to take the GIL, as it does during a host
         # sync; a release of a few µs is mostly taken back first). Each torch call, graph replay and
         # host sync lets the GIL go; while the process's other threads (Triton's requests, replies)
         # hold it, the engine waits up to the interpreter's switch interval each time. A GPU clock
@@ -270,11 +270,11 @@ class Engine:
         self.thread: Optional[threading.Thread] = None
         self.event_sync = False  # see _host_sync
         # prompts prefilled by `model.prefill` replayed from CUDA graphs where graphs are on: eagerly a
-        # prefill is ~600 kernel launches (H200: ≈ 25 ms, 20× a decode step)
+        # prefill is ~600 kernel launches, many decode steps' time
         self.prefill_graphs = True
         # with a started engine, results reach on_done on their own thread: a consumer's copies to the
         # host and its reply (the GPT model's Triton response) then overlap the next steps instead of
-        # stalling the batch (H200, 512 rows: 3.7 of 11 ms per step were host work)
+        # stalling the batch (at hundreds of rows that host work was a third of a step)
         self._results: Optional["queue.SimpleQueue"] = None
         self._results_thread: Optional[threading.Thread] = None
         self._tasks: List[Callable[[], None]] = []  # run by the engine thread between steps (graph captures)
@@ -292,7 +292,7 @@ class Engine:
     def _alloc(self) -> None:
         """The device state, made on the thread that will use it: on CPU, parallel work of another
         thread first (a big zero fill on the caller's thread) left this thread's OpenMP team ~30 %
-        slower per decode step (measured on the 2-core box: 53 vs 41 ms for the full GPT)."""
+        slower per decode step."""
         if self.allocated:
             return
         model, max_slots, cache_dtype = self.model, self.max_slots, self.cache_dtype
@@ -323,14 +323,14 @@ class Engine:
 
     def compile_step(self, dynamic: bool = True, backend: str = "inductor", prefill: bool = False) -> None:
         """Graph buckets run the decode step compiled by torch.compile (inductor: fused norm, RoPE
-        and sampling kernels, still replayed from CUDA graphs; H200 bf16: 1.70 → 1.09 ms per step at
-        batch 1, bench/step.py); audio-code steps only. Needs the eager module, not TorchScript.
+        and sampling kernels, still replayed from CUDA graphs: faster than the TorchScript step, bench/probes/step.py
+        measures both); audio-code steps only. Needs the eager module, not TorchScript.
         dynamic: one compile for all buckets (batch 1 still gets its own); else one per bucket. Call
         `freeze_compiled` once the buckets in use are warm: a bucket that would need a recompile then
         runs the plain step instead of stalling every running request for the tens of seconds a
         compile takes. prefill: prefills (graphed or not) run `prefill_core` compiled too, with dynamic
-        shapes (opt-in: on the H200 alone 1.4-1.8x faster from its graph; a served start-up with it had not
-        finished after 4 minutes; bench/README.md twelfth and fourteenth sessions)."""
+        shapes (opt-in: faster alone from its graph, but it makes a served start-up minutes longer;
+        docs/performance.md)."""
         if isinstance(self.model, torch.jit.ScriptModule):
             raise EngineError("compile_step needs the eager GPT module (chattts_triton.model.gpt), not TorchScript")
         import torch._dynamo as dynamo
@@ -341,7 +341,7 @@ class Engine:
             if hasattr(cfg, name):  # one compile per (mode, batch bucket, length bucket) unless dynamic
                 setattr(cfg, name, max(getattr(cfg, name), 4096))
         # autotuning a kernel that writes in place clones its arguments per tried config: for the
-        # KV-cache writes that is the whole multi-GB cache (seen on the H200: > 3 minutes, no result)
+        # KV-cache writes that is the whole multi-GB cache (minutes, and no result)
         inductor_config.triton.autotune_pointwise = False
         self.graph_step = torch.compile(self.step_core, dynamic=dynamic, backend=backend)
         self.graph_prefill = torch.compile(self.prefill_core, dynamic=True, backend=backend) if prefill else None
@@ -965,7 +965,7 @@ class Engine:
 
     def _host_sync(self, hit: Tensor) -> np.ndarray:
         """A step's (or prefill's) one host sync: its EOS flags on the host. `event_sync` (CUDA, off by default,
-        an experiment of bench/stream_codec.py): `to_host`'s wait on an event instead of a blocking copy."""
+        an experiment of bench/probes/stream_codec.py): `to_host`'s wait on an event instead of a blocking copy."""
         if self.event_sync:
             return to_host(hit).numpy()
         return hit.cpu().numpy()
@@ -1088,8 +1088,8 @@ class Engine:
             self.streaming.discard(slot)
         if self.device.type == "cuda":
             # one event after the results' copies: the consumer waits for them alone, not for the
-            # steps launched meanwhile (a copy made on its own thread queues behind those and took
-            # a step's time per result: ≈ 180 results/s at most on the H200)
+            # steps launched meanwhile (a copy made on its own thread queues behind those and takes
+            # a step's time per result, which capped the results per second)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))  # where _d2h queued the copies
             for _, res in results:
@@ -1173,8 +1173,8 @@ class Engine:
 
 
 GPU_TIMING_EVERY = 8  # decode steps per one timed on the GPU's clock (two events and a query each)
-# decode steps per GIL probe: its sleep(0) costs ≈ 0.07 ms on the hot path (≈ 1 % of a step at
-# concurrency 1 when every 8th step paid it); it found no GIL wait on the H200 (bench/README.md, tenth session)
+# decode steps per GIL probe: its sleep(0) is paid on the hot path (≈ 1 % of a step at concurrency 1 when every
+# 8th step paid it), so it samples rarely
 GIL_PROBE_EVERY = 64
 BATCH_STEP = 32  # batch buckets: powers of two up to this, then its multiples (≤ 31 padding rows)
 LEN_STEP = 128  # attention-length buckets: multiples of this
@@ -1261,7 +1261,7 @@ class CudaGraphs(GraphCache):
     def _step(self, mode: str, bb: int, lb: int) -> Tensor:
         e = self.e
         # text mode (refine text, rare) keeps the plain step: inductor 2.11 fails to generate its
-        # top-P scan over the 21178-id text vocabulary at a dynamic batch (H200, 2026-12-01)
+        # top-P scan over the 21178-id text vocabulary at a dynamic batch
         if e.graph_step is None or mode != "code":
             return e.step_core(0, bb, lb, mode, e.n_live)
         # frozen: a bucket the warm-up did not compile for runs the plain step (still in a graph)

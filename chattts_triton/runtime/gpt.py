@@ -33,7 +33,7 @@ from .inputs import Call, Outputs, Overloaded, Reply, get_bool, sampling_params
 
 log = logging.getLogger(__name__)
 
-EVENT_SYNC_ENV = "CHATTTS_ENGINE_EVENT_SYNC"  # "1": Engine.event_sync (CUDA; unmeasured, off by default)
+EVENT_SYNC_ENV = "CHATTTS_ENGINE_EVENT_SYNC"  # "1": Engine.event_sync (CUDA; an experiment, off by default)
 
 
 def compile_applies(device: torch.device) -> bool:
@@ -86,7 +86,7 @@ class GPTService:
                 admit_batch=admit_batch,
                 admit_wait_steps=admit_wait_steps,
             )
-            # an experiment switch for the next GPU measurement (bench/README.md, "Where the codec stalls")
+            # an experiment switch: a host sync that waits on an event instead of the stream (bench/probes/stream_codec.py)
             engine.event_sync = os.environ.get(EVENT_SYNC_ENV, "") == "1"
             try:
                 engine.warm_up(text_eos_id=text_eos_id)  # specialise / compile before the first client

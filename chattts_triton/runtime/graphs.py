@@ -21,8 +21,8 @@ _CAPTURE_LOCK = threading.Lock()
 
 def to_host(t: Tensor) -> Tensor:
     """`t` on the host. CUDA: an async copy into pinned memory, then a wait on an event recorded after
-    it, instead of a blocking copy (suspected of holding up other threads' launches while it waits
-    for the GPU: bench/README, fifth session). A CPU tensor is returned as it is."""
+    it, instead of a blocking copy (which can hold up other threads' launches while it waits for the
+    GPU). A CPU tensor is returned as it is."""
     if t.device.type != "cuda":
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

@@ -54,7 +54,7 @@ class PreprocessService:
         self.text_lock = threading.Lock()
         self.refine = refine
         # Reference audio is encoded once per request on the CPU: the TorchScript encoder hangs on
-        # CUDA with the JIT fuser on (seen on an H200, torch 2.11), and it is not on the hot path.
+        # CUDA with the JIT fuser on (seen with torch 2.11), and it is not on the hot path.
         self.encoder_path = (Path(version_dir) / "dvae_encode", artifact_format, torch.device("cpu"))
         self._encoder: Optional[Artifact] = None
         # named voices: REPO/voices.json beside the model folders (version_dir is REPO/MODEL/1)

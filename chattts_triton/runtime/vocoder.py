@@ -118,8 +118,8 @@ class CodecGraphs(GraphCache):
     """`VocoderService.synthesize` of one padded batch (every item through the decoder, or every one
     through the DVAE, then Vocos) replayed from a CUDA graph per (path, batch bucket, frame bucket):
     a codec call is one launch instead of hundreds. Beside a generating engine (the stream model) an
-    eager call took 103.5 ms p50 on the H200, its launches queued behind the engine's steps, and
-    2.6 ms from its graph (bench/README, seventh session). Bucket padding: zero frames, and rows of one code frame (their samples are
+    eager call's launches queue behind the engine's steps and take tens of times longer than its graph
+    (docs/performance.md). Bucket padding: zero frames, and rows of one code frame (their samples are
     dropped with the rest of the padding)."""
 
     def __init__(self, voc: "VocoderService", capture: bool = True):
