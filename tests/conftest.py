@@ -69,6 +69,16 @@ def served_full(full_repo, tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="module")
+def tiny(tiny_assets):
+    """Upstream's GPT on the tiny weights, and ours: (arch, upstream Embed, upstream GPT, ours)."""
+    from chattts_triton.model.gpt import load_gpt
+    from tests.engine_util import upstream_gpt
+
+    arch, emb, g = upstream_gpt(tiny_assets)
+    return arch, emb, g, load_gpt(tiny_assets, arch)
+
+
 @pytest.fixture(scope="session")
 def upstream_full(full_assets):
     """Upstream `ChatTTS.Chat` loaded on the same full-size synthetic weights."""
@@ -86,6 +96,16 @@ def upstream_full(full_assets):
     )
     assert ok
     return chat
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """Stand-in Triton servers (gRPC and HTTP) in this process (tests/test_client.py's FakeServers)."""
+    from tests.test_client import FakeServers
+
+    s = FakeServers()
+    yield s
+    s.stop()
 
 
 @pytest.fixture(autouse=True)

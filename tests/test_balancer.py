@@ -21,7 +21,7 @@ from client import (
     cli,
 )
 from client.balancer import parse_urls
-from tests.test_client import FakeModel, FakeServers, Sleeps, free_port, servers  # noqa: F401 (fixture)
+from tests.test_client import FakeModel, FakeServers, Sleeps, free_port
 
 URLS = ["a:1", "b:2", "c:3"]
 

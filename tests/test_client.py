@@ -207,13 +207,6 @@ class FakeServers:
         self.http.server_close()
 
 
-@pytest.fixture(scope="module")
-def servers():
-    s = FakeServers()
-    yield s
-    s.stop()
-
-
 @pytest.fixture
 def fake(servers):
     servers.model.reset()

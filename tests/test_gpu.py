@@ -29,7 +29,7 @@ def _engine(model, arch, graphs, dtype=torch.float32, slots=8, max_context=512, 
 def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets, compiled):
     """TorchScript graphs, or the step compiled by inductor (`--gpt-compile`; "prefill": the prefills
     too, `--gpt-compile-prefill`), against upstream."""
-    from tests.test_gpt_engine import upstream_generate, upstream_gpt
+    from tests.engine_util import upstream_generate, upstream_gpt
 
     arch, emb, g = upstream_gpt(full_assets)
     emb, g = emb.cuda(), g.cuda()
@@ -83,7 +83,7 @@ def test_request_alone_equals_request_in_a_graphed_batch(full_assets, dtype, com
 def test_compaction_graph_buckets_streaming_and_text_rows_equal_alone_on_gpu(tiny_assets):
     """The CPU scenario (finish orders, a cancel from a stream callback, joins, a refine-text row)
     with captured graphs: padding rows, warm-ups over live rows and compaction change nothing."""
-    from tests.test_gpt_engine import check_same_as_alone, drive, instrument, scenario_specs
+    from tests.engine_util import check_same_as_alone, drive, instrument, scenario_specs
 
     arch = infer_arch(tiny_assets)
     model = torch.jit.script(load_gpt(tiny_assets, arch).cuda())
@@ -398,7 +398,7 @@ def test_decode_kernel_reads_each_rows_own_keys_as_the_reference_does(dtype, kv_
 def test_suspended_requests_resume_exactly_with_captured_graphs_on_gpu(tiny_assets):
     """The CPU suspension scenario with captured graphs: a pool of the smallest size, requests suspended
     to the host and resumed, each equal to alone."""
-    from tests.test_gpt_engine import assert_pool_whole, check_same_as_alone, drive, scenario_specs
+    from tests.engine_util import assert_pool_whole, check_same_as_alone, drive, scenario_specs
 
     arch = infer_arch(tiny_assets)
     model = torch.jit.script(load_gpt(tiny_assets, arch).cuda())
@@ -423,7 +423,7 @@ def test_half_precision_engine_stays_finite_and_near_upstream_over_a_long_uttera
     same tokens (teacher-forced); prints the error by stretch and the engine's frames/s."""
     import time
 
-    from tests.test_gpt_engine import upstream_gpt
+    from tests.engine_util import upstream_gpt
 
     arch, emb, g = upstream_gpt(full_assets)
     emb, g = emb.cuda(), g.cuda()

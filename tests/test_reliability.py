@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from chattts_triton.config import ENSEMBLE, GPT, LIMITS, PREPROCESS, SAMPLE_RATE, STREAM, VOCODER, samples_for_codes
+from chattts_triton.config import GPT, LIMITS, SAMPLE_RATE, VOCODER, samples_for_codes
 from chattts_triton.launcher.tritonserver import LOCALHOST
 from chattts_triton.model.speaker import sample_random_speaker
 from chattts_triton.triton import repo_config as rc
@@ -337,41 +337,6 @@ def test_every_instance_publishes_its_own_gauges_and_the_engine_counters_advance
     assert 0 < w["engine_step_device_ms"] <= w["engine_step_ms"]
 
 
-def test_only_models_that_batch_in_triton_wait_to_form_a_batch():
-    """The GPT and stream models batch in their engines and the preprocess model prepares each request
-    on its own: Triton's batching delay would only add latency to them."""
-    cfgs = rc.build_configs(_tiny_arch(), rc.Deployment(max_queue_delay_us=1500))
-    delays = {m: cfgs[m].dynamic_batching.max_queue_delay_microseconds for m in rc.MODELS + (STREAM,)}
-    assert delays[GPT] == delays[STREAM] == delays[PREPROCESS] == 0
-    assert delays[VOCODER] == 1500
-
-
-def test_every_queue_holds_twice_what_the_engines_admit():
-    """No Triton queue may refuse a request the GPT engine would admit (a burst then got "Exceeds maximum
-    queue size" below the engine's bound): each is bounded, at twice the engines' admission bound — sized
-    at the largest batch where the engines size themselves from the GPU at load."""
-    for dep, bound in ((rc.Deployment(gpt_slots=3), 12), (rc.Deployment(gpt_slots=3, gpt_max_pending=5), 5),
-                       (rc.Deployment(gpus=[0, 1]), 2 * 4 * 512), (rc.Deployment(gpus=[0], gpt_slots=100), 400)):
-        cfgs = rc.build_configs(_tiny_arch(), dep)
-        for m in rc.MODELS:
-            assert cfgs[m].dynamic_batching.default_queue_policy.max_queue_size == 2 * bound, (dep, m)
-        assert cfgs[PREPROCESS].parameters["max_pending"].string_value == str(bound)
-    cfgs = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_slots=3))
-    assert cfgs[GPT].parameters["gpt_max_pending"].string_value == "12"  # 4 × slots by default
-    gpu = rc.build_configs(_tiny_arch(), rc.Deployment(gpus=[0]))
-    assert {k: gpu[GPT].parameters[k].string_value for k in ("gpt_slots", "gpt_max_pending", "gpt_cache_tokens")} == \
-        {"gpt_slots": "auto", "gpt_max_pending": "auto", "gpt_cache_tokens": "auto"}
-    assert gpu[STREAM].dynamic_batching.default_queue_policy.max_queue_size == 2 * 2 * 64
-    explicit = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_slots=3, max_queue_size=7))
-    assert all(explicit[m].dynamic_batching.default_queue_policy.max_queue_size == 7 for m in rc.MODELS)
-
-
-def _tiny_arch():
-    from chattts_triton.config import TINY_ARCH
-
-    return TINY_ARCH
-
-
 # --- 3. lifecycle --------------------------------------------------------------------------------
 class ServeCLI:
     """`python -m chattts_triton.serve` as a child process (the production entry point)."""
@@ -625,26 +590,3 @@ def test_serve_cli_restricts_admin_apis_behind_a_key(tiny_repo, tmp_path):
     assert key not in "".join(out) and key not in log.read_text(errors="replace")
 
 
-def test_restriction_is_on_by_default_for_a_non_loopback_host():
-    from chattts_triton.launcher import serve
-
-    assert serve.restricted_args("127.0.0.1", False, "k") == []
-    args = serve.restricted_args("0.0.0.0", False, "k")
-    assert args == [f"--http-restricted-api={serve.RESTRICTED_APIS}:{serve.ADMIN_HEADER}=k",
-                    f"--grpc-restricted-protocol={serve.RESTRICTED_APIS}:{serve.ADMIN_HEADER}=k"]
-    assert serve.restricted_args("127.0.0.1", True, "k") == args
-
-
-def test_drain_counts_our_gauges_plus_triton_queues_but_not_the_ensemble():
-    from chattts_triton.launcher import serve
-
-    assert serve.ENSEMBLE == ENSEMBLE
-    text = "\n".join([
-        "# HELP chattts_inflight_requests requests admitted and not yet answered",
-        'chattts_inflight_requests{model="chattts_gpt"} 2',
-        'chattts_inflight_requests{model="chattts_vocoder"} 0',
-        'nv_inference_pending_request_count{model="chattts_vocoder",version="1"} 3',
-        'nv_inference_pending_request_count{model="chattts",version="1"} 7',
-    ])
-    assert serve.parse_inflight(text) == 5
-    assert serve.parse_inflight('nv_inference_pending_request_count{model="x",version="1"} 3') is None  # no gauge

@@ -15,8 +15,8 @@ from chattts_triton.model.speaker import SpeakerError
 from chattts_triton.model.text import InputError, TextTokenizer, build_code_prompt
 
 pytest.importorskip("ChatTTS")
-from ChatTTS.config import Config  # noqa: E402
-from ChatTTS.model.speaker import Speaker as UpSpeaker  # noqa: E402
+from ChatTTS.config import Config
+from ChatTTS.model.speaker import Speaker as UpSpeaker
 
 SEEDS = [0, 1, 42, 2**31 - 1, 2**63 - 1, 2**64 - 1, -1, -(2**63)]
 FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}]

@@ -37,7 +37,7 @@ def served_normalizer():
 
 @pytest.fixture(scope="module")
 def plain_normalizer():
-    return Normalizer()  # upstream's step alone (tests/test_text_parity.py)
+    return Normalizer()  # upstream's step alone (tests/test_text.py)
 
 
 def test_the_tables_are_large_enough_and_cover_every_category():

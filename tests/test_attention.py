@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from chattts_triton.model.attention import decode_attention, kernel_available, reference
 from chattts_triton.runtime.engine import Engine, EngineError
-from tests.test_gpt_engine import (
+from tests.engine_util import (
     assert_served_without_a_new_decode_graph,
     check_same_as_alone,
     drive,
@@ -167,7 +167,7 @@ def test_torchscript_keeps_the_dense_attention_and_refuses_the_flag(tiny):
 @pytest.fixture(scope="module")
 def tiny(tiny_assets):
     from chattts_triton.model.gpt import load_gpt
-    from tests.test_gpt_engine import upstream_gpt
+    from tests.engine_util import upstream_gpt
 
     arch, emb, g = upstream_gpt(tiny_assets)
     return arch, emb, g, load_gpt(tiny_assets, arch)

@@ -1,5 +1,5 @@
-"""bench/probes/aoti.py: the decode step as AOTInductor packages (issue #5's "measure both"), checked on the CPU
-against the engine's own step; the GPU timing is `bench.probes.step --variants aoti,aoti_traced`."""
+"""The probes (bench/probes/) in their CPU modes: the decode step as AOTInductor packages (aoti.py), checked against
+the engine's own step (the GPU timing is `bench.probes.step --variants aoti,aoti_traced`), and the step bench."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from bench.probes.aoti import AotiStep, package_step
 from chattts_triton.runtime.engine import CudaGraphs, SamplingParams
-from tests.test_gpt_engine import check_same_as_alone, drive, make_engine, tiny  # noqa: F401  (fixture)
+from tests.engine_util import check_same_as_alone, drive, make_engine
 
 
 def _specs():
@@ -152,3 +152,31 @@ def test_aoti_probe_loads_a_small_package_here_and_reports_a_loader_that_crashes
         with pytest.raises(SystemExit) as e:
             aoti.main(["--device", "cuda", "--workdir", str(tmp_path)])
         assert e.value.code == 2 and "sees no CUDA GPU" in capsys.readouterr().err
+
+
+def test_step_bench_times_steps_and_prefills_of_each_variant_on_cpu(tiny_assets, tmp_path):
+    """bench.probes.step's CPU mode (the GPU one needs the device): one JSON per variant, a step and forward
+    time per batch, an eager prefill time per shape (more prompts than batch rows fit too)."""
+    import json
+
+    from bench.probes import step
+
+    args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32",
+            "--batches", "1,2", "--variants", "script,script_unfused", "--iters", "2", "--prefill", "1x8,4x16",
+            "--context", "128", "--max-new-tokens", "16", "--attn-len", "32", "--profile", "2", "--lengths", "uniform"]
+    assert step.main(args) == 0
+    ops = {}
+    for variant in ("script", "script_unfused"):
+        res = json.loads((tmp_path / f"step-{variant}.json").read_text())
+        assert res["variant"] == variant and res["gpu"] == "cpu" and res["lengths"] == "uniform"
+        assert res["decode_kernel"] is False  # TorchScript
+        assert set(res["batches"]) == {"1", "2"} and all(r["step_ms"] > 0 and r["forward_ms"] > 0 for r in res["batches"].values())
+        prof = res["batches"]["1"]["profile"]
+        assert prof["kernel_ms_per_step"] > 0 and 0 < len(prof["top"]) <= 12
+        assert sum(k["per_step"] for k in prof["top"]) <= prof["kernels_per_step"]
+        ops[variant] = prof["kernels_per_step"]
+        assert set(res["prefill"]) == {"1x8", "4x16"} and all(r["eager_ms"] > 0 for r in res["prefill"].values())
+    # fused projections: one GEMM for q/k/v and one for gate/up instead of five per layer
+    assert ops["script"] < ops["script_unfused"], ops
+    with pytest.raises(SystemExit, match="on a CPU"):  # inductor's step is a GPU variant
+        step.main([a if a != "script,script_unfused" else "compile" for a in args])

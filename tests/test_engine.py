@@ -1,8 +1,8 @@
-"""GPT + engine against upstream ChatTTS `GPT` (HF LlamaModel with its cache) on the same weights."""
+"""The in-flight engine (chattts_triton/runtime/engine.py): equal to upstream generate, each request equal to
+itself alone whatever its batchmates, paging, admission, compiled steps and graphs, counters."""
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
@@ -10,143 +10,23 @@ import pytest
 import torch
 
 from chattts_triton.config import KV_PAGE_TOKENS
-from chattts_triton.model import sampling
-from chattts_triton.model.assets import infer_arch
 from chattts_triton.model.gpt import load_gpt
 from chattts_triton.runtime.engine import Engine, EngineError, GenRequest, SamplingParams
-
-
-def upstream_gpt(folder):
-    from ChatTTS.model import GPT, Embed
-
-    arch = infer_arch(folder)
-    emb = Embed(arch.gpt.hidden, arch.num_audio_tokens, arch.num_text_tokens, arch.num_vq)
-    emb.load_pretrained(f"{folder}/Embed.safetensors", torch.device("cpu"))
-    cfg = dict(
-        hidden_size=arch.gpt.hidden,
-        intermediate_size=arch.gpt.intermediate,
-        num_attention_heads=arch.gpt.heads,
-        num_hidden_layers=arch.gpt.layers,
-        use_cache=False,
-        max_position_embeddings=arch.gpt.max_positions,
-        spk_emb_dim=192,
-        spk_KL=False,
-        num_audio_tokens=arch.num_audio_tokens,
-        num_text_tokens=arch.num_text_tokens,
-        num_vq=arch.num_vq,
-    )
-    g = GPT(cfg, emb, logger=logging.getLogger("upstream")).eval()
-    g.load_pretrained(f"{folder}/gpt", f"{folder}/Embed.safetensors")
-    return arch, emb, g
-
-
-def upstream_generate(emb, g, ids, n_new, min_new, infer_text=False, eos=625, top_p=0.7, top_k=20, pen=1.05):
-    from ChatTTS.model import gen_logits
-
-    input_ids = ids.view(1, -1, 1).expand(-1, -1, 4).clone()
-    mask = torch.ones(1, ids.numel(), dtype=torch.bool, device=ids.device)
-    e = emb(input_ids, mask)
-    warp, proc = gen_logits(eos if not infer_text else 21178, top_p, top_k, pen)
-    temp = torch.tensor([1e-5] * (1 if infer_text else 4), device=ids.device)
-    res = next(
-        g.generate(
-            e, input_ids, temperature=temp, eos_token=eos, attention_mask=mask, max_new_token=n_new,
-            min_new_token=min_new, logits_processors=(*proc, *warp), infer_text=infer_text,
-            return_hidden=True, show_tqdm=False,
-        )
-    )
-    return res.ids[0], (res.hiddens[0] if len(res.hiddens) else None)
-
-
-def greedy(n, min_new, seed=0):
-    return SamplingParams(1e-5, 0.7, 20, 1.05, n, min_new, seed=seed)
-
-
-def make_engine(model, arch, **kw):
-    kw.setdefault("max_slots", 4)
-    kw.setdefault("max_context", 512)
-    kw.setdefault("max_new_tokens", 160)
-    return Engine(model, hidden=arch.gpt.hidden, num_vq=arch.num_vq, **kw)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_assets):
-    arch, emb, g = upstream_gpt(tiny_assets)
-    return arch, emb, g, load_gpt(tiny_assets, arch)
-
-
-def test_prefill_and_cached_decode_match_llama_with_its_cache(tiny):
-    """Keys and values in scattered pages of the pool (the block table's order, not the pool's)."""
-    from transformers import DynamicCache
-
-    arch, emb, g, ours = tiny
-    torch.manual_seed(0)
-    ids = torch.randint(0, arch.num_text_tokens, (1, 17))
-    kc, vc = ours.new_cache(9, KV_PAGE_TOKENS, torch.float32, torch.device("cpu"))
-    tables = torch.tensor([[5, 2, 8, 3]])  # positions 0-15 in page 5, 16-31 in page 2, ...
-    with torch.no_grad():
-        out = g.gpt(inputs_embeds=emb.emb_text(ids), use_cache=True, past_key_values=DynamicCache())
-        h = ours(ours.embed_text(ids), torch.arange(17).unsqueeze(0), tables, kc, vc, 17)
-        assert (out.last_hidden_state - h).abs().max() <= 1e-4
-        up_text = emb.head_text(out.last_hidden_state[:, -1])
-        assert (up_text - ours.logits_text(h[:, -1])).abs().max() <= 1e-4
-        pkv = out.past_key_values
-        for step in range(20):
-            codes = torch.randint(0, 626, (1, 1, 4))
-            e_up = torch.stack([emb.emb_code[i](codes[:, :, i]) for i in range(4)], 3).sum(3)
-            o = g.gpt(inputs_embeds=e_up, past_key_values=pkv, use_cache=True, position_ids=torch.tensor([[17 + step]]))
-            pkv = o.past_key_values
-            hm = ours(ours.embed_code(codes), torch.tensor([[17 + step]]), tables, kc, vc, 18 + step)
-            assert (o.last_hidden_state - hm).abs().max() <= 1e-4
-            up_codes = torch.stack([emb.head_code[i](o.last_hidden_state[:, -1]) for i in range(4)], 1)
-            assert (up_codes - ours.logits_code(hm[:, -1])).abs().max() <= 1e-4
-    assert kc[:, [1, 4, 6, 7]].abs().sum() == 0  # pages no row holds are never written
-
-
-@pytest.mark.parametrize("scripted", [False, True])
-def test_prefill_equals_the_forward_over_the_same_pages(tiny, scripted):
-    """`prefill` (attention over the prompt's own keys: what a CUDA graph can replay for any pages)
-    computes what `forward` over the same block tables does, and writes the same cache; a bucket-padding
-    row (all positions -1) writes only the scratch page 0, which nothing reads."""
-    arch, _, _, ours = tiny
-    model = torch.jit.script(ours) if scripted else ours
-    g = torch.Generator().manual_seed(3)
-    lens, t, page = [7, 20, 3], 20, KV_PAGE_TOKENS
-    ids = torch.randint(0, arch.num_text_tokens, (len(lens), t), generator=g)
-    pos = torch.full((len(lens) + 1, t), -1, dtype=torch.int64)
-    for i, n in enumerate(lens):
-        pos[i, :n] = torch.arange(n)
-    x = model.embed_text(torch.cat([ids, ids[:1]]))
-    tables = torch.tensor([[3, 0], [6, 1], [2, 0], [3, 0]])  # the padding row points at the first row's pages
-    with torch.no_grad():
-        kf, vf = model.new_cache(7, page, torch.float32, torch.device("cpu"))
-        for c in (kf, vf):
-            c.normal_(generator=g)  # an earlier occupant's leftovers
-        kp, vp = kf.clone(), vf.clone()
-        h_fwd = model(x[:3], pos[:3], tables[:3], kf, vf, t)
-        h_pre = model.prefill(x, pos, tables, kp, vp)
-    for i, n in enumerate(lens):
-        assert torch.allclose(h_pre[i, :n], h_fwd[i, :n], atol=1e-6, rtol=0)
-    read = torch.ones(7, dtype=torch.bool)
-    read[0] = False  # scratch: padding writes land there
-    assert torch.equal(kp[:, read], kf[:, read]) and torch.equal(vp[:, read], vf[:, read])
-
-
-class _ExportBeforePages(torch.nn.Module):
-    """A gpt.pt exported before the paged cache: its forward takes a slot range."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.m = model
-
-    def forward(self, x, positions, slot_start: int, k_cache, v_cache, attn_len: int):
-        raise AssertionError("never called")
-
-
-def test_an_export_before_the_paged_cache_is_refused_with_what_to_do(tiny):
-    arch, _, _, ours = tiny
-    with pytest.raises(EngineError, match="re-export"):
-        make_engine(_ExportBeforePages(ours), arch, start=False)
+from tests.engine_util import (
+    _graphs_compiled,
+    _Rec,
+    assert_pool_whole,
+    assert_served_without_a_new_decode_graph,
+    check_same_as_alone,
+    drive,
+    greedy,
+    instrument,
+    load_gpt_like,
+    make_engine,
+    scenario_specs,
+    upstream_generate,
+    upstream_gpt,
+)
 
 
 @pytest.mark.parametrize("scripted", [False, True])
@@ -240,70 +120,6 @@ def test_context_overflow_and_cancel(tiny):
         eng.stop()
 
 
-def test_sampling_filters_equal_transformers_warpers():
-    from ChatTTS.model.processors import CustomRepetitionPenaltyLogitsProcessorRepeat
-    from transformers.generation import TopKLogitsWarper, TopPLogitsWarper
-
-    torch.manual_seed(0)
-    logits = torch.randn(8, 626) * 3
-    for p in (0.1, 0.7, 0.95):
-        ref = TopPLogitsWarper(p, min_tokens_to_keep=3)(None, logits)
-        assert torch.equal(sampling.top_p_filter(logits, torch.full((8,), p)), ref)
-    for k in (1, 3, 20, 700):
-        ref = TopKLogitsWarper(k, min_tokens_to_keep=3)(None, logits)
-        assert torch.equal(sampling.top_k_filter(logits, torch.full((8,), k)), ref)
-    hist = torch.randint(0, 626, (8, 30))
-    ref = CustomRepetitionPenaltyLogitsProcessorRepeat(1.3, 625, 16)(hist, logits)
-    ours = sampling.repetition_penalty(logits, sampling.window(hist), torch.full((8,), 30), torch.full((8,), 1.3))
-    assert torch.allclose(ours, ref)
-
-
-def test_counter_based_draw_is_deterministic_and_uniform():
-    seed = torch.tensor([1, 1, 2, (1 << 40) + 1])
-    u1 = sampling.uniform(seed, torch.tensor([0, 1, 0, 0]), torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
-    u2 = sampling.uniform(seed, torch.tensor([0, 1, 0, 0]), torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
-    assert torch.equal(u1, u2) and len(set(u1.tolist())) == 4
-    many = sampling.uniform(torch.arange(20000), torch.zeros(20000, dtype=torch.long), torch.zeros(20000, dtype=torch.long), torch.zeros(20000, dtype=torch.long))
-    assert 0 <= many.min() and many.max() < 1 and abs(many.mean().item() - 0.5) < 0.01
-    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75]])
-    draws = [sampling.draw(probs, torch.tensor([u])).item() for u in (0.0, 0.2, 0.26, 0.99)]
-    assert draws == [1, 1, 3, 3]
-
-
-def test_uniform_is_strictly_inside_0_1_even_for_seed_0():
-    """All-zero counters hashed to 0 (the mix maps 0 to 0): seed 0's first draw had u = 0, which picks
-    the first token of positive probability however small."""
-    z = torch.zeros(1, dtype=torch.long)
-    assert 0 < sampling.uniform(z, z, z, z).item() < 1
-    n = 1 << 16
-    seeds = torch.arange(n).repeat_interleave(4)
-    rows = torch.arange(4).repeat(n)
-    many = sampling.uniform(seeds, torch.zeros_like(seeds), rows, torch.zeros_like(seeds))
-    assert 0 < many.min() and many.max() < 1
-
-
-def test_draw_never_lands_on_a_token_of_zero_probability():
-    probs = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
-    # u * total rounding up to the total: searchsorted ends past the last positive token
-    assert sampling.draw(probs, torch.tensor([1.0])).item() == 1
-
-
-def test_seed_0_first_draw_takes_the_favourite_at_low_temperature():
-    """The case that failed the GPU parity test: two logits 0.001 apart at temperature 1e-5 leave the
-    runner-up a probability of ≈ 1e-44 (a denormal, not 0); upstream never draws it, nor may we."""
-    r, v = 4, 626
-    logits = torch.zeros(r, v)
-    logits[:, 536], logits[:, 544] = 1.5880, 1.5890
-    lg = sampling.process_logits(logits, torch.full((r,), 1e-5), torch.full((r,), 1.05), torch.full((r,), 0.7),
-                                 torch.full((r,), 20), torch.zeros(r, 16, dtype=torch.long), torch.zeros(r, dtype=torch.long),
-                                 torch.zeros(r, dtype=torch.bool), torch.full((r,), 625))
-    probs = lg.softmax(-1)
-    assert 0 < probs[0, 536] < 1e-40  # the trap: a positive probability before the favourite
-    z = torch.zeros(r, dtype=torch.long)
-    u = sampling.uniform(z, z, torch.arange(r), z)  # seed 0, step 0, rows 0..3, attempt 0
-    assert sampling.sample(lg, u).tolist() == [544] * r
-
-
 @pytest.mark.slow
 def test_full_size_engine_greedy_equals_upstream(full_assets):
     arch, emb, g = upstream_gpt(full_assets)
@@ -333,148 +149,6 @@ def test_slot_reused_after_refine_text_request(tiny):
         eng.stop()
 
 
-# Reduced-precision exports against upstream fp32. A bf16 value carries 8 significant bits
-# (unit roundoff 2**-9 ≈ 2e-3), fp16 11 bits (2**-12 ≈ 2.4e-4); through 20 residual layers the
-# errors add up to ~5x that. Measured on the full-size synthetic weights (prefill, relative
-# Frobenius error of the hidden states): bf16 1.3e-2, fp16 1.6e-3. Bounds: 2.5x those.
-REDUCED_BOUNDS = {torch.bfloat16: (3e-2, 0.08), torch.float16: (4e-3, 0.01)}  # (hidden rel, logits abs)
-
-
-@pytest.mark.parametrize("dtype", list(REDUCED_BOUNDS))
-@pytest.mark.parametrize("size", ["tiny", pytest.param("full", marks=pytest.mark.slow)])
-def test_reduced_precision_gpt_stays_within_stated_bound(request, size, dtype):
-    from transformers import DynamicCache
-
-    folder = request.getfixturevalue(f"{size}_assets")
-    arch, emb, g = upstream_gpt(folder)
-    ours = torch.jit.script(load_gpt(folder, arch).to(dtype))
-    rel_bound, logit_bound = REDUCED_BOUNDS[dtype]
-    ids = torch.randint(0, 21000, (1, 30), generator=torch.Generator().manual_seed(0))
-    kc, vc = ours.new_cache(5, KV_PAGE_TOKENS, dtype, torch.device("cpu"))
-    tables = torch.tensor([[4, 1, 3, 2]])
-    with torch.no_grad():
-        out = g.gpt(inputs_embeds=emb.emb_text(ids), use_cache=True, past_key_values=DynamicCache())
-        pkv = out.past_key_values
-        ref = out.last_hidden_state
-        h = ours(ours.embed_text(ids), torch.arange(30).unsqueeze(0), tables, kc, vc, 30).float()
-        for step in range(21):
-            assert ((h - ref).norm() / ref.norm()).item() <= rel_bound
-            up_logits = torch.stack([emb.head_code[i](ref[:, -1]) for i in range(4)], 1)
-            assert (ours.logits_code(h[:, -1].to(dtype)) - up_logits).abs().max().item() <= logit_bound
-            codes = torch.randint(0, 626, (1, 1, 4), generator=torch.Generator().manual_seed(step))
-            e_up = torch.stack([emb.emb_code[i](codes[:, :, i]) for i in range(4)], 3).sum(3)
-            o = g.gpt(inputs_embeds=e_up, past_key_values=pkv, use_cache=True, position_ids=torch.tensor([[30 + step]]))
-            pkv, ref = o.past_key_values, o.last_hidden_state
-            h = ours(ours.embed_code(codes), torch.tensor([[30 + step]]), tables, kc, vc, 31 + step).float()
-
-
-# --- compaction, bucket padding rows, streaming, admission ---------------------------------------
-class _Rec:
-    """One request of a scenario: what its on_tokens and on_done received."""
-
-    def __init__(self, spec):
-        self.spec = spec
-        self.chunks, self.hids, self.result = [], [], None
-        self.req = GenRequest(
-            text_ids=spec["ids"], params=spec["params"], on_done=self.done, mode=spec.get("mode", "code"),
-            eos_id=spec.get("eos", 625), want_hidden=spec.get("mode", "code") == "code",
-            on_tokens=self.on_tokens if spec.get("every") else None, stream_every=spec.get("every") or 1,
-        )
-
-    def on_tokens(self, toks, hid):
-        self.chunks.append(toks.cpu())
-        self.hids.append(None if hid is None else hid.cpu())
-        got = sum(len(c) for c in self.chunks)
-        if self.spec.get("cancel_after") and got >= self.spec["cancel_after"]:
-            self.req.cancel()
-        if self.spec.get("every_then"):
-            self.req.stream_every = self.spec["every_then"]  # consumers may change it at any time
-
-    def done(self, res):
-        assert self.result is None
-        self.result = res
-
-
-def scenario_specs(seed=7):
-    """Code requests finishing at different steps (max_tokens and EOS), a refine-text one, a
-    streaming consumer that cancels mid-way, and streaming with several chunk sizes."""
-    g = torch.Generator().manual_seed(seed)
-    lim = [(12, 12), (40, 5), (25, 25), (33, 0), (18, 18), (50, 20), (40, 40), (9, 9), (28, 10)]
-    specs = [dict(ids=torch.randint(0, 21000, (4 + 5 * i,), generator=g), params=SamplingParams(0.3, 0.7, 20, 1.05, n, m, seed=200 + i))
-             for i, (n, m) in enumerate(lim)]
-    specs[1]["every"] = 1
-    specs[3]["every"] = 4
-    specs[5].update(every=7, every_then=2)
-    specs[6].update(every=3, cancel_after=10)  # cancels itself from its stream callback
-    specs.append(dict(ids=torch.randint(0, 21000, (11,), generator=g), params=SamplingParams(0.7, 0.7, 20, 1.0, 30, 5, seed=9),
-                      mode="text", eos=21140, every=3))
-    return specs
-
-
-def drive(eng, specs, join=None, limit=2000):
-    """Run the engine loop on this thread; spec i is submitted before iteration join[i]."""
-    join = join or [0] * len(specs)
-    recs = [None] * len(specs)
-    it = 0
-    while True:
-        for i, spec in enumerate(specs):
-            if recs[i] is None and join[i] <= it:
-                recs[i] = _Rec(spec)
-                eng.submit(recs[i].req)
-        if all(r is not None and r.result is not None for r in recs):
-            return recs
-        eng._run_once(block=False)
-        it += 1
-        assert it < limit, "scenario did not finish"
-
-
-def check_same_as_alone(alone, batched, hidden_atol=1e-5):
-    # tokens and stream chunk boundaries exactly; hidden states to 1e-5: a CPU GEMM rounds a row
-    # differently with the number of rows beside it (a few ulp, measured ≤ 5e-7 here)
-    for a, b in zip(alone, batched):
-        assert a.result.finish_reason == b.result.finish_reason
-        assert len(a.chunks) == len(b.chunks)
-        for x, y in zip(a.chunks, b.chunks):
-            assert torch.equal(x, y)
-        for x, y in zip(a.hids, b.hids):
-            assert (x is None) == (y is None) and (x is None or torch.allclose(x, y, atol=hidden_atol, rtol=0))
-        for r in (a, b):
-            if r.result.tokens is None:  # cancelled: it streamed part of its tokens first
-                assert r.result.finish_reason == "cancelled" and r.chunks
-                continue
-            # concatenated stream chunks + the tail of the final result == the final result
-            toks = r.result.tokens.cpu()
-            if r.chunks:
-                sent = torch.cat(r.chunks)
-                sent = sent[:, 0] if toks.dim() == 1 else sent
-                assert torch.equal(sent, toks[: len(sent)])
-                if r.hids[0] is not None:
-                    assert torch.equal(torch.cat(r.hids), r.result.hiddens.cpu()[: len(sent)])
-        if a.result.tokens is not None:
-            assert torch.equal(a.result.tokens.cpu(), b.result.tokens.cpu())
-            if a.result.hiddens is not None:
-                assert torch.allclose(a.result.hiddens.cpu(), b.result.hiddens.cpu(), atol=hidden_atol, rtol=0)
-
-
-def instrument(eng):
-    """Record compaction moves, step modes and (bucket, live) pairs of the engine."""
-    seen = {"moves": 0, "modes": set(), "padded": 0}
-    compact, step_core = eng._compact, eng.step_core
-
-    def _compact(done):
-        seen["moves"] += sum(1 for i in done if i < len(eng.rows) - len(done))
-        return compact(done)
-
-    def _step_core(start, b, attn_len, mode="code", n_live=None, groups=None):
-        seen["modes"].add(mode)
-        if n_live is not None and b > eng._live:
-            seen["padded"] += 1
-        return step_core(start, b, attn_len, mode, n_live, groups)
-
-    eng._compact, eng.step_core = _compact, _step_core
-    return seen
-
-
 @pytest.mark.parametrize("graphs", ["eager", "buckets"])
 def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs):
     """Requests leave in many orders (EOS, max_tokens, a cancel from a stream callback), others join
@@ -500,11 +174,6 @@ def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs):
         assert prefills and any(kb > 1 for _, kb, _ in prefills)
     assert eng.active == 0 and eng.pending == 0
     assert torch.equal(eng.pi, eng._free_pi.expand(8, -1)) and (eng.pf == 1).all()  # free slots are reset
-
-
-def assert_pool_whole(eng):
-    assert sorted(eng.free_pages) == list(range(1, eng.num_pages)) and not eng._suspended
-    assert not eng.h_table.any() and not eng.h_pages.any()
 
 
 @pytest.mark.parametrize("graphs", ["eager", "buckets"])
@@ -589,83 +258,6 @@ def test_admission_waits_for_pages_and_a_pool_below_one_full_context_is_refused(
     assert len(eng.rows) == 2 and eng.pending == 2  # 2 × 3 pages, and one in reserve for each of them
 
 
-@pytest.mark.parametrize("fused_export", [True, False])
-def test_eager_module_from_the_exported_torchscript_computes_the_same(tiny, fused_export):
-    """torch.compile traces the plain module rebuilt from gpt.pt's weights, buffers included; it has
-    its projections fused, also from a gpt.pt exported before they were (then to rounding)."""
-    from chattts_triton.model.gpt import eager_from_script
-
-    arch, _, _, ours = tiny
-    for dtype in (torch.float32, torch.bfloat16):
-        script = torch.jit.script(load_gpt_like(ours, arch, dtype, fused_export))
-        assert ("layers.0.qkv_proj.weight" in script.state_dict()) == fused_export
-        eager = eager_from_script(script, arch)
-        assert not isinstance(eager, torch.jit.ScriptModule)
-        assert all(layer.qkv_proj is not None and layer.q_proj is None for layer in eager.layers)
-        assert eager.inv_freq.dtype == script.inv_freq.dtype and torch.equal(eager.inv_freq, script.inv_freq)
-        torch.manual_seed(1)
-        ids = torch.randint(0, arch.num_text_tokens, (2, 9))
-        outs = []
-        for m in (script, eager):
-            kc, vc = m.new_cache(4, KV_PAGE_TOKENS, dtype, torch.device("cpu"))
-            with torch.no_grad():
-                outs.append(m(m.embed_text(ids), torch.arange(9).expand(2, 9), torch.tensor([[2], [3]]), kc, vc, 9))
-        if fused_export:
-            assert torch.equal(outs[0], outs[1])
-        else:
-            assert torch.allclose(outs[0].float(), outs[1].float(), atol=1e-5 if dtype == torch.float32 else 0.1, rtol=0)
-
-
-@pytest.mark.parametrize("scripted", [False, True])
-def test_fused_projections_compute_what_the_separate_ones_do(tiny_assets, scripted):
-    """q/k/v and gate/up as one GEMM each (the default) against the five separate ones, decode
-    steps and prefill, cache writes included (fp32: the same dot products, to rounding)."""
-    arch = infer_arch(tiny_assets)
-    sep, fused = load_gpt(tiny_assets, arch, fused=False), load_gpt(tiny_assets, arch)
-    assert sep.layers[0].qkv_proj is None and fused.layers[0].q_proj is None
-    assert sum(p.numel() for p in sep.parameters()) == sum(p.numel() for p in fused.parameters())
-    if scripted:
-        sep, fused = torch.jit.script(sep), torch.jit.script(fused)
-    torch.manual_seed(2)
-    x = sep.embed_text(torch.randint(0, arch.num_text_tokens, (3, 11)))
-    pos = torch.arange(11).expand(3, 11)
-    outs = []
-    for m in (sep, fused):
-        kc, vc = m.new_cache(4, KV_PAGE_TOKENS, torch.float32, torch.device("cpu"))
-        tables = torch.tensor([[3], [1], [2]])
-        with torch.no_grad():
-            h = m.prefill(x, pos, tables, kc, vc)
-            step = m(x[:, :1], torch.full((3, 1), 11), tables, kc, vc, 12)
-        outs.append((h, step, kc, vc))
-    for a, b in zip(*outs):
-        assert torch.allclose(a, b, atol=1e-5, rtol=0)
-
-
-def load_gpt_like(model, arch, dtype, fused=True):
-    from chattts_triton.model.gpt import ChatTTSGPT
-
-    m = ChatTTSGPT(arch).to(dtype)
-    m.fuse_projections()
-    m.load_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()})
-    if not fused:  # as exported before fusing: the five projections apart
-        for layer in m.layers:
-            q, k, v = layer.qkv_proj.weight.split([layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim,
-                                                   layer.kv_heads * layer.head_dim])
-            gate, up = layer.gate_up_proj.weight.chunk(2)
-            for name, w in (("q_proj", q), ("k_proj", k), ("v_proj", v), ("gate_proj", gate), ("up_proj", up)):
-                lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)
-                lin.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
-                setattr(layer, name, lin)
-            layer.qkv_proj = layer.gate_up_proj = None
-    return m.eval()
-
-
-def _graphs_compiled() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
 @pytest.mark.parametrize("prefill", [False, True], ids=["step", "step_and_prefill"])
 def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compile(tiny, prefill):
     """The graph buckets through torch.compile (aot_eager here: dynamo and the functionalised
@@ -736,14 +328,6 @@ def test_a_compiled_prefill_that_fails_falls_back_to_the_plain_prefill(tiny, cap
     assert calls == [3] and eng.graph_prefill is None  # tried once, then never again
     assert "the compiled prefill failed" in caplog.text
     check_same_as_alone(expected, got)
-
-
-def assert_served_without_a_new_decode_graph(eng, reqs, want, decode) -> None:
-    """`reqs` served by `eng` after its warm-up: no decode graph beyond `decode`, the tokens of `want`."""
-    got = [eng.generate(GenRequest(r.text_ids, r.params, None)) for r in reqs]
-    assert {k for k in eng.graphs.graphs if k[0] == "code"} == decode
-    for a, b in zip(want, got):
-        assert torch.equal(a.tokens, b.tokens)
 
 
 def test_warm_graphs_captures_every_bucket_a_load_reaches_on_the_engine_thread(tiny):
@@ -961,111 +545,6 @@ def test_model_with_the_old_slots_signature_is_refused(tiny):
 
     with pytest.raises(EngineError, match="re-export"):
         make_engine(Old(), arch, start=False)
-
-
-@pytest.mark.parametrize("compile_fails", [False, True])
-def test_gpt_service_compiles_the_step_or_falls_back_to_torchscript(tiny_repo, monkeypatch, caplog, compile_fails):
-    """`compile_step` serves the eager module through torch.compile; if compiling fails at warm-up
-    (say, no C compiler in the image) the model still loads, on the exported TorchScript step, and the
-    failed engine (its KV cache: GBs on a GPU) is gone, not kept beside the one that serves."""
-    import weakref
-
-    from chattts_triton.runtime import gpt as gpt_runtime
-    from chattts_triton.config import GPT, Arch
-    from chattts_triton.triton.repo_config import read_manifest
-
-    man = read_manifest(tiny_repo)
-    arch = Arch.from_json(man["arch"])
-    monkeypatch.setattr(gpt_runtime, "compile_applies", lambda device: True)  # CPU stands in for CUDA here
-    real_warm_up = Engine.warm_up
-
-    def warm_up(self, *args, **kw):
-        if compile_fails and self.graph_step is not None:
-            raise RuntimeError("inductor: no working C compiler")
-        return real_warm_up(self, *args, **kw)
-
-    monkeypatch.setattr(Engine, "warm_up", warm_up)
-    engines = []
-    real_init = Engine.__init__
-
-    def init(self, *args, **kw):
-        engines.append(weakref.ref(self))
-        real_init(self, *args, **kw)
-
-    monkeypatch.setattr(Engine, "__init__", init)
-    caplog.set_level(logging.INFO)
-    svc = gpt_runtime.GPTService(tiny_repo / GPT / "1" / "gpt.pt", arch, torch.device("cpu"), "fp32", max_slots=2,
-                              max_context=256, max_new_tokens=32, text_eos_id=man["tokens"]["text_eos_id"],
-                              spk_emb_id=man["tokens"]["spk_emb_id"], compile_step=True)
-    try:
-        assert isinstance(svc.engine.model, torch.jit.ScriptModule) == compile_fails
-        assert (svc.engine.graph_step is None) == compile_fails
-        assert ("serving the TorchScript step instead" in caplog.text) == compile_fails
-        assert len(engines) == 1 + compile_fails and [e() for e in engines if e() is not None] == [svc.engine]
-        r = svc.engine.generate(GenRequest(torch.arange(1, 9), greedy(6, 6), None))
-        assert r.finish_reason == "max_tokens" and r.tokens.shape == (6, arch.num_vq)
-    finally:
-        svc.engine.stop()
-
-
-@pytest.mark.parametrize("failed", ["prefill", "code"])
-def test_only_a_failed_decode_graph_sends_a_compiled_engine_back_to_torchscript(tiny_repo, monkeypatch, failed):
-    """A warm-up graph that could not be captured: a decode bucket's means the compiled step cannot be
-    served as measured (TorchScript instead); a prefill bucket's runs no compiled code and just runs
-    eagerly, so the compiled step stays. (CPU has no graphs: the warm-up's outcome is stood in for.)"""
-    from chattts_triton.runtime import gpt as gpt_runtime
-    from chattts_triton.config import GPT, Arch
-    from chattts_triton.runtime.engine import CudaGraphs
-    from chattts_triton.triton.repo_config import read_manifest
-
-    man = read_manifest(tiny_repo)
-    monkeypatch.setattr(gpt_runtime, "compile_applies", lambda device: True)
-    real_warm_up = Engine.warm_up
-
-    def warm_up(self, *args, **kw):
-        real_warm_up(self, *args, **kw)
-        if self.graph_step is not None:
-            ok = lambda: None  # noqa: E731
-            self.graphs = CudaGraphs(self, capture=False)
-            self.graphs.graphs.update({("prefill", 1, 16): None if failed == "prefill" else ok,
-                                       ("code", 1, 128): None if failed == "code" else ok})
-
-    monkeypatch.setattr(Engine, "warm_up", warm_up)
-    svc = gpt_runtime.GPTService(tiny_repo / GPT / "1" / "gpt.pt", Arch.from_json(man["arch"]), torch.device("cpu"), "fp32",
-                              max_slots=2, max_context=256, max_new_tokens=32, text_eos_id=man["tokens"]["text_eos_id"],
-                              spk_emb_id=man["tokens"]["spk_emb_id"], compile_step=True)
-    try:
-        assert isinstance(svc.engine.model, torch.jit.ScriptModule) == (failed == "code")
-    finally:
-        svc.engine.stop()
-
-
-def test_step_bench_times_steps_and_prefills_of_each_variant_on_cpu(tiny_assets, tmp_path):
-    """bench.probes.step's CPU mode (the GPU one needs the device): one JSON per variant, a step and forward
-    time per batch, an eager prefill time per shape (more prompts than batch rows fit too)."""
-    import json
-
-    from bench.probes import step
-
-    args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32",
-            "--batches", "1,2", "--variants", "script,script_unfused", "--iters", "2", "--prefill", "1x8,4x16",
-            "--context", "128", "--max-new-tokens", "16", "--attn-len", "32", "--profile", "2", "--lengths", "uniform"]
-    assert step.main(args) == 0
-    ops = {}
-    for variant in ("script", "script_unfused"):
-        res = json.loads((tmp_path / f"step-{variant}.json").read_text())
-        assert res["variant"] == variant and res["gpu"] == "cpu" and res["lengths"] == "uniform"
-        assert res["decode_kernel"] is False  # TorchScript
-        assert set(res["batches"]) == {"1", "2"} and all(r["step_ms"] > 0 and r["forward_ms"] > 0 for r in res["batches"].values())
-        prof = res["batches"]["1"]["profile"]
-        assert prof["kernel_ms_per_step"] > 0 and 0 < len(prof["top"]) <= 12
-        assert sum(k["per_step"] for k in prof["top"]) <= prof["kernels_per_step"]
-        ops[variant] = prof["kernels_per_step"]
-        assert set(res["prefill"]) == {"1x8", "4x16"} and all(r["eager_ms"] > 0 for r in res["prefill"].values())
-    # fused projections: one GEMM for q/k/v and one for gate/up instead of five per layer
-    assert ops["script"] < ops["script_unfused"], ops
-    with pytest.raises(SystemExit, match="on a CPU"):  # inductor's step is a GPU variant
-        step.main([a if a != "script,script_unfused" else "compile" for a in args])
 
 
 def test_engine_counts_its_steps_rows_and_busy_time(tiny):

@@ -37,7 +37,7 @@ class FakePb:
             def __init__(self, name, description, kind):
                 self.name = name
 
-            def Metric(self, labels):  # noqa: N802  the stub's spelling
+            def Metric(self, labels):
                 family = self
 
                 class Metric:

@@ -1,0 +1,317 @@
+"""The model configurations and `python -m chattts_triton.repo_config` (chattts_triton/triton/repo_config.py): the
+generated configs against the source of truth, each configure flag reaching its model and service and surviving a
+re-configure, nonsense refused; queues and batching delays. No server is started."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from chattts_triton.config import ENSEMBLE, ENSEMBLE_INPUTS, GPT, MANIFEST, PREPROCESS, STREAM, VOCODER, Arch
+from chattts_triton.triton import repo_config as rc
+
+
+def test_repository_configs_parse_and_match_the_source_of_truth(tiny_repo):
+    man = rc.read_manifest(tiny_repo)
+    expected = rc.build_configs(Arch.from_json(man["arch"]), rc.Deployment(**man["deployment"]))
+    for name, cfg in expected.items():
+        parsed = rc.parse_pbtxt((Path(tiny_repo) / name / "config.pbtxt").read_text())
+        assert parsed == cfg
+    ens = expected[ENSEMBLE]
+    assert {i.name for i in ens.input} == set(ENSEMBLE_INPUTS)
+    assert [o.name for o in ens.output] == ["AUDIO", "SPOKEN_TEXT"] and ens.max_batch_size > 0
+    # every composing model batches dynamically
+    assert all(expected[m].HasField("dynamic_batching") for m in rc.MODELS)
+
+
+def test_configure_sets_gpu_instance_groups(tiny_repo, tmp_path):
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+    assert rc.main(["--repo", str(repo), "--gpus", "0,1", "--instances", "2"]) == 0
+    voc = rc.parse_pbtxt((repo / VOCODER / "config.pbtxt").read_text())
+    gpt = rc.parse_pbtxt((repo / GPT / "config.pbtxt").read_text())
+    assert voc.instance_group[0].kind == voc.instance_group[0].KIND_GPU
+    assert list(voc.instance_group[0].gpus) == [0, 1] and voc.instance_group[0].count == 2
+    assert list(gpt.instance_group[0].gpus) == [0, 1] and gpt.instance_group[0].count == 1
+    assert rc.main(["--repo", str(repo), "--gpus", ""]) == 0
+    voc = rc.parse_pbtxt((repo / VOCODER / "config.pbtxt").read_text())
+    assert voc.instance_group[0].kind == voc.instance_group[0].KIND_CPU
+
+
+def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo, tmp_path):
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def compile_params():
+        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["gpt_compile"].string_value
+                for m in (GPT, STREAM)]
+
+    assert compile_params() == ["1", "1"]  # the export's default (CPU instances ignore it)
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-gpt-compile"]) == 0
+    assert compile_params() == ["0", "0"]
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-slots", "64"]) == 0  # kept unless told
+    assert compile_params() == ["0", "0"]
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-compile"]) == 0
+    assert compile_params() == ["1", "1"]
+    man = json.loads((repo / MANIFEST).read_text())  # exported before the option: TorchScript step kept
+    del man["deployment"]["gpt_compile"]
+    (repo / MANIFEST).write_text(json.dumps(man))
+    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0
+    assert compile_params() == ["0", "0"]
+
+
+def test_configure_gpt_compile_prefill_reaches_both_engine_services_and_is_off_by_default(tiny_repo, tmp_path, monkeypatch):
+    """--gpt-compile-prefill (opt-in) sets gpt_compile_prefill on both engine models, and
+    the service factory hands it to the GPT service (which compiles prefills only with the step)."""
+    import shutil
+
+    from chattts_triton.runtime import gpt as gpt_runtime
+    from chattts_triton.triton.backend import ModelContext, gpt_service
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def prefill_params():
+        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["gpt_compile_prefill"].string_value
+                for m in (GPT, STREAM)]
+
+    seen = []
+    monkeypatch.setattr(gpt_runtime, "GPTService", lambda *a, **kw: seen.append(kw))
+    assert prefill_params() == ["0", "0"]
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-compile-prefill"]) == 0
+    assert prefill_params() == ["1", "1"]
+    gpt_service(ModelContext.from_repo(repo, GPT))
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-slots", "64"]) == 0  # kept unless told
+    assert prefill_params() == ["1", "1"]
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-gpt-compile-prefill"]) == 0
+    assert prefill_params() == ["0", "0"]
+    gpt_service(ModelContext.from_repo(repo, GPT))
+    assert [kw["compile_prefill"] for kw in seen] == [True, False]
+
+
+def _switched_on_and_kept(tiny_repo, tmp_path, flag, model, key):
+    """A copy of the repository where `flag` (off by default: `model`'s parameter `key` reads "0") was
+    switched on and survives a re-configure that does not name it; returns it and a reader of `key`."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def param():
+        return rc.parse_pbtxt((repo / model / "config.pbtxt").read_text()).parameters[key].string_value
+
+    assert param() == "0"
+    assert rc.main(["--repo", str(repo), "--gpus", "0", flag]) == 0
+    assert param() == "1"
+    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0  # kept unless told
+    assert param() == "1"
+    return repo, param
+
+
+def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_the_service(tiny_repo, tmp_path, monkeypatch):
+    """chattts_vocoder's vocoder_graphs is on by default; --no-vocoder-graphs turns it off, a re-configure
+    that does not name it keeps that, and its service reads it. The stream model keeps its own (on); a
+    CPU instance makes no graphs whatever the flag."""
+    import shutil
+
+    from chattts_triton.runtime import vocoder as vocoder_runtime
+    from chattts_triton.triton.backend import ModelContext, vocoder_service
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def graphs_param():
+        return rc.parse_pbtxt((repo / VOCODER / "config.pbtxt").read_text()).parameters["vocoder_graphs"].string_value
+
+    asked = []
+    monkeypatch.setattr(vocoder_runtime.VocoderService, "__init__", lambda self, *a, graphs=False, **kw: asked.append(graphs))
+    assert graphs_param() == "1"
+    vocoder_service(ModelContext.from_repo(repo, VOCODER))
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-vocoder-graphs"]) == 0
+    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0  # kept unless told
+    vocoder_service(ModelContext.from_repo(repo, VOCODER))
+    assert asked == [True, False] and graphs_param() == "0"
+    assert rc.read_manifest(repo)["deployment"]["vocoder_graphs"] is False
+    monkeypatch.undo()
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--vocoder-graphs"]) == 0
+    assert graphs_param() == "1"
+    assert vocoder_service(ModelContext.from_repo(repo, VOCODER)).graphs is None  # a CPU instance
+    assert rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters.get("vocoder_graphs") is None
+    man = json.loads((repo / MANIFEST).read_text())  # exported before the option: eager vocoder kept
+    del man["deployment"]["vocoder_graphs"]
+    (repo / MANIFEST).write_text(json.dumps(man))
+    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0
+    assert graphs_param() == "0"
+
+
+@pytest.mark.parametrize("flag,key,field", [("--stream-codec-stream", "codec_stream", "stream_codec_stream"),
+                                             ("--stream-first-chunks-first", "first_chunks_first", "stream_first_chunks_first")])
+def test_configure_stream_options_reach_the_stream_service_and_persist(tiny_repo, tmp_path, monkeypatch, flag, key, field):
+    """The stream model's opt-in switches (off by default) set chattts_stream's parameter, which its
+    service gets; a CPU service has no CUDA stream to use whatever --stream-codec-stream says."""
+    from chattts_triton.runtime import streaming
+    from chattts_triton.triton.backend import ModelContext, stream_service
+
+    repo, param = _switched_on_and_kept(tiny_repo, tmp_path, flag, STREAM, field)
+    assert rc.read_manifest(repo)["deployment"][field] is True
+    asked, real_init = [], streaming.StreamService.__init__
+
+    def init(self, *a, **kw):
+        asked.append(kw[key])
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(streaming.StreamService, "__init__", init)
+    svc = stream_service(ModelContext.from_repo(repo, STREAM))
+    try:
+        assert asked == [True] and svc.codec_stream is None  # a CPU instance
+        assert svc.first_chunks_first == (key == "first_chunks_first")
+    finally:
+        svc.close()
+    assert rc.main(["--repo", str(repo), "--gpus", "0", flag.replace("--", "--no-", 1)]) == 0
+    assert param() == "0"
+
+
+def test_configure_admission_policy_reaches_the_engines_and_refuses_nonsense(tiny_repo, tmp_path, capsys):
+    import shutil
+
+    from chattts_triton.triton.backend import ModelContext, gpt_service
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+    assert rc.main(["--repo", str(repo), "--gpt-admit-batch", "8", "--gpt-admit-wait-steps", "12"]) == 0
+    for model in (GPT, STREAM):
+        params = rc.parse_pbtxt((repo / model / "config.pbtxt").read_text()).parameters
+        assert (params["gpt_admit_batch"].string_value, params["gpt_admit_wait_steps"].string_value) == ("8", "12")
+    svc = gpt_service(ModelContext.from_repo(repo, GPT))
+    try:
+        assert (svc.engine.admit_batch, svc.engine.admit_wait_steps) == (8, 12)
+    finally:
+        svc.close()
+    with pytest.raises(SystemExit) as e:
+        rc.main(["--repo", str(repo), "--gpt-admit-batch", "0"])
+    assert e.value.code == 2 and "gpt_admit_batch must be ≥ 1" in capsys.readouterr().err
+    assert rc.parse_pbtxt((repo / GPT / "config.pbtxt").read_text()).parameters["gpt_admit_batch"].string_value == "8"
+
+
+def test_configure_batching_delay_of_the_vocoder_only(tiny_repo, tmp_path, capsys):
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def delays():
+        return {m: rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).dynamic_batching.max_queue_delay_microseconds
+                for m in (PREPROCESS, GPT, VOCODER, STREAM)}
+
+    assert set(delays().values()) == {0}  # by default none waits
+    assert rc.main(["--repo", str(repo), "--max-queue-delay-us", "1500"]) == 0
+    assert delays() == {PREPROCESS: 0, GPT: 0, VOCODER: 1500, STREAM: 0}
+    assert rc.main(["--repo", str(repo)]) == 0  # kept unless told
+    assert delays()[VOCODER] == 1500
+    with pytest.raises(SystemExit) as e:
+        rc.main(["--repo", str(repo), "--max-queue-delay-us", "-1"])
+    assert e.value.code == 2 and "max_queue_delay_us must be ≥ 0" in capsys.readouterr().err
+    assert delays()[VOCODER] == 1500
+
+
+def test_configure_stream_schedule_persists_and_refuses_a_fade_longer_than_the_lookahead(tiny_repo, tmp_path, capsys):
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def params():
+        p = rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters
+        return {k: p[k].string_value for k in ("stream_first_chunk_frames", "stream_first_lookahead_frames", "stream_fade_frames")}
+
+    assert params() == {"stream_first_chunk_frames": "8", "stream_first_lookahead_frames": "8", "stream_fade_frames": "4"}
+    assert rc.main(["--repo", str(repo), "--stream-first-lookahead-frames", "0", "--stream-fade-frames", "2"]) == 0
+    assert rc.main(["--repo", str(repo), "--stream-first-chunk-frames", "4"]) == 0  # the others are kept
+    assert params() == {"stream_first_chunk_frames": "4", "stream_first_lookahead_frames": "0", "stream_fade_frames": "2"}
+    with pytest.raises(SystemExit):
+        rc.main(["--repo", str(repo), "--stream-first-lookahead-frames", "2", "--stream-fade-frames", "3"])
+    assert "fade must be" in capsys.readouterr().err
+    assert params()["stream_fade_frames"] == "2"  # nothing written
+    manifest = repo / MANIFEST  # exported before the early first chunk: it keeps exact chunks
+    man = json.loads(manifest.read_text())
+    for k in ("stream_first_lookahead_frames", "stream_fade_frames"):
+        del man["deployment"][k]
+    manifest.write_text(json.dumps(man))
+    assert rc.main(["--repo", str(repo), "--gpus", ""]) == 0
+    assert params()["stream_first_lookahead_frames"] == "0" and params()["stream_fade_frames"] == "0"
+
+
+def test_configure_gil_switch_interval_reaches_the_engine_processes_and_refuses_nonsense(tiny_repo, tmp_path, capsys):
+    """The switch interval is written to both engine models and set by the service factory in the
+    process that hosts the engine (0 leaves Python's own)."""
+    import shutil
+    import sys
+
+    from chattts_triton.config import GIL_SWITCH_INTERVAL_MAX_US, GIL_SWITCH_INTERVAL_US
+    from chattts_triton.triton.backend import ModelContext, gpt_service, set_switch_interval
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+    params = lambda model: rc.parse_pbtxt((repo / model / "config.pbtxt").read_text()).parameters  # noqa: E731
+    assert params(GPT)["gil_switch_interval_us"].string_value == str(GIL_SWITCH_INTERVAL_US)
+    old = sys.getswitchinterval()
+    try:
+        assert rc.main(["--repo", str(repo), "--gil-switch-interval-us", "750"]) == 0
+        assert [params(m)["gil_switch_interval_us"].string_value for m in (GPT, STREAM)] == ["750", "750"]
+        assert "gil_switch_interval_us" not in params(VOCODER)
+        sys.setswitchinterval(0.005)
+        gpt_service(ModelContext.from_repo(repo, GPT)).close()
+        assert sys.getswitchinterval() == pytest.approx(750e-6)
+        assert rc.main(["--repo", str(repo), "--gil-switch-interval-us", "0"]) == 0
+        sys.setswitchinterval(0.005)
+        gpt_service(ModelContext.from_repo(repo, GPT)).close()
+        assert sys.getswitchinterval() == pytest.approx(0.005)  # 0: Python's own left alone
+    finally:
+        sys.setswitchinterval(old)
+    with pytest.raises(SystemExit) as e:
+        rc.main(["--repo", str(repo), "--gil-switch-interval-us", "-1"])
+    assert e.value.code == 2 and "gil_switch_interval_us must be in" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="gil_switch_interval_us must be in"):  # a hand-edited config, at load
+        set_switch_interval(GIL_SWITCH_INTERVAL_MAX_US + 1)
+    assert params(GPT)["gil_switch_interval_us"].string_value == "0"
+
+
+def test_only_models_that_batch_in_triton_wait_to_form_a_batch():
+    """The GPT and stream models batch in their engines and the preprocess model prepares each request
+    on its own: Triton's batching delay would only add latency to them."""
+    cfgs = rc.build_configs(_tiny_arch(), rc.Deployment(max_queue_delay_us=1500))
+    delays = {m: cfgs[m].dynamic_batching.max_queue_delay_microseconds for m in rc.MODELS + (STREAM,)}
+    assert delays[GPT] == delays[STREAM] == delays[PREPROCESS] == 0
+    assert delays[VOCODER] == 1500
+
+
+def test_every_queue_holds_twice_what_the_engines_admit():
+    """No Triton queue may refuse a request the GPT engine would admit (a burst then got "Exceeds maximum
+    queue size" below the engine's bound): each is bounded, at twice the engines' admission bound — sized
+    at the largest batch where the engines size themselves from the GPU at load."""
+    for dep, bound in ((rc.Deployment(gpt_slots=3), 12), (rc.Deployment(gpt_slots=3, gpt_max_pending=5), 5),
+                       (rc.Deployment(gpus=[0, 1]), 2 * 4 * 512), (rc.Deployment(gpus=[0], gpt_slots=100), 400)):
+        cfgs = rc.build_configs(_tiny_arch(), dep)
+        for m in rc.MODELS:
+            assert cfgs[m].dynamic_batching.default_queue_policy.max_queue_size == 2 * bound, (dep, m)
+        assert cfgs[PREPROCESS].parameters["max_pending"].string_value == str(bound)
+    cfgs = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_slots=3))
+    assert cfgs[GPT].parameters["gpt_max_pending"].string_value == "12"  # 4 × slots by default
+    gpu = rc.build_configs(_tiny_arch(), rc.Deployment(gpus=[0]))
+    assert {k: gpu[GPT].parameters[k].string_value for k in ("gpt_slots", "gpt_max_pending", "gpt_cache_tokens")} == \
+        {"gpt_slots": "auto", "gpt_max_pending": "auto", "gpt_cache_tokens": "auto"}
+    assert gpu[STREAM].dynamic_batching.default_queue_policy.max_queue_size == 2 * 2 * 64
+    explicit = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_slots=3, max_queue_size=7))
+    assert all(explicit[m].dynamic_batching.default_queue_policy.max_queue_size == 7 for m in rc.MODELS)
+
+
+def _tiny_arch():
+    from chattts_triton.config import TINY_ARCH
+
+    return TINY_ARCH
