@@ -42,7 +42,7 @@ SYNTHETIC :=
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast assets export configure serve gateway demo loadtest sweep perf soak bundle clean
+.PHONY: help setup lint test test-fast assets export configure serve gateway demo loadtest sweep perf soak bundle clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -56,7 +56,10 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 setup: $(VENV)/.installed ## build .venv with the pinned dependencies (idempotent)
 
-test: setup ## run the whole suite: unit, export parity, end-to-end against a real tritonserver
+lint: setup ## ruff over the whole tree (pyproject.toml's [tool.ruff])
+	$(VENV)/bin/ruff check .
+
+test: lint ## lint, then the whole suite: unit, export parity, end-to-end against a real tritonserver
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup ## unit tests only (no server, no full-size weights)

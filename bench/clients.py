@@ -1,6 +1,6 @@
 """Closed-loop load from several client processes: one asyncio client queues its own requests.
 
-`python -m bench.probes.client_capacity --stream` (2026-12-02; `results/raw/2026-12-02-*-thirteenth-client-capacity-stream-*`):
+`python -m bench.probes.client_capacity --stream` (`results/raw/2026-12-02-*-thirteenth-client-capacity-stream-*`):
 64 streams against a stand-in server that sends each first chunk 90 ms after the request arrived.
 
 | host | client processes | first chunk p50 / p99 ms | request's way in p99 ms | first chunk's way out p99 ms |
@@ -12,7 +12,7 @@
 
 One stream: 92.8 / 93.3 ms. So at 64 one client process adds ≈ 31 ms to the p99 that four do not
 (the two cores of the CI box hold the stand-in and every client: no gain there). `bench.run` spreads
-its streams over `STREAM_CLIENT_PROCS` processes (`--stream-procs`); runs before 2026-12-02 used one.
+its streams over `STREAM_CLIENT_PROCS` processes (`--stream-procs`).
 """
 
 from __future__ import annotations

@@ -289,8 +289,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gateway-arg", action="append", default=[], help="a flag for python -m gateway (repeatable)")
     ap.add_argument("--machine", default=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores")
     a = ap.parse_args(argv)
-    from chattts_triton.triton.repo_config import read_manifest
     from chattts_triton.launcher.tritonserver import TritonServer
+    from chattts_triton.triton.repo_config import read_manifest
 
     man = read_manifest(a.repo)
     a.out.parent.mkdir(parents=True, exist_ok=True)

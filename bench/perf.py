@@ -26,7 +26,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = ROOT / "build" / "perf-analyzer"

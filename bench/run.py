@@ -24,7 +24,6 @@ import argparse
 import datetime as dt
 import json
 import logging
-import os
 import platform
 import subprocess
 import sys
@@ -51,9 +50,8 @@ def device_name(device: str) -> str:
 
 
 def bench_upstream(assets: Path, device: str, batches: List[int], tokens: int, repeats: int, compile: bool) -> List[dict]:
-    import torch
-
     import ChatTTS
+    import torch
 
     chat = ChatTTS.Chat(logging.getLogger("upstream"))
     d = assets
@@ -85,7 +83,7 @@ def bench_upstream(assets: Path, device: str, batches: List[int], tokens: int, r
                "rtf": lat / (tokens * 512 / 24000)}
         log(f"upstream{' compile' if compile else ''} batch {b}: {lat:.3f} s, {b / lat:.1f} utt/s")
         rows.append(row)
-    del chat
+    chat = None  # the model's memory back before the caller's next run
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return rows
@@ -97,8 +95,7 @@ def _pct(values: List[float], q: float) -> Optional[float]:
     return float(np.percentile(values, q)) * 1000 if values else None
 
 
-# one asyncio client process added ≈ 31 ms to a first chunk's p99 at 64 streams on the H200 host, against
-# 4 processes (bench/clients.py; raw/2026-12-02-h200-thirteenth-client-capacity-stream-*)
+# one asyncio client process adds tens of ms to a 64-stream first chunk's p99 that four do not (bench/clients.py)
 STREAM_CLIENT_PROCS = 4
 
 STREAM_COUNTERS = ("stream_first_chunks", "stream_first_tokens_seconds", "stream_first_chunk_seconds",
@@ -196,8 +193,8 @@ def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, metric
     time to first chunk, gaps between chunks, whole stream; with `metrics_url`, the server's own
     split of the first chunk's time (`stream_window`)."""
     from bench import clients
-    from chattts_triton.triton.backend import STATS_PERIOD_S
     from chattts_triton.config import STREAM
+    from chattts_triton.triton.backend import STATS_PERIOD_S
     from loadtest.sweep import fetch_metrics, parse_counters
 
     def read_counters():
@@ -229,8 +226,8 @@ def gpu_processes(server) -> Dict[str, dict]:
     """GPU memory per model instance of the launched server, from what each process's allocator holds (its
     `chattts_gpu_memory_*` gauges; nvidia-smi's per-process list names host pids inside a container), and
     nvidia-smi's per-process figures (context included) as it lists them."""
-    from chattts_triton.triton.repo_config import MODELS
     from chattts_triton.config import STREAM
+    from chattts_triton.triton.repo_config import MODELS
     from loadtest.sweep import fetch_metrics, parse_counters
 
     text = fetch_metrics(server.metrics_url)

@@ -188,7 +188,7 @@ class _BalancedTransport:
     def _probe(self, ep: Endpoint) -> bool:
         try:
             ready = bool(ep.transport.is_ready())
-        except Exception:
+        except Exception:  # noqa: BLE001  any failure of a probe: not ready
             ready = False
         self.pool.probe_done(ep, ready)
         return ready
@@ -252,7 +252,7 @@ class _BalancedTransport:
         for ep in self.pool.endpoints:
             try:
                 stats[ep.url] = ep.transport.statistics(model)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  any failure: the next server's statistics
                 last = to_chattts_error(exc, self._where(ep))
         if not stats:
             raise _all_down(self.pool, last)
@@ -291,7 +291,7 @@ class _BalancedStreamSession:
         try:
             self._session = ep.transport.open_stream(self._model, self._timeout_s, **self._kw)
             self._session.send(self._arrays)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  any failure before the first chunk: the next server
             self._failed(exc)
 
     def _failed(self, exc: Exception) -> None:
@@ -323,7 +323,7 @@ class _BalancedStreamSession:
         while True:
             try:
                 chunk, final = self._session.receive()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  any failure: _failed decides whether another server gets it
                 self._failed(exc)
                 continue
             self._audio = self._audio or chunk.size > 0
@@ -411,7 +411,7 @@ class _AsyncBalancedTransport:
     async def _probe(self, ep: Endpoint) -> bool:
         try:
             ready = bool(await ep.transport.is_ready())
-        except Exception:
+        except Exception:  # noqa: BLE001  any failure of a probe: not ready
             ready = False
         self.pool.probe_done(ep, ready)
         return ready
@@ -471,7 +471,7 @@ class _AsyncBalancedTransport:
         for ep in self.pool.endpoints:
             try:
                 stats[ep.url] = await ep.transport.statistics(model)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  any failure: the next server's statistics
                 last = to_chattts_error(exc, self._where(ep))
         if not stats:
             raise _all_down(self.pool, last)
@@ -497,7 +497,7 @@ class _AsyncBalancedStreamSession(_BalancedStreamSession):
         try:
             self._session = ep.transport.open_stream(self._model, self._timeout_s, **self._kw)
             await self._session.send(self._arrays)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  any failure before the first chunk: the next server
             await self._failed(exc)
 
     async def _failed(self, exc: Exception) -> None:
@@ -519,7 +519,7 @@ class _AsyncBalancedStreamSession(_BalancedStreamSession):
         while True:
             try:
                 chunk, final = await self._session.receive()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  any failure: _failed decides whether another server gets it
                 await self._failed(exc)
                 continue
             self._audio = self._audio or chunk.size > 0

@@ -613,7 +613,7 @@ class _HttpTransport:
         for client in clients:
             try:
                 client.close()
-            except Exception:  # closing a client whose thread has gone: nothing left to release
+            except Exception:  # noqa: BLE001  closing a client whose thread has gone: nothing left to release
                 pass
 
 
@@ -622,8 +622,8 @@ class _AioGrpcTransport:
     spread over them in turn: one HTTP/2 connection carries every call of a channel."""
 
     def __init__(self, url: str, model: str, timeout_s: float, max_concurrency: int, channels: int = 1):
-        import tritonclient.grpc.aio as aio
         import tritonclient.grpc as module
+        import tritonclient.grpc.aio as aio
 
         self._module, self._model, self._timeout_s = module, model, timeout_s
         if channels == 1:
@@ -667,8 +667,8 @@ class _AioGrpcTransport:
 
 class _AioHttpTransport:
     def __init__(self, url: str, model: str, timeout_s: float, max_concurrency: int):
-        import tritonclient.http.aio as aio
         import tritonclient.http as module
+        import tritonclient.http.aio as aio
 
         self._module, self._model = module, model
         # conn_timeout is aiohttp's total per-request timeout
@@ -799,7 +799,7 @@ class ChatTTSClient(_ClientBase):
         """Server up and model ready; False (not an exception) when the server cannot be reached."""
         try:
             return bool(self._transport.is_ready())
-        except Exception:
+        except Exception:  # noqa: BLE001  not ready, whatever the failure
             return False
 
     def wait_until_ready(self, timeout_s: float = 60.0, poll_s: float = 0.5) -> None:
@@ -1091,7 +1091,7 @@ class AsyncChatTTSClient(_ClientBase):
         try:
             transport = self._get_transport()
             return bool(await (transport.is_ready(model) if model else transport.is_ready()))
-        except Exception:
+        except Exception:  # noqa: BLE001  not ready, whatever the failure
             return False
 
     async def wait_until_ready(self, timeout_s: float = 60.0, poll_s: float = 0.5) -> None:

@@ -97,8 +97,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     from chattts_triton.config import SAMPLE_RATE, SAMPLES_PER_CODE, Arch
-    from chattts_triton.triton.repo_config import Deployment, read_manifest
     from chattts_triton.launcher.tritonserver import TritonServer
+    from chattts_triton.triton.repo_config import Deployment, read_manifest
     from client.audio import save_wav
     from client.client import ChatTTSClient, split_sentences
 

@@ -14,8 +14,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from chattts_triton.config import LIMITS, InferCodeParams
-from chattts_triton.config import ENSEMBLE
+from chattts_triton.config import ENSEMBLE, LIMITS, InferCodeParams
 
 from .audio import FORMATS
 

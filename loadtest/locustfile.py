@@ -159,7 +159,7 @@ class _TritonUnaryUser(_TritonUser):
         start = time.perf_counter()
         try:
             samples = audio_from_result(self.infer(inputs)).size
-        except Exception as exc:  # every failure is reported, none kills the user
+        except Exception as exc:  # noqa: BLE001  every failure is reported, none kills the user
             error = to_chattts_error(exc, self.protocol)
         elapsed = time.perf_counter() - start
         self.environment.events.request.fire(
@@ -238,7 +238,7 @@ class _TritonStreamUser(_TritonUser):
                     stalled = stalled or now > first + samples / SAMPLE_RATE
                 samples += chunk.size
                 last = now
-        except Exception as exc:  # every failure is reported, none kills the user
+        except Exception as exc:  # noqa: BLE001  every failure is reported, none kills the user
             error = to_chattts_error(exc, self.protocol)
         elapsed = time.perf_counter() - start
         self._fire(self.TOTAL, elapsed, samples * 4, error, text_chars=len(text), bucket=length_bucket(text))

@@ -105,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with ChatTTSClient(host, protocol=args.protocol, model=model_of(args), retries=0) as probe:
         try:
             probe.wait_until_ready(timeout_s=args.wait_ready)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  not ready, whatever the failure: say so and exit
             print(f"error: {e} (is the server running? check --host and --protocol)", file=sys.stderr)
             return EXIT_NOT_READY
 

@@ -82,7 +82,7 @@ def _serve(port: int, samples: int, ready, schedule=None) -> None:
             out = service_pb2.ModelInferResponse.InferOutputTensor(name="AUDIO", datatype="FP32", shape=[1, samples])
             return service_pb2.ModelInferResponse(model_name=request.model_name, outputs=[out], raw_output_contents=[audio])
 
-        async def ModelStreamInfer(self, request_iterator, context):  # noqa: N802  gRPC's spelling
+        async def ModelStreamInfer(self, request_iterator, context):
             async for request in request_iterator:
                 received = time.monotonic()
                 for i, ((at, n), piece) in enumerate(zip(schedule, pieces)):

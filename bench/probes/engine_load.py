@@ -85,7 +85,7 @@ class ClosedLoop:
                          spk_emb_id=self.service.spk_emb_id)
         try:
             self.service.engine.submit(req)
-        except Exception as e:  # e.g. prompt + --tokens beyond the model's context: stop the level, say why
+        except Exception as e:  # noqa: BLE001  e.g. prompt + --tokens beyond the model's context: stop the level, say why
             with self.lock:
                 self.in_flight -= 1
                 self.stopping = True

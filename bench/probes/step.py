@@ -156,8 +156,8 @@ def _time_prefill(engine, k: int, t: int, graphed: bool, iters: int) -> float:
 
 
 def run_variant(variant: str, args, arch, dtype) -> dict:
-    from chattts_triton.runtime.engine import PREFILL_GRAPH_TOKENS, Engine
     from chattts_triton.model.gpt import load_gpt
+    from chattts_triton.runtime.engine import PREFILL_GRAPH_TOKENS, Engine
 
     # "_unfused": q/k/v and gate/up as five GEMMs, as before fusing; "_sdpa": the dense masked attention
     # over the step's attention length instead of each row's own keys (`attention.decode_attention`)

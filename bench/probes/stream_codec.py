@@ -32,12 +32,10 @@ from typing import List
 
 import torch
 
-from chattts_triton.triton.backend import ModelContext, stream_service
-from chattts_triton.config import AUDIO_EOS
-from chattts_triton.runtime.engine import GenRequest, SamplingParams
-from chattts_triton.config import STREAM
+from chattts_triton.config import AUDIO_EOS, STREAM
 from chattts_triton.model.chunks import stream_windows
-
+from chattts_triton.runtime.engine import GenRequest, SamplingParams
+from chattts_triton.triton.backend import ModelContext, stream_service
 
 CUDA_ONLY = ("codec_side_stream", "engine_event_sync_codec_eager")
 

@@ -86,7 +86,7 @@ def find_tritonserver() -> Path:
             raise TritonSetupError(f"TRITONSERVER={override} is not an executable file")
         return path
     try:
-        import pytriton  # noqa: F401  (only to locate the wheel's files)
+        import pytriton
     except ImportError as e:
         raise TritonSetupError(
             "no tritonserver: set TRITONSERVER=/path/to/bin/tritonserver or pip install nvidia-pytriton"
@@ -361,7 +361,7 @@ def _set_parent_death_signal() -> None:  # runs in the child between fork and ex
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
+    except Exception:  # noqa: BLE001  best effort: not every libc has prctl
         pass
 
 

@@ -94,7 +94,7 @@ def _(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: Tensor) 
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(Q, K, V, O, T, Lens, sqb, sqh, skb, skp, skh, svb, svp, svh, sob, soh, stb, max_keys, scale,
+    def _decode_kernel(Q, K, V, O, T, Lens, sqb, sqh, skb, skp, skh, svb, svp, svh, sob, soh, stb, max_keys, scale,  # noqa: E741  Q, K, V, O: attention's own names
                        REP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # the cache is larger than 2**31 elements
         head = tl.program_id(1)

@@ -58,7 +58,7 @@ def _b14_decode(s, what: str, max_bytes: int) -> bytes:
     try:
         data = b14.decode_from_string(s)
         canonical = b14.encode_to_string(data) == s
-    except Exception as e:  # pybase16384 raises SystemError on some malformed tails
+    except Exception as e:  # noqa: BLE001  pybase16384 raises SystemError on some malformed tails
         raise SpeakerError(f"{what} is not valid base16384 ({e})") from None
     if not canonical:
         raise SpeakerError(f"{what} is not valid base16384 (truncated or altered)")

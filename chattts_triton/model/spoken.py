@@ -94,7 +94,7 @@ def _windows(text: str, units: List[Tuple[int, int]], tight: bool) -> List[Tuple
 def _or_as_written(words: Callable[["re.Match"], str], m: "re.Match") -> str:
     try:
         return words(m)
-    except Exception:  # noqa: BLE001  (num2words refuses e.g. a number too large): the grammar reads it
+    except Exception:
         log.warning("num2words could not word %r; left to the grammar", m.group(), exc_info=True)
         return m.group()
 

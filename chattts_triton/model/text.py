@@ -8,7 +8,7 @@
   (`Speaker.decorate_*_prompts` + `Tokenizer.encode`) and how it turns refined ids back into text.
 - `validate_text` / `validate_prompt`: reject client input that upstream would mangle or crash on.
 
-Every function here is proven equal to upstream by tests/test_text_parity.py (the Normalizer with the spoken-form
+Every function here is proven equal to upstream by tests/test_text.py (the Normalizer with the spoken-form
 step equal to upstream's with the same step registered).
 """
 

@@ -805,7 +805,7 @@ class Engine:
             try:
                 with torch.compiler.set_stance(self.compile_stance()):
                     return self.graph_prefill(x, positions, idx)
-            except Exception:  # noqa: BLE001  e.g. inductor cannot compile it here: never fail requests over it
+            except Exception:
                 if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                     raise  # the capture is spoilt: the graph cache runs this bucket eagerly (and we get here again)
                 log.exception("the compiled prefill failed; prefills run the plain module from now on")
@@ -951,7 +951,7 @@ class Engine:
                 try:
                     self.step_graph_seconds += inner[0].elapsed_time(inner[1]) / 1000
                     self.step_graph_samples += 1
-                except Exception:  # noqa: BLE001  a measurement must never fail the batch
+                except Exception:
                     log.exception("reading a decode graph's own timing events failed; no more graph timings")
                     self._graph_timing_failed = True
         if self.steps % GIL_PROBE_EVERY == 0:
@@ -1154,7 +1154,7 @@ class Engine:
         results = [(s.req, GenResult(None, None, "error", error=error, steps=int(self.h_n[s.idx]))) for s in rows]
         try:
             self._clear_free(0, len(rows))
-        except Exception:  # noqa: BLE001 - the device itself may be what failed
+        except Exception:
             log.exception("resetting the slots failed")
         for req, res in results:
             self._hand_off(req, res)
@@ -1163,7 +1163,7 @@ class Engine:
     def _call(req: GenRequest, res: GenResult) -> None:
         try:
             res.wait()
-        except Exception as e:  # noqa: BLE001  the copies failed (a device error): fail the request, never drop it
+        except Exception as e:
             log.exception("a finished result's copies failed")
             res = GenResult(None, None, "error", error=e, steps=res.steps)
         try:

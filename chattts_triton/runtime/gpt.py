@@ -99,7 +99,7 @@ class GPTService:
             try:  # the other buckets a load reaches; not fatal: they would be captured on first use
                 if engine.warm_graphs():
                     log.info("GPT engine: %d CUDA graphs captured in %.1f s", len(engine.graphs.graphs), time.perf_counter() - t1)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("capturing the remaining CUDA graphs at start-up failed; they are captured on first use")
             log.info("GPT engine warm (%s) in %.1f s", "compiled step" if compiled else "TorchScript", time.perf_counter() - t0)
             return engine

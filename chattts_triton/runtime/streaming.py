@@ -178,7 +178,7 @@ class StreamService:
                 call.fail(error)
             else:
                 call.send(outputs, True)
-        except Exception:  # noqa: BLE001  the client may be gone
+        except Exception:
             log.exception("ending a stream failed")
 
     # -- codec thread ---------------------------------------------------------------------------
@@ -205,7 +205,7 @@ class StreamService:
             closing = any(e is None for e in events)
             try:
                 self._step([e for e in events if e is not None])
-            except Exception as e:  # noqa: BLE001  keep serving the streams of the next step
+            except Exception as e:
                 log.exception("stream codec step failed")
                 self._fail_all(e)
             if closing:
@@ -267,7 +267,7 @@ class StreamService:
         t0 = time.monotonic()
         try:
             audios = self.voc.synthesize(items)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.exception("stream vocoder batch failed")
             for s, _ in due:
                 s.req.cancel()
@@ -287,7 +287,7 @@ class StreamService:
             else:
                 try:
                     s.call.send(chunk, False)
-                except Exception:  # noqa: BLE001  client gone: stop generating for it
+                except Exception:
                     log.exception("sending a stream chunk failed")
                     s.req.cancel()
                 s.req.stream_every = max(1, s.planner.tokens_needed() - s.frames())

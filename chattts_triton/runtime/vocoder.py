@@ -55,7 +55,7 @@ class VocoderService:
             return
         try:
             audios = self.synthesize([x for _, x in items])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.exception("vocoder batch failed")
             for c, _ in items:
                 c.reply(e)

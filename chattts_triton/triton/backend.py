@@ -262,7 +262,7 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
                             if g is not None and stats_published.get(k) != v:
                                 g[1].set(v)
                                 stats_published[k] = v
-                except Exception:  # noqa: BLE001  metrics are best effort
+                except Exception:
                     log.exception("publishing metrics failed")
                     return
 
@@ -290,7 +290,7 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
                         tensors = [pb_utils.Tensor(n, np.ascontiguousarray(result[n])) for n in self.output_names if n in result]
                         resp = pb_utils.InferenceResponse(output_tensors=tensors)
                     sender.send(resp, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                except Exception as e:  # noqa: BLE001  never lose the final flag
+                except Exception as e:
                     log.exception("sending a response failed")
                     try:
                         sender.send(pb_utils.InferenceResponse(error=_error(pb_utils, e)),
@@ -316,7 +316,7 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
                         ended.set()
                 try:
                     sender.send(resp, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-                except Exception:  # noqa: BLE001  a cancelled request may refuse data: still end it
+                except Exception:
                     if not final:
                         raise
                     log.exception("sending the final response failed")
