@@ -91,3 +91,20 @@ def test_the_layer_check_sees_imports_inside_functions_and_relative_ones(tmp_pat
     assert [v.split(" imports ")[0] for v in found] == [
         "chattts_triton/model/gpt.py:2", "chattts_triton/runtime/engine.py:1", "chattts_triton/triton/backend.py:1",
         "chattts_triton/triton/repo_config.py:1"], found
+
+
+def test_the_commands_and_the_adapter_keep_their_paths():
+    """`python -m chattts_triton.serve | repo_config | voices` (the image's, the chart's and the Makefile's commands)
+    and `chattts_triton.backend`, which the model.py of repositories exported before the wings import."""
+    import subprocess
+    import sys
+
+    from chattts_triton import backend
+    from chattts_triton.triton import backend as adapter
+
+    for name in ("make_model", "preprocess_service", "gpt_service", "vocoder_service", "stream_service"):
+        assert getattr(backend, name) is getattr(adapter, name)
+    for command in ("serve", "repo_config", "voices"):
+        run = subprocess.run([sys.executable, "-m", f"chattts_triton.{command}", "--help"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0 and f"python -m chattts_triton.{command}" in run.stdout, (command, run.stderr[-2000:])
