@@ -79,9 +79,10 @@ def stub_processes(server: TritonServer) -> Dict[str, dict]:
     out = {}
     for pid, args in python_stubs(server.pid).items():
         region = next((a for a in args if a.startswith(SHM_PREFIX)), None)
-        instance = args[-3] if len(args) >= 3 else "?"  # ... <instance name> DEFAULT
         model_dir = Path(args[1]).parent.parent.name if len(args) > 1 else "?"
-        out[instance or model_dir] = {"pid": pid, "region": region, "model": model_dir}
+        # the instance name (`<model>_<group>_<index>`) is one argument; its position differs between versions
+        instance = next((a for a in args[2:] if a.startswith(f"{model_dir}_")), f"{model_dir}?{pid}")
+        out[instance] = {"pid": pid, "region": region, "model": model_dir}
     return out
 
 

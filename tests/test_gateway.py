@@ -92,10 +92,17 @@ def test_speed_table_is_monotone_and_follows_the_logarithm():
 
 
 # --- splitting and errors ----------------------------------------------------------------------------
+# sentences long enough to be a piece of their own (split_for_synthesis joins pieces under ≈ 1.4 s)
+S1 = "The first sentence is long enough to stand alone here."
+S2 = "The second sentence is also long enough to stand alone."
+S3 = "第三句很长，足够独立成为一段语音了吧。"
+
+
 def test_split_text_pieces():
-    assert split_text("First one. Second one. 第三句。") == ["First one.", "Second one.", "第三句。"]
-    assert split_text("line one\n\nline two\n") == ["line one", "line two"]
-    assert split_text("Hello.\n...\n!!\nBye.") == ["Hello. ... !!", "Bye."]  # nothing to say: kept with the previous
+    assert split_text(f"{S1} {S2} {S3}") == [S1, S2, S3]
+    assert split_text("One. Two. Three.") == ["One. Two. Three."]  # short sentences join: one request, not three
+    assert split_text(f"{S1}\n\n{S2}\n") == [S1, S2]
+    assert split_text(f"{S1}\n...\n!!\n{S2}") == [f"{S1}\n...\n!!", S2]  # nothing to say: kept with the previous
     long = ("word " * 900).strip()  # 4499 characters, no sentence end
     pieces = split_text(long)
     assert all(len(p) <= LIMITS.max_text_chars for p in pieces) and " ".join(pieces) == long
@@ -304,12 +311,12 @@ def test_overload_and_timeouts_of_the_gateway_itself():
 
 def test_pieces_seeds_headers_health_and_listings():
     with Served(Settings(stream_default=False)) as s:
-        status, headers, _ = s.request("/v1/audio/speech", {**OK, "input": "One. Two. Three.", "seed": 11})
+        status, headers, _ = s.request("/v1/audio/speech", {**OK, "input": f"{S1} {S2} {S3}", "seed": 11})
         job = s.synth.jobs[-1]
-        assert status == 200 and job.pieces == ["One.", "Two.", "Three."] and job.seed == 11
+        assert status == 200 and job.pieces == [S1, S2, S3] and job.seed == 11
         assert headers["X-ChatTTS-Seed"] == "11" and headers["X-ChatTTS-Pieces"] == "3"
-        s.request("/v1/audio/speech", {**OK, "input": "One. Two.", "split": False})
-        assert s.synth.jobs[-1].pieces == ["One. Two."]
+        s.request("/v1/audio/speech", {**OK, "input": f"{S1} {S2}", "split": False})
+        assert s.synth.jobs[-1].pieces == [f"{S1} {S2}"]
         voices = json.loads(s.request("/v1/audio/voices")[2])["voices"]
         assert [v["id"] for v in voices][:2] == ["alloy", "echo"] and voices[0]["source"] == "seed 2222"
         assert [m["id"] for m in json.loads(s.request("/v1/models")[2])["data"]][0] == "chattts"
@@ -336,7 +343,7 @@ def test_streamed_and_sse_responses(fmt):
     import base64
 
     with Served(Settings()) as s:
-        status, headers, body = s.request("/v1/audio/speech", {**OK, "input": "One. Two.", "response_format": fmt})
+        status, headers, body = s.request("/v1/audio/speech", {**OK, "input": f"{S1} {S2}", "response_format": fmt})
         assert status == 200 and headers["Content-Type"] == CONTENT_TYPES[fmt]
         assert 0 <= decode(body, fmt).size - (SAMPLE_RATE + 0) <= 2 * 1152  # two pieces of 0.5 s (the fake's pause: none)
         status, headers, body = s.request("/v1/audio/speech", {**OK, "response_format": fmt, "stream_format": "sse"})
@@ -393,7 +400,7 @@ def test_a_client_that_leaves_stops_its_synthesis_and_its_stream():
         _leave_early(s.port, OK, 0)  # gone before the audio exists
         _eventually(lambda: s.synth.cancelled == 1 and gw.inflight == 0)
         s.synth.delay_s, s.synth.chunk_delay_s = 0.0, 5.0
-        _leave_early(s.port, {**OK, "input": "One. Two. Three.", "stream": True, "response_format": "pcm"}, 1)
+        _leave_early(s.port, {**OK, "input": f"{S1} {S2} {S3}", "stream": True, "response_format": "pcm"}, 1)
         _eventually(lambda: s.synth.closed == 1 and gw.inflight == 0)  # gone mid-stream
         metrics = s.request("/metrics")[2].decode()
         assert 'status="499"} 1.0' in metrics and 'mode="stream",status="aborted"} 1.0' in metrics
