@@ -53,6 +53,34 @@ def test_concurrent_texts_equal_their_single_request_output(served_tiny):
     assert len({a.tobytes() for a in alone}) == len(alone)
 
 
+def _multi_request_executions(client, model: str) -> int:
+    stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    return sum(int(b["compute_infer"]["count"]) for b in stats.get("batch_stats", []) if int(b["batch_size"]) > 1)
+
+
+def test_vocoder_batches_utterances_of_different_lengths(served_tiny):
+    """Real traffic has utterances of every length; Triton's batcher must still give the vocoder several at
+    once (allow_ragged_batch), each answered with its own length."""
+    client = grpcclient.InferenceServerClient(served_tiny.grpc_url)
+    before = _multi_request_executions(client, rc.VOCODER)
+    dims = {i.name: list(i.dims) for i in client.get_model_config(rc.VOCODER).config.input}
+    h = dims["HIDDENS"][-1]
+
+    def vocode(frames: int) -> int:
+        c = grpcclient.InferenceServerClient(served_tiny.grpc_url)
+        codes = grpcclient.InferInput("CODES", [1, frames, 4], "INT64")
+        codes.set_data_from_numpy(np.zeros((1, frames, 4), np.int64))
+        hid = grpcclient.InferInput("HIDDENS", [1, frames, h], "FP32")
+        hid.set_data_from_numpy(np.zeros((1, frames, h), np.float32))
+        return c.infer(rc.VOCODER, [codes, hid]).as_numpy("AUDIO").shape[-1]
+
+    frames = [300 + 7 * i for i in range(48)]  # all different
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        lengths = list(pool.map(vocode, frames))
+    assert lengths == [samples_for_codes(n) for n in frames]
+    assert _multi_request_executions(client, rc.VOCODER) > before
+
+
 def test_every_optional_input_over_grpc_and_http(served_tiny):
     from chattts_triton.model.speaker import encode_prompt, sample_random_speaker
 

@@ -315,3 +315,15 @@ def _tiny_arch():
     from chattts_triton.config import TINY_ARCH
 
     return TINY_ARCH
+
+
+def test_requests_of_different_lengths_may_share_an_execution():
+    """Utterances differ in length: a model whose batch may only hold one shape executes them one by one.
+    Every input with a variable dimension of the python models allows ragged batches; the ensemble's do not
+    (it forms no batches)."""
+    cfgs = rc.build_configs(_tiny_arch(), rc.Deployment())
+    for m in rc.MODELS + (STREAM,):
+        for i in cfgs[m].input:
+            assert i.allow_ragged_batch == (-1 in i.dims), (m, i.name)
+    assert {i.name for i in cfgs[VOCODER].input if i.allow_ragged_batch} == {"CODES", "HIDDENS"}
+    assert not any(i.allow_ragged_batch for i in cfgs[ENSEMBLE].input)

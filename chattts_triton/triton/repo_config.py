@@ -229,6 +229,16 @@ def _python_model(name: str, dep: Deployment, instances: int, gpu: bool, role: s
     return cfg
 
 
+def _ragged(cfg: mc.ModelConfig) -> mc.ModelConfig:
+    """Let Triton's dynamic batcher put requests of different lengths in one execution. Without it a batch
+    holds only requests whose every input has the same shape, and utterances of different lengths (all real
+    traffic) reach chattts_vocoder one per execution; the python backend hands a model each request's own
+    tensors, so nothing is padded or copied for it."""
+    for i in cfg.input:
+        i.allow_ragged_batch = any(d == -1 for d in i.dims)
+    return cfg
+
+
 def _write(cfg: mc.ModelConfig, params: Params) -> None:
     for key, text in params.texts().items():
         cfg.parameters[key].string_value = text
@@ -291,6 +301,8 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     _io(stream.input, {n: s[:2] for n, s in ENSEMBLE_INPUTS.items()}, h, optional_contract)
     _io(stream.output, ENSEMBLE_OUTPUTS, h, output=True)
     _write(stream, params[STREAM])
+    for cfg in (pre, gpt, voc, stream):
+        _ragged(cfg)
     return {ENSEMBLE: ens, PREPROCESS: pre, GPT: gpt, VOCODER: voc, STREAM: stream}
 
 
