@@ -75,9 +75,27 @@ ZH_CASES = [
     # ranges
     ("休息3-5天", ["休息三到五天", "休息三至五天"]),
     ("需要10~20人", ["需要十到二十人", "需要十至二十人"]),
-    # phone numbers: digit by digit, 1 as 一 or 幺
+    # phone numbers: digit by digit, 1 as 一 or 幺, "+" as 加, a pause (or none) between the groups as written
     ("电话13812345678", ["电话一三八一二三四五六七八", "电话幺三八幺二三四五六七八"]),
     ("请拨打110", ["请拨打一一零", "请拨打幺幺零"]),
+    ("请拨打+86 138 1234 5678。", ["请拨打加八六，幺三八，幺二三四，五六七八。", "请拨打加八六幺三八幺二三四五六七八。",
+                               "请拨打加八六，一三八，一二三四，五六七八。"]),
+    ("请拨打+8613812345678", ["请拨打加八六幺三八幺二三四五六七八", "请拨打加八六一三八一二三四五六七八"]),
+    ("我的手机号是138-1234-5678", ["我的手机号是幺三八，幺二三四，五六七八", "我的手机号是幺三八幺二三四五六七八",
+                              "我的手机号是一三八，一二三四，五六七八", "我的手机号是一三八一二三四五六七八"]),
+    ("请拨打010-12345678。", ["请拨打零幺零，幺二三四五六七八。", "请拨打零一零，一二三四五六七八。",
+                          "请拨打零一零一二三四五六七八。", "请拨打零幺零幺二三四五六七八。"]),
+    ("客服热线400-820-8820", ["客服热线四零零，八二零，八八二零", "客服热线四零零八二零八八二零"]),
+    ("电话87654321", ["电话八七六五四三二幺", "电话八七六五四三二一"]),
+    ("联系方式：+86 10 8765 4321", ["联系方式：加八六，幺零，八七六五，四三二幺", "联系方式：加八六，一零，八七六五，四三二一"]),
+    ("座机号码是020-8765-4321", ["座机号码是零二零，八七六五，四三二幺", "座机号码是零二零，八七六五，四三二一",
+                             "座机号码是零二零八七六五四三二幺"]),
+    ("传真：(010) 8765 4321", ["传真：零幺零，八七六五，四三二幺", "传真：零一零，八七六五，四三二一"]),
+    # ... and what is not a phone number, even after a phone word
+    ("号码有效期至2026-12-02", ["号码有效期至二零二六年十二月二日", "号码有效期至二零二六年十二月二号"]),
+    ("手机销量12000000部", ["手机销量一千二百万部", "手机销量一千两百万部"]),
+    ("电话费12.5元", ["电话费十二点五元"]),
+    ("请在10:30前致电", ["请在十点三十分前致电", "请在十点半前致电"]),
     # ordinals
     ("第1名", ["第一名"]),
     ("第22届", ["第二十二届"]),
@@ -177,9 +195,33 @@ EN_CASES = [
     # ranges
     ("Wait 3-5 days.", ["Wait three to five days."]),
     ("See pages 10-20.", ["See pages ten to twenty.", "See pages ten through twenty."]),
-    # phone numbers
+    # phone numbers: digit by digit, 0 as "oh" or "zero", a pause between the groups as written
     ("Call 555-123-4567.", ["Call five five five, one two three, four five six seven."]),
     ("Call (555) 123-4567 now.", ["Call five five five, one two three, four five six seven now."]),
+    ("Call 555-0199 now.", ["Call five five five, oh one nine nine now.", "Call five five five, zero one nine nine now."]),
+    ("Call +1 555 123 4567 now.", ["Call plus one, five five five, one two three, four five six seven now."]),
+    ("Call 1-800-555-0199 today.", ["Call one eight hundred, five five five, oh one nine nine today.",
+                                    "Call one eight hundred, five five five, zero one nine nine today.",
+                                    "Call one eight zero zero, five five five, zero one nine nine today."]),
+    ("Call +44 20 7946 0958 now.", ["Call plus four four, two oh, seven nine four six, oh nine five eight now.",
+                                    "Call plus four four, two zero, seven nine four six, zero nine five eight now.",
+                                    "Call plus four four, twenty, seven nine four six, oh nine five eight now."]),
+    ("Our number is 555 123 4567.", ["Our number is five five five, one two three, four five six seven."]),
+    ("Call me at +1 (555) 123-4567.", ["Call me at plus one, five five five, one two three, four five six seven."]),
+    ("Dial 555.123.4567 for help.", ["Dial five five five, one two three, four five six seven for help."]),
+    ("Tel: 020 7946 0958", ["Tel: oh two oh, seven nine four six, oh nine five eight",
+                            "Tel: zero two zero, seven nine four six, zero nine five eight"]),
+    ("Call 5550199.", ["Call five five five, oh one nine nine.", "Call five five five, zero one nine nine."]),
+    ("+86 138 1234 5678 is my number.", ["plus eight six, one three eight, one two three four, five six seven eight is my "
+                                         "number."]),
+    # ... and what is not a phone number, even after a phone word
+    ("It sold 1234567 copies.", ["It sold one million two hundred thirty four thousand five hundred sixty seven copies.",
+                                 "It sold one million two hundred and thirty four thousand five hundred and sixty seven "
+                                 "copies."]),
+    ("Call me on 2026-12-02.", ["Call me on December second, twenty twenty six.",
+                                "Call me on the second of December, twenty twenty six."]),
+    ("Call 3-5 times a day.", ["Call three to five times a day."]),
+    ("Call me at 10:30.", ["Call me at ten thirty."]),
     # ordinals
     ("She came 1st.", ["She came first."]),
     ("He was 2nd.", ["He was second."]),

@@ -105,8 +105,8 @@ def test_text_without_digits_is_returned_as_is_without_the_grammars(monkeypatch)
 def test_a_grammar_failure_keeps_the_rest_and_never_fails_the_request(caplog):
     spoken = sp.SpokenForm()
     with caplog.at_level(logging.WARNING, logger="chattts_triton.model.spoken"):
-        got = spoken("Call +1 555 123 4567 now", "en")  # the English grammar asserts on "+1"
-    assert got.startswith("Call +1 ") and "five hundred and fifty five" in got and got.endswith(" now")
+        got = spoken("Dial +44 or 555 now", "en")  # the English grammar asserts on "+44" (no number after it)
+    assert got == "Dial +44 or five hundred and fifty five now"
     assert "left as written" in caplog.text
 
 
@@ -178,3 +178,85 @@ def test_digit_dense_text_goes_to_the_grammars_in_bounded_windows():
         out = spoken(text[:2000], detect_language(text))
         assert len(seen) > 10 and max(map(len, seen)) <= max(sp.MAX_WINDOW_CHARS, 3 * 32 + 2)
         assert not re.search(r"\d", out)
+
+
+def phones_in(text: str):
+    """(what was taken as a phone number, its country code, its groups) for each phone number of `text`."""
+    return [(text[s:e], p.country, p.groups) for m in sp._PHONE.finditer(text) for s, e, p in sorted(sp._phone_spans(m))]
+
+
+@pytest.mark.parametrize("text,country,groups", [
+    ("555-123-4567", "", ("555", "123", "4567")),
+    ("555.123.4567", "", ("555", "123", "4567")),
+    ("(555) 123-4567", "", ("555", "123", "4567")),
+    ("+1 (555) 123-4567", "1", ("555", "123", "4567")),
+    ("+1 555 123 4567", "1", ("555", "123", "4567")),
+    ("1-800-555-0199", "", ("1", "800", "555", "0199")),
+    ("+44 20 7946 0958", "44", ("20", "7946", "0958")),
+    ("+44 (0)20 7946 0958", "44", ("20", "7946", "0958")),
+    ("+8613812345678", "", ("8613812345678",)),
+    ("020 7946 0958", "", ("020", "7946", "0958")),
+    ("0161 496 0000", "", ("0161", "496", "0000")),
+    ("138 1234 5678", "", ("138", "1234", "5678")),
+    ("010-12345678", "", ("010", "12345678")),
+])
+def test_phone_shapes_are_phone_numbers_without_a_phone_word(text, country, groups):
+    assert phones_in(f"It is {text}.") == [(text, country, groups)]
+
+
+@pytest.mark.parametrize("text", [
+    "Call 555-0199", "call me at 555 0199", "Call 5550199", "Tel: 5550199", "my number is 1234567", "电话87654321",
+    "请拨打2345 6789", "号码是2345-6789"])
+def test_short_or_ungrouped_numbers_are_phone_numbers_after_a_phone_word(text):
+    found = phones_in(text)
+    assert len(found) == 1 and "".join(found[0][2]) == re.sub(r"\D", "", text), found
+    assert phones_in(re.sub(r"^\D+", "Add ", text)) == []  # the same digits after another word
+
+
+@pytest.mark.parametrize("text", [
+    "Wait 3-5 days", "From 1999-2000", "2020-2025年", "on 2026-12-02", "on 12-02-2026", "at 10:30", "at 12:30:45",
+    "pi is 3.14159", "in 2019 2020 2021", "It sold 1234567 copies", "1 000 000 people", "1.000.000 people",
+    "ISBN 978-3-16-148410-0", "ISBN 0-306-40615-2", "It costs $555-1234", "IP 192.168.1.1", "手机销量12000000部",
+    # even after a phone word: a range, a date, a time, a decimal, thousands, an amount
+    "Call 3-5 times", "Call me on 2026-12-02", "Call me at 10:30", "Tel: 555.0199", "call 1 000 000 people",
+    "电话费12.5元", "拨款1000000元"])
+def test_ranges_dates_times_decimals_counts_and_isbns_are_not_phone_numbers(text):
+    assert phones_in(text) == []
+
+
+def test_a_phone_number_ends_where_its_groups_stop_matching():
+    # a count after it, a different separator, a one-digit group: not part of the number
+    assert phones_in("Call 555-0199 2 times.") == [("555-0199", "", ("555", "0199"))]
+    assert phones_in("Dial +1 555 123 4567 3 times.") == [("+1 555 123 4567", "1", ("555", "123", "4567"))]
+
+
+def test_north_american_numbers_go_to_the_english_grammar_in_the_form_it_reads():
+    """The English grammar's telephone rule reads "+1 555-123-4567" (and says "eight hundred" for 1-800); other
+    shapes are read with num2words' digit words and never reach it."""
+    spoken = sp.SpokenForm()
+    fed = []
+    grammar = spoken._wetext["en"]
+    spoken._wetext["en"] = lambda t: fed.append(t) or grammar(t)
+    assert same_speech(spoken("Call +1 555 123 4567 now.", "en"),
+                       "Call plus one, five five five, one two three, four five six seven now.")
+    assert same_speech(spoken("Call 1 800 555 0199 now.", "en"),
+                       "Call one, eight hundred, five five five, zero one nine nine now.")
+    assert fed == ["+1 555-123-4567", "1-800-555-0199"]
+    fed.clear()
+    assert same_speech(spoken("Call 555-0199.", "en"), "Call five five five, zero one nine nine.")
+    assert fed == []
+
+
+def test_a_phone_number_is_read_in_the_language_around_it():
+    assert sp.spoken_form("我的号码是+1 555 123 4567") == "我的号码是加一，五五五，幺二三，四五六七"
+    assert same_speech(sp.spoken_form("My number in China is 138 1234 5678, call me."),
+                       "My number in China is one three eight, one two three four, five six seven eight, call me.")
+    assert sp.spoken_form("请拨打０１０-１２３４５６７８") == "请拨打零幺零，幺二三四五六七八"  # full-width digits
+
+
+def test_the_chinese_phone_digits_are_the_grammars_own():
+    """Read from the Chinese grammar's readings of a mobile number (1 is 幺) and a landline (1 is 一, for a country
+    code) when the grammars load."""
+    spoken = sp.default()
+    assert "".join(spoken._phone_digits["zh"][d] for d in "0123456789") == "零幺二三四五六七八九"
+    assert "".join(spoken._country_digits["zh"][d] for d in "0123456789") == "零一二三四五六七八九"

@@ -10,6 +10,10 @@ module is that step, run before the upstream part exactly where upstream runs it
 - English numbers the English grammar misreads (money with cents, numbers of four digits and more, years, decades,
   "m") are worded by `num2words` before the grammar sees them; two Chinese readings are corrected after it
   ("第两" -> "第二", "月两日" -> "月二日"). Each workaround is there for a case of tests/spoken_cases.py.
+- Phone numbers are found first (`_PHONE` and `phone_shape`: a rule on their shape and the words before them,
+  docs/text-normalization.md) and read digit by digit, group by group: in English the North American shape goes to
+  the English grammar's telephone rule in the form that rule reads ("+1 555-123-4567"), any other with num2words'
+  digit words; in Chinese with the Chinese grammar's own telephone digits (1 as 幺).
 - Only windows of the text around digits go through the grammars (a digit-bearing word or character with one
   neighbour each side): their cost is linear in the characters fed, ~50 µs each on this project's CPU.
 - A window's language is its own: Chinese if it holds a CJK character, English if it holds a Latin letter,
@@ -22,7 +26,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,20 @@ _FULLWIDTH_DIGITS = str.maketrans("０１２３４５６７８９", "0123456789"
 # model's engine) for a few milliseconds at a time, not for the 0.7 s they take in all
 MAX_WINDOW_CHARS = 96
 _THOUSANDS = re.compile(r"(?<![\d,.])\d{1,3}(?:,\d{3})+(?!,?\d)")
+
+# --- phone numbers --------------------------------------------------------------------------------------------
+# a candidate: an optional "+", then up to eight groups of digits (an area code may be in parentheses) joined by one
+# space, dash or dot; not inside a word, a number, an amount or a time, and not followed by more of a number or a
+# Latin letter (a unit). `phone_shape` decides whether (part of) it is a phone number.
+_PHONE = re.compile(r"(?<![A-Za-z0-9_+\-$€£¥￥])(?<![0-9][.,:/])\+?(?:(?:\([0-9]{1,5}\)[ .-]?|[0-9]{1,15}[ .-])){0,7}"
+                    r"[0-9]{1,15}(?![A-Za-z0-9%°℃]|[ .,:/-][0-9])")
+_PHONE_PART = re.compile(r"\(([0-9]+)\)|([0-9]+)")
+# words within the three before a number that make it a phone number whatever its shape
+_PHONE_WORDS_EN = frozenset("call calling phone telephone tel mobile cell fax dial dialing dialling hotline helpline "
+                            "whatsapp contact reach number".split())
+_PHONE_WORDS_ZH = re.compile("电话|手机号|致电|拨打|请拨|热线|号码|传真|座机|来电|呼叫|联系方式")
+_CHUNK = re.compile(r"\S+")
+_LAST_UNIT = re.compile(r"(?:[\u4e00-\u9fff]|[^\s\u4e00-\u9fff]{1,32})\s*\Z")
 
 # --- English: what num2words words before the grammar runs ------------------------------------------------------
 # currency symbol -> (major singular, major plural, minor singular, minor plural); no minor unit: decimal reading
@@ -66,6 +84,85 @@ _WORD = re.compile(r"[A-Za-z][A-Za-z'.,]*")
 
 # --- Chinese: readings the grammar gets wrong ---------------------------------------------------------------------
 _ZH_ERRATA = (("第两", "第二"), ("月两日", "月二日"), ("月两号", "月二号"))
+
+
+class Phone(NamedTuple):
+    """A phone number as written: "+" or not, its country code (after a "+"), the groups of the rest."""
+
+    plus: bool
+    country: str
+    groups: Tuple[str, ...]
+
+
+def phone_shape(text: str, start: int, end: int) -> Optional[Phone]:
+    """`text[start:end]` (a `_PHONE` candidate or a run of its space-separated chunks) as a phone number, or None.
+
+    Its groups after the country code are joined by one kind of separator (after an area code in parentheses, any)
+    and the last has two digits or more. Then a phone number is: a "+" and a country code before six or more digits
+    ("+1 555 123 4567", "+86 13812345678"); an area code in parentheses before seven or more digits in all
+    ("(555) 123-4567"); three groups or more, none over four digits, the last of four, ten to fifteen digits in all
+    ("555-123-4567", "1-800-555-0199", "020 7946 0958", "138 1234 5678"), the first of three digits at most or
+    starting with 0 (not "2019 2020 2021"); a trunk "0" area code and its seven or eight digits ("010-12345678"); or,
+    after a phone word ("call", "tel", "number", 电话, 拨打 ... within the three words or eight characters before),
+    seven to fifteen digits in one run or grouped any way but as thousands, a decimal or a date ("Call 555-0199",
+    "电话：87654321"). Ranges ("3-5", "2020-2025"), dates, times, decimals, amounts, ISBNs (last group one digit) and
+    counts are not."""
+    written = text[start:end]
+    parts = list(_PHONE_PART.finditer(written))
+    plus = written.startswith("+")
+    country = parts[0].group(2) if plus and len(parts) > 1 and parts[0].group(2) and len(parts[0].group()) <= 3 else ""
+    if country:
+        parts = parts[2:] if parts[1].group() == "(0)" else parts[1:]  # +44 (0)20 ...: the trunk 0 is not dialled
+    groups = tuple(p.group(1) or p.group(2) for p in parts)
+    separators = {written[a.end():b.start()] for a, b in zip(parts, parts[1:]) if a.group(2)}
+    if not groups or len(separators) > 1 or len(groups[-1]) < 2:
+        return None
+    lengths = [len(g) for g in groups]
+    digits = sum(lengths)
+    if plus:
+        ok = 6 <= digits <= 14 if country else 7 <= digits <= 15
+    elif parts[0].group(1) and len(parts) > 1:
+        ok = 7 <= digits <= 15
+    elif len(groups) >= 3 and lengths[-1] == 4 and max(lengths) <= 4 and (lengths[0] <= 3 or groups[0][0] == "0"):
+        ok = 10 <= digits <= 15
+    elif len(groups) == 2 and groups[0].startswith("0") and lengths[0] in (3, 4) and lengths[1] in (7, 8):
+        ok = True
+    else:
+        thousands = len(groups) > 1 and lengths[0] <= 3 and set(lengths[1:]) == {3}
+        decimal = len(groups) == 2 and separators == {"."}
+        date = len(groups) == 3 and (lengths[0] == 4 and max(lengths[1:]) <= 2 or lengths[2] == 4 and max(lengths[:2]) <= 2)
+        ok = 7 <= digits <= 15 and not (thousands or decimal or date) and _phone_context(text, start)
+    return Phone(plus, country, groups) if ok else None
+
+
+def _phone_context(text: str, start: int) -> bool:
+    before = text[max(0, start - 40):start]
+    if _PHONE_WORDS_ZH.search(before[-8:]):
+        return True
+    return any(w.lower() in _PHONE_WORDS_EN for w in re.findall(r"[A-Za-z]+", before)[-3:])
+
+
+def _phone_spans(m: "re.Match") -> Iterator[Tuple[int, int, Phone]]:
+    """The phone numbers in a `_PHONE` candidate: the longest run of its space-separated chunks that is one (the
+    leftmost of equals), then the same on what is left either side ("Call 555-0199 2 times": "555-0199")."""
+    chunks = [c.span() for c in _CHUNK.finditer(m.string, m.start(), m.end())]
+    todo = [(0, len(chunks))]
+    while todo:
+        lo, hi = todo.pop()
+        found = next(((i, i + n, p) for n in range(hi - lo, 0, -1) for i in range(lo, hi - n + 1)
+                      if (p := phone_shape(m.string, chunks[i][0], chunks[i + n - 1][1]))), None)
+        if found:
+            i, j, phone = found
+            yield chunks[i][0], chunks[j - 1][1], phone
+            todo += [(lo, i), (j, hi)]
+
+
+def _language_around(text: str, start: int, end: int, lang: str) -> str:
+    """The language of a window spanning text[start:end] (its unit before and after; the text's if neither tells)."""
+    before = _LAST_UNIT.search(text, max(0, start - 40), start)
+    after = _UNIT.search(text, end, end + 40)
+    around = (before.group() if before else "") + (after.group() if after else "")
+    return "zh" if _CJK.search(around) else "en" if _LATIN.search(around) else lang
 
 
 def _windows(text: str, units: List[Tuple[int, int]], tight: bool) -> List[Tuple[int, int]]:
@@ -116,15 +213,29 @@ class SpokenForm:
         self._num2words = num2words
         self._wetext = {lang: WeText(lang=lang, operator="tn").normalize for lang in ("zh", "en")}
         self._lock = threading.Lock()  # kaldifst's normalizers are not documented thread-safe
+        # a phone number's digits: num2words' in English ("zero" as the English grammar's telephone rule says), the
+        # Chinese grammar's own in Chinese: its reading of an 11-digit mobile number (1 as 幺) for the number, of a
+        # "xxx-xxxxxxxx" landline (1 as 一) for a country code ("+1": 加一)
+        self._phone_digits = {"en": {str(d): num2words(d, lang="en") for d in range(10)}}
+        self._country_digits = {"en": self._phone_digits["en"]}
+        for digits, written in ((self._phone_digits, "10234567890"), (self._country_digits, "012-34567890")):
+            spoken = self._wetext["zh"](written)
+            written = written.replace("-", "")
+            if len(spoken) != len(written) or not re.fullmatch(r"[\u4e00-\u9fff]+", spoken):
+                raise RuntimeError(f"the Chinese grammar reads {written!r} as {spoken!r}, not digit by digit")
+            digits["zh"] = dict(zip(written, spoken))
 
     def __call__(self, text: str, lang: str) -> str:
+        if not _DIGIT.search(text):
+            return text
+        text = _PHONE.sub(lambda m: self._phones(m, lang), text.translate(_FULLWIDTH_DIGITS))
         if not _DIGIT.search(text):
             return text
         text = _each_window(text, lang, self._rewrite, tight=False)  # English numbers may leave no digit behind
         return _each_window(text, lang, self._grammar, tight=True) if _DIGIT.search(text) else text
 
     def _rewrite(self, window: str, lang: str) -> str:
-        window = _THOUSANDS.sub(lambda m: m.group().replace(",", ""), window.translate(_FULLWIDTH_DIGITS))
+        window = _THOUSANDS.sub(lambda m: m.group().replace(",", ""), window)
         return self._english_numbers(window) if lang == "en" else window
 
     def _grammar(self, window: str, lang: str) -> str:
@@ -150,6 +261,46 @@ class SpokenForm:
             parts += [window[pos:m.start()], self._grammar(m.group(), lang) if _DIGIT.search(m.group()) else m.group()]
             pos = m.end()
         return "".join(parts) + window[pos:]
+
+    # -- phone numbers ------------------------------------------------------------------------------------------
+    def _phones(self, m: "re.Match", lang: str) -> str:
+        """A `_PHONE` candidate with the phone numbers in it spoken, each in the language of its window."""
+        out, pos = [], m.start()
+        for start, end, phone in sorted(_phone_spans(m)):
+            out += [m.string[pos:start], self._phone(phone, _language_around(m.string, start, end, lang))]
+            pos = end
+        return "".join(out) + m.string[pos:m.end()] if out else m.group()
+
+    def _phone(self, phone: Phone, lang: str) -> str:
+        if lang == "en":
+            spoken = self._north_american(phone)
+            if spoken:
+                return spoken
+        join = " ".join if lang == "en" else "".join
+        digits = self._phone_digits[lang]
+        groups = [join(digits[d] for d in g) for g in phone.groups]
+        if phone.country:
+            groups.insert(0, join(self._country_digits[lang][d] for d in phone.country))
+        if phone.plus:
+            groups[0] = ("plus " if lang == "en" else "加") + groups[0]
+        return (", " if lang == "en" else "，").join(groups)
+
+    def _north_american(self, phone: Phone) -> Optional[str]:
+        """The English grammar's reading of a number of the North American shape (area code, three digits, four
+        digits), which its telephone rule reads when written "+1 555-123-4567" or "1-800-555-0199" ("eight hundred");
+        None for any other shape."""
+        groups = phone.groups
+        trunk = not phone.plus and len(groups) == 4 and groups[0] == "1"
+        if [len(g) for g in groups[trunk:]] != [3, 3, 4] or (phone.plus and not phone.country):
+            return None
+        written = (f"+{phone.country} " if phone.plus else "1-" if trunk else "") + "-".join(groups[trunk:])
+        try:
+            with self._lock:
+                spoken = self._wetext["en"](written)
+        except Exception:  # noqa: BLE001  the digit words below read it as well
+            log.debug("the English grammar failed on %r", written, exc_info=True)
+            return None
+        return None if _DIGIT.search(spoken) else spoken
 
     # -- English numbers through num2words ------------------------------------------------------------------------
     def _cardinal(self, integer: str, fraction: Optional[str] = None) -> str:
