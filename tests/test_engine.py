@@ -194,9 +194,9 @@ def test_requests_suspended_for_want_of_pages_resume_exactly_where_they_stopped(
         eng.graphs = CudaGraphs(eng, capture=False)
     batched = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2])
     check_same_as_alone(alone, batched)
-    assert eng.preemptions >= 3 and eng.resumes == eng.preemptions, eng.preemptions
+    assert eng.counters.preemptions >= 3 and eng.counters.resumes == eng.counters.preemptions, eng.counters.preemptions
     stats = eng.stats()
-    assert stats["engine_preemptions"] == eng.preemptions and stats["engine_kv_pages_free"] == stats["engine_kv_pages"] == 5
+    assert stats["engine_preemptions"] == eng.counters.preemptions and stats["engine_kv_pages_free"] == stats["engine_kv_pages"] == 5
     assert_pool_whole(eng)
 
 
@@ -547,6 +547,19 @@ def test_model_with_the_old_slots_signature_is_refused(tiny):
         make_engine(Old(), arch, start=False)
 
 
+def test_engine_stats_are_exactly_the_engine_gauges_the_backend_publishes(tiny):
+    """Every `engine_*` key the backend describes (STAT_HELP) comes from Engine.stats(), and nothing else does;
+    the counters of `EngineStats` are among them, as numbers."""
+    from chattts_triton.runtime.stats import EngineStats
+    from chattts_triton.triton.backend import STAT_HELP
+
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, start=False)
+    s = eng.stats()
+    assert set(s) == {k for k in STAT_HELP if k.startswith("engine_")}
+    assert set(EngineStats().report()) < set(s) and all(isinstance(v, (int, float)) for v in s.values())
+
+
 def test_engine_counts_its_steps_rows_and_busy_time(tiny):
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, start=False)
@@ -632,7 +645,7 @@ def test_a_slow_result_consumer_does_not_hold_up_the_running_batch(tiny):
     # a finished row leaves `active` just before its result is queued: wait for the queue too
     while eng.stats()["engine_results_pending"] < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert eng.active == 0 and eng.pending == 0 and eng.steps >= 39 and order == []
+    assert eng.active == 0 and eng.pending == 0 and eng.counters.steps >= 39 and order == []
     assert eng.stats()["engine_results_pending"] == 1  # the long one's, behind the stuck consumer
     release.set()
     eng.stop(drain=True, timeout=60)

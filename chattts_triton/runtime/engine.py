@@ -36,6 +36,7 @@ from torch import Tensor
 from ..config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, KV_PAGE_TOKENS, REPETITION_WINDOW
 from ..model import attention, sampling
 from .graphs import GraphCache, bucket, to_host
+from .stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +205,6 @@ class Engine:
             raise EngineError(f"a KV cache of {cache_tokens} positions cannot hold one request of the full context "
                               f"({max_context} positions)")
         self.num_pages = usable + 1  # and the scratch page 0
-        self.preemptions = 0  # requests suspended for want of pages, and resumed (cumulative)
-        self.resumes = 0
         self._suspended: Dict[int, _Slot] = {}  # id(request) → its suspended slot, while it waits to resume
         self._seq = 0
         self.max_new_tokens = max_new_tokens
@@ -227,37 +226,12 @@ class Engine:
         self.streaming: Set[_Slot] = set()
         self._pending: List[tuple] = []  # stream chunks copied to the host, delivered after the next sync
         self.waiting: Deque[GenRequest] = deque()
-        self.arrived: Deque[int] = deque()  # self.steps when each waiting request arrived
+        self.arrived: Deque[int] = deque()  # the step count when each waiting request arrived
         self.cv = threading.Condition()
         self.stopping = False
-        self.steps = 0
-        # cumulative, for metrics: busy time = step + prefill seconds; mean batch = step_rows / steps
-        self.step_rows = 0
-        self.step_seconds = 0.0
-        self.step_device_seconds = 0.0  # of step_seconds: launch to the step's host sync (the rest is host bookkeeping)
-        # CUDA, every GPU_TIMING_EVERY-th step: the step's span on the GPU's own clock (events around its
-        # launch). Set beside step_device_seconds it separates a slow GPU (kernels, other processes' time
-        # slices) from a host that comes back late (the launch, or the GIL held by another thread)
-        self.step_gpu_seconds = 0.0
-        self.step_gpu_samples = 0
-        # the same sampled steps, where replayed from a graph, on events the graph records itself
-        # (graphs.graph_events): the GPU's span of the replay alone, without the host's launch around it
-        self.step_graph_seconds = 0.0
-        self.step_graph_samples = 0
+        self.counters = EngineStats()  # cumulative, for metrics: Engine.stats()
         self._graph_timing_failed = False
         self._step_events: Optional[Tuple[Any, Any]] = None
-        # every GIL_PROBE_EVERY-th step: how long this thread waits to take the GIL back once it lets
-        # it go (a `time.sleep(0)` right after the step's host sync: Linux's timer slack uncontended — long
-        # enough for a waiting thread to take the GIL, as it does during a host
-        # sync; a release of a few µs is mostly taken back first). Each torch call, graph replay and
-        # host sync lets the GIL go; while the process's other threads (Triton's requests, replies)
-        # hold it, the engine waits up to the interpreter's switch interval each time. A GPU clock
-        # read through events recorded from Python includes such waits too
-        self.gil_wait_seconds = 0.0
-        self.gil_wait_samples = 0
-        self.prefill_seconds = 0.0
-        self.prefills = 0  # batched prefills run, and the prompts they admitted (size and count of prefills)
-        self.prefill_rows = 0
         self.cache_dtype = cache_dtype
         self.cuda_graphs = cuda_graphs
         self.graphs: Optional[CudaGraphs] = None
@@ -503,7 +477,7 @@ class Engine:
             if self.stopping:
                 raise EngineError("engine is stopping")
             self.waiting.append(req)
-            self.arrived.append(self.steps)
+            self.arrived.append(self.counters.steps)
             self.cv.notify()
 
     def generate(self, req: GenRequest, timeout: Optional[float] = None) -> GenResult:
@@ -526,18 +500,11 @@ class Engine:
         return box[0]
 
     def stats(self) -> Dict[str, float]:
-        return {"engine_active": self.active, "engine_waiting": self.pending, "engine_steps": self.steps,
-                "engine_step_rows": self.step_rows, "engine_step_seconds": round(self.step_seconds, 6),
-                "engine_step_device_seconds": round(self.step_device_seconds, 6),
-                "engine_step_gpu_seconds": round(self.step_gpu_seconds, 6), "engine_step_gpu_samples": self.step_gpu_samples,
-                "engine_step_graph_seconds": round(self.step_graph_seconds, 6), "engine_step_graph_samples": self.step_graph_samples,
-                "engine_prefill_seconds": round(self.prefill_seconds, 6),
-                "engine_prefills": self.prefills, "engine_prefill_rows": self.prefill_rows,
-                "engine_gil_wait_seconds": round(self.gil_wait_seconds, 6), "engine_gil_wait_samples": self.gil_wait_samples,
+        """The counters (`EngineStats`) and the gauges read off the engine's state, each named `engine_*`."""
+        return {"engine_active": self.active, "engine_waiting": self.pending, **self.counters.report(),
                 "engine_results_pending": self._results.qsize() if self._results is not None else 0,
                 "engine_slots": self.max_slots, "engine_kv_pages": self.num_pages - 1,
-                "engine_kv_pages_free": len(self.free_pages) if self.allocated else self.num_pages - 1,
-                "engine_preemptions": self.preemptions, "engine_resumes": self.resumes}
+                "engine_kv_pages_free": len(self.free_pages) if self.allocated else self.num_pages - 1}
 
     @property
     def active(self) -> int:
@@ -606,14 +573,14 @@ class Engine:
                 if fresh:
                     t0 = time.perf_counter()
                     self._prefill(fresh)
-                    self.prefill_seconds += time.perf_counter() - t0
-                    self.prefills += 1
-                    self.prefill_rows += len(fresh)
+                    self.counters.prefill_seconds += time.perf_counter() - t0
+                    self.counters.prefills += 1
+                    self.counters.prefill_rows += len(fresh)
                 if self.rows:
                     t0, b = time.perf_counter(), len(self.rows)
                     self._decode_step()
-                    self.step_seconds += time.perf_counter() - t0
-                    self.step_rows += b
+                    self.counters.step_seconds += time.perf_counter() - t0
+                    self.counters.step_rows += b
         except Exception as e:  # fail the requests in flight, keep serving the next ones
             log.exception("engine step failed")
             self._fail_all(e)
@@ -627,7 +594,7 @@ class Engine:
         if not self.rows:  # idle: latency first
             return True
         # busy: batch the prefills (each is hundreds of eager kernels between two decode steps)
-        return len(self.waiting) >= min(self.admit_batch, free) or self.steps - self.arrived[0] >= self.admit_wait_steps
+        return len(self.waiting) >= min(self.admit_batch, free) or self.counters.steps - self.arrived[0] >= self.admit_wait_steps
 
     def _drop_cancelled_head(self) -> None:
         req = self._pop_waiting()
@@ -733,9 +700,9 @@ class Engine:
         self._compact(set(ids))
         for slot in sorted(slots, key=lambda s: s.seq, reverse=True):
             self.waiting.appendleft(slot.req)
-            self.arrived.appendleft(self.steps)
+            self.arrived.appendleft(self.counters.steps)
             self._suspended[id(slot.req)] = slot
-        self.preemptions += len(slots)
+        self.counters.preemptions += len(slots)
         log.debug("suspended %d requests for want of KV pages (%d free)", len(slots), len(self.free_pages))
 
     def _resume(self, slot: _Slot) -> None:
@@ -755,7 +722,7 @@ class Engine:
         self.rows.append(slot)
         if slot.req.on_tokens is not None:
             self.streaming.add(slot)
-        self.resumes += 1
+        self.counters.resumes += 1
 
     # -- host <-> device without extra host syncs ---------------------------------------------------
     def _h2d(self, t: Tensor) -> Tensor:
@@ -923,9 +890,10 @@ class Engine:
         attn_len = int((self.h_plen[:b] + self.h_n[:b]).max())  # 1 + the largest position fed
         n_text = int(self.h_text[:b].sum())
         mode = "code" if n_text == 0 else "text" if n_text == b else "mixed"
+        c = self.counters
         hit = None
         inner = None  # the timing events of the graph that runs this step, if one does
-        timed = self.device.type == "cuda" and self.steps % GPU_TIMING_EVERY == 0
+        timed = self.device.type == "cuda" and c.steps % GPU_TIMING_EVERY == 0
         if timed:
             if self._step_events is None:
                 self._step_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -943,23 +911,23 @@ class Engine:
         if timed:
             self._step_events[1].record()
         hit_host = self._host_sync(hit[:b])
-        self.step_device_seconds += time.perf_counter() - t0
+        c.step_device_seconds += time.perf_counter() - t0
         if timed:  # both events are done: the sync came after the second
-            self.step_gpu_seconds += self._step_events[0].elapsed_time(self._step_events[1]) / 1000
-            self.step_gpu_samples += 1
+            c.step_gpu_seconds += self._step_events[0].elapsed_time(self._step_events[1]) / 1000
+            c.step_gpu_samples += 1
             if inner is not None and not self._graph_timing_failed:
                 try:
-                    self.step_graph_seconds += inner[0].elapsed_time(inner[1]) / 1000
-                    self.step_graph_samples += 1
+                    c.step_graph_seconds += inner[0].elapsed_time(inner[1]) / 1000
+                    c.step_graph_samples += 1
                 except Exception:
                     log.exception("reading a decode graph's own timing events failed; no more graph timings")
                     self._graph_timing_failed = True
-        if self.steps % GIL_PROBE_EVERY == 0:
+        if c.steps % GIL_PROBE_EVERY == 0:
             t1 = time.perf_counter()
             time.sleep(0)  # lets the GIL go and takes it back: the wait a release costs now
-            self.gil_wait_seconds += time.perf_counter() - t1
-            self.gil_wait_samples += 1
-        self.steps += 1
+            c.gil_wait_seconds += time.perf_counter() - t1
+            c.gil_wait_samples += 1
+        c.steps += 1
         self._deliver()
         self._advance(0, b, hit_host)
 
