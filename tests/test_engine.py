@@ -173,7 +173,8 @@ def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs):
         prefills = [key for key in eng.graphs.graphs if key[0] == "prefill"]
         assert prefills and any(kb > 1 for _, kb, _ in prefills)
     assert eng.active == 0 and eng.pending == 0
-    assert torch.equal(eng.pi, eng._free_pi.expand(8, -1)) and (eng.pf == 1).all()  # free slots are reset
+    rows = eng.row_params  # free slots are reset
+    assert torch.equal(rows.ints, eng._free_row.ints.expand(8, -1)) and (rows.floats == 1).all()
 
 
 @pytest.mark.parametrize("graphs", ["eager", "buckets"])

@@ -36,6 +36,7 @@ from torch import Tensor
 from ..config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, KV_PAGE_TOKENS, REPETITION_WINDOW
 from ..model import attention, sampling
 from .graphs import GraphCache, bucket, to_host
+from .row_params import RowParams
 from .stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -105,11 +106,6 @@ class GenResult:
 
 class EngineError(RuntimeError):
     pass
-
-
-# Per-slot device scalars, packed so that one gather or one copy moves all of a slot's state.
-I_N, I_PLEN, I_TOPK, I_MIN, I_SEED, I_ATTEMPT, I_EOS, I_TEXT = range(8)  # int64 columns of Engine.pi
-F_TEMP, F_TOPP, F_PEN = range(3)  # float32 columns of Engine.pf
 
 
 class _Slot:
@@ -286,11 +282,10 @@ class Engine:
         self.tokens = torch.zeros(s, max_new_tokens + 1, num_vq, dtype=torch.int64, device=dev)
         # the model's final hidden states are in the compute dtype: kept in it, they are exact at half the memory
         self.hiddens = torch.zeros(s, max_new_tokens + 1, hidden, dtype=self.compute_dtype, device=dev)
-        # a free slot's state: it pads graph buckets, so every id it holds must index the code head
-        self._free_pi = torch.tensor([0, 0, 0, 0, 0, 0, AUDIO_EOS, 0], dtype=torch.int64, device=dev)
-        self.pi = self._free_pi.repeat(s, 1)
-        self.pf = torch.ones(s, 3, dtype=torch.float32, device=dev)
-        self.n_dev = self.pi[:, I_N]  # tokens kept so far, per slot
+        # each slot's sampling state and counts (row_params.py); a free slot's pads graph buckets
+        self.row_params = RowParams.free(s, dev)
+        self._free_row = RowParams.free(1, dev)
+        self.n_dev = self.row_params.n  # the count column, kept as one view: every step writes it in place
         self.n_live = torch.zeros((), dtype=torch.int64, device=dev)  # rows ≥ this in a graph bucket are padding
         self.graphs = CudaGraphs(self) if (self.cuda_graphs and self.device.type == "cuda") else None
         self.allocated = True
@@ -692,8 +687,8 @@ class Engine:
             n, k = int(self.h_n[i]), int(self.h_pages[i])
             pages = self._h2d(torch.from_numpy(self.h_table[i, :k].copy()))
             slot.saved = (self._d2h(self.k_cache.index_select(1, pages)), self._d2h(self.v_cache.index_select(1, pages)),
-                          self._d2h(self.tokens[i, :n]), self._d2h(self.hiddens[i, :n]), self._d2h(self.pi[i]),
-                          self._d2h(self.pf[i]), (n, int(self.h_plen[i]), int(self.h_max[i]), bool(self.h_text[i]), k))
+                          self._d2h(self.tokens[i, :n]), self._d2h(self.hiddens[i, :n]),
+                          self.row_params.narrow(i, 1).map(self._d2h), (n, int(self.h_plen[i]), int(self.h_max[i]), bool(self.h_text[i]), k))
             self.streaming.discard(slot)
             self._release(i)
             slots.append(slot)
@@ -707,7 +702,7 @@ class Engine:
 
     def _resume(self, slot: _Slot) -> None:
         """A suspended request into the next slot, exactly as it was."""
-        k_saved, v_saved, toks, hids, pi, pf, (n, plen, max_new, text, k) = slot.saved
+        k_saved, v_saved, toks, hids, params, (n, plen, max_new, text, k) = slot.saved
         i = len(self.rows)
         self._grant(i, k)
         pages = self._h2d(torch.from_numpy(self.h_table[i, :k].copy()))
@@ -715,8 +710,7 @@ class Engine:
         self.v_cache.index_copy_(1, pages, self._h2d(v_saved))
         self.tokens[i, :n].copy_(self._h2d(toks))
         self.hiddens[i, :n].copy_(self._h2d(hids))
-        self.pi[i].copy_(self._h2d(pi))
-        self.pf[i].copy_(self._h2d(pf))
+        self.row_params.narrow(i, 1).copy_(params.map(self._h2d))
         self.h_n[i], self.h_plen[i], self.h_max[i], self.h_text[i] = n, plen, max_new, text
         slot.idx, slot.saved = i, None
         self.rows.append(slot)
@@ -787,14 +781,7 @@ class Engine:
         return h[torch.arange(x.shape[0], device=self.device), idx[1]].float()
 
     def _set_params(self, b0: int, reqs: List[GenRequest]) -> None:
-        ints, floats = [], []
-        for r in reqs:
-            p = r.params
-            ints.append([0, r.prompt_len, 0 if p.top_k is None else p.top_k, p.min_new_tokens, p.seed, 0, r.eos_id,
-                         int(r.mode == "text")])
-            floats.append([p.temperature, 1.0 if p.top_p is None else p.top_p, p.repetition_penalty])
-        self.pi.narrow(0, b0, len(reqs)).copy_(self._h2d(torch.tensor(ints, dtype=torch.int64)))
-        self.pf.narrow(0, b0, len(reqs)).copy_(self._h2d(torch.tensor(floats, dtype=torch.float32)))
+        self.row_params.narrow(b0, len(reqs)).copy_(RowParams.of(reqs).map(self._h2d))
 
     def _prompt_batch(self, reqs: List[GenRequest], rows: int, t: int, b0: int):
         """The admitted prompts (slots b0..) as one padded batch x [rows, t, hidden], positions [rows, t]
@@ -856,7 +843,7 @@ class Engine:
             if not redraw:
                 break
             idx = self._h2d(torch.tensor(redraw, dtype=torch.int64) + b0)
-            self.pi[:, I_ATTEMPT].index_add_(0, idx, torch.ones_like(idx))
+            self.row_params.attempt.index_add_(0, idx, torch.ones_like(idx))
             todo = redraw
         self._deliver()
         self._advance(b0, b0 + k, hit)
@@ -872,7 +859,7 @@ class Engine:
             r = self._h2d(torch.tensor(sel, dtype=torch.int64))
             st = r + b0
             self.n_dev.index_fill_(0, st, 0)
-            _, hm = self.sample_core(st, self.pi.index_select(0, st), h.index_select(0, r), mode)
+            _, hm = self.sample_core(st, self.row_params.select(st), h.index_select(0, r), mode)
             order += sel
             hits.append(hm)
         got = self._host_sync(torch.cat(hits))  # the prefill's one host sync
@@ -948,8 +935,8 @@ class Engine:
         Returns eos_hit [b]."""
         dev = self.device
         st = torch.arange(start, start + b, dtype=torch.int64, device=dev)
-        p = self.pi.narrow(0, start, b).clone()
-        n = p[:, I_N]
+        p = self.row_params.select(st)  # a copy: sampling advances the counts (n_dev) in place
+        n = p.n
         last_tok = self.tokens[st, (n - 1).clamp(min=0)]
         if mode == "text":
             x = self.model.embed_text(last_tok[:, 0])
@@ -957,9 +944,9 @@ class Engine:
             # a free slot may still hold text-vocabulary ids: keep padding rows' lookups in range
             x = self.model.embed_code(last_tok.clamp(max=self.num_audio_tokens - 1))
             if mode == "mixed":
-                x = torch.where(p[:, I_TEXT].bool().unsqueeze(1), self.model.embed_text(last_tok[:, 0]), x)
+                x = torch.where(p.text.bool().unsqueeze(1), self.model.embed_text(last_tok[:, 0]), x)
         x = x.to(self.compute_dtype).unsqueeze(1)
-        positions = (p[:, I_PLEN] + n - 1).unsqueeze(1)
+        positions = (p.prompt_len + n - 1).unsqueeze(1)
         tables = self.block_table.narrow(0, start, b)
         h = self.model(x, positions, tables, self.k_cache, self.v_cache, attn_len)[:, 0].float()
         if groups is None:
@@ -967,16 +954,15 @@ class Engine:
             return self.sample_core(st, p, h, mode, valid)[1]
         hit = torch.zeros(b, dtype=torch.bool, device=dev)
         for m, rows in groups:
-            _, hm = self.sample_core(st.index_select(0, rows), p.index_select(0, rows), h.index_select(0, rows), m)
+            _, hm = self.sample_core(st.index_select(0, rows), p.select(rows), h.index_select(0, rows), m)
             hit.index_copy_(0, rows, hm)
         return hit
 
     def sample_core(self, st: Tensor, p: Tensor, h: Tensor, mode: str, valid: Optional[Tensor] = None):
-        """Sample the next token of the rows in slots `st` (p: their rows of `pi`); record it."""
+        """Sample the next token of the rows in slots `st` (p: a copy of their `row_params`); record it."""
         b = st.shape[0]
         q = self.num_vq if mode == "code" else 1
-        n = p[:, I_N]
-        f = self.pf.index_select(0, st)
+        n = p.n
         hc = h.to(self.compute_dtype)
         logits = self.model.logits_code(hc) if mode == "code" else self.model.logits_text(hc).unsqueeze(1)
         logits = logits.reshape(b * q, logits.shape[-1]).float()
@@ -987,20 +973,20 @@ class Engine:
         w = REPETITION_WINDOW
         offs = (n.unsqueeze(1) - w + torch.arange(w, device=self.device)).clamp(min=0)  # [B, W]
         hist = self.tokens[st.unsqueeze(1), offs][..., :q].permute(0, 2, 1).reshape(b * q, w)
-        eos = p[:, I_EOS]
+        eos = p.eos
         logits = sampling.process_logits(
             logits,
-            rep(f[:, F_TEMP]),
-            rep(f[:, F_PEN]),
-            rep(f[:, F_TOPP]),
-            rep(p[:, I_TOPK]),
+            rep(p.temperature),
+            rep(p.repetition_penalty),
+            rep(p.top_p),
+            rep(p.top_k),
             hist,
             rep(n.clamp(max=w)),
-            rep(n < p[:, I_MIN]),
+            rep(n < p.min_new_tokens),
             rep(eos),
         )
         row = torch.arange(q, device=self.device).repeat(b)
-        u = sampling.uniform(rep(p[:, I_SEED]), rep(n), row, rep(p[:, I_ATTEMPT]))
+        u = sampling.uniform(rep(p.seed), rep(n), row, rep(p.attempt))
         tok = sampling.sample(logits, u).view(b, q)
         hit = (tok == eos.unsqueeze(1)).any(1)
         if q < self.num_vq:
@@ -1089,7 +1075,7 @@ class Engine:
             src = self._h2d(torch.from_numpy(src_h))
             dst = self._h2d(torch.from_numpy(dst_h))
             t = int(self.h_n[src_h].max()) + 1
-            for buf in (self.tokens.narrow(1, 0, t), self.hiddens.narrow(1, 0, t), self.pi, self.pf):
+            for buf in (self.tokens.narrow(1, 0, t), self.hiddens.narrow(1, 0, t), self.row_params.ints, self.row_params.floats):
                 buf.index_copy_(0, dst, buf.index_select(0, src))
             for arr in (self.h_n, self.h_plen, self.h_max, self.h_text, self.h_table, self.h_pages):
                 arr[dst_h] = arr[src_h]
@@ -1107,8 +1093,7 @@ class Engine:
         # free slots are the padding rows of graph buckets: n = prompt_len = 0 (nothing in their
         # history is read) and the audio EOS (a text request's EOS id would index past the code head)
         if hi > lo:
-            self.pi.narrow(0, lo, hi - lo).copy_(self._free_pi.expand(hi - lo, -1))
-            self.pf.narrow(0, lo, hi - lo).fill_(1.0)
+            self.row_params.narrow(lo, hi - lo).copy_(self._free_row)
             self.h_n[lo:hi] = 0
             self.h_plen[lo:hi] = 0
             self.h_text[lo:hi] = False
