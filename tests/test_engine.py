@@ -232,10 +232,10 @@ def test_a_request_cancelled_while_suspended_ends_cancelled_and_frees_nothing_tw
         eng.submit(r.req)
     for _ in range(200):
         eng._run_once(block=False)
-        if eng._suspended:
+        if eng.scheduler.suspended:
             break
-    assert eng._suspended, "no request was suspended"
-    victim = next(r for r in recs if id(r.req) in eng._suspended)
+    assert eng.scheduler.suspended, "no request was suspended"
+    victim = next(r for r in recs if id(r.req) in eng.scheduler.suspended)
     victim.req.cancel()
     for _ in range(400):
         if all(r.result is not None for r in recs):
@@ -257,6 +257,24 @@ def test_admission_waits_for_pages_and_a_pool_below_one_full_context_is_refused(
                               lambda r: None))
     eng._run_once(block=False)
     assert len(eng.rows) == 2 and eng.pending == 2  # 2 × 3 pages, and one in reserve for each of them
+
+
+def test_engine_is_full_once_running_and_waiting_requests_reach_max_pending(tiny):
+    """What GPTService refuses by ("server busy"): running + waiting, counted by the engine's scheduler."""
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, max_slots=2, max_pending=3, start=False)
+    reqs = [GenRequest(torch.arange(1, 9), greedy(4, 4, seed=i), lambda r: None) for i in range(3)]
+    for r in reqs[:2]:
+        eng.submit(r)
+    assert not eng.full()
+    eng.submit(reqs[2])
+    assert eng.full()
+    eng._run_once(block=False)
+    assert (eng.active, eng.pending) == (2, 1) and eng.full()  # admitted, still counted
+    for _ in range(50):
+        eng._run_once(block=False)
+    assert (eng.active, eng.pending) == (0, 0) and not eng.full()
+    assert not make_engine(ours, arch, max_slots=2, start=False).full()  # max_pending 0: no bound
 
 
 @pytest.mark.parametrize("prefill", [False, True], ids=["step", "step_and_prefill"])

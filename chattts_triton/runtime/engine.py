@@ -15,6 +15,11 @@ the newest running requests are suspended (their pages, tokens and sampling stat
 their pages freed) and go back to the head of the queue; once pages are free again they resume
 exactly where they stopped, bit for bit. Admission keeps a page per running request in reserve.
 
+Beside this file: who joins the batch each iteration, how many pages each request gets and whom to suspend
+is decided by `scheduler.py` (`Scheduler`; the engine does the tensor work its decisions imply); each slot's
+sampling state, packed on the device, is named by `row_params.py` (`RowParams`); the cumulative counters
+behind `Engine.stats()` are `stats.py` (`EngineStats`).
+
 `model` is `ChatTTSGPT` or its TorchScript export (same methods).
 """
 
@@ -25,9 +30,8 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -37,6 +41,7 @@ from ..config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, KV_PAGE_TOKENS, R
 from ..model import attention, sampling
 from .graphs import GraphCache, bucket, to_host
 from .row_params import RowParams
+from .scheduler import Admission, Scheduler, Suspended
 from .stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -166,14 +171,18 @@ class Engine:
         cuda_graphs: bool = True,
         admit_batch: int = ADMIT_BATCH,
         admit_wait_steps: int = ADMIT_WAIT_STEPS,
+        max_pending: int = 0,
         compile_step: bool = False,
         compile_prefill: bool = False,
         decode_kernel: Optional[bool] = None,
         start: bool = True,
     ):
-        """admit_batch / admit_wait_steps: while requests are running, waiting ones are admitted (one
-        batched prefill) once `admit_batch` of them (or as many as there are free slots) wait, or the
+        """admit_batch / admit_wait_steps / max_prefill_tokens: the admission policy (`Scheduler`): while
+        requests are running, waiting ones are admitted (one batched prefill of at most max_prefill_tokens
+        prompt positions) once `admit_batch` of them (or as many as there are free slots) wait, or the
         oldest has waited `admit_wait_steps` decode steps; an idle engine admits at once.
+        max_pending: running + waiting requests at which `full()` says yes (0: never); the engine itself
+        accepts every submit, its callers refuse.
         compile_step, compile_prefill: see `compile_step` (the model must be the eager module).
         decode_kernel: decode steps of the eager module read each row's own keys only
         (`attention.decode_attention`); None: where its GPU kernel runs (True elsewhere: its dense PyTorch
@@ -201,16 +210,14 @@ class Engine:
             raise EngineError(f"a KV cache of {cache_tokens} positions cannot hold one request of the full context "
                               f"({max_context} positions)")
         self.num_pages = usable + 1  # and the scratch page 0
-        self._suspended: Dict[int, _Slot] = {}  # id(request) → its suspended slot, while it waits to resume
-        self._seq = 0
+        self._seq = 0  # admission order of the next slot (the newest running requests are suspended first)
         self.max_new_tokens = max_new_tokens
         self.hidden = hidden
         self.num_vq = num_vq
         self.num_audio_tokens = int(getattr(model, "num_audio_tokens", AUDIO_EOS + 1))
         self.compute_dtype = compute_dtype
-        self.max_prefill_tokens = max_prefill_tokens
-        self.admit_batch = max(1, admit_batch)
-        self.admit_wait_steps = max(0, admit_wait_steps)
+        # who joins the batch and who leaves it for want of pages; the engine does what it decides
+        self.scheduler = Scheduler(max_slots, max_prefill_tokens, self.page, admit_batch, admit_wait_steps, max_pending)
         self._live = 0
         s = max_slots
         # host mirrors, indexed by slot: the step needs no Python loop over the batch for these
@@ -221,8 +228,6 @@ class Engine:
         self.h_text = np.zeros(s, dtype=bool)
         self.streaming: Set[_Slot] = set()
         self._pending: List[tuple] = []  # stream chunks copied to the host, delivered after the next sync
-        self.waiting: Deque[GenRequest] = deque()
-        self.arrived: Deque[int] = deque()  # the step count when each waiting request arrived
         self.cv = threading.Condition()
         self.stopping = False
         self.counters = EngineStats()  # cumulative, for metrics: Engine.stats()
@@ -471,8 +476,7 @@ class Engine:
         with self.cv:
             if self.stopping:
                 raise EngineError("engine is stopping")
-            self.waiting.append(req)
-            self.arrived.append(self.counters.steps)
+            self.scheduler.add(req, self.counters.steps)
             self.cv.notify()
 
     def generate(self, req: GenRequest, timeout: Optional[float] = None) -> GenResult:
@@ -507,7 +511,11 @@ class Engine:
 
     @property
     def pending(self) -> int:
-        return len(self.waiting)
+        return self.scheduler.pending
+
+    def full(self) -> bool:
+        """Whether running + waiting requests reached `max_pending` (a caller answers "server busy")."""
+        return self.scheduler.full(len(self.rows))
 
     @property
     def free(self) -> List[int]:
@@ -518,7 +526,7 @@ class Engine:
         with self.cv:
             self.stopping = True
             if not drain:
-                for r in self.waiting:
+                for r in self.scheduler.requests():
                     r.cancel()
                 for s in list(self.rows):
                     s.req.cancel()
@@ -549,11 +557,11 @@ class Engine:
         """One iteration: admit (per the admission policy) with one batched prefill, then one decode
         step of every running request. False once stopped and drained."""
         with self.cv:
-            while block and not self.waiting and not self.rows and not self.stopping and not self._tasks:
+            while block and not self.scheduler.pending and not self.rows and not self.stopping and not self._tasks:
                 self.cv.wait()
             tasks, self._tasks = self._tasks, []
-            stop = self.stopping and not self.waiting and not self.rows
-            admitted = [] if stop else self._take_admissions()
+            stop = self.stopping and not self.scheduler.pending and not self.rows
+            admitted = None if stop else self._take_admissions()
         for task in tasks:  # each reports its own outcome
             with torch.inference_mode():
                 task()
@@ -561,10 +569,9 @@ class Engine:
             return False
         try:
             with torch.inference_mode():
-                fresh = [r for r in admitted if id(r) not in self._suspended]
-                for req in admitted:  # suspended ones first (they were at the head), where they stopped
-                    if id(req) in self._suspended:
-                        self._resume(self._suspended.pop(id(req)))
+                for suspended in admitted.resume:  # first (they were at the head), where they stopped
+                    self._resume(suspended.state)
+                fresh = admitted.prefill
                 if fresh:
                     t0 = time.perf_counter()
                     self._prefill(fresh)
@@ -581,52 +588,12 @@ class Engine:
             self._fail_all(e)
         return True
 
-    def _pop_waiting(self) -> GenRequest:
-        self.arrived.popleft()
-        return self.waiting.popleft()
-
-    def _admit_now(self, free: int) -> bool:
-        if not self.rows:  # idle: latency first
-            return True
-        # busy: batch the prefills (each is hundreds of eager kernels between two decode steps)
-        return len(self.waiting) >= min(self.admit_batch, free) or self.counters.steps - self.arrived[0] >= self.admit_wait_steps
-
-    def _drop_cancelled_head(self) -> None:
-        req = self._pop_waiting()
-        suspended = self._suspended.pop(id(req), None)
-        steps = 0 if suspended is None else int(suspended.saved[-1][0])
-        self._hand_off(req, GenResult(None, None, "cancelled", steps=steps))
-
-    def _take_admissions(self) -> List[GenRequest]:
-        """Who joins this iteration: from the head of the queue (suspended requests first, they are put
-        back there), while slots, the prefill's token budget and pages last; pages: its prompt's (or what
-        a suspended one held), keeping one page in reserve for each request that will be running."""
-        while self.waiting and self.waiting[0].cancelled:
-            self._drop_cancelled_head()
-        free = self.max_slots - len(self.rows)
-        if not self.waiting or free <= 0 or not self._admit_now(free):
-            return []
-        admitted: List[GenRequest] = []
-        budget = self.max_prefill_tokens
-        pages = len(self.free_pages)
-        while self.waiting and len(admitted) < free:
-            req = self.waiting[0]
-            if req.cancelled:
-                self._drop_cancelled_head()
-                continue
-            suspended = self._suspended.get(id(req))
-            if suspended is None:
-                if admitted and req.prompt_len > budget:
-                    break
-                need = -(-req.prompt_len // self.page)
-            else:
-                need = int(suspended.saved[-1][-1])
-            if need + len(self.rows) + len(admitted) > pages:
-                break
-            admitted.append(self._pop_waiting())
-            pages -= need
-            if suspended is None:
-                budget -= req.prompt_len
+    def _take_admissions(self) -> Admission:
+        """The scheduler's admissions for this iteration (under the lock); the cancelled requests it dropped
+        from the queue end here."""
+        admitted = self.scheduler.admit(len(self.rows), len(self.free_pages), self.counters.steps)
+        for req, steps in admitted.cancelled:
+            self._hand_off(req, GenResult(None, None, "cancelled", steps=steps))
         return admitted
 
     # -- pages ------------------------------------------------------------------------------------
@@ -658,21 +625,14 @@ class Engine:
 
     def _ensure_pages(self) -> None:
         """Before a decode step: every running row holds the page of the position it writes; where the pool
-        has too few, the newest rows are suspended (never the last one: the pool holds a full-context request)."""
+        has too few, the rows the scheduler picks are suspended."""
         b = len(self.rows)
-        want = (self.h_plen[:b] + self.h_n[:b] - 1) // self.page + 1
+        want = self.scheduler.pages_for(self.h_plen[:b] + self.h_n[:b])  # through the position it writes
         short = want > self.h_pages[:b]
         if int(short.sum()) > len(self.free_pages):
-            victims, freed, need = [], len(self.free_pages), int(short.sum())
-            for i in sorted(range(b), key=lambda i: self.rows[i].seq, reverse=True):
-                if freed >= need or len(victims) == b - 1:
-                    break
-                victims.append(i)
-                freed += int(self.h_pages[i])
-                need -= int(short[i])
-            self._suspend(victims)
+            self._suspend(self.scheduler.victims([s.seq for s in self.rows], self.h_pages[:b], short, len(self.free_pages)))
             b = len(self.rows)
-            want = (self.h_plen[:b] + self.h_n[:b] - 1) // self.page + 1
+            want = self.scheduler.pages_for(self.h_plen[:b] + self.h_n[:b])
             short = want > self.h_pages[:b]
         for i in np.flatnonzero(short):
             self._grant(int(i), int(want[i]))
@@ -680,25 +640,23 @@ class Engine:
     def _suspend(self, ids: List[int]) -> None:
         """Take the rows `ids` out of the batch: their pages' keys and values, tokens, hidden states and
         sampling state to the host (queued before anything reuses the pages), their pages freed; back to
-        the head of the queue, oldest first."""
-        slots = []
+        the head of the queue (the scheduler's `requeue`)."""
+        records = []
         for i in ids:
             slot = self.rows[i]
             n, k = int(self.h_n[i]), int(self.h_pages[i])
             pages = self._h2d(torch.from_numpy(self.h_table[i, :k].copy()))
             slot.saved = (self._d2h(self.k_cache.index_select(1, pages)), self._d2h(self.v_cache.index_select(1, pages)),
                           self._d2h(self.tokens[i, :n]), self._d2h(self.hiddens[i, :n]),
-                          self.row_params.narrow(i, 1).map(self._d2h), (n, int(self.h_plen[i]), int(self.h_max[i]), bool(self.h_text[i]), k))
+                          self.row_params.narrow(i, 1).map(self._d2h),
+                          (n, int(self.h_plen[i]), int(self.h_max[i]), bool(self.h_text[i]), k))
             self.streaming.discard(slot)
             self._release(i)
-            slots.append(slot)
+            records.append(Suspended(slot.req, slot.seq, pages=k, steps=n, state=slot))
         self._compact(set(ids))
-        for slot in sorted(slots, key=lambda s: s.seq, reverse=True):
-            self.waiting.appendleft(slot.req)
-            self.arrived.appendleft(self.counters.steps)
-            self._suspended[id(slot.req)] = slot
-        self.counters.preemptions += len(slots)
-        log.debug("suspended %d requests for want of KV pages (%d free)", len(slots), len(self.free_pages))
+        self.scheduler.requeue(records, self.counters.steps)
+        self.counters.preemptions += len(records)
+        log.debug("suspended %d requests for want of KV pages (%d free)", len(records), len(self.free_pages))
 
     def _resume(self, slot: _Slot) -> None:
         """A suspended request into the next slot, exactly as it was."""
@@ -735,13 +693,13 @@ class Engine:
             self._live = b
 
     # -- prefill --------------------------------------------------------------------------------
-    def _prefill(self, reqs: List[GenRequest]) -> None:
+    def _prefill(self, reqs: Sequence[GenRequest]) -> None:
         """Admitted requests take the next slots b0..b0+k-1: one prefill over that slot range."""
         b0, k = len(self.rows), len(reqs)
         for i, req in enumerate(reqs):
             slot = _Slot(self, req, b0 + i, self._seq)
             self._seq += 1
-            self._grant(b0 + i, -(-req.prompt_len // self.page))
+            self._grant(b0 + i, self.scheduler.pages_for(req.prompt_len))
             self.rows.append(slot)
             self.h_n[b0 + i] = 0
             self.h_plen[b0 + i] = req.prompt_len
@@ -780,10 +738,10 @@ class Engine:
         h = self.model.prefill(x, positions, self.block_table.index_select(0, idx[0]), self.k_cache, self.v_cache)
         return h[torch.arange(x.shape[0], device=self.device), idx[1]].float()
 
-    def _set_params(self, b0: int, reqs: List[GenRequest]) -> None:
+    def _set_params(self, b0: int, reqs: Sequence[GenRequest]) -> None:
         self.row_params.narrow(b0, len(reqs)).copy_(RowParams.of(reqs).map(self._h2d))
 
-    def _prompt_batch(self, reqs: List[GenRequest], rows: int, t: int, b0: int):
+    def _prompt_batch(self, reqs: Sequence[GenRequest], rows: int, t: int, b0: int):
         """The admitted prompts (slots b0..) as one padded batch x [rows, t, hidden], positions [rows, t]
         (-1 = padding) and idx [2, rows] (slot, last prompt position); rows past the prompts are bucket
         padding (all positions -1, slot b0). One host→device copy per input kind, one embedding call per
@@ -1193,7 +1151,7 @@ class CudaGraphs(GraphCache):
         counted (they run eagerly too, and a compiled prefill that fails falls back by itself)."""
         return [key for key, run in self.graphs.items() if run is None and key[0] != "prefill"]
 
-    def prefill(self, b0: int, reqs: List[GenRequest]) -> Optional[Tensor]:
+    def prefill(self, b0: int, reqs: Sequence[GenRequest]) -> Optional[Tensor]:
         """`Engine.run_prefill` of the prompts `reqs` into slots b0.. from the graph of their bucket:
         [bucket rows, hidden], the first len(reqs) rows theirs; None over PREFILL_GRAPH_TOKENS."""
         e = self.e
