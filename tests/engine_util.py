@@ -171,7 +171,7 @@ def instrument(eng):
 
 
 def assert_pool_whole(eng):
-    assert sorted(eng.free_pages) == list(range(1, eng.num_pages)) and not eng._suspended
+    assert sorted(eng.free_pages) == list(range(1, eng.num_pages)) and not eng.scheduler.suspended
     assert not eng.h_table.any() and not eng.h_pages.any()
 
 

@@ -173,7 +173,8 @@ def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs):
         prefills = [key for key in eng.graphs.graphs if key[0] == "prefill"]
         assert prefills and any(kb > 1 for _, kb, _ in prefills)
     assert eng.active == 0 and eng.pending == 0
-    assert torch.equal(eng.pi, eng._free_pi.expand(8, -1)) and (eng.pf == 1).all()  # free slots are reset
+    rows = eng.row_params  # free slots are reset
+    assert torch.equal(rows.ints, eng._free_row.ints.expand(8, -1)) and (rows.floats == 1).all()
 
 
 @pytest.mark.parametrize("graphs", ["eager", "buckets"])
@@ -194,9 +195,9 @@ def test_requests_suspended_for_want_of_pages_resume_exactly_where_they_stopped(
         eng.graphs = CudaGraphs(eng, capture=False)
     batched = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2])
     check_same_as_alone(alone, batched)
-    assert eng.preemptions >= 3 and eng.resumes == eng.preemptions, eng.preemptions
+    assert eng.counters.preemptions >= 3 and eng.counters.resumes == eng.counters.preemptions, eng.counters.preemptions
     stats = eng.stats()
-    assert stats["engine_preemptions"] == eng.preemptions and stats["engine_kv_pages_free"] == stats["engine_kv_pages"] == 5
+    assert stats["engine_preemptions"] == eng.counters.preemptions and stats["engine_kv_pages_free"] == stats["engine_kv_pages"] == 5
     assert_pool_whole(eng)
 
 
@@ -231,10 +232,10 @@ def test_a_request_cancelled_while_suspended_ends_cancelled_and_frees_nothing_tw
         eng.submit(r.req)
     for _ in range(200):
         eng._run_once(block=False)
-        if eng._suspended:
+        if eng.scheduler.suspended:
             break
-    assert eng._suspended, "no request was suspended"
-    victim = next(r for r in recs if id(r.req) in eng._suspended)
+    assert eng.scheduler.suspended, "no request was suspended"
+    victim = next(r for r in recs if id(r.req) in eng.scheduler.suspended)
     victim.req.cancel()
     for _ in range(400):
         if all(r.result is not None for r in recs):
@@ -256,6 +257,24 @@ def test_admission_waits_for_pages_and_a_pool_below_one_full_context_is_refused(
                               lambda r: None))
     eng._run_once(block=False)
     assert len(eng.rows) == 2 and eng.pending == 2  # 2 × 3 pages, and one in reserve for each of them
+
+
+def test_engine_is_full_once_running_and_waiting_requests_reach_max_pending(tiny):
+    """What GPTService refuses by ("server busy"): running + waiting, counted by the engine's scheduler."""
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, max_slots=2, max_pending=3, start=False)
+    reqs = [GenRequest(torch.arange(1, 9), greedy(4, 4, seed=i), lambda r: None) for i in range(3)]
+    for r in reqs[:2]:
+        eng.submit(r)
+    assert not eng.full()
+    eng.submit(reqs[2])
+    assert eng.full()
+    eng._run_once(block=False)
+    assert (eng.active, eng.pending) == (2, 1) and eng.full()  # admitted, still counted
+    for _ in range(50):
+        eng._run_once(block=False)
+    assert (eng.active, eng.pending) == (0, 0) and not eng.full()
+    assert not make_engine(ours, arch, max_slots=2, start=False).full()  # max_pending 0: no bound
 
 
 @pytest.mark.parametrize("prefill", [False, True], ids=["step", "step_and_prefill"])
@@ -547,6 +566,19 @@ def test_model_with_the_old_slots_signature_is_refused(tiny):
         make_engine(Old(), arch, start=False)
 
 
+def test_engine_stats_are_exactly_the_engine_gauges_the_backend_publishes(tiny):
+    """Every `engine_*` key the backend describes (STAT_HELP) comes from Engine.stats(), and nothing else does;
+    the counters of `EngineStats` are among them, as numbers."""
+    from chattts_triton.runtime.stats import EngineStats
+    from chattts_triton.triton.backend import STAT_HELP
+
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, start=False)
+    s = eng.stats()
+    assert set(s) == {k for k in STAT_HELP if k.startswith("engine_")}
+    assert set(EngineStats().report()) < set(s) and all(isinstance(v, (int, float)) for v in s.values())
+
+
 def test_engine_counts_its_steps_rows_and_busy_time(tiny):
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, start=False)
@@ -632,7 +664,7 @@ def test_a_slow_result_consumer_does_not_hold_up_the_running_batch(tiny):
     # a finished row leaves `active` just before its result is queued: wait for the queue too
     while eng.stats()["engine_results_pending"] < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert eng.active == 0 and eng.pending == 0 and eng.steps >= 39 and order == []
+    assert eng.active == 0 and eng.pending == 0 and eng.counters.steps >= 39 and order == []
     assert eng.stats()["engine_results_pending"] == 1  # the long one's, behind the stuck consumer
     release.set()
     eng.stop(drain=True, timeout=60)

@@ -408,8 +408,8 @@ def test_suspended_requests_resume_exactly_with_captured_graphs_on_gpu(tiny_asse
     eng = _engine(model, arch, True, start=False, max_context=longest, cache_tokens=longest)
     batched = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2])
     check_same_as_alone(alone, batched, hidden_atol=1e-4)
-    print(f"suspended {eng.preemptions}, resumed {eng.resumes}")
-    assert eng.preemptions >= 3 and eng.resumes == eng.preemptions
+    print(f"suspended {eng.counters.preemptions}, resumed {eng.counters.resumes}")
+    assert eng.counters.preemptions >= 3 and eng.counters.resumes == eng.counters.preemptions
     assert_pool_whole(eng)
 
 

@@ -190,7 +190,7 @@ def test_configure_admission_policy_reaches_the_engines_and_refuses_nonsense(tin
         assert (params["gpt_admit_batch"].string_value, params["gpt_admit_wait_steps"].string_value) == ("8", "12")
     svc = gpt_service(ModelContext.from_repo(repo, GPT))
     try:
-        assert (svc.engine.admit_batch, svc.engine.admit_wait_steps) == (8, 12)
+        assert (svc.engine.scheduler.admit_batch, svc.engine.scheduler.admit_wait_steps) == (8, 12)
     finally:
         svc.close()
     with pytest.raises(SystemExit) as e:

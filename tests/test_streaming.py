@@ -355,8 +355,8 @@ def test_frames_that_pile_up_behind_a_slow_codec_are_sent_in_capped_windows(stre
 def first_chunk_steps(svc, n: int = 200):
     """Engine steps run when a lone stream's first chunk was sent, and the first chunk's frames."""
     engine = svc.gpt.engine
-    rec = Recorder(contract(n=n), steps_at=lambda: engine.steps)
-    before = engine.steps
+    rec = Recorder(contract(n=n), steps_at=lambda: engine.counters.steps)
+    before = engine.counters.steps
     svc.execute([rec.call])
     assert rec.ended.wait(120) and rec.error is None and len(rec.chunks) > 2
     return rec.steps[0] - before, len(rec.chunks[0]) // SAMPLES_PER_CODE
@@ -468,7 +468,7 @@ def test_cancel_stops_generation_and_frees_the_slot(stream_service):
     assert rec.ended.wait(60)
     assert isinstance(rec.error, Cancelled) and rec.final == 1
     assert wait_for(lambda: engine.active == 0 and stream_service.admitted == 0, 5)
-    assert engine.steps < 1500  # it stopped long before its 1500 frames
+    assert engine.counters.steps < 1500  # it stopped long before its 1500 frames
 
 
 def test_many_streams_with_random_cancels_leave_no_state(stream_service):

@@ -27,14 +27,20 @@ from unittest import mock
 import torch
 from torch import Tensor, nn
 
-# the engine state a decode step reads and writes (Engine.allocate); `n_dev` is a view of pi's count column
-STATE = ("pi", "pf", "tokens", "hiddens", "k_cache", "v_cache", "block_table")
+# the engine state a decode step reads and writes (Engine._alloc): the packed row state (`RowParams`'s two
+# tensors; `n_dev` is a view of its count column), then these
+STATE = ("tokens", "hiddens", "k_cache", "v_cache", "block_table")
 KERNELS = ("op", "traced")
 # a package is loaded in a fresh process first: on the H200 (torch 2.11 cu130, 2026-12-02) torch's loader
 # died of SIGSEGV in `_load_aoti`, taking the whole bench with it; now that fails its variant only (and
 # `probe` showed that loader crashing on a two-layer package there too)
 LOAD_CHECK = ("import sys, torch, chattts_triton.model.attention; "  # the package calls back the decode-attention op
               "torch._inductor.aoti_load_package(sys.argv[1], run_single_threaded=True)")
+
+
+def state_tensors(engine) -> Tuple[Tensor, ...]:
+    """The step's state tensors in the order `_StepModule.forward` takes them."""
+    return (engine.row_params.ints, engine.row_params.floats) + tuple(getattr(engine, name) for name in STATE)
 
 
 class _StepModule(nn.Module):
@@ -45,16 +51,16 @@ class _StepModule(nn.Module):
         self.model = engine.model  # registered: its weights become the package's constants
         self.engine, self.b, self.attn_len = engine, b, attn_len
 
-    def forward(self, pi: Tensor, pf: Tensor, tokens: Tensor, hiddens: Tensor, k_cache: Tensor, v_cache: Tensor,
-                block_table: Tensor, n_live: Tensor) -> Tensor:
-        from chattts_triton.runtime.engine import I_N
+    def forward(self, ints: Tensor, floats: Tensor, tokens: Tensor, hiddens: Tensor, k_cache: Tensor,
+                v_cache: Tensor, block_table: Tensor, n_live: Tensor) -> Tensor:
+        from chattts_triton.runtime.row_params import RowParams
 
         e = self.engine
-        saved = {name: getattr(e, name) for name in STATE + ("n_dev",)}
+        saved = {name: getattr(e, name) for name in STATE + ("row_params", "n_dev")}
         try:
-            e.pi, e.pf, e.tokens, e.hiddens, e.k_cache, e.v_cache, e.block_table = (pi, pf, tokens, hiddens, k_cache,
-                                                                                   v_cache, block_table)
-            e.n_dev = pi[:, I_N]
+            e.tokens, e.hiddens, e.k_cache, e.v_cache, e.block_table = tokens, hiddens, k_cache, v_cache, block_table
+            e.row_params = RowParams(ints, floats)
+            e.n_dev = e.row_params.n
             return e.step_core(0, self.b, self.attn_len, "code", n_live)
         finally:
             for name, value in saved.items():
@@ -84,7 +90,7 @@ def package_step(engine, b: int, attn_len: int, path: Path, kernel: str = "op") 
     """Export and compile the decode step of b rows at attn_len into the package `path`."""
     if isinstance(engine.model, torch.jit.ScriptModule):
         raise ValueError("an AOTInductor package is exported from the eager GPT module, not TorchScript")
-    state = tuple(getattr(engine, name) for name in STATE)
+    state = state_tensors(engine)
     n_live = torch.tensor(b, dtype=torch.int64, device=engine.device)
     with _attention_kernel(kernel), torch.no_grad():
         ep = torch.export.export(_StepModule(engine, b, attn_len), state + (n_live,), strict=False)
@@ -163,7 +169,7 @@ class AotiStep:
         if start != 0 or mode != "code" or n_live is None:
             raise ValueError("an AOTInductor step serves audio-code graph buckets (start 0, n_live given)")
         e = self.engine
-        return self.runner(b, attn_len)(*(getattr(e, name) for name in STATE), n_live)
+        return self.runner(b, attn_len)(*state_tensors(e), n_live)
 
 
 def probe(workdir: Path, device: str) -> Path:

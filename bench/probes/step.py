@@ -116,13 +116,12 @@ def _profile(fn, steps: int, cuda: bool, top: int = 12) -> dict:
 def _set_positions(engine, b: int, attn_len: int, lengths: str) -> None:
     """Rows 0..b-1 feed position attn_len-1 ("full") or uniform positions below it, the largest attn_len-1
     ("uniform": a served mix; each row attends its own keys with the decode kernel)."""
-    from chattts_triton.runtime.engine import I_N, I_PLEN
-
     g = torch.Generator().manual_seed(b)
     pos = torch.full((b,), attn_len - 1) if lengths == "full" else torch.randint(0, attn_len, (b,), generator=g)
     pos[0] = attn_len - 1
-    engine.pi[:b, I_PLEN] = pos.to(engine.device)
-    engine.pi[:b, I_N] = 1  # fed position = prompt length + n - 1
+    rows = engine.row_params.narrow(0, b)
+    rows.prompt_len.copy_(pos)
+    rows.n.fill_(1)  # fed position = prompt length + n - 1
     for i in range(engine.max_slots):  # each row reads and writes pages of its own, as served
         engine._release(i)
     for i, p in enumerate(pos.tolist()):

@@ -57,12 +57,12 @@ class KeepBusy:
                                  timeout=600)
 
     def __enter__(self):
-        before = self.engine.steps
+        before = self.engine.counters.steps
         self.thread.start()
         deadline = time.monotonic() + 120
-        while self.engine.steps < before + 20 and time.monotonic() < deadline:  # past admission and capture
+        while self.engine.counters.steps < before + 20 and time.monotonic() < deadline:  # past admission and capture
             time.sleep(0.01)
-        if self.engine.steps < before + 20:
+        if self.engine.counters.steps < before + 20:
             self.stop.set()
             raise RuntimeError("the engine did not start generating beside the codec within 120 s")
         return self
@@ -104,7 +104,7 @@ def time_calls(voc, hid: torch.Tensor, wins, repeats: int, variant: str, engine=
         for _ in range(repeats):
             t_stream = time.perf_counter()
             for i, w in enumerate(wins):
-                steps0 = engine.steps if engine is not None else 0
+                steps0 = engine.counters.steps if engine is not None else 0
                 if sampler is not None:
                     sampler.armed.set()
                 t0 = time.perf_counter()
@@ -114,7 +114,7 @@ def time_calls(voc, hid: torch.Tensor, wins, repeats: int, variant: str, engine=
                     sampler.armed.clear()
                 calls[i].append(ms)
                 if ms > 50:
-                    slow.append({"window": i, "ms": ms, "engine_steps_during": (engine.steps if engine is not None else 0) - steps0})
+                    slow.append({"window": i, "ms": ms, "engine_steps_during": (engine.counters.steps if engine is not None else 0) - steps0})
             streams.append(1000 * (time.perf_counter() - t_stream))
     return calls, streams, slow
 

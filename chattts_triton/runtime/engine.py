@@ -15,6 +15,11 @@ the newest running requests are suspended (their pages, tokens and sampling stat
 their pages freed) and go back to the head of the queue; once pages are free again they resume
 exactly where they stopped, bit for bit. Admission keeps a page per running request in reserve.
 
+Beside this file: who joins the batch each iteration, how many pages each request gets and whom to suspend
+is decided by `scheduler.py` (`Scheduler`; the engine does the tensor work its decisions imply); each slot's
+sampling state, packed on the device, is named by `row_params.py` (`RowParams`); the cumulative counters
+behind `Engine.stats()` are `stats.py` (`EngineStats`).
+
 `model` is `ChatTTSGPT` or its TorchScript export (same methods).
 """
 
@@ -25,9 +30,8 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -36,6 +40,9 @@ from torch import Tensor
 from ..config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, KV_PAGE_TOKENS, REPETITION_WINDOW
 from ..model import attention, sampling
 from .graphs import GraphCache, bucket, to_host
+from .row_params import RowParams
+from .scheduler import Admission, Scheduler, Suspended
+from .stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +113,6 @@ class EngineError(RuntimeError):
     pass
 
 
-# Per-slot device scalars, packed so that one gather or one copy moves all of a slot's state.
-I_N, I_PLEN, I_TOPK, I_MIN, I_SEED, I_ATTEMPT, I_EOS, I_TEXT = range(8)  # int64 columns of Engine.pi
-F_TEMP, F_TOPP, F_PEN = range(3)  # float32 columns of Engine.pf
-
-
 class _Slot:
     __slots__ = ("req", "idx", "attempt", "emitted", "seq", "saved", "_eng")
 
@@ -169,14 +171,18 @@ class Engine:
         cuda_graphs: bool = True,
         admit_batch: int = ADMIT_BATCH,
         admit_wait_steps: int = ADMIT_WAIT_STEPS,
+        max_pending: int = 0,
         compile_step: bool = False,
         compile_prefill: bool = False,
         decode_kernel: Optional[bool] = None,
         start: bool = True,
     ):
-        """admit_batch / admit_wait_steps: while requests are running, waiting ones are admitted (one
-        batched prefill) once `admit_batch` of them (or as many as there are free slots) wait, or the
+        """admit_batch / admit_wait_steps / max_prefill_tokens: the admission policy (`Scheduler`): while
+        requests are running, waiting ones are admitted (one batched prefill of at most max_prefill_tokens
+        prompt positions) once `admit_batch` of them (or as many as there are free slots) wait, or the
         oldest has waited `admit_wait_steps` decode steps; an idle engine admits at once.
+        max_pending: running + waiting requests at which `full()` says yes (0: never); the engine itself
+        accepts every submit, its callers refuse.
         compile_step, compile_prefill: see `compile_step` (the model must be the eager module).
         decode_kernel: decode steps of the eager module read each row's own keys only
         (`attention.decode_attention`); None: where its GPU kernel runs (True elsewhere: its dense PyTorch
@@ -204,18 +210,14 @@ class Engine:
             raise EngineError(f"a KV cache of {cache_tokens} positions cannot hold one request of the full context "
                               f"({max_context} positions)")
         self.num_pages = usable + 1  # and the scratch page 0
-        self.preemptions = 0  # requests suspended for want of pages, and resumed (cumulative)
-        self.resumes = 0
-        self._suspended: Dict[int, _Slot] = {}  # id(request) → its suspended slot, while it waits to resume
-        self._seq = 0
+        self._seq = 0  # admission order of the next slot (the newest running requests are suspended first)
         self.max_new_tokens = max_new_tokens
         self.hidden = hidden
         self.num_vq = num_vq
         self.num_audio_tokens = int(getattr(model, "num_audio_tokens", AUDIO_EOS + 1))
         self.compute_dtype = compute_dtype
-        self.max_prefill_tokens = max_prefill_tokens
-        self.admit_batch = max(1, admit_batch)
-        self.admit_wait_steps = max(0, admit_wait_steps)
+        # who joins the batch and who leaves it for want of pages; the engine does what it decides
+        self.scheduler = Scheduler(max_slots, max_prefill_tokens, self.page, admit_batch, admit_wait_steps, max_pending)
         self._live = 0
         s = max_slots
         # host mirrors, indexed by slot: the step needs no Python loop over the batch for these
@@ -226,38 +228,11 @@ class Engine:
         self.h_text = np.zeros(s, dtype=bool)
         self.streaming: Set[_Slot] = set()
         self._pending: List[tuple] = []  # stream chunks copied to the host, delivered after the next sync
-        self.waiting: Deque[GenRequest] = deque()
-        self.arrived: Deque[int] = deque()  # self.steps when each waiting request arrived
         self.cv = threading.Condition()
         self.stopping = False
-        self.steps = 0
-        # cumulative, for metrics: busy time = step + prefill seconds; mean batch = step_rows / steps
-        self.step_rows = 0
-        self.step_seconds = 0.0
-        self.step_device_seconds = 0.0  # of step_seconds: launch to the step's host sync (the rest is host bookkeeping)
-        # CUDA, every GPU_TIMING_EVERY-th step: the step's span on the GPU's own clock (events around its
-        # launch). Set beside step_device_seconds it separates a slow GPU (kernels, other processes' time
-        # slices) from a host that comes back late (the launch, or the GIL held by another thread)
-        self.step_gpu_seconds = 0.0
-        self.step_gpu_samples = 0
-        # the same sampled steps, where replayed from a graph, on events the graph records itself
-        # (graphs.graph_events): the GPU's span of the replay alone, without the host's launch around it
-        self.step_graph_seconds = 0.0
-        self.step_graph_samples = 0
+        self.counters = EngineStats()  # cumulative, for metrics: Engine.stats()
         self._graph_timing_failed = False
         self._step_events: Optional[Tuple[Any, Any]] = None
-        # every GIL_PROBE_EVERY-th step: how long this thread waits to take the GIL back once it lets
-        # it go (a `time.sleep(0)` right after the step's host sync: Linux's timer slack uncontended — long
-        # enough for a waiting thread to take the GIL, as it does during a host
-        # sync; a release of a few µs is mostly taken back first). Each torch call, graph replay and
-        # host sync lets the GIL go; while the process's other threads (Triton's requests, replies)
-        # hold it, the engine waits up to the interpreter's switch interval each time. A GPU clock
-        # read through events recorded from Python includes such waits too
-        self.gil_wait_seconds = 0.0
-        self.gil_wait_samples = 0
-        self.prefill_seconds = 0.0
-        self.prefills = 0  # batched prefills run, and the prompts they admitted (size and count of prefills)
-        self.prefill_rows = 0
         self.cache_dtype = cache_dtype
         self.cuda_graphs = cuda_graphs
         self.graphs: Optional[CudaGraphs] = None
@@ -312,11 +287,10 @@ class Engine:
         self.tokens = torch.zeros(s, max_new_tokens + 1, num_vq, dtype=torch.int64, device=dev)
         # the model's final hidden states are in the compute dtype: kept in it, they are exact at half the memory
         self.hiddens = torch.zeros(s, max_new_tokens + 1, hidden, dtype=self.compute_dtype, device=dev)
-        # a free slot's state: it pads graph buckets, so every id it holds must index the code head
-        self._free_pi = torch.tensor([0, 0, 0, 0, 0, 0, AUDIO_EOS, 0], dtype=torch.int64, device=dev)
-        self.pi = self._free_pi.repeat(s, 1)
-        self.pf = torch.ones(s, 3, dtype=torch.float32, device=dev)
-        self.n_dev = self.pi[:, I_N]  # tokens kept so far, per slot
+        # each slot's sampling state and counts (row_params.py); a free slot's pads graph buckets
+        self.row_params = RowParams.free(s, dev)
+        self._free_row = RowParams.free(1, dev)
+        self.n_dev = self.row_params.n  # the count column, kept as one view: every step writes it in place
         self.n_live = torch.zeros((), dtype=torch.int64, device=dev)  # rows ≥ this in a graph bucket are padding
         self.graphs = CudaGraphs(self) if (self.cuda_graphs and self.device.type == "cuda") else None
         self.allocated = True
@@ -502,8 +476,7 @@ class Engine:
         with self.cv:
             if self.stopping:
                 raise EngineError("engine is stopping")
-            self.waiting.append(req)
-            self.arrived.append(self.steps)
+            self.scheduler.add(req, self.counters.steps)
             self.cv.notify()
 
     def generate(self, req: GenRequest, timeout: Optional[float] = None) -> GenResult:
@@ -526,18 +499,11 @@ class Engine:
         return box[0]
 
     def stats(self) -> Dict[str, float]:
-        return {"engine_active": self.active, "engine_waiting": self.pending, "engine_steps": self.steps,
-                "engine_step_rows": self.step_rows, "engine_step_seconds": round(self.step_seconds, 6),
-                "engine_step_device_seconds": round(self.step_device_seconds, 6),
-                "engine_step_gpu_seconds": round(self.step_gpu_seconds, 6), "engine_step_gpu_samples": self.step_gpu_samples,
-                "engine_step_graph_seconds": round(self.step_graph_seconds, 6), "engine_step_graph_samples": self.step_graph_samples,
-                "engine_prefill_seconds": round(self.prefill_seconds, 6),
-                "engine_prefills": self.prefills, "engine_prefill_rows": self.prefill_rows,
-                "engine_gil_wait_seconds": round(self.gil_wait_seconds, 6), "engine_gil_wait_samples": self.gil_wait_samples,
+        """The counters (`EngineStats`) and the gauges read off the engine's state, each named `engine_*`."""
+        return {"engine_active": self.active, "engine_waiting": self.pending, **self.counters.report(),
                 "engine_results_pending": self._results.qsize() if self._results is not None else 0,
                 "engine_slots": self.max_slots, "engine_kv_pages": self.num_pages - 1,
-                "engine_kv_pages_free": len(self.free_pages) if self.allocated else self.num_pages - 1,
-                "engine_preemptions": self.preemptions, "engine_resumes": self.resumes}
+                "engine_kv_pages_free": len(self.free_pages) if self.allocated else self.num_pages - 1}
 
     @property
     def active(self) -> int:
@@ -545,7 +511,11 @@ class Engine:
 
     @property
     def pending(self) -> int:
-        return len(self.waiting)
+        return self.scheduler.pending
+
+    def full(self) -> bool:
+        """Whether running + waiting requests reached `max_pending` (a caller answers "server busy")."""
+        return self.scheduler.full(len(self.rows))
 
     @property
     def free(self) -> List[int]:
@@ -556,7 +526,7 @@ class Engine:
         with self.cv:
             self.stopping = True
             if not drain:
-                for r in self.waiting:
+                for r in self.scheduler.requests():
                     r.cancel()
                 for s in list(self.rows):
                     s.req.cancel()
@@ -587,11 +557,11 @@ class Engine:
         """One iteration: admit (per the admission policy) with one batched prefill, then one decode
         step of every running request. False once stopped and drained."""
         with self.cv:
-            while block and not self.waiting and not self.rows and not self.stopping and not self._tasks:
+            while block and not self.scheduler.pending and not self.rows and not self.stopping and not self._tasks:
                 self.cv.wait()
             tasks, self._tasks = self._tasks, []
-            stop = self.stopping and not self.waiting and not self.rows
-            admitted = [] if stop else self._take_admissions()
+            stop = self.stopping and not self.scheduler.pending and not self.rows
+            admitted = None if stop else self._take_admissions()
         for task in tasks:  # each reports its own outcome
             with torch.inference_mode():
                 task()
@@ -599,72 +569,31 @@ class Engine:
             return False
         try:
             with torch.inference_mode():
-                fresh = [r for r in admitted if id(r) not in self._suspended]
-                for req in admitted:  # suspended ones first (they were at the head), where they stopped
-                    if id(req) in self._suspended:
-                        self._resume(self._suspended.pop(id(req)))
+                for suspended in admitted.resume:  # first (they were at the head), where they stopped
+                    self._resume(suspended.state)
+                fresh = admitted.prefill
                 if fresh:
                     t0 = time.perf_counter()
                     self._prefill(fresh)
-                    self.prefill_seconds += time.perf_counter() - t0
-                    self.prefills += 1
-                    self.prefill_rows += len(fresh)
+                    self.counters.prefill_seconds += time.perf_counter() - t0
+                    self.counters.prefills += 1
+                    self.counters.prefill_rows += len(fresh)
                 if self.rows:
                     t0, b = time.perf_counter(), len(self.rows)
                     self._decode_step()
-                    self.step_seconds += time.perf_counter() - t0
-                    self.step_rows += b
+                    self.counters.step_seconds += time.perf_counter() - t0
+                    self.counters.step_rows += b
         except Exception as e:  # fail the requests in flight, keep serving the next ones
             log.exception("engine step failed")
             self._fail_all(e)
         return True
 
-    def _pop_waiting(self) -> GenRequest:
-        self.arrived.popleft()
-        return self.waiting.popleft()
-
-    def _admit_now(self, free: int) -> bool:
-        if not self.rows:  # idle: latency first
-            return True
-        # busy: batch the prefills (each is hundreds of eager kernels between two decode steps)
-        return len(self.waiting) >= min(self.admit_batch, free) or self.steps - self.arrived[0] >= self.admit_wait_steps
-
-    def _drop_cancelled_head(self) -> None:
-        req = self._pop_waiting()
-        suspended = self._suspended.pop(id(req), None)
-        steps = 0 if suspended is None else int(suspended.saved[-1][0])
-        self._hand_off(req, GenResult(None, None, "cancelled", steps=steps))
-
-    def _take_admissions(self) -> List[GenRequest]:
-        """Who joins this iteration: from the head of the queue (suspended requests first, they are put
-        back there), while slots, the prefill's token budget and pages last; pages: its prompt's (or what
-        a suspended one held), keeping one page in reserve for each request that will be running."""
-        while self.waiting and self.waiting[0].cancelled:
-            self._drop_cancelled_head()
-        free = self.max_slots - len(self.rows)
-        if not self.waiting or free <= 0 or not self._admit_now(free):
-            return []
-        admitted: List[GenRequest] = []
-        budget = self.max_prefill_tokens
-        pages = len(self.free_pages)
-        while self.waiting and len(admitted) < free:
-            req = self.waiting[0]
-            if req.cancelled:
-                self._drop_cancelled_head()
-                continue
-            suspended = self._suspended.get(id(req))
-            if suspended is None:
-                if admitted and req.prompt_len > budget:
-                    break
-                need = -(-req.prompt_len // self.page)
-            else:
-                need = int(suspended.saved[-1][-1])
-            if need + len(self.rows) + len(admitted) > pages:
-                break
-            admitted.append(self._pop_waiting())
-            pages -= need
-            if suspended is None:
-                budget -= req.prompt_len
+    def _take_admissions(self) -> Admission:
+        """The scheduler's admissions for this iteration (under the lock); the cancelled requests it dropped
+        from the queue end here."""
+        admitted = self.scheduler.admit(len(self.rows), len(self.free_pages), self.counters.steps)
+        for req, steps in admitted.cancelled:
+            self._hand_off(req, GenResult(None, None, "cancelled", steps=steps))
         return admitted
 
     # -- pages ------------------------------------------------------------------------------------
@@ -696,21 +625,14 @@ class Engine:
 
     def _ensure_pages(self) -> None:
         """Before a decode step: every running row holds the page of the position it writes; where the pool
-        has too few, the newest rows are suspended (never the last one: the pool holds a full-context request)."""
+        has too few, the rows the scheduler picks are suspended."""
         b = len(self.rows)
-        want = (self.h_plen[:b] + self.h_n[:b] - 1) // self.page + 1
+        want = self.scheduler.pages_for(self.h_plen[:b] + self.h_n[:b])  # through the position it writes
         short = want > self.h_pages[:b]
         if int(short.sum()) > len(self.free_pages):
-            victims, freed, need = [], len(self.free_pages), int(short.sum())
-            for i in sorted(range(b), key=lambda i: self.rows[i].seq, reverse=True):
-                if freed >= need or len(victims) == b - 1:
-                    break
-                victims.append(i)
-                freed += int(self.h_pages[i])
-                need -= int(short[i])
-            self._suspend(victims)
+            self._suspend(self.scheduler.victims([s.seq for s in self.rows], self.h_pages[:b], short, len(self.free_pages)))
             b = len(self.rows)
-            want = (self.h_plen[:b] + self.h_n[:b] - 1) // self.page + 1
+            want = self.scheduler.pages_for(self.h_plen[:b] + self.h_n[:b])
             short = want > self.h_pages[:b]
         for i in np.flatnonzero(short):
             self._grant(int(i), int(want[i]))
@@ -718,29 +640,27 @@ class Engine:
     def _suspend(self, ids: List[int]) -> None:
         """Take the rows `ids` out of the batch: their pages' keys and values, tokens, hidden states and
         sampling state to the host (queued before anything reuses the pages), their pages freed; back to
-        the head of the queue, oldest first."""
-        slots = []
+        the head of the queue (the scheduler's `requeue`)."""
+        records = []
         for i in ids:
             slot = self.rows[i]
             n, k = int(self.h_n[i]), int(self.h_pages[i])
             pages = self._h2d(torch.from_numpy(self.h_table[i, :k].copy()))
             slot.saved = (self._d2h(self.k_cache.index_select(1, pages)), self._d2h(self.v_cache.index_select(1, pages)),
-                          self._d2h(self.tokens[i, :n]), self._d2h(self.hiddens[i, :n]), self._d2h(self.pi[i]),
-                          self._d2h(self.pf[i]), (n, int(self.h_plen[i]), int(self.h_max[i]), bool(self.h_text[i]), k))
+                          self._d2h(self.tokens[i, :n]), self._d2h(self.hiddens[i, :n]),
+                          self.row_params.narrow(i, 1).map(self._d2h),
+                          (n, int(self.h_plen[i]), int(self.h_max[i]), bool(self.h_text[i]), k))
             self.streaming.discard(slot)
             self._release(i)
-            slots.append(slot)
+            records.append(Suspended(slot.req, slot.seq, pages=k, steps=n, state=slot))
         self._compact(set(ids))
-        for slot in sorted(slots, key=lambda s: s.seq, reverse=True):
-            self.waiting.appendleft(slot.req)
-            self.arrived.appendleft(self.steps)
-            self._suspended[id(slot.req)] = slot
-        self.preemptions += len(slots)
-        log.debug("suspended %d requests for want of KV pages (%d free)", len(slots), len(self.free_pages))
+        self.scheduler.requeue(records, self.counters.steps)
+        self.counters.preemptions += len(records)
+        log.debug("suspended %d requests for want of KV pages (%d free)", len(records), len(self.free_pages))
 
     def _resume(self, slot: _Slot) -> None:
         """A suspended request into the next slot, exactly as it was."""
-        k_saved, v_saved, toks, hids, pi, pf, (n, plen, max_new, text, k) = slot.saved
+        k_saved, v_saved, toks, hids, params, (n, plen, max_new, text, k) = slot.saved
         i = len(self.rows)
         self._grant(i, k)
         pages = self._h2d(torch.from_numpy(self.h_table[i, :k].copy()))
@@ -748,14 +668,13 @@ class Engine:
         self.v_cache.index_copy_(1, pages, self._h2d(v_saved))
         self.tokens[i, :n].copy_(self._h2d(toks))
         self.hiddens[i, :n].copy_(self._h2d(hids))
-        self.pi[i].copy_(self._h2d(pi))
-        self.pf[i].copy_(self._h2d(pf))
+        self.row_params.narrow(i, 1).copy_(params.map(self._h2d))
         self.h_n[i], self.h_plen[i], self.h_max[i], self.h_text[i] = n, plen, max_new, text
         slot.idx, slot.saved = i, None
         self.rows.append(slot)
         if slot.req.on_tokens is not None:
             self.streaming.add(slot)
-        self.resumes += 1
+        self.counters.resumes += 1
 
     # -- host <-> device without extra host syncs ---------------------------------------------------
     def _h2d(self, t: Tensor) -> Tensor:
@@ -774,13 +693,13 @@ class Engine:
             self._live = b
 
     # -- prefill --------------------------------------------------------------------------------
-    def _prefill(self, reqs: List[GenRequest]) -> None:
+    def _prefill(self, reqs: Sequence[GenRequest]) -> None:
         """Admitted requests take the next slots b0..b0+k-1: one prefill over that slot range."""
         b0, k = len(self.rows), len(reqs)
         for i, req in enumerate(reqs):
             slot = _Slot(self, req, b0 + i, self._seq)
             self._seq += 1
-            self._grant(b0 + i, -(-req.prompt_len // self.page))
+            self._grant(b0 + i, self.scheduler.pages_for(req.prompt_len))
             self.rows.append(slot)
             self.h_n[b0 + i] = 0
             self.h_plen[b0 + i] = req.prompt_len
@@ -819,17 +738,10 @@ class Engine:
         h = self.model.prefill(x, positions, self.block_table.index_select(0, idx[0]), self.k_cache, self.v_cache)
         return h[torch.arange(x.shape[0], device=self.device), idx[1]].float()
 
-    def _set_params(self, b0: int, reqs: List[GenRequest]) -> None:
-        ints, floats = [], []
-        for r in reqs:
-            p = r.params
-            ints.append([0, r.prompt_len, 0 if p.top_k is None else p.top_k, p.min_new_tokens, p.seed, 0, r.eos_id,
-                         int(r.mode == "text")])
-            floats.append([p.temperature, 1.0 if p.top_p is None else p.top_p, p.repetition_penalty])
-        self.pi.narrow(0, b0, len(reqs)).copy_(self._h2d(torch.tensor(ints, dtype=torch.int64)))
-        self.pf.narrow(0, b0, len(reqs)).copy_(self._h2d(torch.tensor(floats, dtype=torch.float32)))
+    def _set_params(self, b0: int, reqs: Sequence[GenRequest]) -> None:
+        self.row_params.narrow(b0, len(reqs)).copy_(RowParams.of(reqs).map(self._h2d))
 
-    def _prompt_batch(self, reqs: List[GenRequest], rows: int, t: int, b0: int):
+    def _prompt_batch(self, reqs: Sequence[GenRequest], rows: int, t: int, b0: int):
         """The admitted prompts (slots b0..) as one padded batch x [rows, t, hidden], positions [rows, t]
         (-1 = padding) and idx [2, rows] (slot, last prompt position); rows past the prompts are bucket
         padding (all positions -1, slot b0). One host→device copy per input kind, one embedding call per
@@ -889,7 +801,7 @@ class Engine:
             if not redraw:
                 break
             idx = self._h2d(torch.tensor(redraw, dtype=torch.int64) + b0)
-            self.pi[:, I_ATTEMPT].index_add_(0, idx, torch.ones_like(idx))
+            self.row_params.attempt.index_add_(0, idx, torch.ones_like(idx))
             todo = redraw
         self._deliver()
         self._advance(b0, b0 + k, hit)
@@ -905,7 +817,7 @@ class Engine:
             r = self._h2d(torch.tensor(sel, dtype=torch.int64))
             st = r + b0
             self.n_dev.index_fill_(0, st, 0)
-            _, hm = self.sample_core(st, self.pi.index_select(0, st), h.index_select(0, r), mode)
+            _, hm = self.sample_core(st, self.row_params.select(st), h.index_select(0, r), mode)
             order += sel
             hits.append(hm)
         got = self._host_sync(torch.cat(hits))  # the prefill's one host sync
@@ -923,9 +835,10 @@ class Engine:
         attn_len = int((self.h_plen[:b] + self.h_n[:b]).max())  # 1 + the largest position fed
         n_text = int(self.h_text[:b].sum())
         mode = "code" if n_text == 0 else "text" if n_text == b else "mixed"
+        c = self.counters
         hit = None
         inner = None  # the timing events of the graph that runs this step, if one does
-        timed = self.device.type == "cuda" and self.steps % GPU_TIMING_EVERY == 0
+        timed = self.device.type == "cuda" and c.steps % GPU_TIMING_EVERY == 0
         if timed:
             if self._step_events is None:
                 self._step_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -943,23 +856,23 @@ class Engine:
         if timed:
             self._step_events[1].record()
         hit_host = self._host_sync(hit[:b])
-        self.step_device_seconds += time.perf_counter() - t0
+        c.step_device_seconds += time.perf_counter() - t0
         if timed:  # both events are done: the sync came after the second
-            self.step_gpu_seconds += self._step_events[0].elapsed_time(self._step_events[1]) / 1000
-            self.step_gpu_samples += 1
+            c.step_gpu_seconds += self._step_events[0].elapsed_time(self._step_events[1]) / 1000
+            c.step_gpu_samples += 1
             if inner is not None and not self._graph_timing_failed:
                 try:
-                    self.step_graph_seconds += inner[0].elapsed_time(inner[1]) / 1000
-                    self.step_graph_samples += 1
+                    c.step_graph_seconds += inner[0].elapsed_time(inner[1]) / 1000
+                    c.step_graph_samples += 1
                 except Exception:
                     log.exception("reading a decode graph's own timing events failed; no more graph timings")
                     self._graph_timing_failed = True
-        if self.steps % GIL_PROBE_EVERY == 0:
+        if c.steps % GIL_PROBE_EVERY == 0:
             t1 = time.perf_counter()
             time.sleep(0)  # lets the GIL go and takes it back: the wait a release costs now
-            self.gil_wait_seconds += time.perf_counter() - t1
-            self.gil_wait_samples += 1
-        self.steps += 1
+            c.gil_wait_seconds += time.perf_counter() - t1
+            c.gil_wait_samples += 1
+        c.steps += 1
         self._deliver()
         self._advance(0, b, hit_host)
 
@@ -980,8 +893,8 @@ class Engine:
         Returns eos_hit [b]."""
         dev = self.device
         st = torch.arange(start, start + b, dtype=torch.int64, device=dev)
-        p = self.pi.narrow(0, start, b).clone()
-        n = p[:, I_N]
+        p = self.row_params.select(st)  # a copy: sampling advances the counts (n_dev) in place
+        n = p.n
         last_tok = self.tokens[st, (n - 1).clamp(min=0)]
         if mode == "text":
             x = self.model.embed_text(last_tok[:, 0])
@@ -989,9 +902,9 @@ class Engine:
             # a free slot may still hold text-vocabulary ids: keep padding rows' lookups in range
             x = self.model.embed_code(last_tok.clamp(max=self.num_audio_tokens - 1))
             if mode == "mixed":
-                x = torch.where(p[:, I_TEXT].bool().unsqueeze(1), self.model.embed_text(last_tok[:, 0]), x)
+                x = torch.where(p.text.bool().unsqueeze(1), self.model.embed_text(last_tok[:, 0]), x)
         x = x.to(self.compute_dtype).unsqueeze(1)
-        positions = (p[:, I_PLEN] + n - 1).unsqueeze(1)
+        positions = (p.prompt_len + n - 1).unsqueeze(1)
         tables = self.block_table.narrow(0, start, b)
         h = self.model(x, positions, tables, self.k_cache, self.v_cache, attn_len)[:, 0].float()
         if groups is None:
@@ -999,16 +912,15 @@ class Engine:
             return self.sample_core(st, p, h, mode, valid)[1]
         hit = torch.zeros(b, dtype=torch.bool, device=dev)
         for m, rows in groups:
-            _, hm = self.sample_core(st.index_select(0, rows), p.index_select(0, rows), h.index_select(0, rows), m)
+            _, hm = self.sample_core(st.index_select(0, rows), p.select(rows), h.index_select(0, rows), m)
             hit.index_copy_(0, rows, hm)
         return hit
 
     def sample_core(self, st: Tensor, p: Tensor, h: Tensor, mode: str, valid: Optional[Tensor] = None):
-        """Sample the next token of the rows in slots `st` (p: their rows of `pi`); record it."""
+        """Sample the next token of the rows in slots `st` (p: a copy of their `row_params`); record it."""
         b = st.shape[0]
         q = self.num_vq if mode == "code" else 1
-        n = p[:, I_N]
-        f = self.pf.index_select(0, st)
+        n = p.n
         hc = h.to(self.compute_dtype)
         logits = self.model.logits_code(hc) if mode == "code" else self.model.logits_text(hc).unsqueeze(1)
         logits = logits.reshape(b * q, logits.shape[-1]).float()
@@ -1019,20 +931,20 @@ class Engine:
         w = REPETITION_WINDOW
         offs = (n.unsqueeze(1) - w + torch.arange(w, device=self.device)).clamp(min=0)  # [B, W]
         hist = self.tokens[st.unsqueeze(1), offs][..., :q].permute(0, 2, 1).reshape(b * q, w)
-        eos = p[:, I_EOS]
+        eos = p.eos
         logits = sampling.process_logits(
             logits,
-            rep(f[:, F_TEMP]),
-            rep(f[:, F_PEN]),
-            rep(f[:, F_TOPP]),
-            rep(p[:, I_TOPK]),
+            rep(p.temperature),
+            rep(p.repetition_penalty),
+            rep(p.top_p),
+            rep(p.top_k),
             hist,
             rep(n.clamp(max=w)),
-            rep(n < p[:, I_MIN]),
+            rep(n < p.min_new_tokens),
             rep(eos),
         )
         row = torch.arange(q, device=self.device).repeat(b)
-        u = sampling.uniform(rep(p[:, I_SEED]), rep(n), row, rep(p[:, I_ATTEMPT]))
+        u = sampling.uniform(rep(p.seed), rep(n), row, rep(p.attempt))
         tok = sampling.sample(logits, u).view(b, q)
         hit = (tok == eos.unsqueeze(1)).any(1)
         if q < self.num_vq:
@@ -1121,7 +1033,7 @@ class Engine:
             src = self._h2d(torch.from_numpy(src_h))
             dst = self._h2d(torch.from_numpy(dst_h))
             t = int(self.h_n[src_h].max()) + 1
-            for buf in (self.tokens.narrow(1, 0, t), self.hiddens.narrow(1, 0, t), self.pi, self.pf):
+            for buf in (self.tokens.narrow(1, 0, t), self.hiddens.narrow(1, 0, t), self.row_params.ints, self.row_params.floats):
                 buf.index_copy_(0, dst, buf.index_select(0, src))
             for arr in (self.h_n, self.h_plen, self.h_max, self.h_text, self.h_table, self.h_pages):
                 arr[dst_h] = arr[src_h]
@@ -1139,8 +1051,7 @@ class Engine:
         # free slots are the padding rows of graph buckets: n = prompt_len = 0 (nothing in their
         # history is read) and the audio EOS (a text request's EOS id would index past the code head)
         if hi > lo:
-            self.pi.narrow(0, lo, hi - lo).copy_(self._free_pi.expand(hi - lo, -1))
-            self.pf.narrow(0, lo, hi - lo).fill_(1.0)
+            self.row_params.narrow(lo, hi - lo).copy_(self._free_row)
             self.h_n[lo:hi] = 0
             self.h_plen[lo:hi] = 0
             self.h_text[lo:hi] = False
@@ -1240,7 +1151,7 @@ class CudaGraphs(GraphCache):
         counted (they run eagerly too, and a compiled prefill that fails falls back by itself)."""
         return [key for key, run in self.graphs.items() if run is None and key[0] != "prefill"]
 
-    def prefill(self, b0: int, reqs: List[GenRequest]) -> Optional[Tensor]:
+    def prefill(self, b0: int, reqs: Sequence[GenRequest]) -> Optional[Tensor]:
         """`Engine.run_prefill` of the prompts `reqs` into slots b0.. from the graph of their bucket:
         [bucket rows, hidden], the first len(reqs) rows theirs; None over PREFILL_GRAPH_TOKENS."""
         e = self.e

@@ -68,7 +68,8 @@ class GPTService:
         self.text_eos_id = text_eos_id
         self.spk_emb_id = spk_emb_id
         self.max_new_tokens = max_new_tokens
-        # execute() returns at once, so Triton's queue never fills: bound running + waiting here (0: no bound)
+        # execute() returns at once, so Triton's queue never fills: running + waiting are bounded here (the
+        # engine's scheduler says when they reach it: Engine.full; 0: no bound)
         self.max_pending = max_pending
         script = torch.jit.load(str(model_path), map_location=device).eval()
         plain = script
@@ -85,6 +86,7 @@ class GPTService:
                 compute_dtype=DTYPES[dtype], compile_step=compiled, compile_prefill=compiled and compile_prefill,
                 admit_batch=admit_batch,
                 admit_wait_steps=admit_wait_steps,
+                max_pending=max_pending,
             )
             # an experiment switch: a host sync that waits on an event instead of the stream (bench/probes/stream_codec.py)
             engine.event_sync = os.environ.get(EVENT_SYNC_ENV, "") == "1"
@@ -125,7 +127,7 @@ class GPTService:
     def execute(self, calls: Sequence[Call]) -> None:
         for c in calls:
             try:
-                if self.max_pending and self.engine.active + self.engine.pending >= self.max_pending:
+                if self.engine.full():
                     raise Overloaded(f"server busy: {self.max_pending} generations in flight, retry later")
                 self.engine.submit(self.request(c.inputs, c.reply))
             except Exception as e:  # noqa: BLE001
