@@ -4,6 +4,9 @@ over gRPC (`client.AsyncChatTTSClient`), on one server.
     python -m bench.gateway --repo build/repo-tiny --out bench/results/DATE-cpu-gateway     # starts both
     python -m bench.gateway --repo REPO --grpc-url HOST:8001 --out OUT                      # a running server
 
+Without --grpc-url the server is started as it ships, by the launcher (`python -m chattts_triton.serve`,
+--serve-arg passes it flags); the gateway always runs here, with this interpreter.
+
 1. Concurrency 1, whole wav: paired requests (direct, then through the gateway), p50 of each and of the pairs'
    differences: the overhead (issue target ≤ 5 ms p50).
 2. Concurrency 1, streams: the first chunk of `chattts_stream` over gRPC against the first byte of the gateway's
@@ -14,13 +17,16 @@ over gRPC (`client.AsyncChatTTSClient`), on one server.
 4. Encoding: CPU time per second of audio of each format, whole files and streams (4096-sample chunks), on audio
    the server made.
 
-Every request forces --tokens code frames (MIN = MAX_NEW_TOKENS), as bench.run does.
+Every request forces --tokens code frames (MIN = MAX_NEW_TOKENS), as bench.run does. Where PyAV (FFmpeg) cannot
+be imported (tools.bundle leaves it out) the gateway serves whole wav, flac and pcm and streamed pcm only: what
+needs FFmpeg (the first mp3 byte, mp3/opus/aac, streamed wav and flac) is left out and the report says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import platform
@@ -43,6 +49,26 @@ def log(msg: str) -> None:
 
 def pct(values: List[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def pyav_missing() -> Optional[str]:
+    """Why PyAV cannot be imported here (and so in the gateway this starts), or None."""
+    try:
+        import av  # noqa: F401
+    except ImportError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def decode(data: bytes, fmt: str, pyav: bool) -> np.ndarray:
+    """gateway.audio.decode (FFmpeg); without PyAV, libsndfile reads wav and flac (float32 = int16 / 32768 alike)."""
+    from gateway.audio import decode as ffmpeg_decode
+
+    if pyav or fmt == "pcm":
+        return ffmpeg_decode(data, fmt)
+    import soundfile
+
+    return soundfile.read(io.BytesIO(data), dtype="float32")[0]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -90,7 +116,7 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
     import aiohttp
 
     from client import AsyncChatTTSClient
-    from gateway.audio import FORMATS, StreamEncoder, decode, encode
+    from gateway.audio import FORMATS, STREAM_WITHOUT_PYAV, WHOLE_WITHOUT_PYAV, StreamEncoder, encode
 
     fixed = {"max_new_tokens": a.tokens, "min_new_tokens": a.tokens}
     options = {"voice": "alloy", "prompt": "[speed_5]", "seed": 1, **fixed}
@@ -102,7 +128,18 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     http = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))
     speech = gateway.url + "/v1/audio/speech"
-    result: Dict[str, object] = {}
+    no_pyav = pyav_missing()
+    pyav = no_pyav is None
+    first_byte_formats = [f for f in ("pcm", "mp3") if pyav or f in STREAM_WITHOUT_PYAV]
+    result: Dict[str, object] = {"pyav": {"available": pyav, "error": no_pyav}, "skipped": []}
+    if not pyav:
+        why = f"PyAV cannot be imported ({no_pyav}): FFmpeg makes these"
+        result["skipped"] = [
+            {"what": "concurrency 1, first mp3 byte", "why": why},
+            {"what": "encoding, whole files: " + ", ".join(f for f in FORMATS if f not in WHOLE_WITHOUT_PYAV), "why": why},
+            {"what": "encoding, streams: " + ", ".join(f for f in FORMATS if f not in STREAM_WITHOUT_PYAV), "why": why},
+        ]
+        log(f"without PyAV ({no_pyav}): wav and pcm only")
 
     async def via_gateway(b: dict) -> bytes:
         async with http.post(speech, json=b) as r:
@@ -133,7 +170,7 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
         audio = await direct.infer_one(TEXT, options)  # warm both paths
         assert audio.size == samples_for_codes(a.tokens), audio.size
         for _ in range(3):
-            assert decode(await via_gateway(body)).size == audio.size
+            assert decode(await via_gateway(body), "wav", pyav).size == audio.size
             await first_chunk()
             await first_byte({**body, "stream": True, "response_format": "pcm"})
 
@@ -155,7 +192,7 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
 
         # 2. concurrency 1, first chunk against first byte
         rows = {}
-        for fmt in ("pcm", "mp3"):
+        for fmt in first_byte_formats:
             fc, fb = [], []
             for _ in range(a.requests):
                 fc.append(await first_chunk())
@@ -215,19 +252,21 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
         long_audio = np.concatenate([await direct.infer_one(TEXT, {**options, "seed": s}) for s in range(8)])
         seconds = long_audio.size / SAMPLE_RATE
         enc = {}
-        for fmt in FORMATS:
+        for fmt in (f for f in FORMATS if pyav or f in WHOLE_WITHOUT_PYAV):
             t0 = time.process_time()
             for _ in range(a.encode_repeats):
                 data = encode(fmt, long_audio)
             whole = (time.process_time() - t0) / a.encode_repeats
-            t0 = time.process_time()
-            for _ in range(a.encode_repeats):
-                e = StreamEncoder(fmt)
-                parts = [e.push(long_audio[i:i + 4096]) for i in range(0, long_audio.size, 4096)] + [e.close()]
-            streamed = (time.process_time() - t0) / a.encode_repeats
-            enc[fmt] = {"whole_ms_per_audio_s": 1e3 * whole / seconds, "stream_ms_per_audio_s": 1e3 * streamed / seconds,
+            enc[fmt] = {"whole_ms_per_audio_s": 1e3 * whole / seconds, "stream_ms_per_audio_s": None,
                         "kbit_per_s": len(data) * 8 / seconds / 1e3,
-                        "decoded_samples": int(decode(data, fmt).size), "stream_bytes": sum(len(p) for p in parts)}
+                        "decoded_samples": int(decode(data, fmt, pyav).size), "stream_bytes": None}
+            if pyav or fmt in STREAM_WITHOUT_PYAV:
+                t0 = time.process_time()
+                for _ in range(a.encode_repeats):
+                    e = StreamEncoder(fmt)
+                    parts = [e.push(long_audio[i:i + 4096]) for i in range(0, long_audio.size, 4096)] + [e.close()]
+                streamed = (time.process_time() - t0) / a.encode_repeats
+                enc[fmt].update(stream_ms_per_audio_s=1e3 * streamed / seconds, stream_bytes=sum(len(p) for p in parts))
         result["encoding"] = {"audio_seconds": seconds, "samples": int(long_audio.size), "formats": enc}
         log(f"encoding: {enc}")
     finally:
@@ -238,14 +277,17 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
 
 def to_markdown(res: dict) -> str:
     c1, fb, tp, enc = res["c1_wav"], res["c1_first_byte"], res["throughput"], res["encoding"]
+    launcher = res.get("launcher")
+    served = (f"served by `{launcher['command']}` (ready in {launcher['ready_s']:.0f} s, {launcher['restarts']} "
+              "restarts)" if launcher else f"served at {res.get('grpc_url', 'a running server')}")
     lines = [
         f"# Speech gateway against direct gRPC — {res['machine']}",
         "",
-        f"`{res['command']}`; repository `{res['repo']}` ({res['weights']}), {res['tokens']} forced code frames per "
-        f"request ({samples_for_codes(res['tokens']) / SAMPLE_RATE:.2f} s of audio), Triton, gateway and load generator "
-        f"on the same {os.cpu_count()} cores (load average {res['loadavg']['start'][0]:.1f} before the run, "
-        f"{res['loadavg']['end'][0]:.1f} at its end), {res['channels']} gRPC connections for the direct client and "
-        "for the gateway.",
+        f"`{res['command']}`; repository `{res['repo']}` ({res['weights']}), {served}, {res['tokens']} forced code "
+        f"frames per request ({samples_for_codes(res['tokens']) / SAMPLE_RATE:.2f} s of audio), Triton, gateway and "
+        f"load generator on the same {os.cpu_count()} cores (load average {res['loadavg']['start'][0]:.1f} before the "
+        f"run, {res['loadavg']['end'][0]:.1f} at its end), {res['channels']} gRPC connections for the direct client "
+        "and for the gateway.",
         "",
         "| | direct gRPC | through the gateway | gateway − direct | target |",
         "|---|---|---|---|---|",
@@ -269,8 +311,11 @@ def to_markdown(res: dict) -> str:
               "one thread):", "",
               "| format | whole file | streamed (4096-sample chunks) | bit rate |", "|---|---|---|---|"]
     for fmt, r in enc["formats"].items():
-        lines.append(f"| {fmt} | {r['whole_ms_per_audio_s']:.2f} ms | {r['stream_ms_per_audio_s']:.2f} ms | "
-                     f"{r['kbit_per_s']:.0f} kbit/s |")
+        streamed = "not measured" if r["stream_ms_per_audio_s"] is None else f"{r['stream_ms_per_audio_s']:.2f} ms"
+        lines.append(f"| {fmt} | {r['whole_ms_per_audio_s']:.2f} ms | {streamed} | {r['kbit_per_s']:.0f} kbit/s |")
+    if res.get("skipped"):
+        lines += ["", "**Not measured** (" + res["skipped"][0]["why"] + "): "
+                  + "; ".join(s["what"] for s in res["skipped"]) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -287,16 +332,24 @@ def main(argv=None) -> int:
     ap.add_argument("--encode-repeats", type=int, default=5)
     ap.add_argument("--channels", type=int, default=2, help="gRPC connections of the direct client and of the gateway")
     ap.add_argument("--gateway-arg", action="append", default=[], help="a flag for python -m gateway (repeatable)")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="a flag for python -m chattts_triton.serve, without --grpc-url (repeatable, e.g. --serve-arg=--mps)")
     ap.add_argument("--machine", default=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores")
     a = ap.parse_args(argv)
-    from chattts_triton.launcher.tritonserver import TritonServer
+    if a.grpc_url and a.serve_arg:
+        ap.error("--serve-arg is for the server started here: not with --grpc-url")
+    from chattts_triton.launcher.serve import Launched
     from chattts_triton.triton.repo_config import read_manifest
 
     man = read_manifest(a.repo)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    server = None
-    if a.grpc_url is None:
-        server = TritonServer(a.repo, log_file=a.out.with_suffix(".tritonserver.log"), startup_timeout_s=600).start()
+    server = launcher = None
+    if a.grpc_url is None:  # the shipped path, as a container starts it
+        server = Launched(a.repo, a.out.with_suffix(".tritonserver.log"), args=a.serve_arg, ready_timeout_s=900)
+        server.start()
+        launcher = {"command": " ".join(["python -m chattts_triton.serve --repo", str(a.repo), *a.serve_arg]),
+                    "ready_s": round(server.ready_s[0], 1)}
+        log(f"launcher ready in {launcher['ready_s']:.0f} s: tritonserver pid {server.server_pid}, {server.grpc_url}")
     try:
         grpc_url = a.grpc_url or server.grpc_url
         gateway = Gateway(grpc_url, a.repo, a.out.with_suffix(".gateway.log"),
@@ -307,12 +360,16 @@ def main(argv=None) -> int:
             res["loadavg"] = {"start": load0, "end": os.getloadavg()}
         finally:
             gateway.close()
+        if server is not None:
+            launcher.update(restarts=server.restarts, exits=[code for _, code in server.exits])
     finally:
         if server is not None:
-            server.stop()
+            launcher_exit = server.stop()
+    if launcher is not None:
+        launcher["exit_status"] = launcher_exit
     res.update(machine=a.machine, command=" ".join(["python -m bench.gateway", *(argv or sys.argv[1:])]),
                repo=str(a.repo), tokens=a.tokens, channels=a.channels, seconds=a.seconds, weights=f"hidden {man['arch']['gpt']['hidden']}, {man.get('dtype')}",
-               deployment=man.get("deployment"))
+               deployment=man.get("deployment"), launcher=launcher, grpc_url=grpc_url)
     a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     a.out.with_suffix(".md").write_text(to_markdown(res))
     print(to_markdown(res))

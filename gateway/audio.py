@@ -22,6 +22,9 @@ import numpy as np
 from chattts_triton.config import SAMPLE_RATE
 
 FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+# what needs no FFmpeg (PyAV): whole files by libsndfile or numpy, streams of raw PCM
+WHOLE_WITHOUT_PYAV = ("flac", "wav", "pcm")
+STREAM_WITHOUT_PYAV = ("pcm",)
 CONTENT_TYPES = {
     "mp3": "audio/mpeg",
     "opus": "audio/ogg; codecs=opus",  # RFC 7845: Ogg Opus is audio/ogg
@@ -104,7 +107,7 @@ class StreamEncoder:
         self.fmt = fmt
         self.samples = 0
         self._out = self._stream = self._sink = None
-        if fmt != "pcm":
+        if fmt not in STREAM_WITHOUT_PYAV:
             self._sink = _Sink()
             self._out, self._stream = _open(fmt, self._sink, streaming=True)
             # the codec opened and the header written now (up to a few ms: make the encoder before the first
@@ -144,7 +147,7 @@ def encode(fmt: str, audio: np.ndarray) -> bytes:
     """A whole file of `audio` (float32 mono at the model's rate) in `fmt`, with its exact length in the header."""
     if fmt == "pcm":
         return pcm16(audio)
-    if fmt in ("wav", "flac"):
+    if fmt in WHOLE_WITHOUT_PYAV:
         import soundfile
 
         buf = io.BytesIO()

@@ -1,12 +1,18 @@
-"""bench.gateway end to end, briefly, against the served tiny repository: every table it promises is filled."""
+"""bench.gateway end to end, briefly, against the served tiny repository: every table it promises is filled, and
+without PyAV (as tools.bundle ships the gateway) what FFmpeg makes is reported as not measured."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 
 pytestmark = pytest.mark.e2e
+
+SHORT = ["--requests", "3", "--concurrency", "4", "--seconds", "1.5", "--phases", "1", "--encode-repeats", "1",
+         "--tokens", "8"]
 
 
 def test_bench_gateway_measures_both_paths_and_every_encoder(served_tiny, tmp_path):
@@ -15,8 +21,7 @@ def test_bench_gateway_measures_both_paths_and_every_encoder(served_tiny, tmp_pa
 
     out = tmp_path / "gw"
     assert main(["--repo", str(served_tiny.model_repository), "--grpc-url", served_tiny.grpc_url, "--out", str(out),
-                 "--requests", "3", "--concurrency", "4", "--seconds", "1.5", "--phases", "1", "--encode-repeats", "1",
-                 "--tokens", "8"]) == 0
+                 *SHORT]) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     assert res["c1_wav"]["direct_p50_ms"] > 0 and res["c1_wav"]["gateway_p50_ms"] > 0
     assert set(res["c1_first_byte"]) == {"pcm", "mp3"}
@@ -26,5 +31,36 @@ def test_bench_gateway_measures_both_paths_and_every_encoder(served_tiny, tmp_pa
     enc = res["encoding"]
     assert set(enc["formats"]) == set(FORMATS)
     assert all(f["decoded_samples"] >= enc["samples"] for f in enc["formats"].values())  # every file decodes whole
+    assert res["pyav"]["available"] and res["skipped"] == [] and res["launcher"] is None
     md = out.with_suffix(".md").read_text()
-    assert "| concurrency 4, whole wav |" in md and "| mp3 |" in md
+    assert "| concurrency 4, whole wav |" in md and "| mp3 |" in md and "Not measured" not in md
+
+
+def test_bench_gateway_without_pyav_measures_wav_and_pcm_through_the_launcher(tiny_repo, tmp_path, monkeypatch):
+    """PyAV hidden from this process and from the gateway it starts (an `av` that fails to import first on
+    PYTHONPATH); the server is started by bench.gateway itself, through the launcher."""
+    from bench.gateway import main
+
+    fake = tmp_path / "no-av"
+    (fake / "av").mkdir(parents=True)
+    (fake / "av" / "__init__.py").write_text('raise ImportError("PyAV hidden by the test")\n')
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.syspath_prepend(str(fake))
+    monkeypatch.delitem(sys.modules, "av", raising=False)  # an earlier test's import: restored afterwards
+    out = tmp_path / "gw"
+    assert main(["--repo", str(tiny_repo), "--out", str(out), *SHORT]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["pyav"] == {"available": False, "error": "ImportError: PyAV hidden by the test"}
+    assert res["launcher"]["ready_s"] > 0 and res["launcher"]["restarts"] == 0 and res["launcher"]["exit_status"] == 0
+    assert res["c1_wav"]["gateway_p50_ms"] > 0 and set(res["c1_first_byte"]) == {"pcm"}
+    tp = res["throughput"]
+    assert tp["errors"] == {"direct": 0, "gateway": 0} and tp["gateway_rps"] > 0  # the gateway served wav without PyAV
+    enc = res["encoding"]["formats"]
+    assert set(enc) == {"flac", "wav", "pcm"} and all(f["decoded_samples"] >= res["encoding"]["samples"] for f in enc.values())
+    assert enc["pcm"]["stream_ms_per_audio_s"] > 0 and enc["wav"]["stream_ms_per_audio_s"] is None
+    skipped = " | ".join(s["what"] for s in res["skipped"])
+    assert "first mp3 byte" in skipped and "mp3, opus, aac" in skipped and "mp3, opus, aac, flac, wav" in skipped
+    md = out.with_suffix(".md").read_text()
+    assert "**Not measured** (PyAV cannot be imported (ImportError: PyAV hidden by the test)" in md and "first mp3 byte" in md
+    assert "| wav |" in md and "not measured" in md and "| mp3 |" not in md
+    assert "python -m chattts_triton.serve --repo" in md

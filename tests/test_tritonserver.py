@@ -351,48 +351,6 @@ def test_stub_venv_mirrors_launcher_packages(tmp_path):
     assert path.index(str((tmp_path / "first").resolve())) < path.index(str(ROOT))
 
 
-def test_bundle_pins_match_the_tested_environment():
-    """The offline bundle ships exactly the versions this suite runs with."""
-    from importlib import metadata
-
-    from tools import bundle
-
-    pins = list(bundle.PACKAGES) + [(n, v) for group in bundle.IF_MISSING_GROUPS.values() for n, v, _ in group]
-    pins.append(bundle.STUB_NUMPY)
-    checked = 0
-    for name, version in pins:
-        try:
-            installed = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-        assert installed == version, f"tools.bundle pins {name}=={version}, the test environment has {installed}"
-        checked += 1
-    assert checked >= len(pins) - 2
-
-
-def test_bundle_install_script_is_complete_bash(tmp_path):
-    from tools import bundle
-
-    wheels = {"gevent": tmp_path / "gevent-26.9.0-cp312-cp312-manylinux_2_28_x86_64.whl"}
-    script = bundle.write_install_sh(tmp_path, "3.12", wheels)
-    text = script.read_text()
-    assert "@" not in text.replace("${@}", "").replace('"$@"', "")  # every placeholder filled
-    assert "gevent-26.9.0-cp312-cp312-manylinux_2_28_x86_64.whl:gevent" in text
-    assert "--no-index --no-deps" in text and "export TRITONSERVER=" in text
-    assert os.access(script, os.X_OK)
-    subprocess.run(["bash", "-n", str(script)], check=True)
-
-
-def test_elf_reader_finds_the_servers_bundled_libraries():
-    from tools import bundle
-
-    root = bundle.wheel_server_root()
-    needed = bundle.elf_needed(root / "bin" / "tritonserver")
-    assert any(n.startswith("libtritonserver-") for n in needed) and "libc.so.6" in needed
-    libs = bundle.needed_bundled_libs([root / "bin" / "tritonserver"], root.parent.parent / "nvidia_pytriton.libs")
-    assert not any(n.startswith("libpython3") for n in libs)  # only the 3.13 stub needs that one
-
-
 # --- NGC image layout (stand-in tree, no server) -------------------------------------------------
 def test_ngc_layout_serves_from_the_servers_own_backends(tmp_path, monkeypatch):
     """/opt/tritonserver of an NGC image: no python_backend_stubs/, the stub already in backends/python."""

@@ -5,13 +5,21 @@
 The host is assumed to have Python 3.12 with torch, numpy, onnx, onnxruntime and transformers.
 OUT_DIR then holds:
 
-    wheels/                 cp312 manylinux_x86_64 / none-any wheels of the packages it lacks
-                            (PACKAGES; sdist-only ones such as chattts and encodec are built into
-                            pure-python wheels here)
-    wheels-if-missing/      IF_MISSING_GROUPS, installed only when the host cannot import them:
-                            "http" (tritonclient.http's gevent stack, 4.7 MB) by default;
-                            --with grpc (grpcio, 7.4 MB) and --with tokenizers (tokenizers and
-                            safetensors, which transformers already requires: 3.9 MB) on request
+    wheels.tar.xz           wheels/: cp312 manylinux_x86_64 / none-any wheels of the packages it
+                            lacks (PACKAGES; sdist-only ones such as chattts and encodec are built
+                            into pure-python wheels here). Every wheel in the two tars is stored
+                            (its members rewritten uncompressed, the same files): xz over all of
+                            them packs 40 % smaller than the wheels' own deflate (13.2 → 7.5 MB)
+    wheels-if-missing.tar.xz
+                            wheels-if-missing/: IF_MISSING_GROUPS, each wheel installed only where
+                            the host cannot import it or has an older version. By default "http"
+                            (tritonclient.http's gevent stack, 4.7 MB of wheels) and "gateway" (what
+                            `python -m gateway` and `python -m bench.gateway` need for wav and pcm:
+                            FastAPI, uvicorn with httptools, soundfile, prometheus-client, aiohttp
+                            and their dependencies, 8.7 MB; not PyAV, 36 MB: no mp3/opus/aac, no
+                            wav stream): 9.2 MB in the tar. --with grpc (grpcio, 7.4 MB) and --with
+                            tokenizers (tokenizers and safetensors, which transformers already
+                            requires: 3.9 MB) on request; --without GROUP leaves a default one out
     stub-numpy.tar.xz       numpy 1.26.4 as an installed site folder (tests removed; xz halves the
                             wheel's 18 MB), unpacked only if the host's numpy is 2.x, into a folder
                             that only the python-backend stub sees (Triton 2.51's stub silently
@@ -26,11 +34,13 @@ OUT_DIR then holds:
                             binaries stripped of unneeded symbols (-2.4 MB compressed)
     perf-analyzer.tar.xz    Triton's perf_analyzer and the two libraries it links (bench/perf.py)
     install.sh              on the host: installs the wheels with
-                            `pip install --no-index --no-deps --target $SITE`, unpacks the server
+                            `pip install --no-index --no-deps --target $SITE` (those of
+                            wheels-if-missing/ after checking the host's copies), unpacks the server
                             into $TRITON_DIR, checks imports and libpython, and prints the
                             environment to export (PYTHONPATH, TRITONSERVER, LD_LIBRARY_PATH,
                             CHATTTS_TRITON_STUB_PYTHONPATH)
-    MANIFEST.txt            every file with its size and sha256
+    MANIFEST.txt            every file with its size and sha256, and every wheel in the tars with
+                            its size and sha256 as downloaded from the index
 
 `TRITONSERVER=$TRITON_DIR/pytriton/tritonserver/bin/tritonserver` makes
 `chattts_triton.launcher.tritonserver` use the unpacked tree: the libraries are found at
@@ -49,6 +59,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -79,8 +90,10 @@ PACKAGES: Tuple[Tuple[str, str], ...] = (
     ("docopt", "0.6.2"),
 )
 # (distribution, version, import name): shipped in groups, installed on the host only where the
-# import fails there. tritonclient.http needs the "http" group; the host's transformers brings
-# tokenizers/safetensors and onnx brings protobuf/ml_dtypes, requests brings urllib3/certifi.
+# import fails there or the host's distribution is older (pydantic needs typing-extensions ≥ 4.16,
+# newer than torch asks for; an older host copy imports but breaks it). tritonclient.http needs the
+# "http" group; the host's transformers brings tokenizers/safetensors and onnx brings
+# protobuf/ml_dtypes, requests brings urllib3/certifi.
 IF_MISSING_GROUPS: Dict[str, Tuple[Tuple[str, str, str], ...]] = {
     "http": (
         ("geventhttpclient", "2.6.1", "geventhttpclient"),
@@ -90,18 +103,49 @@ IF_MISSING_GROUPS: Dict[str, Tuple[Tuple[str, str, str], ...]] = {
         ("zope.event", "6.2", "zope.event"),
         ("brotli", "1.2.1", "brotli"),
     ),
+    # the speech gateway and bench.gateway's load generator, wav/pcm/flac only (PyAV, FFmpeg's 36 MB, would
+    # break the size budget: mp3/opus/aac and streamed wav/flac are not served; bench.gateway says so)
+    "gateway": (
+        ("fastapi", "0.163.2", "fastapi"),
+        ("starlette", "1.10.0", "starlette"),
+        ("opentelemetry-api", "1.45.2", "opentelemetry"),  # fastapi.applications imports it
+        ("pydantic", "2.14.4", "pydantic"),
+        ("pydantic-core", "2.50.5", "pydantic_core"),
+        ("annotated-types", "0.8.0", "annotated_types"),
+        ("annotated-doc", "0.0.7", "annotated_doc"),
+        ("typing-inspection", "0.4.5", "typing_inspection"),
+        ("typing-extensions", "4.16.0", "typing_extensions"),
+        ("anyio", "4.16.0", "anyio"),
+        ("idna", "3.20", "idna"),
+        ("uvicorn", "0.54.0", "uvicorn"),
+        ("click", "8.5.1", "click"),
+        ("h11", "0.16.0", "h11"),
+        ("httptools", "0.9.0", "httptools"),  # the gateway's C HTTP parser, as deployed (h11 costs more CPU)
+        ("prometheus-client", "0.26.0", "prometheus_client"),
+        ("soundfile", "0.14.0", "soundfile"),  # with libsndfile; cffi is in PACKAGES
+        ("aiohttp", "3.14.5", "aiohttp"),  # bench.gateway's HTTP load generator
+        ("aiohappyeyeballs", "2.7.1", "aiohappyeyeballs"),
+        ("aiosignal", "1.4.0", "aiosignal"),
+        ("attrs", "26.1.0", "attr"),
+        ("frozenlist", "1.8.0", "frozenlist"),
+        ("multidict", "7.2.1", "multidict"),
+        ("propcache", "0.5.4", "propcache"),
+        ("yarl", "1.25.1", "yarl"),
+    ),
     "grpc": (("grpcio", "1.85.3", "grpc"),),  # 7.4 MB
     "tokenizers": (("tokenizers", "0.23.3", "tokenizers"), ("safetensors", "0.8.0", "safetensors")),  # 3.9 MB
 }
-DEFAULT_GROUPS = ("http",)
+DEFAULT_GROUPS = ("http", "gateway")
 STUB_NUMPY = ("numpy", "1.26.4")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-SIZE_BUDGET_MB = 56  # with the ≈ 5-MB tree, inside the device tool's 64-MiB carry
+SIZE_BUDGET_MB = 56  # with the ≈ 5-MB tree, inside the device tool's 64-MiB carry (53.2 MB by default)
 # Modules install.sh imports to prove the host can run server, client and upstream benchmarks.
 HOST_IMPORTS = (
     "torch", "numpy", "tokenizers", "safetensors", "pybase16384", "onnxruntime",
     "tritonclient.http", "tritonclient.grpc", "ChatTTS", "vocos", "vector_quantize_pytorch", "wetext", "num2words",
 )
+# ... and the speech gateway with bench.gateway's load generator, where the bundle carries the "gateway" group
+GATEWAY_IMPORTS = ("fastapi", "uvicorn", "httptools", "soundfile", "prometheus_client", "aiohttp")
 
 
 # --- wheels ------------------------------------------------------------------------------------
@@ -275,16 +319,45 @@ install_wheels() {  # target wheel...
 }
 
 echo "== wheels -> $SITE"
-install_wheels "$SITE" "$HERE"/wheels/*.whl
-for spec in @IF_MISSING@; do
-  wheel="${spec%%:*}"; module="${spec##*:}"
-  if "$PY" -c "import $module" 2>/dev/null; then
-    echo "   $module: the host's copy is used"
-  else
-    echo "   $module: missing on the host, installing $wheel"
-    install_wheels "$SITE" "$HERE/wheels-if-missing/$wheel"
-  fi
-done
+WHEELS="$(mktemp -d)"
+trap 'rm -rf "$WHEELS"' EXIT
+tar -xJf "$HERE/wheels.tar.xz" -C "$WHEELS"
+install_wheels "$SITE" "$WHEELS"/wheels/*.whl
+# WHEEL:MODULE: the wheel goes in where the host cannot import MODULE or has an older distribution
+# (the name and version in the wheel's file name); the host's own copy is checked, not $SITE's
+MISSING="$("$PY" - @IF_MISSING@ <<'EOF'
+import importlib, importlib.metadata as md, re, sys
+
+def older(have, want):
+    try:
+        from packaging.version import Version
+        return Version(have) < Version(want)
+    except Exception:  # no packaging, or a version it cannot read: compare the numbers
+        nums = lambda v: tuple(int(x) for x in re.findall(r"\d+", v))
+        return nums(have) < nums(want)
+
+for spec in sys.argv[1:]:
+    wheel, module = spec.split(":")
+    dist, want = wheel.split("-")[:2]
+    try:
+        importlib.import_module(module)
+        have = md.version(dist)
+    except Exception as e:
+        print(f"   {module}: missing on the host ({type(e).__name__}), installing {wheel}", file=sys.stderr)
+        print(wheel)
+        continue
+    if older(have, want):
+        print(f"   {module}: the host has {dist} {have}, older than {want}, installing {wheel}", file=sys.stderr)
+        print(wheel)
+    else:
+        print(f"   {module}: the host's {dist} {have} is used", file=sys.stderr)
+EOF
+)"
+if [ -n "$MISSING" ]; then
+  mapfile -t missing <<<"$MISSING"
+  tar -xJf "$HERE/wheels-if-missing.tar.xz" -C "$WHEELS"
+  install_wheels "$SITE" "${missing[@]/#/$WHEELS/wheels-if-missing/}"
+fi
 
 STUB_EXPORT=""
 if PYTHONPATH="$SITE" "$PY" -c 'import numpy, sys; sys.exit(int(numpy.__version__.split(".")[0]) >= 2)' 2>/dev/null; then
@@ -346,10 +419,28 @@ EOF
 """
 
 
+def store_wheel(src: Path, dst: Path) -> Path:
+    """`src` rewritten with its members stored instead of deflated: the same wheel (names, bytes, dates,
+    modes, RECORD) that xz then compresses across all the wheels of a tar."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            info.compress_type = zipfile.ZIP_STORED
+            zout.writestr(info, data)
+    return dst
+
+
+def write_wheels_tar_xz(wheels: Sequence[Path], folder: str, out: Path) -> Path:
+    """`wheels`, stored (store_wheel), under `folder`/ in one .tar.xz."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / folder).mkdir()
+        for wheel in wheels:
+            store_wheel(wheel, Path(tmp) / folder / wheel.name)
+        return write_tar_xz(Path(tmp), out)
+
+
 def write_site_tar_xz(wheel: Path, out: Path, drop_tests: bool = True) -> Path:
     """A wheel unpacked as it would be installed (a wheel is a zip of site-packages), as .tar.xz."""
-    import zipfile
-
     with tempfile.TemporaryDirectory() as tmp:
         with zipfile.ZipFile(wheel) as zf:
             zf.extractall(tmp)
@@ -363,7 +454,10 @@ def write_site_tar_xz(wheel: Path, out: Path, drop_tests: bool = True) -> Path:
         return write_tar_xz(Path(tmp), out)
 
 
-def write_install_sh(out_dir: Path, python: str, if_missing_wheels: Dict[str, Path]) -> Path:
+def write_install_sh(out_dir: Path, python: str, if_missing_wheels: Dict[str, Path],
+                     imports: Sequence[str] = HOST_IMPORTS) -> Path:
+    """install.sh for Python `python`; `if_missing_wheels`: import name → its wheel in wheels-if-missing/;
+    `imports`: what its last check imports."""
     major, minor = python.split(".")
     specs = " ".join(f"{w.name}:{module}" for module, w in if_missing_wheels.items())
     text = (
@@ -372,7 +466,7 @@ def write_install_sh(out_dir: Path, python: str, if_missing_wheels: Dict[str, Pa
         .replace("@PYMINOR@", minor)
         .replace("@IF_MISSING@", specs)
         .replace("@NUMPY@", STUB_NUMPY[1])
-        .replace("@HOST_IMPORTS@", repr(HOST_IMPORTS))
+        .replace("@HOST_IMPORTS@", repr(tuple(imports)))
     )
     path = out_dir / "install.sh"
     path.write_text(text)
@@ -393,15 +487,26 @@ def build_bundle(
 ) -> Dict[str, int]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for sub in ("wheels", "wheels-if-missing"):
-        shutil.rmtree(out_dir / sub, ignore_errors=True)
-    log(f"wheels for Python {python} ...")
-    download_wheels(PACKAGES, out_dir / "wheels", python)
-    if_missing = {}
-    for group in groups:
-        for name, version, module in IF_MISSING_GROUPS[group]:
-            download_wheels([(name, version)], out_dir / "wheels-if-missing", python)
-            if_missing[module] = _wheel_for(out_dir / "wheels-if-missing", name, version)
+    for old in ("wheels", "wheels-if-missing"):  # the folders of an earlier layout, and the tars of an earlier build
+        shutil.rmtree(out_dir / old, ignore_errors=True)
+        (out_dir / f"{old}.tar.xz").unlink(missing_ok=True)
+    downloads = Path(tempfile.mkdtemp(prefix="bundle-wheels-"))
+    try:
+        log(f"wheels for Python {python} ...")
+        wheels = download_wheels(PACKAGES, downloads / "wheels", python)
+        write_wheels_tar_xz(wheels, "wheels", out_dir / "wheels.tar.xz")
+        if_missing = {}
+        for group in groups:
+            log(f"group {group} ...")
+            for name, version, module in IF_MISSING_GROUPS[group]:
+                download_wheels([(name, version)], downloads / "wheels-if-missing", python)
+                if_missing[module] = _wheel_for(downloads / "wheels-if-missing", name, version)
+        if if_missing:
+            write_wheels_tar_xz(list(if_missing.values()), "wheels-if-missing", out_dir / "wheels-if-missing.tar.xz")
+        inside = sorted(p for p in downloads.rglob("*.whl"))
+        inside = [(p.stat().st_size, _sha256(p), str(p.relative_to(downloads))) for p in inside]
+    finally:
+        shutil.rmtree(downloads, ignore_errors=True)
     log("numpy 1.x for the python-backend stub ...")
     with tempfile.TemporaryDirectory() as tmp:
         (wheel,) = download_wheels([STUB_NUMPY], Path(tmp), python)
@@ -420,12 +525,16 @@ def build_bundle(
         for f in (binary, *(binary.parent / lib for lib in LIBS)):
             shutil.copy2(f, tree / f.name)
         write_tar_xz(Path(tmp), out_dir / "perf-analyzer.tar.xz")
-    write_install_sh(out_dir, python, if_missing)
+    imports = HOST_IMPORTS + (GATEWAY_IMPORTS if "gateway" in groups else ())
+    write_install_sh(out_dir, python, if_missing, imports)
     files = sorted(p for p in out_dir.rglob("*") if p.is_file() and p.name != "MANIFEST.txt")
     sizes = {str(p.relative_to(out_dir)): p.stat().st_size for p in files}
     with open(out_dir / "MANIFEST.txt", "w") as f:
         for p in files:
             f.write(f"{sizes[str(p.relative_to(out_dir))]:>12}  {_sha256(p)}  {p.relative_to(out_dir)}\n")
+        f.write("# the wheels in wheels*.tar.xz, as downloaded (size, sha256); stored uncompressed there\n")
+        for size, sha, name in inside:
+            f.write(f"{size:>12}  {sha}  {name}\n")
     return sizes
 
 
@@ -435,11 +544,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--python", default="3.12", help="host Python version (default 3.12)")
     p.add_argument(
         "--with", dest="groups", action="append", default=list(DEFAULT_GROUPS), choices=sorted(IF_MISSING_GROUPS),
-        help="optional wheel group, installed on the host only if missing (default: http)",
+        help=f"optional wheel group, installed on the host only if missing (default: {', '.join(DEFAULT_GROUPS)})",
     )
-    p.add_argument("--without-http", action="store_true", help="leave out tritonclient.http's gevent stack")
+    p.add_argument("--without", action="append", default=[], choices=DEFAULT_GROUPS, metavar="GROUP",
+                   help=f"leave a default group out ({', '.join(DEFAULT_GROUPS)})")
+    p.add_argument("--without-http", action="store_true", help="the same as --without http")
     args = p.parse_args(argv)
-    groups = [g for g in dict.fromkeys(args.groups) if not (g == "http" and args.without_http)]
+    left_out = set(args.without) | ({"http"} if args.without_http else set())
+    groups = [g for g in dict.fromkeys(args.groups) if g not in left_out]
     sizes = build_bundle(args.out_dir, args.python, groups=groups)
     for name, size in sizes.items():
         print(f"{size / 1e6:9.2f} MB  {name}")

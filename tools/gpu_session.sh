@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see tools/bundle.py):
-#   bash tools/gpu_session.sh STAGE...   stages: setup test bench detach collect step codec codecload gil engine aotiprobe clientcap
+#   bash tools/gpu_session.sh STAGE...   stages: setup test bench detach collect step codec codecload gil engine aotiprobe clientcap gateway
 # (detach: `bench` in a process session of its own, writing to build/detached/, so that a run longer than one
 #  device call (a soak) goes on between calls; collect [WAIT_S]: wait for it to end, copy its files to $OUT)
 # (test: PYTEST_ARGS picks the tests, default the whole GPU suite; quotes in it are kept, e.g. -k "a or b")
@@ -56,6 +56,12 @@ for stage in "$@"; do
       python3 -m bench.probes.aoti 2>&1 | tee "$OUT/aoti_probe.log" ;;
     clientcap)  # the stream client's own share of a first chunk, against a stand-in server (bench/probes/client_capacity.py; CLIENTCAP_ARGS)
       python3 -m bench.probes.client_capacity --stream --out "$OUT/client-capacity-stream.json" ${CLIENTCAP_ARGS:-} 2>&1 | tee "$OUT/client_capacity.log" ;;
+    gateway)  # the speech gateway against direct gRPC (bench/gateway.py; GATEWAY_ARGS): bench.gateway starts the
+      # default export through the launcher and stops it (SIGTERM, drain); ≈ 100 s to ready + ≈ 110 s measured
+      export_repo build/bench-repo
+      python3 -m bench.gateway --repo build/bench-repo --out "$OUT/gateway" --concurrency 256 --tokens 150 --requests 30 \
+        --seconds 12 --phases 3 --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(nproc) CPU cores" \
+        ${GATEWAY_ARGS:-} 2>&1 | tee "$OUT/gateway.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
