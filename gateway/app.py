@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from chattts_triton.config import BUILTIN_VOICE_SEEDS, SAMPLE_RATE
 
 from . import api
-from .audio import CONTENT_TYPES, StreamEncoder, encode
+from .audio import CONTENT_TYPES, FORMATS, StreamEncoder, encode, needs_pyav, pyav_available
 from .metrics import Metrics
 from .synth import Job, SynthesisError, Synthesizer, split_text
 
@@ -188,6 +188,11 @@ class Gateway:
         self.metrics = Metrics()
         self.inflight = 0
         self.playground = (STATIC / "index.html").read_text(encoding="utf-8")
+        self.pyav = pyav_available()
+        if not self.pyav:
+            log.warning("PyAV is not installed: only %s whole and %s streamed can be served",
+                        ", ".join(f for f in FORMATS if not needs_pyav(f, False)),
+                        ", ".join(f for f in FORMATS if not needs_pyav(f, True)))
 
     # --- guards ------------------------------------------------------------------------------------
     def authenticate(self, request: Request) -> None:
@@ -230,6 +235,11 @@ class Gateway:
         default = self.settings.stream_default and fmt not in WHOLE_BY_DEFAULT
         streamed = req.stream_format == "sse" or (req.stream if req.stream is not None else default)
         mode = "sse" if req.stream_format == "sse" else ("stream" if streamed else "whole")
+        if not self.pyav and needs_pyav(fmt, streamed):
+            can = [f for f in FORMATS if not needs_pyav(f, streamed)]
+            raise api.invalid(f"response_format {fmt!r} {'streamed ' if streamed else ''}is not available on this "
+                              f"server (FFmpeg's PyAV is not installed); available: {', '.join(can)}",
+                              "response_format", "unsupported_format")
         if self.inflight >= self.settings.max_concurrency:
             self.metrics.requests.labels(fmt, mode, "429").inc()
             raise api.APIError(429, f"more than {self.settings.max_concurrency} speech requests in flight, retry later",

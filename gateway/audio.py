@@ -25,6 +25,20 @@ FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 # what needs no FFmpeg (PyAV): whole files by libsndfile or numpy, streams of raw PCM
 WHOLE_WITHOUT_PYAV = ("flac", "wav", "pcm")
 STREAM_WITHOUT_PYAV = ("pcm",)
+
+
+def pyav_available() -> bool:
+    """Whether FFmpeg's encoders can be loaded (PyAV is a requirement; a host may lack it, e.g. a GPU host
+    carrying only the wheels it needs)."""
+    import importlib.util
+
+    return importlib.util.find_spec("av") is not None
+
+
+def needs_pyav(fmt: str, streamed: bool) -> bool:
+    return fmt not in (STREAM_WITHOUT_PYAV if streamed else WHOLE_WITHOUT_PYAV)
+
+
 CONTENT_TYPES = {
     "mp3": "audio/mpeg",
     "opus": "audio/ogg; codecs=opus",  # RFC 7845: Ogg Opus is audio/ogg

@@ -424,3 +424,22 @@ def test_command_line_binds_loopback_unless_told_and_guards_a_public_host(tmp_pa
     run = subprocess.run([sys.executable, "-m", "gateway", "--host", "0.0.0.0", "--require-api-key"], cwd=root, env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--require-api-key" in run.stderr and "CHATTTS_GATEWAY_API_KEYS" in run.stderr
+
+
+def test_without_pyav_the_ffmpeg_formats_are_refused_naming_the_field(monkeypatch):
+    """A host without PyAV (a GPU host carrying only the wheels it needs) serves what libsndfile and numpy
+    write; a format that needs FFmpeg is a 400 naming response_format and what is available, not a 500."""
+    import gateway.app as gapp
+
+    monkeypatch.setattr(gapp, "pyav_available", lambda: False)
+    with Served(Settings(stream_default=False)) as s:
+        for body, ok in (({**OK, "response_format": "mp3"}, False), ({**OK, "response_format": "wav"}, True),
+                         ({**OK, "response_format": "flac"}, True), ({**OK, "response_format": "pcm", "stream": True}, True),
+                         ({**OK, "response_format": "wav", "stream": True}, False)):
+            status, _, data = s.request("/v1/audio/speech", body)
+            if ok:
+                assert status == 200, (body, data[:200])
+            else:
+                err = error_of(data)
+                assert status == 400 and err["param"] == "response_format" and "PyAV" in err["message"], (body, err)
+                assert "available: " in err["message"] and "mp3" not in err["message"].split("available: ")[1]
