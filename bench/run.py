@@ -154,11 +154,12 @@ async def stream_clients(url: str, tokens, concurrency: int, seconds: float, see
     gaps: List[float] = []
     total: List[float] = []
     samples: List[int] = []
+    mismatched = 0  # whole streams whose audio is not the forced length's
     errors = 0
     messages: List[str] = []
     async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=600, max_concurrency=concurrency) as client:
         async def one(seed: int, record: bool, frames: int) -> None:
-            nonlocal errors
+            nonlocal errors, mismatched
             t0 = last = time.perf_counter()
             n = got = 0
             try:
@@ -176,6 +177,7 @@ async def stream_clients(url: str, tokens, concurrency: int, seconds: float, see
             if record:
                 total.append(time.perf_counter() - t0)
                 samples.append(got)
+                mismatched += got != samples_for_codes(frames)
 
         warm = lengths.draw(concurrency, "stream warm-up", seed_base)
         await asyncio.gather(*(one(seed_base + i, False, warm[i]) for i in range(concurrency)))  # warm-up: graphs of every batch size
@@ -192,8 +194,8 @@ async def stream_clients(url: str, tokens, concurrency: int, seconds: float, see
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
         elapsed = time.monotonic() - started  # streams started in the window, finished after it too
-    return {"first": first, "gaps": gaps, "total": total, "samples": samples, "errors": errors, "messages": messages,
-            "elapsed_s": elapsed}
+    return {"first": first, "gaps": gaps, "total": total, "samples": samples, "frames_mismatched": mismatched,
+            "errors": errors, "messages": messages, "elapsed_s": elapsed}
 
 
 def bench_stream(url: str, tokens, concurrency: int, seconds: float, metrics_url: str = "", procs: int = 1) -> dict:
@@ -218,6 +220,7 @@ def bench_stream(url: str, tokens, concurrency: int, seconds: float, metrics_url
     messages = r["messages"][:3]
     row = {"concurrency": concurrency, "client_processes": len(bases), "streams": len(total), "errors": errors,
            "streams_per_s": len(total) / elapsed, "audio_s_per_s": sum(r["samples"]) / SAMPLE_RATE / elapsed,
+           "frames_mismatched": r["frames_mismatched"],
            "first_chunk_p50_ms": _pct(first, 50), "first_chunk_p99_ms": _pct(first, 99),
            "chunk_gap_p50_ms": _pct(gaps, 50), "chunk_gap_p99_ms": _pct(gaps, 99),
            "stream_p50_ms": _pct(total, 50), "stream_p99_ms": _pct(total, 99), "error_messages": messages}
