@@ -1,7 +1,7 @@
 """The served pipeline as users run it, and upstream `Chat.infer` beside it: same weights, same GPU/CPU.
 
     python -m bench.run --assets build/assets-full --out bench/results [--device cuda] \
-        [--tokens 150] [--upstream-batches 1,8,32,128] [--upstream-compile-batches ...] \
+        [--tokens 150 | --tokens 50-400 --skip-upstream] [--upstream-batches 1,8,32,128] [--upstream-compile-batches ...] \
         [--max-concurrency 512] [--dtype auto] [--step-seconds 10] [--burst] [--perf-concurrency 1,512] \
         [--soak-seconds 600] [--gpu-memory-gb 15]
 
@@ -13,7 +13,9 @@ the GPT engine's slots (`--burst`). GPU memory at idle and per level (Triton's g
 nvidia-smi and the models' allocator gauges). `--soak-seconds`: after the rest, cycles of idle, a burst and
 a minute of closed-loop load until that long since the server was ready: restarts, errors and memory over
 the whole span. Every utterance is forced to `--tokens` code frames (MIN_NEW_TOKENS = MAX_NEW_TOKENS), so
-work per utterance is equal on both sides (150 frames ≈ 3.2 s of audio). Upstream runs in-process, as its
+work per utterance is equal on both sides (150 frames ≈ 3.2 s of audio); `--tokens A-B` gives each request its
+own length from a seeded generator (loadtest.lengths), as real traffic mixes lengths (ours only: upstream's
+Chat.infer forces one length per batch). Upstream runs in-process, as its
 users call it (`skip_refine_text`, no splitting), one warm-up then the mean of `--repeats` calls per batch
 size. Writes <out>/<date>-<device>.json, .md and .png.
 """
@@ -573,6 +575,10 @@ def to_markdown(res: dict) -> str:
            f", closed-loop clients. Upstream: `Chat.infer` in-process.", ""]
     if res.get("note"):
         out += [f"Note: {res['note']}", ""]
+    wrong = sum(r.get("frames_mismatched") or 0 for r in [*(res.get("served") or []), *(res.get("stream") or []),
+                                                           res.get("burst") or {}])
+    if wrong:
+        out += [f"**{wrong} answers were not of the length their request forced**: the work was not what was asked.", ""]
     out += _served_path(res)
     for name in ("upstream_eager", "upstream_compile"):
         rows = res.get(name) or []
