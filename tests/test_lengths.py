@@ -65,3 +65,18 @@ def test_bench_run_refuses_a_range_for_upstream(capsys):
     with pytest.raises(SystemExit) as e:
         run.main(["--assets", "/nonexistent", "--tokens", "50-400"])
     assert e.value.code == 2 and "--tokens A-B needs --skip-upstream" in capsys.readouterr().err
+
+
+def test_bench_report_names_a_range_and_flags_answers_not_of_the_forced_length():
+    from bench.run import to_markdown
+
+    res = {"date": "d", "device_name": "GPU", "tokens": "50-400", "tokens_seed": 4, "dtype": "bf16",
+           "served": [{"concurrency": 1, "error_rate": 0.0, "throughput_utt_s": 2.0, "audio_s_per_s": 9.6,
+                       "frames_mismatched": 3}],
+           "burst": {"requests": 2, "served": 2, "refused": 0, "errors": {}, "wall_s": 1.0, "latency_p50_ms": 1.0,
+                     "latency_p99_ms": 1.0, "audio_s": 4.2, "frames_mismatched": 1}}
+    md = to_markdown(res)
+    assert md.splitlines()[2].startswith("Forced code frames drawn per utterance uniformly from 50–400 (seed 4;")
+    assert "**4 answers were not of the length their request forced**" in md and ", 4.2 s of audio" in md
+    assert "| 1 |  |  |  | 2.0 | 9.6 |" in md  # audio s/s beside utterances/s
+    assert "not of the length" not in to_markdown({**res, "served": [], "burst": {**res["burst"], "frames_mismatched": 0}})
