@@ -1,12 +1,13 @@
 """Triton's own load tool, `perf_analyzer`, against the `chattts` ensemble: the cross-check of bench.run's figures.
 
-    python -m bench.perf --url 127.0.0.1:8001 [--concurrency 1,8,64,256] [--frames 150] [--out build/perf]
-    make perf GRPC_PORT=8001 PERF_CONCURRENCY=1,64
+    python -m bench.perf --url 127.0.0.1:8001 [--concurrency 1,8,64,256] [--frames 150 | --frames 50-400] [--out build/perf]
+    make perf GRPC_PORT=8001 PERF_CONCURRENCY=1,64 FRAMES=50-400
 
 Each level is one perf_analyzer run over gRPC (`--concurrency-range N`, time windows, its own stability
 check), every request forced to `--frames` code frames (MIN_NEW_TOKENS = MAX_NEW_TOKENS) from an input-data
-file written here. Prints a table (requests/s, p50/p90/p99 latency) and writes <out>/perf.json, .md and the
-input file.
+file written here. `--frames A-B`: the file holds one entry per length, up to 16 spread evenly over [A, B],
+and perf_analyzer sends its entries in turn (round-robin), so the load is that mix. Prints a table
+(requests/s, audio seconds/s, p50/p90/p99 latency) and writes <out>/perf.json, .md and the input file.
 
 perf_analyzer is a C++ binary. PyPI's `perf-analyzer` is a placeholder and tritonclient stopped shipping it
 after 2.41, so `prepare` takes the binary from the `tritonclient==2.41.0` manylinux wheel, libb64 from
@@ -28,12 +29,16 @@ import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from chattts_triton.config import SAMPLE_RATE, samples_for_codes
+from loadtest.lengths import Lengths, lengths_arg
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = ROOT / "build" / "perf-analyzer"
 TRITONCLIENT_WITH_PERF = "tritonclient==2.41.0"
 WHEEL_BINARY = "tritonclient-2.41.0.data/data/bin/perf_analyzer"
 CUDART_WHEEL = "nvidia-cuda-runtime-cu12==12.8.90"
 LIBS = ("libb64.so.0d", "libcudart.so.12")
+ENTRIES = 16  # lengths in the input file of a --frames A-B run
 TEXT = "四川美食确实以辣闻名，但也有不辣的选择。"  # bench.run's sentence
 
 
@@ -114,11 +119,23 @@ def environment(binary: Path) -> Dict[str, str]:
     return env
 
 
-def write_input_data(path: Path, frames: int, text: str = TEXT, seed: int = 1) -> Path:
-    """perf_analyzer's --input-data for `chattts`: one request, every input shaped [1] (it adds the batch dim)."""
+def entry_frames(frames) -> List[int]:
+    """The lengths of the input file's entries: N, or up to ENTRIES spread evenly over A-B."""
+    return Lengths.of(frames).spread(ENTRIES)
+
+
+def mean_audio_s(frames) -> float:
+    """Mean audio of the entries, which perf_analyzer sends in turn."""
+    lengths = entry_frames(frames)
+    return sum(samples_for_codes(f) for f in lengths) / len(lengths) / SAMPLE_RATE
+
+
+def write_input_data(path: Path, frames, text: str = TEXT, seed: int = 1) -> Path:
+    """perf_analyzer's --input-data for `chattts`: one request per entry_frames length, each forcing its own
+    (MIN = MAX), every input shaped [1] (it adds the batch dim)."""
     data = {"data": [{"TEXT": {"content": [text], "shape": [1]}, "SEED": {"content": [seed], "shape": [1]},
-                      "MAX_NEW_TOKENS": {"content": [frames], "shape": [1]},
-                      "MIN_NEW_TOKENS": {"content": [frames], "shape": [1]}}]}
+                      "MAX_NEW_TOKENS": {"content": [f], "shape": [1]},
+                      "MIN_NEW_TOKENS": {"content": [f], "shape": [1]}} for f in entry_frames(frames)]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
     return path
@@ -142,9 +159,10 @@ def parse_csv(path: Path) -> dict:
             "latency_p99_ms": ms("p99 latency"), "latency_avg_ms": ms("Avg latency")}
 
 
-def run(url: str, levels: List[int], frames: int, out: Path, window_ms: int = 5000, binary: Optional[Path] = None,
+def run(url: str, levels: List[int], frames, out: Path, window_ms: int = 5000, binary: Optional[Path] = None,
         log=print, stability: int = 25) -> List[dict]:
-    """One perf_analyzer run per level; stability: the spread (%) its last three windows must fall within."""
+    """One perf_analyzer run per level; stability: the spread (%) its last three windows must fall within.
+    frames: N, or a Lengths / "A-B" (a mix: write_input_data)."""
     binary = binary or prepare()
     data = write_input_data(out / "perf-input.json", frames)
     rows = []
@@ -156,18 +174,25 @@ def run(url: str, levels: List[int], frames: int, out: Path, window_ms: int = 50
         if r.returncode != 0 or not csv_path.is_file():
             raise PerfError(f"perf_analyzer at concurrency {c} failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-1500:]}")
         row = parse_csv(csv_path)
-        log(f"perf_analyzer concurrency {c}: {row['throughput_utt_s']:.1f} utt/s, p50 {row['latency_p50_ms']:.0f} ms, "
+        row["audio_s_per_s"] = row["throughput_utt_s"] * mean_audio_s(frames)
+        log(f"perf_analyzer concurrency {c}: {row['throughput_utt_s']:.1f} utt/s ({row['audio_s_per_s']:.1f} s of audio/s), "
+            f"p50 {row['latency_p50_ms']:.0f} ms, "
             f"p99 {row['latency_p99_ms']:.0f} ms")
         rows.append(row)
     return rows
 
 
-def to_markdown(rows: List[dict], frames: int, url: str) -> str:
-    out = [f"perf_analyzer against `chattts` at {url}, {frames} forced frames per request, gRPC, time windows.", "",
-           "| concurrency | utterances/s | p50 ms | p90 ms | p99 ms |", "|---|---|---|---|---|"]
+def to_markdown(rows: List[dict], frames, url: str) -> str:
+    entries = entry_frames(frames)
+    what = (f"{entries[0]} forced frames per request" if len(entries) == 1 else
+            f"forced frames per request in turn from {len(entries)} lengths spread over {Lengths.of(frames)} "
+            f"({', '.join(map(str, entries))})")
+    out = [f"perf_analyzer against `chattts` at {url}, {what}, gRPC, time windows; audio s/s = utterances/s × "
+           f"the entries' mean audio ({mean_audio_s(frames):.2f} s).", "",
+           "| concurrency | utterances/s | audio s/s | p50 ms | p90 ms | p99 ms |", "|---|---|---|---|---|---|"]
     f = lambda v: "" if v is None else f"{v:.0f}"  # noqa: E731
-    out += [f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | {f(r['latency_p50_ms'])} | {f(r['latency_p90_ms'])} | "
-            f"{f(r['latency_p99_ms'])} |" for r in rows]
+    out += [f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | {r['throughput_utt_s'] * mean_audio_s(frames):.1f} | "
+            f"{f(r['latency_p50_ms'])} | {f(r['latency_p90_ms'])} | {f(r['latency_p99_ms'])} |" for r in rows]
     return "\n".join(out) + "\n"
 
 
@@ -175,7 +200,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.perf", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="127.0.0.1:8001", help="gRPC host:port of a running server")
     ap.add_argument("--concurrency", default="1,8,64,256", help="comma-separated levels, one run each")
-    ap.add_argument("--frames", type=int, default=150, help="code frames per request (≈ 21.3 ms of audio each)")
+    ap.add_argument("--frames", type=lengths_arg, default=Lengths(150, 150),
+                    help=f"code frames per request (≈ 21.3 ms of audio each): N, or A-B for {ENTRIES} lengths spread over it")
     ap.add_argument("--window-ms", type=int, default=5000, help="perf_analyzer's measurement window")
     ap.add_argument("--stability", type=int, default=25, help="perf_analyzer's --stability-percentage")
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "perf")
@@ -187,8 +213,6 @@ def main(argv=None) -> int:
         ap.error("--concurrency must be whole numbers, comma-separated")
     if not levels or min(levels) < 1:
         ap.error("--concurrency needs levels of at least 1")
-    if a.frames < 1:
-        ap.error("--frames must be at least 1")
     try:
         binary = prepare()
         if a.prepare_only:
@@ -199,7 +223,8 @@ def main(argv=None) -> int:
     except PerfError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    (a.out / "perf.json").write_text(json.dumps({"url": a.url, "frames": a.frames, "rows": rows}, indent=1))
+    (a.out / "perf.json").write_text(json.dumps({"url": a.url, "frames": str(a.frames), "entry_frames": entry_frames(a.frames),
+                                                 "rows": rows}, indent=1))
     md = to_markdown(rows, a.frames, a.url)
     (a.out / "perf.md").write_text(md)
     print(md)

@@ -1,7 +1,7 @@
 """The served pipeline as users run it, and upstream `Chat.infer` beside it: same weights, same GPU/CPU.
 
     python -m bench.run --assets build/assets-full --out bench/results [--device cuda] \
-        [--tokens 150] [--upstream-batches 1,8,32,128] [--upstream-compile-batches ...] \
+        [--tokens 150 | --tokens 50-400 --skip-upstream] [--upstream-batches 1,8,32,128] [--upstream-compile-batches ...] \
         [--max-concurrency 512] [--dtype auto] [--step-seconds 10] [--burst] [--perf-concurrency 1,512] \
         [--soak-seconds 600] [--gpu-memory-gb 15]
 
@@ -13,7 +13,9 @@ the GPT engine's slots (`--burst`). GPU memory at idle and per level (Triton's g
 nvidia-smi and the models' allocator gauges). `--soak-seconds`: after the rest, cycles of idle, a burst and
 a minute of closed-loop load until that long since the server was ready: restarts, errors and memory over
 the whole span. Every utterance is forced to `--tokens` code frames (MIN_NEW_TOKENS = MAX_NEW_TOKENS), so
-work per utterance is equal on both sides (150 frames ≈ 3.2 s of audio). Upstream runs in-process, as its
+work per utterance is equal on both sides (150 frames ≈ 3.2 s of audio); `--tokens A-B` gives each request its
+own length from a seeded generator (loadtest.lengths), as real traffic mixes lengths (ours only: upstream's
+Chat.infer forces one length per batch). Upstream runs in-process, as its
 users call it (`skip_refine_text`, no splitting), one warm-up then the mean of `--repeats` calls per batch
 size. Writes <out>/<date>-<device>.json, .md and .png.
 """
@@ -31,8 +33,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from chattts_triton.config import FIRST_CHUNK_BUCKETS_MS, first_chunk_bucket
+from chattts_triton.config import FIRST_CHUNK_BUCKETS_MS, SAMPLE_RATE, first_chunk_bucket, samples_for_codes
 from chattts_triton.triton.repo_config import Deployment
+from loadtest.lengths import Lengths, lengths_arg
 
 TEXT = "四川美食确实以辣闻名，但也有不辣的选择。"
 
@@ -140,29 +143,33 @@ def stream_window(before: dict, after: dict) -> dict:
     }
 
 
-async def stream_clients(url: str, tokens: int, concurrency: int, seconds: float, seed_base: int, sync) -> dict:
+async def stream_clients(url: str, tokens, concurrency: int, seconds: float, seed_base: int, sync) -> dict:
     """One process's closed-loop `chattts_stream` clients: a warm-up stream each, `sync()` (in a
-    thread), then streams for `seconds`; the raw times (s) of first chunks, gaps and whole streams."""
+    thread), then streams for `seconds`; the raw times (s) of first chunks, gaps and whole streams, and
+    the audio samples of each whole stream. `tokens`: N or a Lengths (each client draws its own)."""
     import asyncio
 
     from client.client import AsyncChatTTSClient
 
+    lengths = Lengths.of(tokens)
     first: List[float] = []
     gaps: List[float] = []
     total: List[float] = []
+    samples: List[int] = []
+    mismatched = 0  # whole streams whose audio is not the forced length's
     errors = 0
     messages: List[str] = []
     async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=600, max_concurrency=concurrency) as client:
-        async def one(seed: int, record: bool) -> None:
-            nonlocal errors
+        async def one(seed: int, record: bool, frames: int) -> None:
+            nonlocal errors, mismatched
             t0 = last = time.perf_counter()
-            n = 0
+            n = got = 0
             try:
-                async for _chunk in client.stream(TEXT, seed=seed, min_new_tokens=tokens, max_new_tokens=tokens):
+                async for chunk in client.stream(TEXT, seed=seed, min_new_tokens=frames, max_new_tokens=frames):
                     now = time.perf_counter()
                     if record:
                         (gaps if n else first).append(now - last)
-                    last, n = now, n + 1
+                    last, n, got = now, n + 1, got + int(chunk.size)
             except Exception as e:  # noqa: BLE001  counted, the run goes on
                 errors += record
                 if len(messages) < 3:
@@ -171,24 +178,29 @@ async def stream_clients(url: str, tokens: int, concurrency: int, seconds: float
                 return
             if record:
                 total.append(time.perf_counter() - t0)
+                samples.append(got)
+                mismatched += got != samples_for_codes(frames)
 
-        await asyncio.gather(*(one(seed_base + i, False) for i in range(concurrency)))  # warm-up: graphs of every batch size
+        warm = lengths.draw(concurrency, "stream warm-up", seed_base)
+        await asyncio.gather(*(one(seed_base + i, False, warm[i]) for i in range(concurrency)))  # warm-up: graphs of every batch size
         await asyncio.to_thread(sync)
         started = time.monotonic()
         stop = started + seconds
 
         async def worker(i: int) -> None:
             k = 0
+            draws = lengths.stream("stream", seed_base + i)
             while time.monotonic() < stop:
-                await one(1000 * (seed_base + i) + k, True)
+                await one(1000 * (seed_base + i) + k, True, next(draws))
                 k += 1
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
         elapsed = time.monotonic() - started  # streams started in the window, finished after it too
-    return {"first": first, "gaps": gaps, "total": total, "errors": errors, "messages": messages, "elapsed_s": elapsed}
+    return {"first": first, "gaps": gaps, "total": total, "samples": samples, "frames_mismatched": mismatched,
+            "errors": errors, "messages": messages, "elapsed_s": elapsed}
 
 
-def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, metrics_url: str = "", procs: int = 1) -> dict:
+def bench_stream(url: str, tokens, concurrency: int, seconds: float, metrics_url: str = "", procs: int = 1) -> dict:
     """Closed-loop `chattts_stream` clients, spread over `procs` client processes (bench.clients):
     time to first chunk, gaps between chunks, whole stream; with `metrics_url`, the server's own
     split of the first chunk's time (`stream_window`)."""
@@ -209,7 +221,8 @@ def bench_stream(url: str, tokens: int, concurrency: int, seconds: float, metric
     first, gaps, total, errors, elapsed = r["first"], r["gaps"], r["total"], r["errors"], r["elapsed_s"]
     messages = r["messages"][:3]
     row = {"concurrency": concurrency, "client_processes": len(bases), "streams": len(total), "errors": errors,
-           "streams_per_s": len(total) / elapsed,
+           "streams_per_s": len(total) / elapsed, "audio_s_per_s": sum(r["samples"]) / SAMPLE_RATE / elapsed,
+           "frames_mismatched": r["frames_mismatched"],
            "first_chunk_p50_ms": _pct(first, 50), "first_chunk_p99_ms": _pct(first, 99),
            "chunk_gap_p50_ms": _pct(gaps, 50), "chunk_gap_p99_ms": _pct(gaps, 99),
            "stream_p50_ms": _pct(total, 50), "stream_p99_ms": _pct(total, 99), "error_messages": messages}
@@ -267,20 +280,23 @@ def engine_slots(metrics_url: str) -> int:
     return int(sum(c["engine_slots"] for c in parse_counters(fetch_metrics(metrics_url), ("engine_slots",), GPT).values()))
 
 
-def burst(url: str, n: int, tokens: int, seed0: int = 0) -> dict:
+def burst(url: str, n: int, tokens, seed0: int = 0) -> dict:
     """n requests sent at once from idle, as a load tool's clients start together, without retries: how many
-    were served, every refusal's message, latency percentiles."""
+    were served, every refusal's message, latency percentiles; `tokens`: N or a Lengths (drawn per request),
+    and how many answers were not of the forced length."""
     import asyncio
 
     import numpy as np
     import tritonclient.grpc.aio as aioclient
     from tritonclient.utils import InferenceServerException
 
-    def inputs(seed: int):
+    frames = Lengths.of(tokens).draw(n, "burst", seed0)
+
+    def inputs(seed: int, frames: int):
         out = []
         for name, arr, wire in (("TEXT", np.array([[TEXT.encode()]], object), "BYTES"), ("SEED", np.array([[seed]], np.int64), "INT64"),
-                                ("MAX_NEW_TOKENS", np.array([[tokens]], np.int32), "INT32"),
-                                ("MIN_NEW_TOKENS", np.array([[tokens]], np.int32), "INT32")):
+                                ("MAX_NEW_TOKENS", np.array([[frames]], np.int32), "INT32"),
+                                ("MIN_NEW_TOKENS", np.array([[frames]], np.int32), "INT32")):
             out.append(aioclient.InferInput(name, list(arr.shape), wire))
             out[-1].set_data_from_numpy(arr)
         return out
@@ -291,10 +307,10 @@ def burst(url: str, n: int, tokens: int, seed0: int = 0) -> dict:
         async def one(i):
             t0 = time.monotonic()
             try:
-                await client.infer("chattts", inputs(seed0 + i), client_timeout=600)
-                return None, time.monotonic() - t0
+                r = await client.infer("chattts", inputs(seed0 + i, frames[i]), client_timeout=600)
+                return None, time.monotonic() - t0, r.as_numpy("AUDIO").size
             except InferenceServerException as e:
-                return f"{e.status()}: {e.message()}"[:200], time.monotonic() - t0
+                return f"{e.status()}: {e.message()}"[:200], time.monotonic() - t0, 0
 
         try:
             t0 = time.monotonic()
@@ -304,13 +320,16 @@ def burst(url: str, n: int, tokens: int, seed0: int = 0) -> dict:
             await client.close()
 
     got, wall = asyncio.run(run())
-    ok = [t for e, t in got if e is None]
+    ok = [t for e, t, _ in got if e is None]
     errors: Dict[str, int] = {}
-    for e, _ in got:
+    for e, _, _ in got:
         if e is not None:
             errors[e] = errors.get(e, 0) + 1
+    served = [(f, size) for f, (e, _, size) in zip(frames, got) if e is None]
     row = {"requests": n, "served": len(ok), "refused": n - len(ok), "errors": errors, "wall_s": round(wall, 2),
-           "latency_p50_ms": _pct(ok, 50), "latency_p99_ms": _pct(ok, 99)}
+           "latency_p50_ms": _pct(ok, 50), "latency_p99_ms": _pct(ok, 99),
+           "audio_s": round(sum(size for _, size in served) / SAMPLE_RATE, 2),
+           "frames_mismatched": sum(size != samples_for_codes(f) for f, size in served)}
     log(f"burst of {n} from idle: {len(ok)} served in {wall:.1f} s (p50 {row['latency_p50_ms']} ms, p99 "
         f"{row['latency_p99_ms']} ms), {n - len(ok)} refused {errors or ''}")
     return row
@@ -339,14 +358,16 @@ def soak_cycles(server, tokens: int, concurrency: int, burst_n: int, until: floa
             "gpu_memory_growth_second_half_mib": (max(half) - min(half)) if half else None}
 
 
-async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, seconds: float, every_s: float = 10.0) -> dict:
-    """Constant load for `seconds`: GPU memory (Triton's gauge) sampled every `every_s`, utterances/s."""
+async def hold(url: str, metrics_url: str, tokens, concurrency: int, seconds: float, every_s: float = 10.0) -> dict:
+    """Constant load for `seconds`: GPU memory (Triton's gauge) sampled every `every_s`, utterances/s and
+    audio seconds/s; `tokens`: N or a Lengths (each worker draws its own)."""
     import asyncio
 
     from client.client import AsyncChatTTSClient
     from loadtest.sweep import _fetch_gpu_memory
 
-    done = errors = 0
+    lengths = Lengths.of(tokens)
+    done = errors = audio = 0
     samples: List[dict] = []
     late: List[float] = []  # latencies (s) of the utterances finished in the second half: steady state
     t_start = time.monotonic()
@@ -354,13 +375,16 @@ async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, second
     messages: Dict[str, int] = {}
     async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=600, max_concurrency=concurrency, retries=0) as client:
         async def worker(i: int) -> None:
-            nonlocal done, errors
+            nonlocal done, errors, audio
             k = 0
+            draws = lengths.stream("hold", i)
             while time.monotonic() < stop:
                 t0 = time.monotonic()
+                frames = next(draws)
                 try:
-                    await client.synthesize(TEXT, seed=7919 * i + k, min_new_tokens=tokens, max_new_tokens=tokens)
+                    got = await client.synthesize(TEXT, seed=7919 * i + k, min_new_tokens=frames, max_new_tokens=frames)
                     done += 1
+                    audio += int(got.size)
                     if time.monotonic() - t_start >= seconds / 2:
                         late.append(time.monotonic() - t0)
                 except Exception as e:  # noqa: BLE001  counted (no retries: every refusal shows)
@@ -381,23 +405,25 @@ async def hold(url: str, metrics_url: str, tokens: int, concurrency: int, second
     mems = [s["gpu_memory_mib"] for s in samples if s["gpu_memory_mib"] is not None]
     half = [s["gpu_memory_mib"] for s in samples if s["gpu_memory_mib"] is not None and s["t_s"] >= seconds / 2]
     return {"concurrency": concurrency, "seconds": seconds, "utterances": done, "errors": errors, "error_messages": messages,
-            "throughput_utt_s": done / seconds, "samples": samples,
+            "throughput_utt_s": done / seconds, "audio_s_per_s": audio / SAMPLE_RATE / seconds, "samples": samples,
             "latency_p50_ms_second_half": _pct(late, 50), "latency_p99_ms_second_half": _pct(late, 99),
             "gpu_memory_min_mib": min(mems) if mems else None, "gpu_memory_max_mib": max(mems) if mems else None,
             "gpu_memory_growth_second_half_mib": (max(half) - min(half)) if half else None}
 
 
-def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, start: int = 1,
+def bench_served(repo: Path, tokens, max_concurrency: int, step_s: float, start: int = 1,
                  stream_concurrency: List[int] = (), stream_s: float = 15.0, hold_concurrency: int = 0,
                  hold_s: float = 0.0, mps: bool = False, stream_procs: int = STREAM_CLIENT_PROCS,
                  burst_from_idle: bool = False, perf_levels: List[int] = (), soak_s: float = 0.0,
                  out_dir: Optional[Path] = None, save=lambda out: None, perf_stability: int = 25) -> Dict[str, object]:
-    """Everything against one server started by the launcher, in order; `save(out)` after each phase."""
+    """Everything against one server started by the launcher, in order; `save(out)` after each phase.
+    `tokens`: N frames for every request, or a Lengths (each request its own, drawn per stream of requests)."""
     import asyncio
 
     from chattts_triton.launcher.serve import Launched
     from loadtest.sweep import SweepConfig, run_sweep
 
+    tokens = Lengths.of(tokens)
     out: Dict[str, object] = {}
     args = ["--mps"] if mps else []
     server = Launched(repo, repo.parent / "bench-tritonserver.log", args=args, ready_timeout_s=900)
@@ -422,10 +448,11 @@ def bench_served(repo: Path, tokens: int, max_concurrency: int, step_s: float, s
             save(out)
             time.sleep(5.0)
         if max_concurrency:
+            forced = {"max_new_tokens": tokens.low, "min_new_tokens": tokens.low} if tokens.fixed else {"lengths": tokens}
             cfg = SweepConfig(
                 url=server.grpc_url, max_concurrency=max_concurrency, start_concurrency=start, step_seconds=step_s,
                 warmup_seconds=min(3.0, step_s), window_seconds=min(3.0, step_s), max_settle_seconds=3 * step_s,
-                metrics_url=server.metrics_url, max_new_tokens=tokens, min_new_tokens=tokens, seed=1, timeout_s=600,
+                metrics_url=server.metrics_url, seed=1, timeout_s=600, **forced,
             )
             out["served"] = asyncio.run(run_sweep(cfg, log=log))
             out["memory"].append(memory_snapshot(server, f"after the sweep to {max_concurrency}"))
@@ -501,14 +528,17 @@ def _served_path(res: dict) -> List[str]:
     if b:
         out += [f"Burst of {b['requests']} requests from idle (twice the GPT slots): **{b['served']} served, {b['refused']} "
                 f"refused** in {b['wall_s']} s, latency p50 {_ms(b['latency_p50_ms'])} ms, p99 {_ms(b['latency_p99_ms'])} ms"
+                + (f", {b['audio_s']} s of audio" if b.get("audio_s") is not None else "")
+                + (f"; **{b['frames_mismatched']} answers not of the forced length**" if b.get("frames_mismatched") else "")
                 + (f"; refusals: {b['errors']}" if b["errors"] else "") + ".", ""]
     rows = res.get("perf_analyzer") or []
     if rows:
-        out += ["## perf_analyzer (Triton's load tool, gRPC)", "", "| concurrency | utterances/s | p50 ms | p90 ms | p99 ms |",
-                "|---|---|---|---|---|"]
-        out += [f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | {_ms(r['latency_p50_ms'])} | {_ms(r['latency_p90_ms'])} | "
-                f"{_ms(r['latency_p99_ms'])} |" for r in rows]
-        out.append("")
+        out += ["## perf_analyzer (Triton's load tool, gRPC)", "",
+                "| concurrency | utterances/s | audio s/s | p50 ms | p90 ms | p99 ms |", "|---|---|---|---|---|---|"]
+        out += [f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | {_f1(r.get('audio_s_per_s'))} | {_ms(r['latency_p50_ms'])} | "
+                f"{_ms(r['latency_p90_ms'])} | {_ms(r['latency_p99_ms'])} |" for r in rows]
+        out += ["", "perf_analyzer sends its input file's entries in turn (bench/perf.py: one per length); audio s/s is "
+                "utterances/s × the entries' mean audio.", ""]
     sk = res.get("soak")
     if sk:
         out += [f"## Soak through the launcher: {sk['bursts']} cycles of idle, a burst from idle and a minute of closed-loop load", "",
@@ -522,9 +552,19 @@ def _ms(v) -> str:
     return "" if v is None else f"{v:.0f}"
 
 
+def _f1(v) -> str:
+    return "" if v is None else f"{v:.1f}"
+
+
+def result_lengths(res: dict) -> Lengths:
+    """The lengths a result file's requests forced: `tokens` N or "A-B", and its seed."""
+    return Lengths.parse(res["tokens"], seed=res.get("tokens_seed", 0))
+
+
 def to_markdown(res: dict) -> str:
+    lengths = result_lengths(res).describe()
     out = [f"# Benchmark {res['date']} on {res['device_name']}", "",
-           f"{res['tokens']} forced code frames per utterance (≈ {res['tokens'] * 512 / 24000:.2f} s of audio). "
+           f"{lengths[:1].upper()}{lengths[1:]}. "
            f"Ours: tritonserver over gRPC, dtype {res['dtype']}, "
            f"{'compiled GPT step (requested)' if res.get('gpt_compile') else 'TorchScript GPT step'}"
            f"{' and prefills' if res.get('gpt_compile') and res.get('gpt_compile_prefill') else ''}"
@@ -535,6 +575,10 @@ def to_markdown(res: dict) -> str:
            f", closed-loop clients. Upstream: `Chat.infer` in-process.", ""]
     if res.get("note"):
         out += [f"Note: {res['note']}", ""]
+    wrong = sum(r.get("frames_mismatched") or 0 for r in [*(res.get("served") or []), *(res.get("stream") or []),
+                                                           res.get("burst") or {}])
+    if wrong:
+        out += [f"**{wrong} answers were not of the length their request forced**: the work was not what was asked.", ""]
     out += _served_path(res)
     for name in ("upstream_eager", "upstream_compile"):
         rows = res.get(name) or []
@@ -551,13 +595,14 @@ def to_markdown(res: dict) -> str:
                  f"{'; first chunks in a codec call of their own' if res.get('stream_first_chunks_first') else ''}"
                  f"{f'; clients spread over up to {p} processes' if (p := res.get('stream_procs', 1)) > 1 else ''}")
         out += ["## streaming (`chattts_stream`, gRPC)", "", f"Schedule: {sched}.", "", "| concurrency | first chunk p50 ms | first chunk p99 ms | "
-                "chunk gap p50 ms | chunk gap p99 ms | whole stream p50 ms | streams | streams/s | errors | server: first tokens ms "
+                "chunk gap p50 ms | chunk gap p99 ms | whole stream p50 ms | streams | streams/s | audio s/s | errors | server: first tokens ms "
                 "| server: first chunk ms | server: first chunk p50 / p99 within ms | codec call ms | chunks per codec call |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             f = lambda k, s=".0f": "" if r.get(k) is None else format(r[k], s)  # noqa: E731
             out.append(f"| {r['concurrency']} | {f('first_chunk_p50_ms')} | {f('first_chunk_p99_ms')} | {f('chunk_gap_p50_ms')} | "
-                       f"{f('chunk_gap_p99_ms')} | {f('stream_p50_ms')} | {r['streams']} | {f('streams_per_s', '.1f')} | {r['errors']} | "
+                       f"{f('chunk_gap_p99_ms')} | {f('stream_p50_ms')} | {r['streams']} | {f('streams_per_s', '.1f')} | "
+                       f"{f('audio_s_per_s', '.1f')} | {r['errors']} | "
                        f"{f('server_first_tokens_ms')} | {f('server_first_chunk_ms')} | "
                        f"{f('server_first_chunk_p50_within_ms')} / {f('server_first_chunk_p99_within_ms')} | {f('codec_call_ms', '.1f')} | "
                        f"{f('chunks_per_codec_call', '.1f')} |")
@@ -565,26 +610,30 @@ def to_markdown(res: dict) -> str:
     h = res.get("hold")
     if h:
         out += [f"## {h['seconds']:.0f} s at concurrency {h['concurrency']}", "",
-                f"{h['throughput_utt_s']:.1f} utterances/s, {h['errors']} errors"
+                f"{h['throughput_utt_s']:.1f} utterances/s"
+                + (f" ({h['audio_s_per_s']:.1f} s of audio/s)" if h.get("audio_s_per_s") is not None else "")
+                + f", {h['errors']} errors"
                 + (f"; over the second half latency p50 {h['latency_p50_ms_second_half']:.0f} ms, p99 "
                    f"{h['latency_p99_ms_second_half']:.0f} ms" if h.get("latency_p99_ms_second_half") is not None else "")
                 + f"; GPU memory {h['gpu_memory_min_mib']}–"
                 f"{h['gpu_memory_max_mib']} MiB, growth over the second half {h['gpu_memory_growth_second_half_mib']} MiB.", ""]
     rows = res.get("served") or []
     if rows:
-        out += ["## served (chattts-triton)", "", "| concurrency | p50 ms | p90 ms | p99 ms | utterances/s | RTF p50 | errors | GPU MiB "
+        out += ["## served (chattts-triton)", "", "| concurrency | p50 ms | p90 ms | p99 ms | utterances/s | audio s/s | RTF p50 "
+                "| errors | GPU MiB "
                 "| GPT step ms | of it device ms | GPU clock ms | graph ms | prefill ms/step | ms per prefill (prompts) "
                 "| GIL wait ms | GPT batch | GPT busy |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             f = lambda k, s=".0f": "" if r.get(k) is None else format(r[k], s)  # noqa: E731
             out.append(f"| {r['concurrency']} | {f('latency_p50_ms')} | {f('latency_p90_ms')} | {f('latency_p99_ms')} | "
-                       f"{f('throughput_utt_s', '.1f')} | {f('rtf_p50', '.3f')} | {r['error_rate']:.1%} | {f('gpu_memory_mib')} | "
+                       f"{f('throughput_utt_s', '.1f')} | {f('audio_s_per_s', '.1f')} | {f('rtf_p50', '.3f')} | {r['error_rate']:.1%} | {f('gpu_memory_mib')} | "
                        f"{f('engine_step_ms', '.2f')} | {f('engine_step_device_ms', '.2f')} | {f('engine_step_gpu_ms', '.2f')} | "
                        f"{f('engine_step_graph_ms', '.2f')} | {f('engine_prefill_ms_per_step', '.2f')} | "
                        f"{_prefills(r)} | {f('engine_gil_wait_ms', '.3f')} | "
                        f"{f('engine_batch', '.1f')} | {f('engine_busy', '.0%')} |")
-        out += ["", "GPT step ms: mean wall time of one decode step of the GPT engines (host work included); of it device ms: "
+        out += ["", "audio s/s: seconds of audio served per second (compares runs of different mean lengths); "
+                "GPT step ms: mean wall time of one decode step of the GPT engines (host work included); of it device ms: "
                 "from the step's launch to its host sync (the GPU's part as the host waits for it, the rest is host "
                 "bookkeeping); GPU clock ms: the step's span on the GPU's own clock (CUDA events, one step in 8): "
                 "far below device ms means the host came back late (launch, GIL), near it a slow GPU (kernels, other "
@@ -622,7 +671,7 @@ def plot(res: dict, path: Path) -> None:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.suptitle(f"ChatTTS, {res['tokens']} frames/utterance, {res['device_name']} ({res['date']})")
+    fig.suptitle(f"ChatTTS, {result_lengths(res)} frames/utterance, {res['device_name']} ({res['date']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -632,7 +681,9 @@ def main(argv=None) -> int:
     ap.add_argument("--assets", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tokens", type=int, default=150)
+    ap.add_argument("--tokens", type=lengths_arg, default=Lengths(150, 150),
+                    help="code frames each utterance forces (MIN = MAX): N, or A-B for each its own drawn uniformly")
+    ap.add_argument("--tokens-seed", type=int, default=0, help="seed of the lengths drawn from --tokens A-B")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--upstream-batches", default="1,8,32,128")
     ap.add_argument("--upstream-compile-batches", default="", help="batches for upstream compile=True (empty: skip)")
@@ -683,6 +734,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mps", action="store_true",
                     help="serve under a CUDA MPS daemon (chattts_triton.launcher.mps): the model processes share the GPU")
     a = ap.parse_args(argv)
+    a.tokens = Lengths(a.tokens.low, a.tokens.high, a.tokens_seed)
+    if not a.tokens.fixed and not a.skip_upstream and (a.upstream_batches.strip(",") or a.upstream_compile_batches.strip(",")):
+        ap.error("--tokens A-B needs --skip-upstream: upstream's Chat.infer forces one length per batch, not per utterance")
     if a.stream_procs < 1:
         ap.error("--stream-procs must be at least 1")
     if any(not c.strip().isdigit() or int(c) < 1 for c in a.stream_concurrency.split(",") if c):
@@ -691,8 +745,9 @@ def main(argv=None) -> int:
     import torch
 
     dev = a.device if (a.device == "cpu" or torch.cuda.is_available()) else "cpu"
-    res: Dict = {"date": dt.date.today().isoformat(), "device": dev, "device_name": device_name(dev), "tokens": a.tokens,
-                 "dtype": a.dtype, "torch": torch.__version__, "command": " ".join(sys.argv)}
+    res: Dict = {"date": dt.date.today().isoformat(), "device": dev, "device_name": device_name(dev),
+                 "tokens": a.tokens.low if a.tokens.fixed else str(a.tokens), "tokens_seed": a.tokens.seed,
+                 "lengths": a.tokens.to_json(), "dtype": a.dtype, "torch": torch.__version__, "command": " ".join(sys.argv)}
     a.out.mkdir(parents=True, exist_ok=True)
     stem = a.name or f"{res['date']}-{'h200' if 'H200' in res['device_name'] else dev}"
     path = a.out / f"{stem}.json"
@@ -747,11 +802,11 @@ def main(argv=None) -> int:
     batches = [int(b) for b in a.upstream_batches.split(",") if b]
     if not a.skip_upstream:
         if batches:  # an --append run without eager batches keeps the eager rows it appends to
-            res["upstream_eager"] = bench_upstream(a.assets, dev, batches, a.tokens, a.repeats, compile=False)
+            res["upstream_eager"] = bench_upstream(a.assets, dev, batches, a.tokens.low, a.repeats, compile=False)
             save()
         cb = [int(b) for b in a.upstream_compile_batches.split(",") if b]
         if cb:
-            res["upstream_compile"] = bench_upstream(a.assets, dev, cb, a.tokens, a.repeats, compile=True)
+            res["upstream_compile"] = bench_upstream(a.assets, dev, cb, a.tokens.low, a.repeats, compile=True)
             save()
     save()
     plot(res, a.out / f"{stem}.png")

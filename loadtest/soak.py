@@ -7,7 +7,8 @@
 1. Saturation: closed loop at 2 × engine slots concurrent requests for --calibrate-s; its completion
    rate is the saturation throughput.
 2. Open loop at --load × that rate (constant arrivals, one thread per request in flight) for
-   --duration-s, every request the same cost (MIN_NEW_TOKENS = MAX_NEW_TOKENS = --frames).
+   --duration-s, every request forcing its length (MIN_NEW_TOKENS = MAX_NEW_TOKENS): --frames N, or
+   --frames A-B for each its own, drawn in arrival order from a seeded generator (loadtest.lengths).
 3. Every --sample-s: RSS summed over the tritonserver process group (server + python stubs).
 
 Reports (and writes OUT/soak.json): RSS growth over the second half (last sample − first sample
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 import numpy as np
+
+from loadtest.lengths import Lengths, lengths_arg
 
 TEXTS = ["你好。", "今天天气很好，我们去公园散步吧。", "hello world", "四川美食确实以辣闻名。", "the weather is good today"]
 TARGETS = {"rss_growth_mb": 100.0, "failed": 0, "p99_drift": 0.10}
@@ -51,6 +54,7 @@ class SoakResult:
     p50_s: float
     passed: dict = field(default_factory=dict)
     restarts: Optional[int] = None  # the launcher's, where the soak started the server
+    frames: str = ""  # N, or the range A-B each request's length was drawn from
 
 
 def group_rss_bytes(pgid: int) -> int:
@@ -68,8 +72,9 @@ def group_rss_bytes(pgid: int) -> int:
 
 
 class Load:
-    def __init__(self, url: str, frames: int, timeout_s: float = 120.0):
-        self.url, self.frames, self.timeout_s = url, frames, timeout_s
+    def __init__(self, url: str, frames, timeout_s: float = 120.0):
+        self.url, self.frames, self.timeout_s = url, Lengths.of(frames), timeout_s
+        self.draws = self.frames.stream("soak")
         self.lock = threading.Lock()
         self.records: List[Tuple[float, float, Optional[str]]] = []  # (start, latency, error)
         self.local = threading.local()
@@ -81,15 +86,20 @@ class Load:
             self.local.c = grpcclient.InferenceServerClient(self.url)
         return self.local.c
 
-    def one(self, t0: float) -> None:
+    def next_frames(self) -> int:
+        with self.lock:
+            return next(self.draws)
+
+    def one(self, t0: float, frames: Optional[int] = None) -> None:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
+        frames = self.next_frames() if frames is None else frames
         inputs = []
         for name, arr, wire in (("TEXT", np.array([[random.choice(TEXTS).encode()]], object), "BYTES"),
                                 ("SEED", np.array([[random.getrandbits(62)]], np.int64), "INT64"),
-                                ("MAX_NEW_TOKENS", np.array([[self.frames]], np.int32), "INT32"),
-                                ("MIN_NEW_TOKENS", np.array([[self.frames]], np.int32), "INT32")):
+                                ("MAX_NEW_TOKENS", np.array([[frames]], np.int32), "INT32"),
+                                ("MIN_NEW_TOKENS", np.array([[frames]], np.int32), "INT32")):
             inputs.append(grpcclient.InferInput(name, list(arr.shape), wire))
             inputs[-1].set_data_from_numpy(arr)
         start = time.monotonic()
@@ -129,7 +139,7 @@ def p99(latencies: List[float]) -> float:
     return float(np.percentile(latencies, 99)) if latencies else float("nan")
 
 
-def soak(url: str, pgid: int, duration_s: float, load_fraction: float = 0.7, frames: int = 60,
+def soak(url: str, pgid: int, duration_s: float, load_fraction: float = 0.7, frames=60,
          calibrate_s: float = 30.0, sample_s: float = 10.0, concurrency: int = 4, rps: Optional[float] = None,
          progress=print) -> SoakResult:
     load = Load(url, frames)
@@ -147,7 +157,7 @@ def soak(url: str, pgid: int, duration_s: float, load_fraction: float = 0.7, fra
         if now - t0 >= duration_s:
             break
         if now >= next_arrival:
-            th = threading.Thread(target=load.one, args=(t0,), daemon=True)
+            th = threading.Thread(target=load.one, args=(t0, load.next_frames()), daemon=True)  # drawn in arrival order
             th.start()
             threads.append(th)
             next_arrival += 1.0 / rate
@@ -176,7 +186,7 @@ def soak(url: str, pgid: int, duration_s: float, load_fraction: float = 0.7, fra
         duration_s=duration_s, load=load_fraction, saturation_rps=sat, offered_rps=rate, completed=len(ok),
         failed=len(records) - len(ok), errors=errors[:20], rss_mb=rss, rss_growth_second_half_mb=growth,
         window_s=window, p99_first_s=p_first, p99_last_s=p_last, p99_drift=drift,
-        p50_s=float(np.percentile([r[1] for r in ok], 50)) if ok else float("nan"),
+        p50_s=float(np.percentile([r[1] for r in ok], 50)) if ok else float("nan"), frames=str(load.frames),
     )
     res.passed = {"rss_growth_mb": growth <= TARGETS["rss_growth_mb"], "failed": res.failed <= TARGETS["failed"],
                   "p99_drift": drift <= TARGETS["p99_drift"]}
@@ -184,7 +194,7 @@ def soak(url: str, pgid: int, duration_s: float, load_fraction: float = 0.7, fra
 
 
 def summary(r: SoakResult) -> str:
-    return (f"soak {r.duration_s:.0f} s at {r.load:.0%} of {r.saturation_rps:.2f} req/s: {r.completed} ok, "
+    return (f"soak {r.duration_s:.0f} s at {r.load:.0%} of {r.saturation_rps:.2f} req/s ({r.frames} frames each): {r.completed} ok, "
             f"{r.failed} failed; RSS {r.rss_mb[0][1]:.0f} → {r.rss_mb[-1][1]:.0f} MB, growth over the second half "
             f"{r.rss_growth_second_half_mb:+.1f} MB; p99 first {r.window_s:.0f} s {r.p99_first_s:.3f} s, last "
             f"{r.p99_last_s:.3f} s (drift {r.p99_drift:+.1%}); p50 {r.p50_s:.3f} s; targets met: {r.passed}")
@@ -197,7 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pgid", type=int, help="process group of the running tritonserver (its pid)")
     ap.add_argument("--duration-s", type=float, default=1800.0)
     ap.add_argument("--load", type=float, default=0.7, help="fraction of saturation to offer")
-    ap.add_argument("--frames", type=int, default=60, help="code frames per request (fixed cost)")
+    ap.add_argument("--frames", type=lengths_arg, default=Lengths(60, 60),
+                    help="code frames per request: N (fixed cost), or A-B for each its own")
     ap.add_argument("--calibrate-s", type=float, default=30.0)
     ap.add_argument("--concurrency", type=int, default=4, help="closed-loop concurrency for calibration")
     ap.add_argument("--sample-s", type=float, default=10.0)

@@ -26,11 +26,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from chattts_triton.config import GPT
+from chattts_triton.config import GPT, samples_for_codes
 from client.client import DEFAULT_URLS, PROTOCOLS, AsyncChatTTSClient
 from client.contract import MODEL, SAMPLE_RATE
 from client.errors import ChatTTSError
 from loadtest.corpus import load_corpus
+from loadtest.lengths import Lengths, lengths_arg
 from loadtest.tts_stats import percentile, real_time_factor
 
 ERROR_PAUSE_S = 0.05  # a failing worker pauses briefly instead of spinning on an unreachable server
@@ -69,6 +70,7 @@ class Completion:
     end: float
     status: Optional[str]  # None = success
     samples: int = 0
+    frames: Optional[int] = None  # the code frames the request forced (MIN = MAX), where it forced them
 
     @property
     def latency_s(self) -> float:
@@ -89,6 +91,7 @@ def summarize_window(completions: Sequence[Completion], duration_s: float, sampl
     rtfs = [r for r in (real_time_factor(c.latency_s, c.samples, sample_rate) for c in ok) if r is not None]
     audio_s = sum(c.samples for c in ok) / sample_rate
     total = len(ok) + len(failed)
+    forced = [c for c in ok if c.frames is not None]
     return {
         "requests": total,
         "errors": len(failed),
@@ -101,6 +104,9 @@ def summarize_window(completions: Sequence[Completion], duration_s: float, sampl
         "audio_s_per_s": audio_s / duration_s,
         "rtf_p50": percentile(rtfs, 50),
         "rtf_p90": percentile(rtfs, 90),
+        # what the requests forced, and how many answers were not that long (the work was not what was asked)
+        "frames_mean": sum(c.frames for c in forced) / len(forced) if forced else None,
+        "frames_mismatched": sum(c.samples != samples_for_codes(c.frames) for c in forced) if forced else None,
     }
 
 
@@ -264,10 +270,18 @@ class SweepConfig:
     min_new_tokens: Optional[int] = None
     seed: Optional[int] = None
     options: Dict[str, Any] = field(default_factory=dict)
+    # each request forces its own length, drawn per worker (loadtest.lengths); replaces max/min_new_tokens
+    lengths: Optional[Lengths] = None
 
     def request_options(self) -> Dict[str, Any]:
         opts = {"max_new_tokens": self.max_new_tokens, "min_new_tokens": self.min_new_tokens, "seed": self.seed}
         return {**{k: v for k, v in opts.items() if v is not None}, **self.options}
+
+    def forced_frames(self) -> Optional[int]:
+        """The one length every request forces (MIN = MAX) without `lengths`, else None."""
+        if self.lengths is None and self.max_new_tokens is not None and self.max_new_tokens == self.min_new_tokens:
+            return self.max_new_tokens
+        return None
 
 
 def metrics_endpoint(metrics_url: str) -> str:
@@ -305,25 +319,32 @@ async def _statistics(client: AsyncChatTTSClient, log) -> Optional[dict]:
 
 
 class _Step:
-    def __init__(self, client: AsyncChatTTSClient, texts: List[str], options: dict, concurrency: int, seed: int):
+    def __init__(self, client: AsyncChatTTSClient, texts: List[str], options: dict, concurrency: int, seed: int,
+                 lengths: Optional[Lengths] = None, frames: Optional[int] = None):
         self.client, self.texts, self.options = client, texts, options
+        self.lengths, self.frames = lengths, frames
         self.completions: List[Completion] = []
         self.stopping = False
         rng = random.Random(seed)
         self.orders = [rng.sample(range(len(texts)), len(texts)) for _ in range(concurrency)]
-        self.tasks = [asyncio.ensure_future(self._worker(i)) for i in range(concurrency)]
+        self.tasks = [asyncio.ensure_future(self._worker(i, concurrency)) for i in range(concurrency)]
 
-    async def _worker(self, index: int) -> None:
+    async def _worker(self, index: int, concurrency: int) -> None:
         order, n = self.orders[index], 0
+        draws = self.lengths.stream("sweep", concurrency, index) if self.lengths else None
         while not self.stopping:
             text = self.texts[order[n % len(order)]]
             n += 1
+            options, frames = self.options, self.frames
+            if draws is not None:
+                frames = next(draws)
+                options = {**options, "max_new_tokens": frames, "min_new_tokens": frames}
             start = time.monotonic()
             try:
-                audio = await self.client.infer_one(text, self.options)
-                self.completions.append(Completion(start, time.monotonic(), None, int(audio.size)))
+                audio = await self.client.infer_one(text, options)
+                self.completions.append(Completion(start, time.monotonic(), None, int(audio.size), frames))
             except ChatTTSError as e:
-                self.completions.append(Completion(start, time.monotonic(), e.status))
+                self.completions.append(Completion(start, time.monotonic(), e.status, frames=frames))
                 await asyncio.sleep(ERROR_PAUSE_S)
 
     def median_latency(self) -> float:
@@ -359,7 +380,8 @@ async def _settle(step: _Step, cfg: SweepConfig, log) -> tuple:
 
 
 async def run_step(client: AsyncChatTTSClient, cfg: SweepConfig, concurrency: int, texts: List[str], log) -> dict:
-    step = _Step(client, texts, cfg.request_options(), concurrency, seed=(cfg.seed or 0) + concurrency)
+    step = _Step(client, texts, cfg.request_options(), concurrency, seed=(cfg.seed or 0) + concurrency,
+                 lengths=cfg.lengths, frames=cfg.forced_frames())
     try:
         stable, settle_s = await _settle(step, cfg, log)
         before = await _statistics(client, log)
@@ -407,6 +429,7 @@ async def run_sweep(cfg: SweepConfig, log=print) -> List[dict]:
                    + f") batch {_f(row['engine_batch'], '.1f')} "
                    f"busy {_f(row['engine_busy'], '.0%')}" if row.get("engine_step_ms") is not None else "")
                 + ("" if row["stable"] else "  (unstable)")
+                + (f"  {row['frames_mismatched']} answers not of the forced length" if row.get("frames_mismatched") else "")
             )
             if row["error_rate"] > cfg.max_error_rate:
                 log(f"stopping: error rate {row['error_rate']:.1%} > {cfg.max_error_rate:.0%}")
@@ -426,6 +449,7 @@ MAIN_COLUMNS = [
     ("latency_p99_ms", "p99 ms", ".0f"),
     ("throughput_utt_s", "utt/s", ".2f"),
     ("audio_s_per_s", "audio s/s", ".2f"),
+    ("frames_mean", "frames (mean)", ".0f"),
     ("rtf_p50", "RTF p50", ".3f"),
     ("rtf_p90", "RTF p90", ".3f"),
     ("requests", "requests", "d"),
@@ -458,7 +482,7 @@ def to_markdown(rows: Sequence[dict], cfg: SweepConfig) -> str:
         "",
         f"Closed-loop workers; each step measured for {cfg.step_seconds:g} s once stable "
         f"(warm-up {cfg.warmup_seconds:g} s, windows within {cfg.tolerance:.0%}). "
-        "RTF = request wall time / audio seconds.",
+        "RTF = request wall time / audio seconds." + (f" Lengths: {cfg.lengths.describe()}." if cfg.lengths else ""),
         "",
         "| " + " | ".join(h for _, h, _ in MAIN_COLUMNS) + " |",
         "|" + "---:|" * len(MAIN_COLUMNS),
@@ -486,7 +510,7 @@ def _cell(value, spec: str) -> str:
 
 def write_csv(path: Path, rows: Sequence[dict]) -> None:
     models = sorted({name for r in rows for name in r["triton"]})
-    fields = [k for k, _, _ in MAIN_COLUMNS] + ["errors", "duration_s", "settle_s"]
+    fields = [k for k, _, _ in MAIN_COLUMNS] + ["errors", "frames_mismatched", "duration_s", "settle_s"]
     fields += [f"{m}.{k}" for m in models for k, _, _ in TRITON_COLUMNS]
     with path.open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=fields)
@@ -558,6 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", help="utterances, one per line (default loadtest/corpus.txt)")
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--min-new-tokens", type=int)
+    p.add_argument("--tokens", type=lengths_arg, help="force N frames (MIN = MAX), or each request its own drawn from A-B "
+                   "(instead of --max/--min-new-tokens)")
+    p.add_argument("--tokens-seed", type=int, default=0, help="seed of the lengths drawn from --tokens A-B")
     p.add_argument("--seed", type=int)
     p.add_argument("--out", default="build/sweep")
     return p
@@ -568,6 +595,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
     if a.step_seconds <= 0 or a.window_seconds <= 0 or a.warmup_seconds < 0 or not 0 < a.tolerance < 1:
         p.error("--step-seconds and --window-seconds must be > 0, --warmup-seconds >= 0, 0 < --tolerance < 1")
+    if a.tokens is not None and (a.max_new_tokens is not None or a.min_new_tokens is not None):
+        p.error("--tokens forces MIN = MAX itself: leave out --max-new-tokens and --min-new-tokens")
     url = a.url or DEFAULT_URLS[a.protocol]
     try:
         levels = concurrency_levels(a.max_concurrency, a.start_concurrency)
@@ -580,6 +609,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         max_error_rate=a.max_error_rate, timeout_s=a.timeout,
         metrics_url=default_metrics_url(url) if a.metrics_url is None else a.metrics_url,
         corpus=a.corpus, max_new_tokens=a.max_new_tokens, min_new_tokens=a.min_new_tokens, seed=a.seed,
+        lengths=None if a.tokens is None else Lengths(a.tokens.low, a.tokens.high, a.tokens_seed),
     )  # fmt: skip
     print(f"sweep {cfg.model} over {cfg.protocol} at {url}: concurrency {levels}", flush=True)
     try:

@@ -17,12 +17,17 @@ pytestmark = pytest.mark.e2e
 
 
 def test_bench_serves_the_default_export_through_the_launcher(tiny_assets, tmp_path):
+    """Mixed lengths (--tokens 4-12): every phase forces each request its own drawn length, and the server
+    answers each with that length's audio."""
     from bench.run import bench_served, to_markdown
+    from chattts_triton.config import SAMPLE_RATE, samples_for_codes
+    from loadtest.lengths import Lengths
     from tests.conftest import _export
 
     repo = _export(tiny_assets, tmp_path / "repo")  # the defaults, as `python -m export` writes them
     saved = []
-    out = bench_served(repo, tokens=8, max_concurrency=2, step_s=2.0, burst_from_idle=True, perf_levels=[1],
+    lengths = Lengths(4, 12)
+    out = bench_served(repo, tokens=lengths, max_concurrency=2, step_s=2.0, burst_from_idle=True, perf_levels=[1],
                        save=lambda o: saved.append(dict(o)), perf_stability=999)  # a busy 2-core box
     la = out["launcher"]
     assert la["restarts"] == 0 and la["exits"] == [] and la["exit_status_on_sigterm"] == 0
@@ -32,8 +37,16 @@ def test_bench_serves_the_default_export_through_the_launcher(tiny_assets, tmp_p
     assert [r["concurrency"] for r in out["served"]] == [1, 2] and all(r["error_rate"] == 0 for r in out["served"])
     assert out["perf_analyzer"][0]["concurrency"] == 1 and out["perf_analyzer"][0]["throughput_utt_s"] > 0
     assert out["memory"][0]["when"] == "idle" and saved  # results saved as phases finish
-    md = to_markdown({"date": "d", "device_name": "cpu", "tokens": 8, "dtype": "fp32", **out})
+    # the burst's answers: the audio of exactly the lengths drawn for it
+    drawn = lengths.draw(16, "burst", 0)
+    assert out["burst"]["frames_mismatched"] == 0 and len(set(drawn)) > 3
+    assert out["burst"]["audio_s"] == round(sum(map(samples_for_codes, drawn)) / SAMPLE_RATE, 2)
+    for r in out["served"]:  # the sweep's: each answer as long as its request forced, lengths of the range
+        assert r["frames_mismatched"] == 0 and 4 <= r["frames_mean"] <= 12 and r["audio_s_per_s"] > 0
+    assert out["perf_analyzer"][0]["audio_s_per_s"] > 0
+    md = to_markdown({"date": "d", "device_name": "cpu", "tokens": "4-12", "dtype": "fp32", **out})
     assert "**0 launcher restarts**" in md and "16 served, 0 refused" in md and "perf_analyzer" in md
+    assert "drawn per utterance uniformly from 4–12 (seed 0; mean 8 frames" in md and "audio s/s" in md
 
 
 def test_soak_cycles_burst_from_idle_and_hold_with_no_refusal(tiny_repo, tmp_path):

@@ -121,6 +121,50 @@ def test_summarize_window():
     assert s["latency_p50_ms"] == 1500.0 and s["rtf_p50"] == 1.5
 
 
+class _LengthClient:
+    """Answers each request at once with the audio its forced frames give (`short`: a frame less)."""
+
+    def __init__(self, short: bool = False):
+        self.sent, self.short = [], short
+
+    async def infer_one(self, text, options):
+        import asyncio
+
+        from chattts_triton.config import samples_for_codes
+
+        assert options["max_new_tokens"] == options["min_new_tokens"]
+        self.sent.append(options["max_new_tokens"])
+        await asyncio.sleep(0.001)
+        return np.zeros(samples_for_codes(options["max_new_tokens"] - self.short), np.float32)
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_sweep_step_forces_each_request_its_drawn_length(short):
+    """A sweep step with a length source: each worker's requests force the lengths of its own seeded stream
+    (MIN = MAX), the window reports their mean, and answers not of the forced length are counted."""
+    import asyncio
+
+    from loadtest.lengths import Lengths
+
+    lengths = Lengths(5, 40, seed=2)
+    client = _LengthClient(short)
+
+    async def go(concurrency):
+        step = sweep._Step(client, ["a", "b"], {"seed": 1}, concurrency, seed=0, lengths=lengths)
+        await asyncio.sleep(0.2)
+        await step.stop(drain_s=5)
+        return step
+
+    one = asyncio.run(go(1))  # one worker: its stream's lengths, in order
+    assert [c.frames for c in one.completions] == lengths.draw(len(one.completions), "sweep", 1, 0)
+    step = asyncio.run(go(3))
+    assert len(step.completions) > 30 and all(5 <= f <= 40 for f in client.sent) and len(set(client.sent)) > 10
+    s = sweep.summarize_window(step.completions, 0.2)
+    assert s["frames_mean"] == pytest.approx(np.mean([c.frames for c in step.completions]))
+    assert s["frames_mismatched"] == (len(step.completions) if short else 0)
+    assert sweep.summarize_window([sweep.Completion(0, 1, None, 10)], 1.0)["frames_mean"] is None  # nothing forced
+
+
 def _stats(inference, execution, queue_ns, infer_ns, batches, as_strings=False):
     """A `get_inference_statistics` answer in Triton's layout (gRPC JSON carries uint64 as strings)."""
     v = str if as_strings else int
@@ -177,7 +221,7 @@ def test_sweep_reports(tmp_path):
     cfg = sweep.SweepConfig(url="h:1", step_seconds=10)
     paths = sweep.write_outputs(tmp_path, rows, cfg)
     md = paths["md"].read_text()
-    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | yes |" in md
+    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | n/a | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | yes |" in md
     assert "| 4 | chattts | 40 | 10 | 4.00 | 1.0 | 20.0 | 4×10 |" in md
     with paths["csv"].open() as f:
         table = list(csv.DictReader(f))

@@ -20,6 +20,23 @@ def test_input_data_forces_the_frames_and_names_only_contract_inputs(tmp_path):
     assert all(v["shape"] == [1] for v in data.values())
 
 
+def test_input_data_for_a_range_holds_one_entry_per_length_each_forcing_its_own(tmp_path):
+    """perf_analyzer sends a file's "data" entries in turn (its docs, "Real Input Data"): a range writes 16 entries
+    spread over it, both ends included, each MIN = MAX its own length, the rest as a single length's entry."""
+    from loadtest.lengths import Lengths
+
+    entries = json.loads(perf.write_input_data(tmp_path / "in.json", Lengths(50, 400)).read_text())["data"]
+    frames = [e["MAX_NEW_TOKENS"]["content"][0] for e in entries]
+    assert len(entries) == perf.ENTRIES == 16 and frames == sorted(set(frames)) and (frames[0], frames[-1]) == (50, 400)
+    assert all(e["MIN_NEW_TOKENS"]["content"] == e["MAX_NEW_TOKENS"]["content"] for e in entries)
+    single = json.loads(perf.write_input_data(tmp_path / "one.json", 42).read_text())["data"][0]
+    assert all({k: v for k, v in e.items() if "NEW_TOKENS" not in k} ==
+               {k: v for k, v in single.items() if "NEW_TOKENS" not in k} for e in entries)
+    md = perf.to_markdown([{"concurrency": 8, "throughput_utt_s": 10.0, "latency_p50_ms": 1.0, "latency_p90_ms": 2.0,
+                            "latency_p99_ms": 3.0}], "50-400", "h:1")
+    assert "16 lengths spread over 50-400 (50, 73," in md and f"| 8 | 10.0 | {10 * perf.mean_audio_s('50-400'):.1f} |" in md
+
+
 def test_perf_analyzer_measures_the_served_ensemble(served_tiny, tmp_path):
     """The real binary (prepared as `make perf` does) drives the tiny CPU server at two concurrencies: every
     request succeeds (perf_analyzer fails the run on an error) and the table has plausible figures."""

@@ -644,11 +644,13 @@ def test_bench_stream_spreads_its_clients_over_processes_and_reads_the_server_be
     """bench.run's stream load from two client processes: none failed, and the server's counters,
     read after both processes' warm-ups and once the window's streams have all ended, count exactly
     the window's streams (a warm-up stream in the window, or a refresh of the gauges not waited
-    for, would not)."""
+    for, would not). Each stream forces its own length (--tokens 8-16), and its audio is that length's."""
     from bench.run import bench_stream
+    from loadtest.lengths import Lengths
 
-    row = bench_stream(served_tiny.grpc_url, 12, 3, 2.0, served_tiny.metrics_url, procs=2)
+    row = bench_stream(served_tiny.grpc_url, Lengths(8, 16), 3, 2.0, served_tiny.metrics_url, procs=2)
     assert row["client_processes"] == 2 and row["errors"] == 0 and row["streams"] >= 3, row
+    assert row["frames_mismatched"] == 0 and row["audio_s_per_s"] > 0
     assert row["first_chunk_p50_ms"] <= row["stream_p50_ms"]
     assert row["server_first_chunks"] == row["streams"]
 
