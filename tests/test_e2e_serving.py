@@ -158,7 +158,8 @@ def test_bad_request_leaves_batchmates_and_server_unaffected(served_tiny):
 
 
 # --- SPOKEN_TEXT: what the server voices --------------------------------------------------------
-# a representative subset of the hand-written tables (tests/test_spoken.py reads all of them through the function)
+# every case of the hand-written tables over gRPC (tests/test_spoken.py reads them through the function too),
+# a representative subset over HTTP
 SERVED_CASES = [c for c in ZH_CASES if c[0] in (
     "我有3个苹果，价格是12.5元，增长了45%。", "2个人", "3/4的学生", "气温-3.5℃", "共计¥1,234.56", "日期是2026-12-02",
     "下午3:30见", "休息3-5天", "电话13812345678", "第22届", "内存16GB", "你好[uv_break]我有3本书[laugh_0]",
@@ -185,12 +186,17 @@ def test_spoken_text_shows_what_is_voiced_over_grpc_and_http(served_tiny, protoc
     from tests.test_spoken import same_speech
 
     assert len(SERVED_CASES) == 23
+    cases = ZH_CASES + EN_CASES if protocol == "grpc" else SERVED_CASES
+    assert len(cases) >= 23 and (protocol == "http" or (len(ZH_CASES) >= 60 and len(EN_CASES) >= 60))
     upstream_step = Normalizer()  # the hand-written spoken form through upstream's punctuation/homophone step
-    bad = []
-    for written, accepted in SERVED_CASES:
+
+    def check(case):
+        written, accepted = case
         got = spoken(served_tiny, protocol, TEXT=written, SEED=1, MAX_NEW_TOKENS=2)
-        if not any(same_speech(got, upstream_step(e)) for e in accepted):
-            bad.append((written, got))
+        return None if any(same_speech(got, upstream_step(e)) for e in accepted) else (written, got)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        bad = [b for b in pool.map(check, cases) if b]
     assert not bad
     # without normalisation the GPT reads the text as sent
     assert spoken(served_tiny, protocol, TEXT="It costs $12.50.", NORMALIZE_TEXT=False, MAX_NEW_TOKENS=2) == "It costs $12.50."
