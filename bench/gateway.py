@@ -12,8 +12,8 @@ Without --grpc-url the server is started as it ships, by the launcher (`python -
 2. Concurrency 1, streams: the first chunk of `chattts_stream` over gRPC against the first byte of the gateway's
    streamed pcm and mp3 (target ≤ first chunk + 10 ms).
 3. Concurrency C (default 256), whole wav: closed loops for --seconds, direct and through the gateway in
-   alternating phases (D G G D D G …), requests/s of each (target: the gateway ≥ 95 % of direct), with the
-   gateway process's CPU time per request.
+   alternating phases (D G G D D G …), requests/s of each by Little's law (target: the gateway ≥ 95 % of
+   direct), with the gateway process's CPU time per request.
 4. Encoding: CPU time per second of audio of each format, whole files and streams (4096-sample chunks), on audio
    the server made.
 
@@ -69,6 +69,19 @@ def decode(data: bytes, fmt: str, pyav: bool) -> np.ndarray:
     import soundfile
 
     return soundfile.read(io.BytesIO(data), dtype="float32")[0]
+
+
+def closed_loop_rate(spans: List[tuple], concurrency: int, steady: float, stop: float) -> Dict[str, float]:
+    """Requests/s of `concurrency` closed loops from their requests' (begun, ended) times: by Little's law,
+    concurrency / mean latency of the requests begun in [steady, stop). Equal requests begun together finish
+    together, in waves of up to `concurrency`, so a count of the completions in a window (`counted_rps`, kept
+    beside it) moves by a whole wave with where the window falls: a quarter of the count at 256 on the 2-core
+    CPU. Every request's latency counts in the mean, wherever the window falls."""
+    latencies = [end - begun for begun, end in spans if steady <= begun < stop]
+    counted = sum(steady <= end <= stop for _, end in spans)
+    mean = statistics.mean(latencies) if latencies else float("nan")
+    return {"steady_requests": len(latencies), "mean_latency_s": mean,
+            "rps": concurrency / mean if latencies else 0.0, "counted_rps": counted / (stop - steady)}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -205,28 +218,29 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
 
         # 3. concurrency C, closed loops, alternating phases
         async def phase(call, seconds: float) -> Dict[str, float]:
-            """Closed loops for `seconds`; requests/s counted in the steady part (after a third of the phase,
-            up to its end), not in the ramp or in the drain of the requests still in flight at the end."""
-            finished: List[float] = []
-            errors = [0]
+            """Closed loops for `seconds`, each finishing the request it holds at the end; requests/s as
+            `closed_loop_rate` gives them, the steady part beginning after a third of the phase."""
+            spans: List[tuple] = []
+            errors, kinds = [0], {}
             t0 = time.monotonic()
             stop, steady = t0 + seconds, t0 + seconds / 3
 
             async def loop():
-                while time.monotonic() < stop:
+                while (begun := time.monotonic()) < stop:
                     try:
                         await call()
-                        finished.append(time.monotonic())
-                    except Exception:  # noqa: BLE001  counted: an overloaded server answers 503 / UNAVAILABLE
+                        spans.append((begun, time.monotonic()))
+                    except Exception as e:  # noqa: BLE001  counted: an overloaded server answers 503 / UNAVAILABLE
                         errors[0] += 1
+                        kind = f"{type(e).__name__}: {str(e)[:200]}"
+                        kinds[kind] = kinds.get(kind, 0) + 1
 
             cpu0, load0 = cpu_seconds(gateway.proc.pid), os.getloadavg()[0]
             await asyncio.gather(*(loop() for _ in range(a.concurrency)))
             cpu = cpu_seconds(gateway.proc.pid) - cpu0
-            counted = sum(steady <= t <= stop for t in finished)
-            return {"requests": len(finished), "errors": errors[0], "steady_requests": counted,
-                    "steady_seconds": stop - steady, "rps": counted / (stop - steady), "gateway_cpu_s": cpu,
-                    "gateway_cpu_ms_per_request": 1e3 * cpu / max(1, len(finished)), "loadavg": [load0, os.getloadavg()[0]]}
+            return {**closed_loop_rate(spans, a.concurrency, steady, stop), "requests": len(spans), "errors": errors[0],
+                    "error_kinds": kinds, "gateway_cpu_s": cpu, "gateway_cpu_ms_per_request": 1e3 * cpu / max(1, len(spans)),
+                    "loadavg": [load0, os.getloadavg()[0]]}
 
         phases = {"direct": [], "gateway": []}
         calls = {"direct": lambda: direct.infer_one(TEXT, options), "gateway": lambda: via_gateway(body)}
@@ -234,10 +248,13 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
             for name in (("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")):
                 phases[name].append(await phase(calls[name], a.seconds))
                 log(f"concurrency {a.concurrency}, {name}: {phases[name][-1]}")
-        total = {k: {"requests": sum(p["steady_requests"] for p in v), "errors": sum(p["errors"] for p in v),
-                     "seconds": sum(p["steady_seconds"] for p in v)} for k, v in phases.items()}
-        for k, v in total.items():
-            v["rps"] = v["requests"] / v["seconds"]
+        total = {}
+        for k, v in phases.items():  # Little's law over every steady request of the kind's phases
+            n = sum(p["steady_requests"] for p in v)
+            latency = sum(p["mean_latency_s"] * p["steady_requests"] for p in v if p["steady_requests"]) / max(1, n)
+            total[k] = {"requests": n, "errors": sum(p["errors"] for p in v),
+                        "rps": a.concurrency / latency if n else 0.0,
+                        "counted_rps": statistics.mean(p["counted_rps"] for p in v)}
         gw_cpu = sum(p["gateway_cpu_s"] for p in phases["gateway"])
         gw_requests = sum(p["requests"] for p in phases["gateway"])
         result["throughput"] = {"concurrency": a.concurrency, "phases": phases, "direct_rps": total["direct"]["rps"],
@@ -245,6 +262,7 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
                                 "ratio": total["gateway"]["rps"] / total["direct"]["rps"],
                                 "errors": {k: v["errors"] for k, v in total.items()},
                                 "phase_ratios": [g["rps"] / d["rps"] for d, g in zip(phases["direct"], phases["gateway"])],
+                                "counted_ratio": total["gateway"]["counted_rps"] / total["direct"]["counted_rps"],
                                 "gateway_cpu_ms_per_request": 1e3 * gw_cpu / max(1, gw_requests)}
         log(f"throughput: {result['throughput']['gateway_rps']:.1f} / {result['throughput']['direct_rps']:.1f} req/s")
 
@@ -301,7 +319,10 @@ def to_markdown(res: dict) -> str:
     lines.append(f"| concurrency {tp['concurrency']}, whole wav | {tp['direct_rps']:.1f} req/s | {tp['gateway_rps']:.1f} "
                  f"req/s | **{100 * tp['ratio']:.1f} %** of direct | ≥ 95 % |")
     lines += ["", f"Concurrency {tp['concurrency']}: {len(tp['phase_ratios'])} phase pairs of {res['seconds']:g} s "
-              "(direct and gateway in turn, D G G D …), requests/s counted after the first third of each phase; "
+              "(direct and gateway in turn, D G G D …), requests/s by Little's law (concurrency / mean latency) over "
+              "the requests begun after the first third of each phase (completions counted in that window, which "
+              "move by a whole wave of requests finishing together: "
+              f"{tp['counted_ratio'] * 100:.1f} %); "
               f"gateway/direct per pair: {', '.join(f'{100 * r:.0f} %' for r in tp['phase_ratios'])} (mean "
               f"{100 * statistics.mean(tp['phase_ratios']):.0f} %, sd {100 * statistics.pstdev(tp['phase_ratios']):.0f}). "
               f"Errors: {tp['errors']}. The gateway process used "

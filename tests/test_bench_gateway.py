@@ -1,5 +1,6 @@
-"""bench.gateway end to end, briefly, against the served tiny repository: every table it promises is filled, and
-without PyAV (as tools.bundle ships the gateway) what FFmpeg makes is reported as not measured."""
+"""bench.gateway: its closed-loop rate; end to end, briefly, against the served tiny repository: every table it
+promises is filled, and without PyAV (as tools.bundle ships the gateway) what FFmpeg makes is reported as not
+measured."""
 
 from __future__ import annotations
 
@@ -9,12 +10,48 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.e2e
-
 SHORT = ["--requests", "3", "--concurrency", "4", "--seconds", "1.5", "--phases", "1", "--encode-repeats", "1",
          "--tokens", "8"]
 
 
+def _waves(concurrency: int, period: float, until: float, latency=lambda i: None):
+    """Closed loops whose requests all begin together and take `period` (or latency(wave)): (begun, ended)."""
+    spans, t, i = [], 0.0, 0
+    while t < until:
+        d = latency(i) or period
+        spans += [(t, t + d)] * concurrency
+        t, i = t + d, i + 1
+    return spans
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.3, 2.9, 5.1, 7.7])
+def test_closed_loop_rate_of_waves_is_concurrency_over_latency_wherever_the_window_falls(offset):
+    from bench.gateway import closed_loop_rate
+
+    spans = _waves(256, 8.0, 60.0)
+    r = closed_loop_rate(spans, 256, 10.0 + offset, 30.0 + offset)
+    assert r["rps"] == pytest.approx(32.0) and r["mean_latency_s"] == pytest.approx(8.0)
+    assert r["steady_requests"] in (512, 768)  # two or three waves begun in the window
+
+
+def test_closed_loop_rate_counts_move_by_a_wave_and_the_latency_rate_does_not():
+    from bench.gateway import closed_loop_rate
+
+    spans = _waves(256, 8.0, 60.0)
+    counted = {round(closed_loop_rate(spans, 256, s, s + 20.0)["counted_rps"], 1) for s in (10.0, 14.0)}
+    assert counted == {25.6, 38.4}  # 2 or 3 waves end in a 20-s window
+    slower = _waves(256, 8.0, 60.0, latency=lambda i: 8.0 if i % 2 else 12.0)  # waves of 12 s and 8 s: mean 10
+    assert closed_loop_rate(slower, 256, 0.0, 40.0)["rps"] == pytest.approx(25.6)
+
+
+def test_closed_loop_rate_without_requests_in_the_window_is_zero():
+    from bench.gateway import closed_loop_rate
+
+    r = closed_loop_rate([(0.0, 50.0)] * 4, 4, 10.0, 30.0)
+    assert r["rps"] == 0.0 and r["steady_requests"] == 0 and r["counted_rps"] == 0.0
+
+
+@pytest.mark.e2e
 def test_bench_gateway_measures_both_paths_and_every_encoder(served_tiny, tmp_path):
     from bench.gateway import main
     from gateway.audio import FORMATS
@@ -36,6 +73,7 @@ def test_bench_gateway_measures_both_paths_and_every_encoder(served_tiny, tmp_pa
     assert "| concurrency 4, whole wav |" in md and "| mp3 |" in md and "Not measured" not in md
 
 
+@pytest.mark.e2e
 def test_bench_gateway_without_pyav_measures_wav_and_pcm_through_the_launcher(tiny_repo, tmp_path, monkeypatch):
     """PyAV hidden from this process and from the gateway it starts (an `av` that fails to import first on
     PYTHONPATH); the server is started by bench.gateway itself, through the launcher."""

@@ -311,6 +311,15 @@ def test_every_queue_holds_twice_what_the_engines_admit():
     assert all(explicit[m].dynamic_batching.default_queue_policy.max_queue_size == 7 for m in rc.MODELS)
 
 
+def test_an_engine_without_admission_bound_is_not_bounded_in_front_either():
+    """gpt_max_pending 0 (no bound): the preprocess model refuses nothing either (it answered "server busy: 32
+    requests in flight" at the CPU's default size); the queues stay bounded, sized as at the largest batch."""
+    cfgs = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_max_pending=0))
+    assert cfgs[PREPROCESS].parameters["max_pending"].string_value == "0"
+    assert cfgs[GPT].parameters["gpt_max_pending"].string_value == "0"
+    assert all(cfgs[m].dynamic_batching.default_queue_policy.max_queue_size > 0 for m in rc.MODELS)
+
+
 def _tiny_arch():
     from chattts_triton.config import TINY_ARCH
 

@@ -190,7 +190,9 @@ def model_params(dep: Deployment) -> Dict[str, Params]:
     """What each python model reads of the deployment (params.py): its settings, and what is worked out for it."""
     engines = dict(instances=max(1, dep.instances), max_new_tokens=LIMITS.max_new_tokens)
     return {
-        PREPROCESS: PreprocessParams.of(dep, gpt_model=GPT, max_pending=dep.admission_bound("gpt")),
+        # an engine told to admit without bound (gpt_max_pending 0) is not bounded in front of it either
+        PREPROCESS: PreprocessParams.of(dep, gpt_model=GPT,
+                                        max_pending=0 if dep.max_pending("gpt") == 0 else dep.admission_bound("gpt")),
         GPT: GPTParams.of(dep, gpt_slots=dep.slots("gpt"), gpt_max_pending=dep.max_pending("gpt"), **engines),
         VOCODER: VocoderParams.of(dep),
         STREAM: StreamParams.of(dep, stream_slots=dep.slots("stream"), stream_max_pending=dep.max_pending("stream"),
