@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pause-ms", type=int, default=d.pause_ms, help="silence between the pieces of a long input")
     p.add_argument("--stream-default", action=argparse.BooleanOptionalAction, default=d.stream_default,
                    help="stream audio when a request does not say (its 'stream' field)")
+    p.add_argument("--keep-alive-s", type=float, default=75.0, metavar="S",
+                   help="how long an idle HTTP connection stays open (default %(default)s): longer than client pools "
+                        "and load balancers keep theirs (60 s is common), so a pooled connection is not closed under "
+                        "a request; uvicorn's own 5 s dropped requests of a pooled client under load")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -69,8 +73,8 @@ def main(argv=None) -> int:
     for name in ("channels", "max_concurrency", "piece_concurrency"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be ≥ 1")
-    if a.timeout <= 0 or a.pause_ms < 0:
-        p.error("--timeout must be > 0 and --pause-ms ≥ 0")
+    if a.timeout <= 0 or a.pause_ms < 0 or a.keep_alive_s <= 0:
+        p.error("--timeout and --keep-alive-s must be > 0 and --pause-ms ≥ 0")
     try:
         keys = api_keys(a)
     except OSError as e:
@@ -99,7 +103,8 @@ def main(argv=None) -> int:
     log.info("speech gateway on http://%s:%d → Triton gRPC %s (API keys: %s)", a.host, a.port, a.grpc_url,
              len(keys) or "none")
     uvicorn.run(create_app(settings), host=a.host, port=a.port, http=http, loop="asyncio", log_level=a.log_level,
-                access_log=a.access_log, timeout_graceful_shutdown=int(min(a.timeout, 60)))
+                access_log=a.access_log, timeout_keep_alive=a.keep_alive_s,
+                timeout_graceful_shutdown=int(min(a.timeout, 60)))
     return 0
 
 
