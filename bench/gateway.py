@@ -75,8 +75,8 @@ def closed_loop_rate(spans: List[tuple], concurrency: int, steady: float, stop: 
     """Requests/s of `concurrency` closed loops from their requests' (begun, ended) times: by Little's law,
     concurrency / mean latency of the requests begun in [steady, stop). Equal requests begun together finish
     together, in waves of up to `concurrency`, so a count of the completions in a window (`counted_rps`, kept
-    beside it) moves by a whole wave with where the window falls: a quarter of the count at 256 on the 2-core
-    CPU. Every request's latency counts in the mean, wherever the window falls."""
+    beside it) moves by a whole wave with where the window falls; every request's latency counts in the mean,
+    wherever the window falls. Failed requests are not in the rate: the caller counts them beside it."""
     latencies = [end - begun for begun, end in spans if steady <= begun < stop]
     counted = sum(steady <= end <= stop for _, end in spans)
     mean = statistics.mean(latencies) if latencies else float("nan")

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-alive-s", type=float, default=75.0, metavar="S",
                    help="how long an idle HTTP connection stays open (default %(default)s): longer than client pools "
                         "and load balancers keep theirs (60 s is common), so a pooled connection is not closed under "
-                        "a request; uvicorn's own 5 s dropped requests of a pooled client under load")
+                        "a request (uvicorn's own 5 s can close one as a pooled client reuses it)")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
