@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see tools/bundle.py):
 #   bash tools/gpu_session.sh STAGE...   stages: setup test bench detach collect step codec codecload gil engine aotiprobe clientcap gateway
-# (detach: `bench` in a process session of its own, writing to build/detached/, so that a run longer than one
-#  device call (a soak) goes on between calls; collect [WAIT_S]: wait for it to end, copy its files to $OUT)
+# (detach: the stages in DETACH_STAGES (default `bench`) in a process session of their own, writing to build/detached/,
+#  so that a run longer than one device call (a soak) goes on between calls; collect [WAIT_S]: wait for them to end,
+#  then the results into $OUT and all of build/detached/ as $OUT/detached.tgz: a device call returns only 8 files)
+# (step: STEP_TREES lists the checkouts whose chattts_triton/ and bench/ run the probe, default `.`; another's,
+#  e.g. `git archive` of the commit before a change, measures the step before it)
 # (test: PYTEST_ARGS picks the tests, default the whole GPU suite; quotes in it are kept, e.g. -k "a or b")
 # Writes logs and results under $OUT (or build/gpu-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
-OUT="${OUT:-build/gpu-out}"; mkdir -p "$OUT"
+OUT="${OUT:-build/gpu-out}"; mkdir -p "$OUT"; OUT="$(cd "$OUT" && pwd)"; ROOT="$PWD"
 ENV=/tmp/chattts-env.sh
 if [ ! -f "$ENV" ]; then
   bash .bundle/install.sh 2>&1 | tee "$OUT/install.log" | sed -n '/^Export these/,$p' | grep '^export' > "$ENV"
@@ -30,16 +33,23 @@ for stage in "$@"; do
       python3 -m bench.run --assets build/assets-full --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     detach)
       rm -rf build/detached && mkdir -p build/detached
-      OUT=build/detached setsid nohup bash tools/gpu_session.sh bench > build/detached/session.log 2>&1 < /dev/null &
-      echo "detached bench.run: pid $!, log build/detached/session.log" ;;
+      # the marker `done` is written whatever the stages' fate, so collect never waits out its deadline for a dead run
+      OUT=build/detached setsid nohup bash -c "bash tools/gpu_session.sh ${DETACH_STAGES:-bench}; touch build/detached/done" \
+        > build/detached/session.log 2>&1 < /dev/null &
+      echo "detached ${DETACH_STAGES:-bench}: pid $!, log build/detached/session.log" ;;
     collect)  # ends when the detached run has (or after WAIT_S), then its files into $OUT
       deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
-      while pgrep -f "bench.run --assets" > /dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
-      pgrep -f "bench.run --assets" > /dev/null && echo "still running at the deadline"
-      tail -5 build/detached/bench.log 2>/dev/null
-      cp build/detached/*.json build/detached/*.md build/detached/bench.log "$OUT"/ 2>/dev/null; ls -la "$OUT" ;;
-    step)
-      python3 -m bench.probes.step --assets build/assets-full --out "$OUT" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" ;;
+      while [ ! -f build/detached/done ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+      [ -f build/detached/done ] || echo "still running at the deadline"
+      tail -5 build/detached/session.log 2>/dev/null
+      cp build/detached/*.json build/detached/*.md "$OUT"/ 2>/dev/null
+      tar czf "$OUT/detached.tgz" -C build detached; ls -la "$OUT" ;;
+    step)  # one after the other under the same conditions: this tree (step/), then each other one (step-<its folder>/)
+      for tree in ${STEP_TREES:-.}; do
+        name=step; [ "$tree" = . ] || name="step-$(basename "$tree")"; mkdir -p "$OUT/$name"
+        (cd "$tree" && PYTHONPATH="$PWD:$PYTHONPATH" python3 -m bench.probes.step --assets "$ROOT/build/assets-full" \
+          --out "$OUT/$name" ${STEP_ARGS:-}) 2>&1 | tee "$OUT/$name.log"
+      done ;;
     codec)
       export_repo build/codec-repo ${CODEC_EXPORT_ARGS:-}
       python3 -m bench.probes.stream_codec --repo build/codec-repo --out "$OUT/stream-codec.json" 2>&1 | tee "$OUT/stream_codec.log" ;;
