@@ -4,7 +4,7 @@
 
 Binds 127.0.0.1 unless told otherwise; on another address it warns when no API key is set, and with
 --require-api-key refuses to start without one. Keys: --api-key KEY (repeatable), --api-key-file FILE (one
-per line) or CHATTTS_GATEWAY_API_KEYS=KEY1,KEY2 (never logged).
+per line) or CHATTTS_GATEWAY_API_KEYS=KEY1,KEY2 (never logged). --workers N: N processes on the port.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import argparse
 import ipaddress
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import List
 
@@ -54,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long an idle HTTP connection stays open (default %(default)s): longer than client pools "
                         "and load balancers keep theirs (60 s is common), so a pooled connection is not closed under "
                         "a request (uvicorn's own 5 s can close one as a pooled client reuses it)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="gateway processes sharing the port (uvicorn's workers), each with its own event loop and gRPC "
+                        "connections, for more requests/s than one core's loop carries; --max-concurrency is per "
+                        "process; /metrics sums them all (default %(default)s)")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -70,7 +76,7 @@ def api_keys(a: argparse.Namespace) -> List[str]:
 def main(argv=None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    for name in ("channels", "max_concurrency", "piece_concurrency"):
+    for name in ("channels", "max_concurrency", "piece_concurrency", "workers"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be ≥ 1")
     if a.timeout <= 0 or a.pause_ms < 0 or a.keep_alive_s <= 0:
@@ -93,7 +99,8 @@ def main(argv=None) -> int:
 
     import uvicorn
 
-    from .app import create_app
+    from .app import SETTINGS_ENV, create_app
+    from .metrics import MULTIPROC_ENV
 
     try:
         import httptools  # noqa: F401  the C HTTP parser: less CPU per request than h11
@@ -102,9 +109,25 @@ def main(argv=None) -> int:
         http = "h11"
     log.info("speech gateway on http://%s:%d → Triton gRPC %s (API keys: %s)", a.host, a.port, a.grpc_url,
              len(keys) or "none")
-    uvicorn.run(create_app(settings), host=a.host, port=a.port, http=http, loop="asyncio", log_level=a.log_level,
-                access_log=a.access_log, timeout_keep_alive=a.keep_alive_s,
-                timeout_graceful_shutdown=int(min(a.timeout, 60)))
+    common = dict(host=a.host, port=a.port, http=http, loop="asyncio", log_level=a.log_level, access_log=a.access_log,
+                  timeout_keep_alive=a.keep_alive_s, timeout_graceful_shutdown=int(min(a.timeout, 60)))
+    if a.workers == 1:
+        uvicorn.run(create_app(settings), **common)
+        return 0
+    # each worker is a fresh interpreter that builds its app from the environment (uvicorn's factory); their
+    # metrics meet in files, in a folder of this run's own unless PROMETHEUS_MULTIPROC_DIR names one
+    os.environ[SETTINGS_ENV] = settings.to_json()
+    own = not os.environ.get(MULTIPROC_ENV)
+    folder = Path(tempfile.mkdtemp(prefix="chattts-gateway-metrics-") if own else os.environ[MULTIPROC_ENV])
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.db"):  # a previous run's values would be summed with this one's
+        stale.unlink()
+    os.environ[MULTIPROC_ENV] = str(folder)
+    try:
+        uvicorn.run("gateway.app:app_from_env", factory=True, workers=a.workers, **common)
+    finally:
+        if own:
+            shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import gc
 import hmac
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,7 @@ from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tup
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chattts_triton.config import BUILTIN_VOICE_SEEDS, SAMPLE_RATE
@@ -46,6 +48,9 @@ WHOLE_BY_DEFAULT = ("flac",)  # formats streamed only when a request says `strea
 DRAIN_BYTES = 64 << 20  # an oversized body is read (and dropped) up to this much before the 400
 
 
+SETTINGS_ENV = "CHATTTS_GATEWAY_SETTINGS"  # how `--workers N` hands the settings to its worker processes
+
+
 @dataclass
 class Settings:
     grpc_url: str = "127.0.0.1:8001"
@@ -58,6 +63,18 @@ class Settings:
     pause_ms: int = 200  # silence between the pieces of a long input
     stream_default: bool = True  # `stream` when a request does not say
     max_body_bytes: int = 1 << 20  # a body of OpenAI's longest input is < 50 KB; a larger one is refused
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["repo"] = None if self.repo is None else str(self.repo)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Settings":
+        d = json.loads(text)
+        d["repo"] = None if d.get("repo") is None else Path(d["repo"])
+        d["api_keys"] = tuple(d.get("api_keys", ()))
+        return cls(**d)
 
 
 STATUS_OF = {"INVALID_ARGUMENT": 400, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "NOT_FOUND": 503,
@@ -428,10 +445,16 @@ def create_app(settings: Settings, synthesizer: Optional[Synthesizer] = None) ->
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(gw.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/", response_class=HTMLResponse)
     async def playground():
         return HTMLResponse(gw.playground)
 
     return app
+
+
+def app_from_env() -> FastAPI:
+    """The app of one worker process of `python -m gateway --workers N` (uvicorn's factory): the settings come from
+    the environment its parent set."""
+    return create_app(Settings.from_json(os.environ[SETTINGS_ENV]))

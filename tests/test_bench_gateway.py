@@ -102,3 +102,24 @@ def test_bench_gateway_without_pyav_measures_wav_and_pcm_through_the_launcher(ti
     assert "**Not measured** (PyAV cannot be imported (ImportError: PyAV hidden by the test)" in md and "first mp3 byte" in md
     assert "| wav |" in md and "not measured" in md and "| mp3 |" not in md
     assert "python -m chattts_triton.serve --repo" in md
+
+
+def test_gateway_cpu_counts_its_worker_processes():
+    """`--workers N` serves from child processes: their CPU time is the gateway's too."""
+    import subprocess
+    import time
+
+    from bench.gateway import cpu_seconds
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\ntime.sleep(30)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time\n"
+                               f"c = subprocess.Popen([sys.executable, '-c', {burn!r}])\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while cpu_seconds(parent.pid) < 0.6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cpu_seconds(parent.pid) >= 0.6  # the parent itself only sleeps
+    finally:
+        subprocess.run(["pkill", "-P", str(parent.pid)])
+        parent.kill()
+        parent.wait()

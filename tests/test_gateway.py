@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -440,6 +441,45 @@ def test_command_line_keeps_idle_connections_longer_than_client_pools(monkeypatc
     with pytest.raises(SystemExit) as e:
         main(["--keep-alive-s", "0"])
     assert e.value.code == 2
+
+
+def test_command_line_with_workers_hands_every_setting_to_the_worker_processes(monkeypatch, tmp_path):
+    """`--workers N`: uvicorn starts N processes from the app factory, which rebuild the parent's settings from
+    the environment; their metrics meet in a folder of the run's own, removed at the end; 0 workers is refused."""
+    import os
+
+    import uvicorn
+
+    from gateway.__main__ import main
+    from gateway.app import SETTINGS_ENV, Settings, app_from_env
+    from gateway.metrics import MULTIPROC_ENV
+
+    seen = {}
+
+    def run(app, **kw):
+        seen.update(kw, app=app, settings=Settings.from_json(os.environ[SETTINGS_ENV]), folder=os.environ[MULTIPROC_ENV])
+        assert Path(seen["folder"]).is_dir()
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.delenv(MULTIPROC_ENV, raising=False)
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
+    monkeypatch.setenv("CHATTTS_GATEWAY_API_KEYS", "k1")
+    assert main(["--workers", "3", "--grpc-url", "h:1", "--max-concurrency", "7", "--pause-ms", "0", "--no-stream-default"]) == 0
+    assert seen["app"] == "gateway.app:app_from_env" and seen["factory"] and seen["workers"] == 3
+    assert seen["settings"] == Settings(grpc_url="h:1", api_keys=("k1",), max_concurrency=7, pause_ms=0, stream_default=False)
+    assert not Path(seen["folder"]).exists()  # the run's own folder goes with it
+    assert callable(app_from_env)
+    with pytest.raises(SystemExit) as e:
+        main(["--workers", "0"])
+    assert e.value.code == 2
+
+
+def test_settings_travel_to_worker_processes_unchanged(tmp_path):
+    from gateway.app import Settings
+
+    s = Settings(grpc_url="x:2", repo=tmp_path, api_keys=("a", "b"), timeout_s=1.5, channels=3, max_concurrency=9,
+                 piece_concurrency=2, pause_ms=50, stream_default=False, max_body_bytes=10)
+    assert Settings.from_json(s.to_json()) == s and Settings.from_json(Settings().to_json()) == Settings()
 
 
 def test_without_pyav_the_ffmpeg_formats_are_refused_naming_the_field(monkeypatch):

@@ -256,3 +256,51 @@ def test_playground_plays_streamed_audio_in_chromium(gateway):
             assert "HTTP 400" in page.inner_text("#status") and "[input]" in page.inner_text("#status")
         finally:
             browser.close()
+
+
+def test_two_worker_processes_share_the_port_and_their_metrics(served_tiny, tmp_path):
+    """`--workers 2`: two gateway processes answer on one port, each request whole and right, and /metrics,
+    whichever process answers it, counts the requests of both; SIGTERM ends them all."""
+    import concurrent.futures
+
+    port, folder, log = free_port(), tmp_path / "metrics", tmp_path / "gateway.log"
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder)}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port", str(port),
+                                 "--workers", "2"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=_set_parent_death_signal)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while len({p.stem.rsplit("_", 1)[-1] for p in folder.glob("*.db")}) < 2 or not _healthy(url):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+
+        def speak(i):
+            body = json.dumps({"model": "chattts", "input": "Hi there.", "voice": "alloy", "response_format": "pcm",
+                               "stream": False, "seed": i, **FIXED}).encode()
+            req = urllib.request.Request(url + "/v1/audio/speech", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, len(r.read())
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(speak, range(8)))
+        assert answers == [(200, 2 * N)] * 8
+        for _ in range(4):  # any worker may answer: each must report both workers' requests
+            with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+                text = r.read().decode()
+            line = next(x for x in text.splitlines()
+                        if x.startswith('chattts_gateway_requests_total{format="pcm",mode="whole",status="200"}'))
+            assert float(line.split()[-1]) == 8.0, line
+    finally:
+        proc.terminate()
+        code = proc.wait(60)
+    assert code in (0, -15), log.read_text()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
