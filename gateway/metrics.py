@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own name for it
 
@@ -42,3 +42,8 @@ class Metrics:
             MultiProcessCollector(every)
             return generate_latest(every)
         return generate_latest(self.registry)
+
+    def close(self) -> None:
+        """A worker's end: its live gauges (requests in flight) leave the sum (files of a worker that crashed stay)."""
+        if os.environ.get(MULTIPROC_ENV):
+            mark_process_dead(os.getpid())

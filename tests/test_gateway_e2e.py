@@ -296,6 +296,7 @@ def test_two_worker_processes_share_the_port_and_their_metrics(served_tiny, tmp_
         proc.terminate()
         code = proc.wait(60)
     assert code in (0, -15), log.read_text()
+    assert not list(folder.glob("gauge_live*.db"))  # the workers' in-flight gauges left the sum as they ended
 
 
 def _healthy(url: str) -> bool:
