@@ -116,6 +116,7 @@ def main(argv=None) -> int:
         return 0
     # each worker is a fresh interpreter that builds its app from the environment (uvicorn's factory); their
     # metrics meet in files, in a folder of this run's own unless PROMETHEUS_MULTIPROC_DIR names one
+    before = {k: os.environ.get(k) for k in (SETTINGS_ENV, MULTIPROC_ENV)}
     os.environ[SETTINGS_ENV] = settings.to_json()
     own = not os.environ.get(MULTIPROC_ENV)
     folder = Path(tempfile.mkdtemp(prefix="chattts-gateway-metrics-") if own else os.environ[MULTIPROC_ENV])
@@ -128,6 +129,11 @@ def main(argv=None) -> int:
     finally:
         if own:
             shutil.rmtree(folder, ignore_errors=True)
+        for k, v in before.items():  # main() called in a process that goes on (tests) leaves its environment as it was
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return 0
 
 

@@ -468,6 +468,7 @@ def test_command_line_with_workers_hands_every_setting_to_the_worker_processes(m
     assert seen["app"] == "gateway.app:app_from_env" and seen["factory"] and seen["workers"] == 3
     assert seen["settings"] == Settings(grpc_url="h:1", api_keys=("k1",), max_concurrency=7, pause_ms=0, stream_default=False)
     assert not Path(seen["folder"]).exists()  # the run's own folder goes with it
+    assert MULTIPROC_ENV not in os.environ and SETTINGS_ENV not in os.environ  # nor leaks into what starts later
     assert callable(app_from_env)
     with pytest.raises(SystemExit) as e:
         main(["--workers", "0"])
