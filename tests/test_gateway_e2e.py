@@ -47,13 +47,7 @@ def gateway(served_tiny, tmp_path_factory):
                                 preexec_fn=_set_parent_death_signal)  # no gateway outlives an interrupted run
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
+    while not _healthy(url):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.2)
     yield url
