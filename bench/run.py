@@ -235,20 +235,34 @@ def bench_stream(url: str, tokens, concurrency: int, seconds: float, metrics_url
     return row
 
 
+def allocator_rows(metrics_text: str) -> Dict[str, dict]:
+    """{model instance: MiB its process's allocator holds, and its peak} from the `chattts_gpu_memory_*` gauges."""
+    from chattts_triton.config import STREAM
+    from chattts_triton.triton.repo_config import MODELS
+    from loadtest.sweep import parse_counters
+
+    rows: Dict[str, dict] = {}
+    for model in MODELS + (STREAM,):
+        for inst, c in parse_counters(metrics_text, ("gpu_memory_reserved_bytes", "gpu_memory_peak_reserved_bytes"), model).items():
+            rows[inst or model] = {"allocator_mib": round(c.get("gpu_memory_reserved_bytes", 0) / 2**20),
+                                   "allocator_peak_mib": round(c.get("gpu_memory_peak_reserved_bytes", 0) / 2**20)}
+    return rows
+
+
+def server_allocators_mib(metrics_text: str) -> Optional[int]:
+    """What the server's own processes' allocators hold together, MiB (None without the gauges): the server's
+    memory whoever else uses the GPU, where Triton's nv_gpu_memory_used_bytes is the whole GPU's."""
+    rows = allocator_rows(metrics_text)
+    return sum(r["allocator_mib"] for r in rows.values()) if rows else None
+
+
 def gpu_processes(server) -> Dict[str, dict]:
     """GPU memory per model instance of the launched server, from what each process's allocator holds (its
     `chattts_gpu_memory_*` gauges; nvidia-smi's per-process list names host pids inside a container), and
     nvidia-smi's per-process figures (context included) as it lists them."""
-    from chattts_triton.config import STREAM
-    from chattts_triton.triton.repo_config import MODELS
-    from loadtest.sweep import fetch_metrics, parse_counters
+    from loadtest.sweep import fetch_metrics
 
-    text = fetch_metrics(server.metrics_url)
-    rows: Dict[str, dict] = {}
-    for model in MODELS + (STREAM,):
-        for inst, c in parse_counters(text, ("gpu_memory_reserved_bytes", "gpu_memory_peak_reserved_bytes"), model).items():
-            rows[inst or model] = {"allocator_mib": round(c.get("gpu_memory_reserved_bytes", 0) / 2**20),
-                                   "allocator_peak_mib": round(c.get("gpu_memory_peak_reserved_bytes", 0) / 2**20)}
+    rows = allocator_rows(fetch_metrics(server.metrics_url))
     try:
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30).stdout
@@ -259,15 +273,29 @@ def gpu_processes(server) -> Dict[str, dict]:
     return rows
 
 
+def server_smi_mib(server, procs: Dict[str, dict]) -> Dict[str, float]:
+    """{pid: MiB} of nvidia-smi's figures (CUDA contexts included) for the server's own processes
+    (tritonserver and its stubs) in `procs` (gpu_processes): what a card must hold for this server alone."""
+    from chattts_triton.launcher.tritonserver import python_stubs
+
+    ours = {str(server.server_pid), *(str(pid) for pid in python_stubs(server.server_pid))}
+    smi = procs.get("nvidia-smi (pid: MiB)", {}).get("processes", {})
+    return {pid: mib for pid, mib in smi.items() if pid in ours}
+
+
 def memory_snapshot(server, label: str) -> dict:
     from loadtest.sweep import _fetch_gpu_memory
 
     total = _fetch_gpu_memory(server.metrics_url)
-    snap = {"when": label, "gpu_memory_mib": None if total is None else round(total / 2**20), "processes": gpu_processes(server)}
-    log(f"GPU memory {label}: {snap['gpu_memory_mib']} MiB; allocators (MiB, peak): "
-        + ", ".join(f"{k} {v['allocator_mib']} ({v['allocator_peak_mib']})" for k, v in sorted(snap["processes"].items())
+    procs = gpu_processes(server)
+    ours = server_smi_mib(server, procs)
+    snap = {"when": label, "gpu_memory_mib": None if total is None else round(total / 2**20), "processes": procs,
+            "server_smi_mib": round(sum(ours.values())) if ours else None}
+    log(f"GPU memory {label}: {snap['gpu_memory_mib']} MiB (the GPU), {snap['server_smi_mib']} MiB (the server's "
+        f"processes, nvidia-smi); allocators (MiB, peak): "
+        + ", ".join(f"{k} {v['allocator_mib']} ({v['allocator_peak_mib']})" for k, v in sorted(procs.items())
                     if "allocator_mib" in v)
-        + f"; nvidia-smi per process: {snap['processes'].get('nvidia-smi (pid: MiB)', {}).get('processes')}")
+        + f"; nvidia-smi per process: {procs.get('nvidia-smi (pid: MiB)', {}).get('processes')}")
     return snap
 
 
@@ -348,23 +376,22 @@ def soak_cycles(server, tokens: int, concurrency: int, burst_n: int, until: floa
         h = asyncio.run(hold(server.grpc_url, server.metrics_url, tokens, concurrency,
                              max(1.0, min(hold_s, until - time.monotonic()))))
         cycles.append({"burst": b, "hold": h, "restarts_so_far": server.restarts})
-    mems = [(s["t_s"], s["gpu_memory_mib"]) for c in cycles for s in c["hold"]["samples"] if s["gpu_memory_mib"] is not None]
-    half = [m for _, m in mems[len(mems) // 2:]]
+    samples = [(i, s) for i, s in enumerate(s for c in cycles for s in c["hold"]["samples"])]  # in order: index as time
     return {"cycles": cycles, "bursts": len(cycles), "burst_requests": len(cycles) * burst_n,
             "burst_refused": sum(c["burst"]["refused"] for c in cycles),
             "hold_utterances": sum(c["hold"]["utterances"] for c in cycles),
             "hold_errors": sum(c["hold"]["errors"] for c in cycles),
-            "gpu_memory_min_mib": min((m for _, m in mems), default=None), "gpu_memory_max_mib": max((m for _, m in mems), default=None),
-            "gpu_memory_growth_second_half_mib": (max(half) - min(half)) if half else None}
+            **memory_span(samples, len(samples) // 2)}
 
 
 async def hold(url: str, metrics_url: str, tokens, concurrency: int, seconds: float, every_s: float = 10.0) -> dict:
-    """Constant load for `seconds`: GPU memory (Triton's gauge) sampled every `every_s`, utterances/s and
-    audio seconds/s; `tokens`: N or a Lengths (each worker draws its own)."""
+    """Constant load for `seconds`: GPU memory sampled every `every_s` (Triton's gauge for the GPU, and what the
+    server's own allocators hold), utterances/s and audio seconds/s; `tokens`: N or a Lengths (each worker draws
+    its own)."""
     import asyncio
 
     from client.client import AsyncChatTTSClient
-    from loadtest.sweep import _fetch_gpu_memory
+    from loadtest.sweep import fetch_metrics, parse_gpu_memory_bytes
 
     lengths = Lengths.of(tokens)
     done = errors = audio = 0
@@ -395,20 +422,35 @@ async def hold(url: str, metrics_url: str, tokens, concurrency: int, seconds: fl
 
         async def sampler() -> None:
             while time.monotonic() < stop:
-                mem = await asyncio.to_thread(_fetch_gpu_memory, metrics_url)
+                text = await asyncio.to_thread(fetch_metrics, metrics_url)
+                mem = parse_gpu_memory_bytes(text)
                 samples.append({"t_s": round(time.monotonic() - t_start, 1), "gpu_memory_mib": None if mem is None else mem / 2**20,
-                                "utterances": done})
-                log(f"hold: t={samples[-1]['t_s']} s, GPU {samples[-1]['gpu_memory_mib']} MiB, {done} utterances, {errors} errors")
+                                "server_allocators_mib": server_allocators_mib(text), "utterances": done})
+                log(f"hold: t={samples[-1]['t_s']} s, GPU {samples[-1]['gpu_memory_mib']} MiB, the server's allocators "
+                    f"{samples[-1]['server_allocators_mib']} MiB, {done} utterances, {errors} errors")
                 await asyncio.sleep(max(0.0, min(every_s, stop - time.monotonic())))
 
         await asyncio.gather(sampler(), *(worker(i) for i in range(concurrency)))
-    mems = [s["gpu_memory_mib"] for s in samples if s["gpu_memory_mib"] is not None]
-    half = [s["gpu_memory_mib"] for s in samples if s["gpu_memory_mib"] is not None and s["t_s"] >= seconds / 2]
     return {"concurrency": concurrency, "seconds": seconds, "utterances": done, "errors": errors, "error_messages": messages,
             "throughput_utt_s": done / seconds, "audio_s_per_s": audio / SAMPLE_RATE / seconds, "samples": samples,
             "latency_p50_ms_second_half": _pct(late, 50), "latency_p99_ms_second_half": _pct(late, 99),
-            "gpu_memory_min_mib": min(mems) if mems else None, "gpu_memory_max_mib": max(mems) if mems else None,
-            "gpu_memory_growth_second_half_mib": (max(half) - min(half)) if half else None}
+            **memory_span([(s["t_s"], s) for s in samples], seconds / 2)}
+
+
+MEMORY_SERIES = {"gpu_memory": "gpu_memory_mib", "server_allocators": "server_allocators_mib"}
+
+
+def memory_span(samples: List[tuple], half_from: float) -> Dict[str, Optional[float]]:
+    """Of (t_s, sample) pairs: each memory series' min, max and growth over the samples from `half_from` on
+    (`gpu_memory`: Triton's gauge, the whole GPU; `server_allocators`: the server's own processes)."""
+    out: Dict[str, Optional[float]] = {}
+    for name, key in MEMORY_SERIES.items():
+        values = [(t, s[key]) for t, s in samples if s.get(key) is not None]
+        half = [v for t, v in values if t >= half_from]
+        out[f"{name}_min_mib"] = min((v for _, v in values), default=None)
+        out[f"{name}_max_mib"] = max((v for _, v in values), default=None)
+        out[f"{name}_growth_second_half_mib"] = (max(half) - min(half)) if half else None
+    return out
 
 
 def bench_served(repo: Path, tokens, max_concurrency: int, step_s: float, start: int = 1,
@@ -543,9 +585,17 @@ def _served_path(res: dict) -> List[str]:
     if sk:
         out += [f"## Soak through the launcher: {sk['bursts']} cycles of idle, a burst from idle and a minute of closed-loop load", "",
                 f"Bursts: {sk['burst_requests']} requests, {sk['burst_refused']} refused; closed loop: {sk['hold_utterances']} "
-                f"utterances, {sk['hold_errors']} errors; GPU memory {sk['gpu_memory_min_mib']}–{sk['gpu_memory_max_mib']} MiB, "
-                f"growth over the second half {sk['gpu_memory_growth_second_half_mib']} MiB.", ""]
+                f"utterances, {sk['hold_errors']} errors; GPU memory {_mib_span(sk, 'gpu_memory')} (Triton's gauge, the whole GPU); "
+                f"the server's own allocators {_mib_span(sk, 'server_allocators')}.", ""]
     return out
+
+
+def _mib_span(r: dict, name: str) -> str:
+    """`min–max MiB, growth over the second half G MiB` of a memory series (memory_span)."""
+    lo, hi, growth = (r.get(f"{name}_{k}_mib") for k in ("min", "max", "growth_second_half"))
+    if lo is None:
+        return "not reported"
+    return f"{lo:.0f}–{hi:.0f} MiB, growth over the second half {growth:.0f} MiB"
 
 
 def _ms(v) -> str:
@@ -615,8 +665,8 @@ def to_markdown(res: dict) -> str:
                 + f", {h['errors']} errors"
                 + (f"; over the second half latency p50 {h['latency_p50_ms_second_half']:.0f} ms, p99 "
                    f"{h['latency_p99_ms_second_half']:.0f} ms" if h.get("latency_p99_ms_second_half") is not None else "")
-                + f"; GPU memory {h['gpu_memory_min_mib']}–"
-                f"{h['gpu_memory_max_mib']} MiB, growth over the second half {h['gpu_memory_growth_second_half_mib']} MiB.", ""]
+                + f"; GPU memory {_mib_span(h, 'gpu_memory')} (Triton's gauge, the whole GPU); the server's own allocators "
+                f"{_mib_span(h, 'server_allocators')}.", ""]
     rows = res.get("served") or []
     if rows:
         out += ["## served (chattts-triton)", "", "| concurrency | p50 ms | p90 ms | p99 ms | utterances/s | audio s/s | RTF p50 "

@@ -70,3 +70,29 @@ def test_launched_counts_and_recovers_an_exit_as_a_supervisor_does(tiny_repo, tm
         assert [code for _, code in server.exits] == [STUB_DIED_EXIT]
         assert grpc_synth(server.grpc_url, TEXT="你好", MAX_NEW_TOKENS=4, MIN_NEW_TOKENS=4).size > 0
     assert not server.alive
+
+
+def test_the_servers_own_memory_is_read_apart_from_the_whole_gpus():
+    """bench.run's memory series: Triton's gauge counts every process on the GPU (a test suite beside a soak
+    included); the server's own allocators are summed from its models' gauges, and each series' span and
+    growth over the second half are its own."""
+    from bench.run import memory_span, server_allocators_mib
+
+    mib = 2**20
+    text = "\n".join([
+        f'chattts_gpu_memory_reserved_bytes{{model="chattts_gpt",instance="chattts_gpt_0"}} {1000 * mib}',
+        f'chattts_gpu_memory_peak_reserved_bytes{{model="chattts_gpt",instance="chattts_gpt_0"}} {1200 * mib}',
+        f'chattts_gpu_memory_reserved_bytes{{model="chattts_stream",instance="chattts_stream_0"}} {300 * mib}',
+        f'chattts_gpu_memory_reserved_bytes{{model="chattts_vocoder",instance="chattts_vocoder_0"}} {20 * mib}',
+        f'nv_gpu_memory_used_bytes{{gpu_uuid="GPU-1"}} {90000 * mib}',
+    ])
+    assert server_allocators_mib(text) == 1320
+    assert server_allocators_mib("nv_gpu_memory_used_bytes 1") is None
+    samples = [(t, {"gpu_memory_mib": g, "server_allocators_mib": a})
+               for t, g, a in [(0, 30000, 1300), (10, 60000, 1320), (20, 45000, 1320), (30, 90000, 1330)]]
+    span = memory_span(samples, 20)
+    assert (span["gpu_memory_min_mib"], span["gpu_memory_max_mib"], span["gpu_memory_growth_second_half_mib"]) == (30000, 90000, 45000)
+    assert (span["server_allocators_min_mib"], span["server_allocators_max_mib"],
+            span["server_allocators_growth_second_half_mib"]) == (1300, 1330, 10)
+    none = memory_span([(0, {"gpu_memory_mib": None, "server_allocators_mib": None})], 0)
+    assert set(none.values()) == {None}

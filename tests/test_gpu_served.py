@@ -48,7 +48,7 @@ def test_a_16gb_card_plan_serves_64_concurrent_utterances_through_the_launcher(f
     share) on this GPU: it starts, the engine holds at least 64 slots, 64 closed-loop clients of 150-frame
     utterances are served without an error, the server's processes stay inside the card, and the launcher
     stays up past the compile workers' exit (a minute after start) with no restart."""
-    from bench.run import engine_slots, gpu_processes
+    from bench.run import engine_slots, gpu_processes, server_smi_mib
     from chattts_triton.triton.repo_config import Deployment
     from export.__main__ import export_repository
 
@@ -59,16 +59,15 @@ def test_a_16gb_card_plan_serves_64_concurrent_utterances_through_the_launcher(f
         slots = engine_slots(server.metrics_url)
         ok, bad = _closed_loop(server.grpc_url, 64, 30.0, 150)
         procs = gpu_processes(server)
-        ours = {str(server.server_pid), *(str(pid) for pid in python_stubs(server.server_pid))}
+        ours = server_smi_mib(server, procs)  # nvidia-smi's figures (CUDA contexts included): what a card must hold
+        pids = {server.server_pid, *python_stubs(server.server_pid)}
         time.sleep(max(0.0, 90 - (time.monotonic() - ready)))
         restarts = server.restarts
-    # nvidia-smi's own figures (CUDA contexts included) for the server's processes: what a card must hold
-    smi = procs.get("nvidia-smi (pid: MiB)", {}).get("processes", {})
-    used = sum(mib for pid, mib in smi.items() if pid in ours)
+    used = sum(ours.values())
     print(f"\n{SMALL_CARD_GIB} GiB plan: {slots} GPT slots; 64 clients: {len(ok)} served, {len(bad)} errors; GPU MiB per process "
-          f"{ {pid: mib for pid, mib in smi.items() if pid in ours} } = {used:.0f} MiB")
+          f"{ours} = {used:.0f} MiB")
     assert slots >= 64 and not bad and len(ok) >= 64 and set(ok) == {samples_for_codes(150)}
     # the preprocess stub holds no CUDA context; the others must be listed (pids of another namespace would sum to 0)
-    assert len(ours & smi.keys()) >= 3, f"nvidia-smi lists too few of the server's processes {sorted(ours)}: {smi}"
+    assert len(ours) >= 3, f"nvidia-smi lists too few of the server's processes {sorted(pids)}: {procs}"
     assert used <= SMALL_CARD_GIB * 1024, procs
     assert restarts == 0

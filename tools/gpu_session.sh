@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see tools/bundle.py):
-#   bash tools/gpu_session.sh STAGE...   stages: setup test bench detach collect step codec codecload gil engine aotiprobe clientcap gateway
-# (detach: the stages in DETACH_STAGES (default `bench`) in a process session of their own, writing to build/detached/,
-#  so that a run longer than one device call (a soak) goes on between calls; collect [WAIT_S]: wait for them to end,
-#  then the results into $OUT and all of build/detached/ as $OUT/detached.tgz: a device call returns only 8 files)
+#   bash tools/gpu_session.sh STAGE...   stages: setup test bench detach collect wait step codec codecload gil engine aotiprobe clientcap gateway
+# (detach: the stages in DETACH_STAGES (default `bench`) in a process session of their own, writing to DETACH_DIR
+#  (default build/detached), so that a run longer than one device call (a soak) goes on between calls; several
+#  detached runs side by side each have their own DETACH_DIR; collect [WAIT_S]: wait for DETACH_DIR's run to end,
+#  then its results into $OUT and all of DETACH_DIR as $OUT/<its name>.tgz: a device call returns only 8 files;
+#  wait: until the detached run in WAIT_FOR has ended, e.g. timed stages queued behind a soak)
 # (step: STEP_TREES lists the checkouts whose chattts_triton/ and bench/ run the probe, default `.`; another's,
 #  e.g. `git archive` of the commit before a change, measures the step before it)
 # (test: PYTEST_ARGS picks the tests, default the whole GPU suite; quotes in it are kept, e.g. -k "a or b")
@@ -32,18 +34,21 @@ for stage in "$@"; do
     bench)
       python3 -m bench.run --assets build/assets-full --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     detach)
-      rm -rf build/detached && mkdir -p build/detached
+      dir="${DETACH_DIR:-build/detached}"; rm -rf "$dir" && mkdir -p "$dir"
       # the marker `done` is written whatever the stages' fate, so collect never waits out its deadline for a dead run
-      OUT=build/detached setsid nohup bash -c "bash tools/gpu_session.sh ${DETACH_STAGES:-bench}; touch build/detached/done" \
-        > build/detached/session.log 2>&1 < /dev/null &
-      echo "detached ${DETACH_STAGES:-bench}: pid $!, log build/detached/session.log" ;;
-    collect)  # ends when the detached run has (or after WAIT_S), then its files into $OUT
-      deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
-      while [ ! -f build/detached/done ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
-      [ -f build/detached/done ] || echo "still running at the deadline"
-      tail -5 build/detached/session.log 2>/dev/null
-      cp build/detached/*.json build/detached/*.md "$OUT"/ 2>/dev/null
-      tar czf "$OUT/detached.tgz" -C build detached; ls -la "$OUT" ;;
+      OUT="$dir" setsid nohup bash -c "bash tools/gpu_session.sh ${DETACH_STAGES:-bench}; touch '$dir/done'" \
+        > "$dir/session.log" 2>&1 < /dev/null &
+      echo "detached ${DETACH_STAGES:-bench}: pid $!, log $dir/session.log" ;;
+    collect)  # ends when DETACH_DIR's run has (or after WAIT_S), then its files into $OUT
+      dir="${DETACH_DIR:-build/detached}"; deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
+      while [ ! -f "$dir/done" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+      [ -f "$dir/done" ] || echo "$dir still running at the deadline"
+      tail -5 "$dir/session.log" 2>/dev/null
+      cp "$dir"/*.json "$dir"/*.md "$OUT"/ 2>/dev/null
+      tar czf "$OUT/$(basename "$dir").tgz" -C "$(dirname "$dir")" "$(basename "$dir")"; ls -la "$OUT" ;;
+    wait)  # until the detached run in WAIT_FOR has ended: stages that must have the GPU to themselves
+      until [ -f "${WAIT_FOR:-build/detached}/done" ]; do sleep 5; done
+      echo "$(date +%T) ${WAIT_FOR:-build/detached} has ended" ;;
     step)  # one after the other under the same conditions: this tree (step/), then each other one (step-<its folder>/)
       for tree in ${STEP_TREES:-.}; do
         name=step; [ "$tree" = . ] || name="step-$(basename "$tree")"; mkdir -p "$OUT/$name"
