@@ -99,7 +99,7 @@ def main(argv=None) -> int:
 
     import uvicorn
 
-    from .app import SETTINGS_ENV, create_app
+    from .app import SETTINGS_ENV, create_app, tune_malloc
     from .metrics import MULTIPROC_ENV
 
     try:
@@ -112,6 +112,7 @@ def main(argv=None) -> int:
     common = dict(host=a.host, port=a.port, http=http, loop="asyncio", log_level=a.log_level, access_log=a.access_log,
                   timeout_keep_alive=a.keep_alive_s, timeout_graceful_shutdown=int(min(a.timeout, 60)))
     if a.workers == 1:
+        tune_malloc()
         uvicorn.run(create_app(settings), **common)
         return 0
     # each worker is a fresh interpreter that builds its app from the environment (uvicorn's factory); their

@@ -63,7 +63,12 @@ STREAM_OPTIONS: Dict[str, Dict[str, str]] = {"ogg": {"page_duration": "20000"}}
 def to_int16(audio: np.ndarray) -> np.ndarray:
     """float [-1, 1] → 16-bit samples (× 32767, clipped, not wrapped, outside), as client.audio writes WAV files.
     Every format is made from these, so a wav, flac and pcm response carry the same samples."""
-    return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2")
+    # numpy's elementwise clip costs several times min() and max(): audio already in range skips it (NaN fails
+    # both comparisons and is clipped, as before); rint rounds half to even, as round() did
+    if audio.size and not (audio.min() >= -1.0 and audio.max() <= 1.0):
+        audio = np.clip(audio, -1.0, 1.0)
+    scaled = np.multiply(audio, np.float32(32767.0) if audio.dtype == np.float32 else 32767.0)
+    return np.rint(scaled, out=scaled).astype("<i2")
 
 
 def pcm16(audio: np.ndarray) -> bytes:

@@ -123,12 +123,15 @@ class Synthesizer:
         """Triton's readiness: the server with each model the gateway calls."""
         return {m: await self.client.is_ready(m) for m in (self.model, self.stream_model)}
 
+    async def _infer(self, job: Job, i: int) -> np.ndarray:
+        try:
+            return await self.client.infer_one(job.pieces[i], job.piece_options(i))
+        except ChatTTSError as e:
+            raise synthesis_error(e) from None
+
     async def _piece(self, job: Job, i: int, gate: asyncio.Semaphore) -> np.ndarray:
         async with gate:
-            try:
-                return await self.client.infer_one(job.pieces[i], job.piece_options(i))
-            except ChatTTSError as e:
-                raise synthesis_error(e) from None
+            return await self._infer(job, i)
 
     def _start(self, job: Job, first: int) -> List["asyncio.Task[np.ndarray]"]:
         gate = asyncio.Semaphore(self.piece_concurrency)
@@ -137,6 +140,8 @@ class Synthesizer:
     async def synthesize(self, job: Job) -> np.ndarray:
         """The whole audio: every piece at once (in-flight batching makes a paragraph cost about one
         sentence), joined in order with a pause between pieces."""
+        if len(job.pieces) == 1:  # most requests: awaited in place, without a task and a gather of their own
+            return await self._infer(job, 0)
         tasks = self._start(job, 0)
         try:
             audios = await asyncio.gather(*tasks)

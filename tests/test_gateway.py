@@ -154,6 +154,28 @@ def test_whole_files_decode_to_the_audio(fmt, seconds):
         assert (info.samplerate, info.channels, info.frames, info.subtype) == (SAMPLE_RATE, 1, x.size, "PCM_16")
 
 
+@pytest.mark.parametrize("size", [0, 1, 7, 24000, 76544])
+def test_int16_samples_are_the_plain_formulas_in_range_and_past_it(size):
+    """to_int16 skips the clip for audio in range: the same samples as clip × 32767 rounded half to even, for
+    float32 and float64, audio past ±1 clipped, NaN as the clip leaves it."""
+    x = (1.3 * np.sin(np.arange(size) * 0.01)).astype(np.float32)
+    cases = [x, np.clip(x, -0.9, 0.9), x.astype(np.float64), np.array([0.5 / 32767, 1.5 / 32767, -1.0, 1.0], np.float32)]
+    for audio in cases:
+        plain = (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2")
+        got = to_int16(audio)
+        assert got.dtype == plain.dtype and np.array_equal(got, plain)
+    with np.errstate(invalid="ignore"):
+        nan = np.array([np.nan, 0.25], np.float32)
+        assert np.array_equal(to_int16(nan), (np.clip(nan, -1.0, 1.0) * 32767.0).round().astype("<i2"))
+
+
+def test_the_gateway_keeps_freed_audio_buffers_in_its_heap():
+    """glibc accepts the thresholds tune_malloc sets (mallopt returns 0 for a value past its limits)."""
+    from gateway.app import tune_malloc
+
+    assert tune_malloc()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_streams_give_bytes_from_the_first_chunk_and_decode_to_the_audio(fmt):
     x = tone(1.0)
