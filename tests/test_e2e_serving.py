@@ -267,3 +267,23 @@ def test_int8_cpu_repository_serves(tiny_assets, tmp_path, served_tiny):
     assert synth(served_tiny, **kw).shape == audio.shape
 
 
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_half_precision_repository_serves_through_the_launcher(tiny_assets, tmp_path, dtype):
+    """What a GPU export writes (fp16 for cards before Ampere, bf16 after), served by the launcher: the GPT's
+    weights are in that precision, and the ensemble answers with finite float32 audio of the forced length
+    (the GPU's own half-precision path: tests/test_gpu.py)."""
+    import torch
+
+    from chattts_triton.launcher.serve import Launched
+    from export.__main__ import export_repository
+
+    repo = export_repository(tiny_assets, tmp_path / dtype, ["torchscript"], dtype=dtype, progress=lambda m: None)
+    half = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    gpt = torch.jit.load(str(repo / GPT / "1" / "gpt.pt"))
+    assert {p.dtype for p in gpt.parameters()} == {half}
+    with Launched(repo, tmp_path / "server.log") as server:
+        audio = synth(server, TEXT="你好世界", SEED=4, MAX_NEW_TOKENS=16, MIN_NEW_TOKENS=16)
+        assert server.restarts == 0
+    assert audio.dtype == np.float32 and audio.shape == (samples_for_codes(16),) and np.isfinite(audio).all()
