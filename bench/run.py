@@ -376,7 +376,7 @@ def soak_cycles(server, tokens: int, concurrency: int, burst_n: int, until: floa
         h = asyncio.run(hold(server.grpc_url, server.metrics_url, tokens, concurrency,
                              max(1.0, min(hold_s, until - time.monotonic()))))
         cycles.append({"burst": b, "hold": h, "restarts_so_far": server.restarts})
-    samples = [(i, s) for i, s in enumerate(s for c in cycles for s in c["hold"]["samples"])]  # in order: index as time
+    samples = list(enumerate(s for c in cycles for s in c["hold"]["samples"]))  # in order: index as time
     return {"cycles": cycles, "bursts": len(cycles), "burst_requests": len(cycles) * burst_n,
             "burst_refused": sum(c["burst"]["refused"] for c in cycles),
             "hold_utterances": sum(c["hold"]["utterances"] for c in cycles),

@@ -11,7 +11,6 @@ import torch
 
 from chattts_triton.config import samples_for_codes
 from chattts_triton.launcher.serve import Launched
-from chattts_triton.launcher.tritonserver import python_stubs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -60,7 +59,6 @@ def test_a_16gb_card_plan_serves_64_concurrent_utterances_through_the_launcher(f
         ok, bad = _closed_loop(server.grpc_url, 64, 30.0, 150)
         procs = gpu_processes(server)
         ours = server_smi_mib(server, procs)  # nvidia-smi's figures (CUDA contexts included): what a card must hold
-        pids = {server.server_pid, *python_stubs(server.server_pid)}
         time.sleep(max(0.0, 90 - (time.monotonic() - ready)))
         restarts = server.restarts
     used = sum(ours.values())
@@ -68,6 +66,6 @@ def test_a_16gb_card_plan_serves_64_concurrent_utterances_through_the_launcher(f
           f"{ours} = {used:.0f} MiB")
     assert slots >= 64 and not bad and len(ok) >= 64 and set(ok) == {samples_for_codes(150)}
     # the preprocess stub holds no CUDA context; the others must be listed (pids of another namespace would sum to 0)
-    assert len(ours) >= 3, f"nvidia-smi lists too few of the server's processes {sorted(pids)}: {procs}"
+    assert len(ours) >= 3, f"nvidia-smi lists too few of the server's processes: {procs}"
     assert used <= SMALL_CARD_GIB * 1024, procs
     assert restarts == 0
