@@ -17,6 +17,9 @@ Without --grpc-url the server is started as it ships, by the launcher (`python -
 4. Encoding: CPU time per second of audio of each format, whole files and streams (4096-sample chunks), on audio
    the server made.
 
+--workers 1,2,4 measures 1-3 once per gateway size (`python -m gateway --workers N`, a fresh gateway for each) against
+the same server; the encoders are measured once.
+
 Every request forces --tokens code frames (MIN = MAX_NEW_TOKENS), as bench.run does. Where PyAV (FFmpeg) cannot
 be imported (tools.bundle leaves it out) the gateway serves whole wav, flac and pcm and streamed pcm only: what
 needs FFmpeg (the first mp3 byte, mp3/opus/aac, streamed wav and flac) is left out and the report says so.
@@ -34,7 +37,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -135,7 +138,8 @@ class Gateway:
         self.out.close()
 
 
-async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[str, object]:
+async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: bool = True) -> Dict[str, object]:
+    """1-3 through `gateway` against direct gRPC, and 4 where `encoding`."""
     import aiohttp
 
     from client import AsyncChatTTSClient
@@ -276,6 +280,8 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
                                 "gateway_cpu_ms_per_request": 1e3 * gw_cpu / max(1, gw_requests)}
         log(f"throughput: {result['throughput']['gateway_rps']:.1f} / {result['throughput']['direct_rps']:.1f} req/s")
 
+        if not encoding:
+            return result
         # 4. encoding per second of audio, on the server's audio
         long_audio = np.concatenate([await direct.infer_one(TEXT, {**options, "seed": s}) for s in range(8)])
         seconds = long_audio.size / SAMPLE_RATE
@@ -303,11 +309,37 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway) -> Dict[st
     return result
 
 
+def _variant_lines(v: dict, seconds: float, label: str) -> Tuple[List[str], str]:
+    """The table's rows and the throughput paragraph of one gateway size."""
+    c1, fb, tp = v["c1_wav"], v["c1_first_byte"], v["throughput"]
+    rows = [f"| {label}concurrency 1, whole wav, p50 | {c1['direct_p50_ms']:.1f} ms | {c1['gateway_p50_ms']:.1f} ms | "
+            f"{c1['overhead_p50_ms']:+.1f} ms (pairs' median {c1['paired_overhead_p50_ms']:+.1f}) | ≤ 5 ms |"]
+    for fmt, r in fb.items():
+        rows.append(f"| {label}concurrency 1, first chunk / first {fmt} byte, p50 | {r['first_chunk_p50_ms']:.1f} ms | "
+                    f"{r['first_byte_p50_ms']:.1f} ms | {r['later_p50_ms']:+.1f} ms (pairs' median "
+                    f"{r['paired_later_p50_ms']:+.1f}) | ≤ 10 ms |")
+    rows.append(f"| {label}concurrency {tp['concurrency']}, whole wav | {tp['direct_rps']:.1f} req/s | "
+                f"{tp['gateway_rps']:.1f} req/s | **{100 * tp['ratio']:.1f} %** of direct | ≥ 95 % |")
+    text = (f"{label}concurrency {tp['concurrency']}: {len(tp['phase_ratios'])} phase pairs of {seconds:g} s "
+            "(direct and gateway in turn, D G G D …), requests/s by Little's law (concurrency / mean latency) over "
+            "the requests begun after the first third of each phase (completions counted in that window, which "
+            "move by a whole wave of requests finishing together: "
+            f"{tp['counted_ratio'] * 100:.1f} %); "
+            f"gateway/direct per pair: {', '.join(f'{100 * r:.0f} %' for r in tp['phase_ratios'])} (mean "
+            f"{100 * statistics.mean(tp['phase_ratios']):.0f} %, sd {100 * statistics.pstdev(tp['phase_ratios']):.0f}). "
+            f"Errors: {tp['errors']}. The gateway's processes used "
+            f"**{tp['gateway_cpu_ms_per_request']:.2f} ms of CPU per request** at that load "
+            "(HTTP, JSON, gRPC, wav encoding).")
+    return rows, text
+
+
 def to_markdown(res: dict) -> str:
-    c1, fb, tp, enc = res["c1_wav"], res["c1_first_byte"], res["throughput"], res["encoding"]
+    enc = res["encoding"]
     launcher = res.get("launcher")
     served = (f"served by `{launcher['command']}` (ready in {launcher['ready_s']:.0f} s, {launcher['restarts']} "
               "restarts)" if launcher else f"served at {res.get('grpc_url', 'a running server')}")
+    variants = res["variants"]
+    sizes = ", ".join(str(v["workers"]) for v in variants)
     lines = [
         f"# Speech gateway against direct gRPC — {res['machine']}",
         "",
@@ -315,30 +347,18 @@ def to_markdown(res: dict) -> str:
         f"frames per request ({samples_for_codes(res['tokens']) / SAMPLE_RATE:.2f} s of audio), Triton, gateway and "
         f"load generator on the same {os.cpu_count()} cores (load average {res['loadavg']['start'][0]:.1f} before the "
         f"run, {res['loadavg']['end'][0]:.1f} at its end), {res['channels']} gRPC connections for the direct client "
-        "and for the gateway.",
+        f"and for each gateway process; gateway processes (`--workers`): {sizes}, each measured in turn.",
         "",
         "| | direct gRPC | through the gateway | gateway − direct | target |",
         "|---|---|---|---|---|",
-        f"| concurrency 1, whole wav, p50 | {c1['direct_p50_ms']:.1f} ms | {c1['gateway_p50_ms']:.1f} ms | "
-        f"{c1['overhead_p50_ms']:+.1f} ms (pairs' median {c1['paired_overhead_p50_ms']:+.1f}) | ≤ 5 ms |",
     ]
-    for fmt, r in fb.items():
-        lines.append(f"| concurrency 1, first chunk / first {fmt} byte, p50 | {r['first_chunk_p50_ms']:.1f} ms | "
-                     f"{r['first_byte_p50_ms']:.1f} ms | {r['later_p50_ms']:+.1f} ms (pairs' median "
-                     f"{r['paired_later_p50_ms']:+.1f}) | ≤ 10 ms |")
-    lines.append(f"| concurrency {tp['concurrency']}, whole wav | {tp['direct_rps']:.1f} req/s | {tp['gateway_rps']:.1f} "
-                 f"req/s | **{100 * tp['ratio']:.1f} %** of direct | ≥ 95 % |")
-    lines += ["", f"Concurrency {tp['concurrency']}: {len(tp['phase_ratios'])} phase pairs of {res['seconds']:g} s "
-              "(direct and gateway in turn, D G G D …), requests/s by Little's law (concurrency / mean latency) over "
-              "the requests begun after the first third of each phase (completions counted in that window, which "
-              "move by a whole wave of requests finishing together: "
-              f"{tp['counted_ratio'] * 100:.1f} %); "
-              f"gateway/direct per pair: {', '.join(f'{100 * r:.0f} %' for r in tp['phase_ratios'])} (mean "
-              f"{100 * statistics.mean(tp['phase_ratios']):.0f} %, sd {100 * statistics.pstdev(tp['phase_ratios']):.0f}). "
-              f"Errors: {tp['errors']}. The gateway process used "
-              f"**{tp['gateway_cpu_ms_per_request']:.2f} ms of CPU per request** at that load "
-              "(HTTP, JSON, gRPC, wav encoding).", "",
-              f"Encoding cost on {enc['audio_seconds']:.1f} s of the server's audio (CPU time per second of audio, "
+    parts = [_variant_lines(v, res["seconds"], f"{v['workers']} process{'es' if v['workers'] > 1 else ''}: "
+                            if len(variants) > 1 else "") for v in variants]
+    for rows, _ in parts:
+        lines += rows
+    for _, text in parts:
+        lines += ["", text[0].upper() + text[1:]]
+    lines += ["", f"Encoding cost on {enc['audio_seconds']:.1f} s of the server's audio (CPU time per second of audio, "
               "one thread):", "",
               "| format | whole file | streamed (4096-sample chunks) | bit rate |", "|---|---|---|---|"]
     for fmt, r in enc["formats"].items():
@@ -362,6 +382,8 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", type=int, default=4, help="direct/gateway phase pairs")
     ap.add_argument("--encode-repeats", type=int, default=5)
     ap.add_argument("--channels", type=int, default=2, help="gRPC connections of the direct client and of the gateway")
+    ap.add_argument("--workers", default="1", help="gateway processes (python -m gateway --workers), a comma-separated "
+                    "list: each size measured in turn against the same server (default %(default)s)")
     ap.add_argument("--gateway-arg", action="append", default=[], help="a flag for python -m gateway (repeatable)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="a flag for python -m chattts_triton.serve, without --grpc-url (repeatable, e.g. --serve-arg=--mps)")
@@ -369,6 +391,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.grpc_url and a.serve_arg:
         ap.error("--serve-arg is for the server started here: not with --grpc-url")
+    try:
+        workers = [int(w) for w in a.workers.split(",")]
+    except ValueError:
+        workers = []
+    if not workers or min(workers) < 1:
+        ap.error(f"--workers {a.workers!r}: a comma-separated list of process counts ≥ 1, e.g. 1,2,4")
+    if any(g.split("=")[0] == "--workers" for g in a.gateway_arg):
+        ap.error("--workers is bench.gateway's own flag (a list of sizes): not through --gateway-arg")
     from chattts_triton.launcher.serve import Launched
     from chattts_triton.triton.repo_config import read_manifest
 
@@ -383,14 +413,18 @@ def main(argv=None) -> int:
         log(f"launcher ready in {launcher['ready_s']:.0f} s: tritonserver pid {server.server_pid}, {server.grpc_url}")
     try:
         grpc_url = a.grpc_url or server.grpc_url
-        gateway = Gateway(grpc_url, a.repo, a.out.with_suffix(".gateway.log"),
-                          ["--channels", str(a.channels), *a.gateway_arg])
-        load0 = os.getloadavg()
-        try:
-            res = asyncio.run(run(a, grpc_url, gateway))
-            res["loadavg"] = {"start": load0, "end": os.getloadavg()}
-        finally:
-            gateway.close()
+        load0, variants, res = os.getloadavg(), [], {}
+        for i, n in enumerate(workers):
+            log_file = a.out.with_suffix(".gateway.log" if len(workers) == 1 else f".gateway-{n}.log")
+            gateway = Gateway(grpc_url, a.repo, log_file, ["--channels", str(a.channels), "--workers", str(n), *a.gateway_arg])
+            try:
+                got = asyncio.run(run(a, grpc_url, gateway, encoding=i == 0))
+            finally:
+                gateway.close()
+            variants.append({"workers": n, **{k: got.pop(k) for k in ("c1_wav", "c1_first_byte", "throughput")}})
+            res.update(got)
+            log(f"--workers {n}: {100 * variants[-1]['throughput']['ratio']:.1f} % of direct at {a.concurrency}")
+        res.update(variants=variants, loadavg={"start": load0, "end": os.getloadavg()})
         if server is not None:
             launcher.update(restarts=server.restarts, exits=[code for _, code in server.exits])
     finally:

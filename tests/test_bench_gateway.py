@@ -58,19 +58,23 @@ def test_bench_gateway_measures_both_paths_and_every_encoder(served_tiny, tmp_pa
 
     out = tmp_path / "gw"
     assert main(["--repo", str(served_tiny.model_repository), "--grpc-url", served_tiny.grpc_url, "--out", str(out),
-                 *SHORT]) == 0
+                 "--workers", "1,2", *SHORT]) == 0
     res = json.loads(out.with_suffix(".json").read_text())
-    assert res["c1_wav"]["direct_p50_ms"] > 0 and res["c1_wav"]["gateway_p50_ms"] > 0
-    assert set(res["c1_first_byte"]) == {"pcm", "mp3"}
-    tp = res["throughput"]
-    assert tp["errors"] == {"direct": 0, "gateway": 0} and tp["direct_rps"] > 0 and tp["gateway_rps"] > 0
-    assert tp["gateway_cpu_ms_per_request"] > 0 and len(tp["phase_ratios"]) == 1
+    assert [v["workers"] for v in res["variants"]] == [1, 2]
+    for v in res["variants"]:  # each gateway size measured whole
+        assert v["c1_wav"]["direct_p50_ms"] > 0 and v["c1_wav"]["gateway_p50_ms"] > 0
+        assert set(v["c1_first_byte"]) == {"pcm", "mp3"}
+        tp = v["throughput"]
+        assert tp["errors"] == {"direct": 0, "gateway": 0} and tp["direct_rps"] > 0 and tp["gateway_rps"] > 0
+        assert tp["gateway_cpu_ms_per_request"] > 0 and len(tp["phase_ratios"]) == 1
+    assert (out.parent / "gw.gateway-2.log").is_file()
     enc = res["encoding"]
     assert set(enc["formats"]) == set(FORMATS)
     assert all(f["decoded_samples"] >= enc["samples"] for f in enc["formats"].values())  # every file decodes whole
     assert res["pyav"]["available"] and res["skipped"] == [] and res["launcher"] is None
     md = out.with_suffix(".md").read_text()
-    assert "| concurrency 4, whole wav |" in md and "| mp3 |" in md and "Not measured" not in md
+    assert "| 1 process: concurrency 4, whole wav |" in md and "| 2 processes: concurrency 4, whole wav |" in md
+    assert "| mp3 |" in md and "Not measured" not in md
 
 
 @pytest.mark.e2e
@@ -90,8 +94,9 @@ def test_bench_gateway_without_pyav_measures_wav_and_pcm_through_the_launcher(ti
     res = json.loads(out.with_suffix(".json").read_text())
     assert res["pyav"] == {"available": False, "error": "ImportError: PyAV hidden by the test"}
     assert res["launcher"]["ready_s"] > 0 and res["launcher"]["restarts"] == 0 and res["launcher"]["exit_status"] == 0
-    assert res["c1_wav"]["gateway_p50_ms"] > 0 and set(res["c1_first_byte"]) == {"pcm"}
-    tp = res["throughput"]
+    (v,) = res["variants"]
+    assert v["workers"] == 1 and v["c1_wav"]["gateway_p50_ms"] > 0 and set(v["c1_first_byte"]) == {"pcm"}
+    tp = v["throughput"]
     assert tp["errors"] == {"direct": 0, "gateway": 0} and tp["gateway_rps"] > 0  # the gateway served wav without PyAV
     enc = res["encoding"]["formats"]
     assert set(enc) == {"flac", "wav", "pcm"} and all(f["decoded_samples"] >= res["encoding"]["samples"] for f in enc.values())
@@ -101,7 +106,7 @@ def test_bench_gateway_without_pyav_measures_wav_and_pcm_through_the_launcher(ti
     md = out.with_suffix(".md").read_text()
     assert "**Not measured** (PyAV cannot be imported (ImportError: PyAV hidden by the test)" in md and "first mp3 byte" in md
     assert "| wav |" in md and "not measured" in md and "| mp3 |" not in md
-    assert "python -m chattts_triton.serve --repo" in md
+    assert "python -m chattts_triton.serve --repo" in md and "| concurrency 4, whole wav |" in md
 
 
 def test_gateway_cpu_counts_its_worker_processes():
@@ -123,3 +128,20 @@ def test_gateway_cpu_counts_its_worker_processes():
         subprocess.run(["pkill", "-P", str(parent.pid)])
         parent.kill()
         parent.wait()
+
+
+@pytest.mark.parametrize("bad", ["0", "1,x", "", "2,-1"])
+def test_bench_gateway_refuses_a_bad_workers_list_naming_the_flag(bad, capsys):
+    from bench.gateway import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--repo", "r", "--out", "o", "--workers", bad])
+    assert e.value.code == 2 and "--workers" in capsys.readouterr().err
+
+
+def test_bench_gateway_keeps_the_workers_list_its_own(capsys):
+    from bench.gateway import main
+
+    with pytest.raises(SystemExit):
+        main(["--repo", "r", "--out", "o", "--gateway-arg=--workers=2"])
+    assert "--workers is bench.gateway's own flag" in capsys.readouterr().err
