@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from chattts_triton.config import SAMPLE_RATE, samples_for_codes
+from gateway.app import DEFAULT_WORKERS
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 
@@ -382,8 +383,9 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", type=int, default=4, help="direct/gateway phase pairs")
     ap.add_argument("--encode-repeats", type=int, default=5)
     ap.add_argument("--channels", type=int, default=2, help="gRPC connections of the direct client and of the gateway")
-    ap.add_argument("--workers", default="1", help="gateway processes (python -m gateway --workers), a comma-separated "
-                    "list: each size measured in turn against the same server (default %(default)s)")
+    ap.add_argument("--workers", default=str(DEFAULT_WORKERS), help="gateway processes (python -m gateway --workers), "
+                    "a comma-separated list: each size measured in turn against the same server (default %(default)s, "
+                    "the gateway's)")
     ap.add_argument("--gateway-arg", action="append", default=[], help="a flag for python -m gateway (repeatable)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="a flag for python -m chattts_triton.serve, without --grpc-url (repeatable, e.g. --serve-arg=--mps)")

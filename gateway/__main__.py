@@ -4,7 +4,7 @@
 
 Binds 127.0.0.1 unless told otherwise; on another address it warns when no API key is set, and with
 --require-api-key refuses to start without one. Keys: --api-key KEY (repeatable), --api-key-file FILE (one
-per line) or CHATTTS_GATEWAY_API_KEYS=KEY1,KEY2 (never logged). --workers N: N processes on the port.
+per line) or CHATTTS_GATEWAY_API_KEYS=KEY1,KEY2 (never logged). --workers N: N processes on the port (default 2).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import List
 
-from .app import Settings
+from .app import DEFAULT_WORKERS, Settings
 
 KEYS_ENV = "CHATTTS_GATEWAY_API_KEYS"
 log = logging.getLogger("chattts_gateway")
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long an idle HTTP connection stays open (default %(default)s): longer than client pools "
                         "and load balancers keep theirs (60 s is common), so a pooled connection is not closed under "
                         "a request (uvicorn's own 5 s can close one as a pooled client reuses it)")
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
                    help="gateway processes sharing the port (uvicorn's workers), each with its own event loop and gRPC "
                         "connections, for more requests/s than one core's loop carries; --max-concurrency is per "
                         "process; /metrics sums them all (default %(default)s)")

@@ -48,6 +48,10 @@ WHOLE_BY_DEFAULT = ("flac",)  # formats streamed only when a request says `strea
 DRAIN_BYTES = 64 << 20  # an oversized body is read (and dropped) up to this much before the 400
 
 
+# Two processes by default: under load one event loop makes each request wait its turn at every step (HTTP in,
+# gRPC out and back, encoding, HTTP out), which costs closed-loop clients throughput; a second loop removes most of
+# that wait, more add little (docs/gateway.md#cost). Idle, a process costs memory only.
+DEFAULT_WORKERS = 2
 SETTINGS_ENV = "CHATTTS_GATEWAY_SETTINGS"  # how `--workers N` hands the settings to its worker processes
 
 

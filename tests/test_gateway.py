@@ -465,6 +465,21 @@ def test_command_line_keeps_idle_connections_longer_than_client_pools(monkeypatc
     assert e.value.code == 2
 
 
+def test_the_gateway_runs_two_processes_unless_told(monkeypatch):
+    """The default is two worker processes (one event loop under load makes requests wait); --workers 1 serves
+    from this process, its app built here."""
+    import uvicorn
+
+    from gateway.__main__ import main
+
+    runs = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append((app, kw)))
+    assert main([]) == 0 and main(["--workers", "1"]) == 0
+    (default_app, default), (one_app, one) = runs
+    assert default_app == "gateway.app:app_from_env" and default["workers"] == 2 and default["factory"]
+    assert not isinstance(one_app, str) and "workers" not in one
+
+
 def test_command_line_with_workers_hands_every_setting_to_the_worker_processes(monkeypatch, tmp_path):
     """`--workers N`: uvicorn starts N processes from the app factory, which rebuild the parent's settings from
     the environment; their metrics meet in a folder of the run's own, removed at the end; 0 workers is refused."""
