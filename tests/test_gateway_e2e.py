@@ -293,6 +293,50 @@ def test_two_worker_processes_share_the_port_and_their_metrics(served_tiny, tmp_
     assert not list(folder.glob("gauge_live*.db"))  # the workers' in-flight gauges left the sum as they ended
 
 
+def test_sigterm_lets_the_requests_in_flight_finish(served_tiny, tmp_path):
+    """The gateway as it starts by default (two processes): SIGTERM while requests are in flight, as a rolling
+    update sends it, and every one of them still gets its whole audio; then the gateway ends."""
+    import concurrent.futures
+
+    port, log = free_port(), tmp_path / "gateway.log"
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port", str(port)],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_set_parent_death_signal)
+    url, long = f"http://127.0.0.1:{port}", 400  # frames: long enough to be in flight when the signal comes
+    try:
+        deadline = time.monotonic() + 180
+        while not _healthy(url):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+
+        def speak(i):
+            body = json.dumps({"model": "chattts", "input": "Hi there.", "voice": "alloy", "response_format": "pcm",
+                               "stream": False, "seed": i, "max_new_tokens": long, "min_new_tokens": long}).encode()
+            req = urllib.request.Request(url + "/v1/audio/speech", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, len(r.read())
+
+        def inflight() -> float:
+            with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+                return float(next(x for x in r.read().decode().splitlines()
+                                  if x.startswith("chattts_gateway_inflight")).split()[-1])
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(speak, i) for i in range(4)]
+            while inflight() < 4:
+                assert not any(a.done() for a in answers), "a request ended before all four were in flight"
+                time.sleep(0.02)
+            proc.terminate()
+            got = [a.result() for a in answers]
+        assert got == [(200, 2 * samples_for_codes(long))] * 4
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code in (0, -15) and "Application shutdown complete" in log.read_text(), log.read_text()
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=5) as r:
