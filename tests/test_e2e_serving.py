@@ -267,8 +267,6 @@ def test_int8_cpu_repository_serves(tiny_assets, tmp_path, served_tiny):
     assert synth(served_tiny, **kw).shape == audio.shape
 
 
-
-
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_a_half_precision_repository_serves_through_the_launcher(tiny_assets, tmp_path, dtype):
     """What a GPU export writes (fp16 for cards before Ampere, bf16 after), served by the launcher: the GPT's
