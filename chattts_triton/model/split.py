@@ -147,6 +147,12 @@ def split_for_synthesis(text: str, max_frames: int = DEFAULT_MAX_FRAMES, min_fra
     min_frames: pieces estimated shorter join a neighbour when the join fits (default DEFAULT_MIN_FRAMES, at most
     max_frames; 0: never). Raises ValueError on a bad budget or a non-str text.
     """
+    return [text[s:e] for s, e in split_spans(text, max_frames, min_frames)]
+
+
+def split_spans(text: str, max_frames: int = DEFAULT_MAX_FRAMES, min_frames: Optional[int] = None) -> List[Span]:
+    """The pieces of `split_for_synthesis` as (start, end) offsets into `text`, whitespace trimmed: what lies between
+    two pieces is whitespace only, so a caller that cuts text as it arrives knows exactly what it has consumed."""
     if not isinstance(text, str):
         raise ValueError(f"text must be a str, got {type(text).__name__}")
     if not 1 <= max_frames <= LIMITS.max_new_tokens:
@@ -164,4 +170,13 @@ def split_for_synthesis(text: str, max_frames: int = DEFAULT_MAX_FRAMES, min_fra
         else:
             pieces += _fit(text, sentence, max_frames, blocked)
     pieces = _merge_short(text, pieces, min_frames, max_frames)
-    return [p for p in (text[s:e].strip() for s, e in pieces) if p]
+    return [t for t in (_trim(text, span) for span in pieces) if t[1] > t[0]]
+
+
+def _trim(text: str, span: Span) -> Span:
+    s, e = span
+    while s < e and text[s].isspace():
+        s += 1
+    while e > s and text[e - 1].isspace():
+        e -= 1
+    return s, e
