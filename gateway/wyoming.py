@@ -54,6 +54,7 @@ DEFAULT_VOICE = "alloy"  # spoken when an event names no voice: one stable voice
 WIDTH, CHANNELS = 2, 1  # 16-bit mono
 MAX_EVENT_BYTES = 1 << 20  # an event's data or payload above this is refused (a text event of the longest text is < 50 KB)
 SAMPLE_RATES = (SAMPLE_RATE,)  # the output rates --sample-rate takes
+DISCARD_S = 2.0  # how long the rest of a refused stream of bytes is read before the connection closes
 LANGUAGES = ["en", "zh"]  # what ChatTTS speaks
 PROGRAM = "chattts-triton"
 CHATTTS = Attribution(name="2noise", url="https://github.com/2noise/ChatTTS")
@@ -278,8 +279,7 @@ class WyomingHandler(AsyncEventHandler):
                     event = await read_event(self.reader)
                 except BadEvent as e:  # the byte stream cannot be trusted after it: said, then the connection ends
                     log.warning("closing a connection: %s", e.text)
-                    with contextlib.suppress(Exception):
-                        await self.write_event(Error(text=e.text, code=e.code).event())
+                    await self._refuse(e)
                     break
                 if event is None or not await self.handle_event(event):
                     break
@@ -288,6 +288,19 @@ class WyomingHandler(AsyncEventHandler):
         finally:
             await self.disconnect()
             self.writer.close()
+
+    async def _refuse(self, e: BadEvent) -> None:
+        """The error event, then the end of what this side sends; what the peer is still sending is read and dropped
+        (for a while) first: closing with unread bytes resets the connection, and a reset loses the error event."""
+        with contextlib.suppress(Exception):
+            await self.write_event(Error(text=e.text, code=e.code).event())
+            if self.writer.can_write_eof():
+                self.writer.write_eof()
+            await asyncio.wait_for(self._discard(), DISCARD_S)
+
+    async def _discard(self) -> None:
+        while await self.reader.read(1 << 16):
+            pass
 
     async def disconnect(self) -> None:
         if self.stream is not None:
@@ -315,6 +328,7 @@ class WyomingHandler(AsyncEventHandler):
                 # spoken only when the stream brought no text of its own
                 if not self.stream_text:
                     await self._append(_text(event))
+                    self.stream_text = True
                 return True
             return await self._synthesize(_text(event), _voice(event, self.settings.voice))
         if not self.settings.streaming:
