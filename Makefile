@@ -16,6 +16,7 @@ HOST ?=
 GRPC_URL ?= 127.0.0.1:$(GRPC_PORT)
 GATEWAY_HOST ?= 127.0.0.1
 GATEWAY_PORT ?= 8080
+WYOMING_PORT ?= 10200
 GPUS ?=
 INSTANCES ?= 1
 PROTOCOL ?= grpc
@@ -42,7 +43,7 @@ SYNTHETIC :=
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-fast assets export configure serve gateway demo loadtest sweep perf soak bundle clean
+.PHONY: help setup lint test test-fast assets export configure serve gateway wyoming demo loadtest sweep perf soak bundle clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -82,6 +83,9 @@ serve: setup ## run Triton on REPO in the foreground, bound to 127.0.0.1 (HTTP_P
 
 gateway: setup ## OpenAI-compatible speech gateway in the foreground against a running server: GRPC_URL= GATEWAY_HOST= GATEWAY_PORT= (REPO's voices)
 	$(PY) -m gateway --grpc-url $(GRPC_URL) --host $(GATEWAY_HOST) --port $(GATEWAY_PORT) $(if $(wildcard $(REPO)/manifest.json),--repo $(REPO))
+
+wyoming: setup ## Wyoming text-to-speech server for Home Assistant against a running server: GRPC_URL= GATEWAY_HOST= WYOMING_PORT= (REPO's voices)
+	$(PY) -m gateway.wyoming --grpc-url $(GRPC_URL) --host $(GATEWAY_HOST) --port $(WYOMING_PORT) $(if $(wildcard $(REPO)/manifest.json),--repo $(REPO))
 
 demo: export ## set up, export (ASSETS=DIR or synthetic noise), serve, synthesise build/demo.wav over gRPC, stream it, build/demo.mp3 through the speech gateway, stop
 	$(PY) -m client.demo --repo $(REPO) --out $(BUILD)/demo.wav $(SYNTHETIC)
