@@ -56,6 +56,7 @@ FIXED_IN = {
 NGC_TRITON = re.compile(r"^nvcr\.io/nvidia/tritonserver:(\d{2})\.(\d{2})-py3$")
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 SPEECH_PORT = 8080  # the speech gateway (python3 -m gateway)
+WYOMING_PORT = 10200  # the Wyoming server for Home Assistant (python3 -m gateway.wyoming)
 LAUNCHER = ["python3", "-m", "chattts_triton.serve"]
 NGC_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
 
@@ -112,7 +113,7 @@ def dockerfile_problems(text: str) -> List[str]:
     if not checks or "/v2/health/ready" not in checks[-1] or ":8000/" not in checks[-1]:
         problems.append("HEALTHCHECK does not probe http://127.0.0.1:8000/v2/health/ready")
     exposed = {int(x.split("/")[0]) for i in final_stage if i["instruction"] == "EXPOSE" for x in i["value"].split()}
-    wanted = set(PORTS.values()) | {SPEECH_PORT}
+    wanted = set(PORTS.values()) | {SPEECH_PORT, WYOMING_PORT}
     if not wanted <= exposed:
         problems.append(f"EXPOSE {sorted(exposed)} lacks {sorted(wanted - exposed)}")
     cmds = [i["value"] for i in final_stage if i["instruction"] == "CMD"]
@@ -137,6 +138,8 @@ def dockerfile_problems(text: str) -> List[str]:
     runs = " ".join(i["value"] for i in final_stage if i["instruction"] == "RUN")
     if '".[gateway]"' not in runs or "import gateway.app" not in runs:
         problems.append("the package is not installed with its gateway extra (and imported): no python3 -m gateway")
+    if "gateway.wyoming" not in runs:
+        problems.append("gateway.wyoming is not imported at build: python3 -m gateway.wyoming may lack the wyoming package")
     copied = [i["value"].split()[-1] for i in final_stage if i["instruction"] == "COPY"]
     if "/opt/chattts/src/gateway" not in copied:
         problems.append("gateway/ is not copied into the image")
@@ -171,7 +174,9 @@ def test_dockerfile_base_is_the_documented_release():
         (("USER 1000:1000\n", ""), "no USER"),
         (("/v2/health/ready", "/v2/health/live"), "HEALTHCHECK"),
         (("EXPOSE 8000 8001 8002", "EXPOSE 8000 8001"), "lacks [8002]"),
-        (("EXPOSE 8000 8001 8002 8080", "EXPOSE 8000 8001 8002"), "lacks [8080]"),
+        (("EXPOSE 8000 8001 8002 8080 10200", "EXPOSE 8000 8001 8002 10200"), "lacks [8080]"),
+        (("EXPOSE 8000 8001 8002 8080 10200", "EXPOSE 8000 8001 8002 8080"), "lacks [10200]"),
+        (("import gateway.app, gateway.wyoming,", "import gateway.app,"), "gateway.wyoming is not imported"),
         (('".[gateway]"', "."), "gateway extra"),
         (("COPY gateway /opt/chattts/src/gateway\n", ""), "gateway/ is not copied"),
         (('"python3", "-m", "chattts_triton.serve", ', '"tritonserver", '), "not the exec-form launcher"),
@@ -322,6 +327,12 @@ def test_entrypoint_execs_the_image_cmd(fake_python, repo_copy):
 def test_entrypoint_runs_the_speech_gateway_as_given(fake_python):
     (r, _) = _entry(fake_python, "python3", "-m", "gateway", "--help")
     assert r.returncode == 0 and "usage: python -m gateway" in r.stdout and "--grpc-url" in r.stdout
+    assert not Path(fake_python["record"]).exists()  # not mistaken for the launcher
+
+
+def test_entrypoint_runs_the_wyoming_server_as_given(fake_python):
+    (r, _) = _entry(fake_python, "python3", "-m", "gateway.wyoming", "--help")
+    assert r.returncode == 0 and "usage: python -m gateway.wyoming" in r.stdout and "--grpc-url" in r.stdout
     assert not Path(fake_python["record"]).exists()  # not mistaken for the launcher
 
 
@@ -582,6 +593,7 @@ SCENARIOS = {
         "imagePullSecrets": [{"name": "ngc"}],
         "podAnnotations": {"a": "b"},
     },
+    "wyoming-cpu": {"wyoming": {"enabled": True, "extraArgs": ["--voice", "nova"]}, "gpu": {"count": 0}},
     "fixed-replicas": {"autoscaling": {"enabled": False}, "replicaCount": 3, "monitoring": {"serviceMonitor": {"enabled": False}}},
 }
 
@@ -679,6 +691,39 @@ def test_speech_gateway_keys_and_switch():
     assert [c["name"] for c in dep["spec"]["template"]["spec"]["containers"]] == ["tritonserver"]
     assert {p["name"] for p in _one(docs, "Service")["spec"]["ports"]} == set(PORTS)
     assert [e["port"] for e in _one(docs, "ServiceMonitor")["spec"]["endpoints"]] == ["metrics"]
+
+
+def test_wyoming_server_runs_beside_the_server_in_each_pod_when_switched_on():
+    docs = render({"wyoming": {"enabled": True, "extraArgs": ["--seed", "7"]}})
+    dep, svc = _one(docs, "Deployment"), _one(docs, "Service")
+    server, wy = _container(dep), _container(dep, "wyoming")
+    assert "command" not in wy and wy["image"] == server["image"]  # the image's entry point execs it as given
+    assert wy["args"][:3] == ["python3", "-m", "gateway.wyoming"] and wy["args"][-2:] == ["--seed", "7"]
+    flags = _flags(wy["args"])
+    server_flags, _ = _split(server["args"][3:])
+    assert flags["--host"] == "0.0.0.0" and flags["--port"] == str(WYOMING_PORT)
+    assert flags["--grpc-url"] == f"127.0.0.1:{server_flags['--grpc-port']}"  # this pod's Triton
+    assert flags["--repo"] == server_flags["--repo"]  # describe lists the voices of the repository served
+    assert {p["name"]: p["containerPort"] for p in wy["ports"]} == {"wyoming": WYOMING_PORT}
+    port = next(p for p in svc["spec"]["ports"] if p["name"] == "wyoming")
+    assert (port["port"], port["targetPort"], port["protocol"]) == (WYOMING_PORT, "wyoming", "TCP")
+    assert wy["readinessProbe"]["tcpSocket"] == wy["livenessProbe"]["tcpSocket"] == {"port": "wyoming"}
+    assert wy["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {m["mountPath"] for m in server["volumeMounts"]} >= {m["mountPath"] for m in wy["volumeMounts"]}
+    assert "nvidia.com/gpu" not in wy["resources"].get("limits", {})
+    assert [e["port"] for e in _one(docs, "ServiceMonitor")["spec"]["endpoints"]] == ["metrics", "speech"]  # no metrics
+    # the image's Wyoming server takes every flag the chart gives it
+    from gateway.wyoming import build_parser
+
+    parsed = build_parser().parse_args(wy["args"][3:])
+    assert (parsed.port, parsed.grpc_url, parsed.seed) == (WYOMING_PORT, flags["--grpc-url"], 7)
+
+
+def test_wyoming_server_is_off_by_default():
+    docs = render()
+    dep, svc = _one(docs, "Deployment"), _one(docs, "Service")
+    assert [c["name"] for c in dep["spec"]["template"]["spec"]["containers"]] == ["tritonserver", "gateway"]
+    assert "wyoming" not in {p["name"] for p in svc["spec"]["ports"]}
 
 
 def termination_problems(dep: dict, exit_timeout: int, margin: int) -> List[str]:
