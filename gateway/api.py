@@ -49,7 +49,7 @@ class SpeechRequest(BaseModel):
     model: str
     input: str
     voice: Union[str, VoiceRef]
-    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm", "ulaw", "alaw", "wav_ulaw", "wav_alaw"] = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: Optional[str] = None  # gpt-4o-mini-tts's style prompt: accepted, not used (ChatTTS takes none)

@@ -42,7 +42,7 @@ def parse(**fields) -> api.SpeechRequest:
     ({"voice": 7}, "voice", "valid string"),
     ({"voice": " "}, "voice", "empty"),
     ({"voice": {"name": "x"}}, "voice", "id"),
-    ({"response_format": "ogg"}, "response_format", "'mp3', 'opus', 'aac', 'flac', 'wav' or 'pcm'"),
+    ({"response_format": "ogg"}, "response_format", "'mp3', 'opus', 'aac', 'flac', 'wav', 'pcm', 'ulaw', 'alaw', 'wav_ulaw' or 'wav_alaw'"),
     ({"speed": 0.1}, "speed", "greater than or equal to 0.25"),
     ({"speed": 4.5}, "speed", "less than or equal to 4"),
     ({"speed": "1.0"}, "speed", "valid number"),
@@ -134,7 +134,8 @@ def samples16(decoded: np.ndarray) -> np.ndarray:
 
 
 # samples a decoder may add: encoder priming and the last frame's padding (a stream has no gapless header)
-SLACK = {"mp3": 2 * 1152, "aac": 2 * 1024, "opus": 0, "flac": 0, "wav": 0, "pcm": 0}
+SLACK = {"mp3": 2 * 1152, "aac": 2 * 1024, "opus": 0, "flac": 0, "wav": 0, "pcm": 0, "ulaw": 0, "alaw": 0, "wav_ulaw": 0,
+         "wav_alaw": 0}
 
 
 @pytest.mark.parametrize("seconds", [0.03, 0.4, 1.3, 2.5])
