@@ -65,14 +65,18 @@ def pyav_missing() -> Optional[str]:
 
 
 def decode(data: bytes, fmt: str, pyav: bool) -> np.ndarray:
-    """gateway.audio.decode (FFmpeg); without PyAV, libsndfile reads wav and flac (float32 = int16 / 32768 alike)."""
+    """gateway.audio.decode (FFmpeg); without PyAV, libsndfile reads wav, flac and G.711 (float32 = int16 / 32768
+    alike)."""
     from gateway.audio import decode as ffmpeg_decode
 
     if pyav or fmt == "pcm":
         return ffmpeg_decode(data, fmt)
     import soundfile
 
-    return soundfile.read(io.BytesIO(data), dtype="float32")[0]
+    from gateway.audio import G711
+
+    raw = dict(format="RAW", subtype=G711[fmt], samplerate=SAMPLE_RATE, channels=1) if fmt in ("ulaw", "alaw") else {}
+    return soundfile.read(io.BytesIO(data), dtype="float32", **raw)[0]
 
 
 def closed_loop_rate(spans: List[tuple], concurrency: int, steady: float, stop: float) -> Dict[str, float]:
