@@ -14,9 +14,9 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from chattts_triton.config import ENSEMBLE, LIMITS, InferCodeParams
+from chattts_triton.config import ENSEMBLE, LIMITS, SAMPLE_RATE, InferCodeParams
 
-from .audio import FORMATS
+from .audio import FORMATS, check
 
 # `model` values taken: this server's model, and OpenAI's speech model names (clients hard-code them)
 MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
@@ -52,6 +52,7 @@ class SpeechRequest(BaseModel):
     response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm", "ulaw", "alaw", "wav_ulaw", "wav_alaw"] = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
+    sample_rate: int = SAMPLE_RATE  # of the audio sent (the model's resampled): one of audio.SAMPLE_RATES
     instructions: Optional[str] = None  # gpt-4o-mini-tts's style prompt: accepted, not used (ChatTTS takes none)
     # --- extras: ChatTTS inputs (contract names in lower case), omitted = the server's default
     seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
@@ -68,6 +69,13 @@ class SpeechRequest(BaseModel):
     # --- gateway switches
     stream: Optional[bool] = None  # audio as it is made (default: the gateway's --stream-default; flac: whole)
     split: bool = True  # long input in pieces (sentences); false sends it as one piece (≤ 2000 characters)
+
+
+class CaptionedRequest(SpeechRequest):
+    """`POST /v1/audio/speech/captioned`: the speech body, answered whole as JSON with each piece's timings;
+    `subtitle_format` adds them as subtitle text."""
+
+    subtitle_format: Optional[Literal["srt", "vtt"]] = None
 
 
 assert set(SpeechRequest.model_fields["response_format"].annotation.__args__) == set(FORMATS)
@@ -107,10 +115,10 @@ def _describe(err: Dict[str, Any]) -> Tuple[str, Optional[str]]:
     return f"'{'.'.join(loc)}': {err.get('msg')}, got {shown}", param
 
 
-def parse(body: bytes) -> SpeechRequest:
-    """The request, or APIError(400) naming the first field at fault."""
+def parse(body: bytes, model: type = SpeechRequest) -> SpeechRequest:
+    """The request (a `model`), or APIError(400) naming the first field at fault."""
     try:
-        req = SpeechRequest.model_validate_json(body)
+        req = model.model_validate_json(body)
     except ValidationError as e:
         message, param = _describe(e.errors(include_url=False)[0])
         raise invalid(message, param) from None
@@ -126,6 +134,10 @@ def parse(body: bytes) -> SpeechRequest:
         raise invalid(f"with split false 'input' must be at most {LIMITS.max_text_chars} characters", "input")
     if not voice_name(req).strip():
         raise invalid("'voice' is empty", "voice")
+    try:
+        check(req.response_format, req.sample_rate)
+    except ValueError as e:
+        raise invalid(f"'sample_rate': {e}", "sample_rate") from None
     if req.min_new_tokens is not None and req.max_new_tokens is not None and req.min_new_tokens > req.max_new_tokens:
         raise invalid("'min_new_tokens' must not exceed 'max_new_tokens'", "min_new_tokens")
     if req.prompt is not None and SPEED_TOKEN.search(req.prompt) and "speed" in req.model_fields_set:

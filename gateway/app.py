@@ -1,6 +1,7 @@
 """The speech gateway's HTTP application (FastAPI): OpenAI's speech API in front of a Triton server.
 
-    POST /v1/audio/speech    OpenAI's body → audio (mp3, opus, aac, flac, wav, pcm), whole or streamed, or SSE
+    POST /v1/audio/speech    OpenAI's body → audio (mp3, opus, aac, flac, wav, pcm, G.711), whole or streamed, or SSE
+    POST /v1/audio/speech/captioned   the same body → JSON: the whole audio (base64) and each piece's timings
     GET  /v1/audio/voices    the voices VOICE can name (the repository's registry, chattts_triton.voices)
     GET  /v1/audio/models, /v1/models, /v1/models/{id}
     GET  /health             200 when Triton and both models are ready, else 503
@@ -9,7 +10,8 @@
 
 Errors are OpenAI's: {"error": {"message", "type", "param", "code"}}, 400 naming the field at fault, 401 for a
 missing or wrong API key, 429 over the gateway's own concurrency bound, 503 when Triton is overloaded or down
-(UNAVAILABLE), 504 on a timeout. See docs/gateway.md.
+(UNAVAILABLE), 504 on a timeout. What the text decides is checked for every piece before a stream starts; once it
+has started, a failure ends it cleanly (SSE: an `error` event) and is counted. See docs/gateway.md.
 """
 
 from __future__ import annotations
@@ -26,9 +28,8 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple, Union
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -36,10 +37,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chattts_triton.config import BUILTIN_VOICE_SEEDS, SAMPLE_RATE
 
-from . import api
-from .audio import CONTENT_TYPES, FORMATS, StreamEncoder, encode, needs_pyav, pyav_available
+from . import api, captions
+from .audio import CONTENT_TYPES, FORMATS, StreamEncoder, encode, needs_pyav, out_length, pyav_available
 from .metrics import Metrics
-from .synth import Job, SynthesisError, Synthesizer, split_text
+from .synth import Job, Part, Segment, SynthesisError, Synthesizer, split_text
 
 log = logging.getLogger("chattts_gateway")
 STATIC = Path(__file__).with_name("static")
@@ -125,79 +126,114 @@ class _StreamingResponse(StreamingResponse):
 
 
 class _Stream:
-    """One streamed response: the chunks encoded as they come (FFmpeg on a worker thread: it lets the GIL go),
-    and the request's accounting when it ends. An error after the first byte cuts the response (the client sees
-    it incomplete); as server-sent events it is an `error` event."""
+    """One streamed response: the audio encoded as it comes (FFmpeg on a worker thread: it lets the GIL go), each
+    piece's segment once its audio was encoded, and the request's accounting when it ends. What fails after the
+    first byte (the server overloaded or gone, a timeout) ends the response cleanly, never an exception out of the
+    app: the audio stream is closed as a whole file of what was made, SSE gets an `error` event; the abort is
+    logged and counted (chattts_gateway_stream_aborts_total{reason})."""
 
-    def __init__(self, gw: "Gateway", req: api.SpeechRequest, mode: str, t0: float, first: Optional[np.ndarray],
-                 chunks: AsyncIterator[np.ndarray], encoder: StreamEncoder):
+    def __init__(self, gw: "Gateway", req: api.SpeechRequest, mode: str, t0: float, first: Optional[Part],
+                 parts: AsyncIterator[Part], encoder: StreamEncoder):
         self.gw, self.req, self.mode, self.t0 = gw, req, mode, t0
-        self.fmt = req.response_format
-        self.first, self.chunks = first, chunks
+        self.fmt, self.rate = req.response_format, req.sample_rate
+        self.first, self.parts = first, parts
         self.encoder = encoder
         self.status = "aborted"
+        self.reason: Optional[str] = None  # why the stream ended early, when it did on the server's side
         self.busy: Optional[asyncio.Future] = None  # the encoder call on a thread, if any
         self.ended = False
 
     async def _encode(self, fn: Callable, *args) -> bytes:
-        if self.fmt == "pcm":  # a numpy cast: no thread hop
+        if self.fmt == "pcm" and self.rate == SAMPLE_RATE:  # a numpy cast: no thread hop
             return fn(*args)
         self.busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
         return await asyncio.shield(self.busy)  # a cancelled request waits for it in end(), never races it
 
-    async def _encoded(self) -> AsyncIterator[bytes]:
+    async def _encoded(self) -> AsyncIterator[Union[bytes, Segment, api.APIError]]:
+        """Encoded bytes and segments in order; a failure ends it with the APIError it would have been."""
         metrics, sent = self.gw.metrics, False
         pending = [self.first] if self.first is not None else []
-        while True:
-            if pending:
-                chunk = pending.pop()
-            else:
-                try:
-                    chunk = await self.chunks.__anext__()
-                except StopAsyncIteration:
-                    break
-                except SynthesisError as e:
-                    metrics.errors.labels(e.status).inc()
-                    log.warning("stream failed after its first chunk: %s", e)
-                    raise
-            t = time.perf_counter()
-            data = await self._encode(self.encoder.push, chunk)
-            metrics.encode_seconds.labels(self.fmt).inc(time.perf_counter() - t)
-            if data:
-                if not sent:
-                    metrics.first_byte.labels(self.fmt).observe(time.perf_counter() - self.t0)
-                    sent = True
-                yield data
-        tail = await self._encode(self.encoder.close)
+        failure: Optional[api.APIError] = None
+        try:
+            while True:
+                if pending:
+                    part = pending.pop()
+                else:
+                    try:
+                        part = await self.parts.__anext__()
+                    except StopAsyncIteration:
+                        break
+                if isinstance(part, Segment):
+                    yield part
+                    continue
+                t = time.perf_counter()
+                data = await self._encode(self.encoder.push, part)
+                metrics.encode_seconds.labels(self.fmt).inc(time.perf_counter() - t)
+                if data:
+                    if not sent:
+                        metrics.first_byte.labels(self.fmt).observe(time.perf_counter() - self.t0)
+                        sent = True
+                    yield data
+        except SynthesisError as e:
+            metrics.errors.labels(e.status).inc()
+            self.reason, failure = e.status.lower(), api_error(e, self.req)
+        except Exception as e:  # noqa: BLE001  a fault here must end the response, not the connection
+            log.exception("stream failed")
+            self.reason = "internal"
+            failure = api.APIError(500, f"internal error: {type(e).__name__}", "server_error", None, "internal_error")
+        if failure is not None:
+            metrics.stream_aborts.labels(self.reason).inc()
+            log.warning("a %s stream ended early after %.2f s of audio (%s): %s", self.mode,
+                        self.encoder.samples / SAMPLE_RATE, self.reason, failure.message)
+        try:
+            tail = await self._encode(self.encoder.close)  # a whole file of what was made, even after a failure
+        except Exception:  # noqa: BLE001  the encoder itself failed: nothing more to send
+            if failure is None:
+                log.exception("stream failed at its end")
+                self.reason = "internal"
+                metrics.stream_aborts.labels(self.reason).inc()
+                failure = api.APIError(500, "internal error at the stream's end", "server_error", None, "internal_error")
+            tail = b""
         if tail:
             yield tail
-        self.status = "200"
+        if failure is None:
+            self.status = "200"
+        else:
+            self.status = "aborted"
+            yield failure
 
     async def audio(self) -> AsyncIterator[bytes]:
-        async for data in self._encoded():
-            yield data
+        async for item in self._encoded():
+            if isinstance(item, bytes):
+                yield item
 
     async def sse(self) -> AsyncIterator[bytes]:
         """OpenAI's speech events: speech.audio.delta (base64 of the next bytes in response_format), then
-        speech.audio.done."""
-        try:
-            async for data in self._encoded():
-                event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
-                yield f"data: {json.dumps(event)}\n\n".encode()
+        speech.audio.done; beside them speech.segment after each piece's audio, and `error` if it failed."""
+        async for item in self._encoded():
+            if isinstance(item, bytes):
+                event: Dict[str, Any] = {"type": "speech.audio.delta", "audio": base64.b64encode(item).decode("ascii")}
+            elif isinstance(item, Segment):
+                event = {"type": "speech.segment", **captions.segment_json(item, self.rate)}
+            else:
+                event = {"type": "error", **item.body()}
+            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+        if self.status == "200":
             yield b'data: {"type": "speech.audio.done"}\n\n'
-        except SynthesisError as e:
-            yield f"data: {json.dumps({'type': 'error', **api_error(e, self.req).body()})}\n\n".encode()
 
     async def end(self) -> None:
         if self.ended:
             return
         self.ended = True
         with contextlib.suppress(BaseException):
-            await self.chunks.aclose()  # a stream still running is cancelled on the server
+            await self.parts.aclose()  # a stream still running is cancelled on the server
         if self.busy is not None:
             with contextlib.suppress(BaseException):
                 await self.busy
         self.encoder.abort()
+        if self.status == "aborted" and self.reason is None:
+            self.reason = "client_gone"
+            self.gw.metrics.stream_aborts.labels(self.reason).inc()
         self.gw.finished(self.fmt, self.mode, self.status, self.t0, self.encoder.samples / SAMPLE_RATE)
 
 
@@ -247,15 +283,16 @@ class Gateway:
         return bytes(data)
 
     # --- speech ------------------------------------------------------------------------------------
-    async def speech(self, request: Request) -> Response:
+    async def speech(self, request: Request, captioned: bool = False) -> Response:
+        """`POST /v1/audio/speech`, or with `captioned` its JSON form with timings (always whole)."""
         t0 = time.perf_counter()
         self.authenticate(request)
-        req = api.parse(await self.body(request))
+        req = api.parse(await self.body(request), api.CaptionedRequest if captioned else api.SpeechRequest)
         fmt = req.response_format
         # a FLAC stream cannot carry its length (libsndfile's readers refuse it): whole unless asked for
         default = self.settings.stream_default and fmt not in WHOLE_BY_DEFAULT
-        streamed = req.stream_format == "sse" or (req.stream if req.stream is not None else default)
-        mode = "sse" if req.stream_format == "sse" else ("stream" if streamed else "whole")
+        streamed = not captioned and (req.stream_format == "sse" or (req.stream if req.stream is not None else default))
+        mode = "captioned" if captioned else "sse" if req.stream_format == "sse" else ("stream" if streamed else "whole")
         if not self.pyav and needs_pyav(fmt, streamed):
             can = [f for f in FORMATS if not needs_pyav(f, streamed)]
             raise api.invalid(f"response_format {fmt!r} {'streamed ' if streamed else ''}is not available on this "
@@ -276,7 +313,7 @@ class Gateway:
         handed_over = False
         try:
             if not streamed:
-                response, seconds = await self._whole(job, req, headers, request)
+                response, seconds = await self._whole(job, req, headers, request, captioned)
                 self._done(fmt, mode, str(response.status_code), t0, seconds)
                 return response
             response = await self._stream(job, req, headers, mode, t0)
@@ -306,9 +343,10 @@ class Gateway:
         self.metrics.errors.labels(e.status).inc()
         return api_error(e, req)
 
-    async def _whole(self, job: Job, req: api.SpeechRequest, headers: Dict[str, str],
-                     request: Request) -> Tuple[Response, float]:
-        work = asyncio.ensure_future(asyncio.wait_for(self.synth.synthesize(job), self.settings.timeout_s))
+    async def _whole(self, job: Job, req: api.SpeechRequest, headers: Dict[str, str], request: Request,
+                     captioned: bool = False) -> Tuple[Response, float]:
+        synthesis = self.synth.synthesize_segments(job) if captioned else self.synth.synthesize(job)
+        work = asyncio.ensure_future(asyncio.wait_for(synthesis, self.settings.timeout_s))
         gone = asyncio.ensure_future(_disconnected(request))
         try:  # a client that leaves stops its synthesis (and frees the server's slots) instead of paying for it
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -320,31 +358,62 @@ class Gateway:
                 await work
             return Response(status_code=499), 0.0  # nobody reads it (nginx's "client closed request")
         try:
-            audio = work.result()
+            result = work.result()
         except SynthesisError as e:
             raise self._synthesis_failed(e, req) from None
         except asyncio.TimeoutError:
             raise _timeout(self.settings.timeout_s) from None
-        fmt = req.response_format
+        audio, segments = result if captioned else (result, [])
+        fmt, rate = req.response_format, req.sample_rate
         t = time.perf_counter()
-        data = encode(fmt, audio) if fmt in ("pcm", "wav") else await asyncio.to_thread(encode, fmt, audio)
+        quick = fmt in ("pcm", "wav") and rate == SAMPLE_RATE  # no thread hop for a numpy cast or libsndfile's copy
+        data = encode(fmt, audio, rate) if quick else await asyncio.to_thread(encode, fmt, audio, rate)
         self.metrics.encode_seconds.labels(fmt).inc(time.perf_counter() - t)
-        return Response(data, media_type=CONTENT_TYPES[fmt], headers=headers), audio.size / SAMPLE_RATE
+        if not captioned:
+            return Response(data, media_type=CONTENT_TYPES[fmt], headers=headers), audio.size / SAMPLE_RATE
+        timed = [captions.segment_json(seg, rate) for seg in segments]
+        body: Dict[str, Any] = {"audio": base64.b64encode(data).decode("ascii"), "content_type": CONTENT_TYPES[fmt],
+                                "response_format": fmt, "sample_rate": rate, "samples": out_length(audio.size, rate),
+                                "seed": job.seed, "segments": timed}
+        if req.subtitle_format is not None:
+            body["subtitles"] = captions.subtitles(timed, req.subtitle_format)
+        return JSONResponse(body, headers=headers), audio.size / SAMPLE_RATE
+
+    async def _first(self, job: Job, parts: AsyncIterator[Part]) -> Optional[Part]:
+        """The stream's first part, and every other piece checked for what its text decides (`preflight`, beside
+        the first chunk: a stream starts only when each piece can be spoken); the first error raised."""
+        timeout = self.settings.timeout_s
+        if len(job.pieces) == 1:
+            try:
+                return await asyncio.wait_for(parts.__anext__(), timeout)
+            except StopAsyncIteration:
+                return None
+        first = asyncio.ensure_future(parts.__anext__())
+        checks = asyncio.ensure_future(self.synth.preflight(job))
+        try:
+            done, _ = await asyncio.wait((first, checks), timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+            for task in (first, checks):  # the first piece's error before the others'
+                if task in done and task.exception() is not None and not isinstance(task.exception(), StopAsyncIteration):
+                    raise task.exception()
+            if len(done) < 2:
+                raise asyncio.TimeoutError()
+            return None if first.exception() is not None else first.result()
+        finally:
+            for task in (first, checks):
+                task.cancel()
+            await asyncio.gather(first, checks, return_exceptions=True)  # parts may be closed only once it rests
 
     async def _stream(self, job: Job, req: api.SpeechRequest, headers: Dict[str, str], mode: str,
                       t0: float) -> Response:
-        chunks = self.synth.stream(job)
+        parts = self.synth.parts(job, spoken_text=mode == "sse")
         fmt = req.response_format
         # the encoder is made (its codec opened) while the first chunk is generated
-        encoder = asyncio.get_running_loop().run_in_executor(None, StreamEncoder, fmt)
-        try:  # the first chunk (or the error) before any header: a bad voice is still a 400
-            try:
-                first: Optional[np.ndarray] = await asyncio.wait_for(chunks.__anext__(), self.settings.timeout_s)
-            except StopAsyncIteration:
-                first = None
-            stream = _Stream(self, req, mode, t0, first, chunks, await encoder)
+        encoder = asyncio.get_running_loop().run_in_executor(None, StreamEncoder, fmt, req.sample_rate)
+        try:  # the first chunk (or the error) before any header: a bad voice or text is still a 400
+            first = await self._first(job, parts)
+            stream = _Stream(self, req, mode, t0, first, parts, await encoder)
         except BaseException as e:
-            await chunks.aclose()
+            await parts.aclose()
             with contextlib.suppress(BaseException):
                 (await encoder).abort()
             if isinstance(e, SynthesisError):
@@ -417,6 +486,10 @@ def create_app(settings: Settings, synthesizer: Optional[Synthesizer] = None) ->
     @app.post("/v1/audio/speech")
     async def speech(request: Request):
         return await gw.speech(request)
+
+    @app.post("/v1/audio/speech/captioned")
+    async def captioned(request: Request):
+        return await gw.speech(request, captioned=True)
 
     @app.get("/v1/audio/voices")
     async def voices(request: Request):

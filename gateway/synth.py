@@ -4,6 +4,10 @@ the first piece from `chattts_stream` chunk by chunk while the others are made b
 
 Every piece gets the same voice and the request's seed schedule: piece i is sent with SEED = seed + i, so
 a request with a seed is reproducible and a one-piece request equals the same call over gRPC.
+
+What the text decides (an unknown control token, a piece with nothing left to say) is checked for the pieces
+after the first by `chattts_preprocess` alone (`preflight`), while the first piece's first chunk is made: a
+stream then starts only when every piece can be spoken. Each piece's place in the audio is a `Segment`.
 """
 
 from __future__ import annotations
@@ -14,14 +18,14 @@ import re
 import secrets
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from chattts_triton.config import ENSEMBLE_INPUTS, LIMITS, SAMPLE_RATE
+from chattts_triton.config import ENSEMBLE_INPUTS, LIMITS, PREPROCESS, SAMPLE_RATE
 from client.client import AsyncChatTTSClient, split_sentences
-from client.contract import MODEL, STREAM_MODEL
-from client.errors import ChatTTSError
+from client.contract import MODEL, STREAM_MODEL, build_inputs, spoken_text_from_result, to_infer_inputs
+from client.errors import ChatTTSError, to_chattts_error
 
 SEED_LIMIT = 2**63  # SEED is INT64: the schedule wraps below this
 
@@ -93,17 +97,36 @@ class Job:
         return {**self.options, "seed": (self.seed + i) % SEED_LIMIT}
 
 
+@dataclass
+class Segment:
+    """One piece's place in a response's audio: samples at the model's rate from the audio's start (pauses
+    between pieces lie outside every segment); `spoken_text` is what the server read (SPOKEN_TEXT), if asked."""
+
+    index: int
+    text: str
+    start: int
+    end: int
+    spoken_text: Optional[str] = None
+
+
+Part = Union[np.ndarray, Segment]  # what `parts` yields: audio, or the end of a piece whose audio came before
+# the contract options that decide what chattts_preprocess says of a text (the rest is sampling)
+PREFLIGHT_OPTIONS = ("voice", "prompt", "normalize_text")
+
+
 class Synthesizer:
     """Calls to one Triton server over `channels` gRPC connections (AsyncChatTTSClient: no retries: an
     overloaded server's UNAVAILABLE goes back to the HTTP client, whose library retries it)."""
 
     def __init__(self, url: str, timeout_s: float = 300.0, channels: int = 2, piece_concurrency: int = 16,
-                 pause_ms: int = 200, model: str = MODEL, stream_model: str = STREAM_MODEL):
+                 pause_ms: int = 200, model: str = MODEL, stream_model: str = STREAM_MODEL,
+                 preprocess_model: str = PREPROCESS):
         self.url, self.timeout_s, self.channels = url, float(timeout_s), int(channels)
-        self.model, self.stream_model = model, stream_model
+        self.model, self.stream_model, self.preprocess_model = model, stream_model, preprocess_model
         self.piece_concurrency = int(piece_concurrency)
         self.pause = np.zeros(int(round(pause_ms * SAMPLE_RATE / 1000)), np.float32)
         self._client: Optional[AsyncChatTTSClient] = None
+        self._preprocess: Any = None  # tritonclient.grpc.aio client of chattts_preprocess (the preflight)
 
     @property
     def client(self) -> AsyncChatTTSClient:
@@ -118,24 +141,81 @@ class Synthesizer:
         if self._client is not None:
             await self._client.close()
             self._client = None
+        if self._preprocess is not None:
+            await self._preprocess.close()
+            self._preprocess = None
 
     async def ready(self) -> Dict[str, bool]:
         """Triton's readiness: the server with each model the gateway calls."""
         return {m: await self.client.is_ready(m) for m in (self.model, self.stream_model)}
 
-    async def _infer(self, job: Job, i: int) -> np.ndarray:
+    # --- the calls to Triton (a stand-in overrides these) ------------------------------------------
+    async def _infer(self, job: Job, i: int, spoken_text: bool = False):
+        """Piece i's audio, or (audio, SPOKEN_TEXT) when asked."""
         try:
-            return await self.client.infer_one(job.pieces[i], job.piece_options(i))
+            return await self.client.infer_one(job.pieces[i], job.piece_options(i), spoken_text=spoken_text)
         except ChatTTSError as e:
             raise synthesis_error(e) from None
 
-    async def _piece(self, job: Job, i: int, gate: asyncio.Semaphore) -> np.ndarray:
-        async with gate:
-            return await self._infer(job, i)
+    def _stream_first(self, job: Job, on_spoken_text: Optional[Callable[[str], None]]) -> AsyncIterator[np.ndarray]:
+        """Piece 0's chunks from the stream model."""
+        try:
+            return self.client.stream(job.pieces[0], split=False, voice_from_first=False, on_spoken_text=on_spoken_text,
+                                      **job.piece_options(0))
+        except ChatTTSError as e:  # refused before anything was sent
+            raise synthesis_error(e) from None
 
-    def _start(self, job: Job, first: int) -> List["asyncio.Task[np.ndarray]"]:
+    async def _check(self, job: Job, i: int) -> str:
+        """Piece i through chattts_preprocess alone (no refine: the text as the client wrote it): its SPOKEN_TEXT,
+        or the SynthesisError its text or voice gets."""
+        import tritonclient.grpc as module
+        import tritonclient.grpc.aio as aio
+
+        if self._preprocess is None:  # inside the running loop: aio channels belong to it
+            self._preprocess = aio.InferenceServerClient(self.url)
+        options = {k: job.options[k] for k in PREFLIGHT_OPTIONS if job.options.get(k) is not None}
+        arrays = build_inputs(job.pieces[i], {**options, "refine_text": False})
+        try:
+            result = await self._preprocess.infer(self.preprocess_model, to_infer_inputs(module, arrays),
+                                                  outputs=[module.InferRequestedOutput("SPOKEN_TEXT")],
+                                                  client_timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001  every failure of the call becomes a canonical status
+            raise synthesis_error(to_chattts_error(exc, f"grpc://{self.url} model '{self.preprocess_model}'")) from None
+        return spoken_text_from_result(result) or ""
+
+    # --- a request's audio -------------------------------------------------------------------------
+    async def _piece(self, job: Job, i: int, gate: asyncio.Semaphore, spoken_text: bool = False):
+        async with gate:
+            return await self._infer(job, i, spoken_text)
+
+    def _start(self, job: Job, first: int, spoken_text: bool = False) -> List["asyncio.Task"]:
         gate = asyncio.Semaphore(self.piece_concurrency)
-        return [asyncio.ensure_future(self._piece(job, i, gate)) for i in range(first, len(job.pieces))]
+        return [asyncio.ensure_future(self._piece(job, i, gate, spoken_text)) for i in range(first, len(job.pieces))]
+
+    async def preflight(self, job: Job, first: int = 1) -> List[str]:
+        """What the text decides for pieces[first:], checked before a stream starts (the first piece's own errors
+        come before its first chunk): their SPOKEN_TEXT (without refine), or SynthesisError naming the piece."""
+        gate = asyncio.Semaphore(self.piece_concurrency)
+        n = len(job.pieces)
+
+        async def one(i: int) -> str:
+            async with gate:
+                try:
+                    return await self._check(job, i)
+                except SynthesisError as e:
+                    if e.status != "INVALID_ARGUMENT":
+                        raise
+                    shown = job.pieces[i] if len(job.pieces[i]) <= 60 else job.pieces[i][:57] + "..."
+                    raise SynthesisError(e.status, f"piece {i + 1} of {n} ({shown!r}): {e.message}", e.field) from None
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(first, n)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     async def synthesize(self, job: Job) -> np.ndarray:
         """The whole audio: every piece at once (in-flight batching makes a paragraph cost about one
@@ -150,6 +230,21 @@ class Synthesizer:
                 t.cancel()
         return self.join(audios)
 
+    async def synthesize_segments(self, job: Job) -> Tuple[np.ndarray, List[Segment]]:
+        """The whole audio and each piece's segment in it, with the text the server read."""
+        tasks = self._start(job, 0, spoken_text=True)
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+        segments, offset = [], 0
+        for i, (audio, spoken) in enumerate(results):
+            offset += self.pause.size if i else 0
+            segments.append(Segment(i, job.pieces[i], offset, offset + audio.size, spoken))
+            offset += audio.size
+        return self.join([a for a, _ in results]), segments
+
     def join(self, audios: List[np.ndarray]) -> np.ndarray:
         if len(audios) == 1:
             return audios[0]
@@ -158,27 +253,41 @@ class Synthesizer:
             out += [self.pause, a] if i else [a]
         return np.concatenate(out).astype(np.float32, copy=False)
 
-    async def stream(self, job: Job) -> AsyncIterator[np.ndarray]:
-        """The audio as it is made: the first piece's chunks from the stream model, then a pause and each
-        other piece whole, in order (they are synthesised from the start, beside the first). An error
-        raises SynthesisError from the iterator; before the first chunk nothing has been sent."""
-        rest = self._start(job, 1)
+    async def parts(self, job: Job, spoken_text: bool = False) -> AsyncIterator[Part]:
+        """The audio as it is made, each piece followed by its Segment: the first piece's chunks from the
+        stream model, then a pause and each other piece whole, in order (they are synthesised from the start,
+        beside the first). An error raises SynthesisError from the iterator; before the first chunk nothing has
+        been sent. `spoken_text`: the segments carry what the server read."""
+        rest = self._start(job, 1, spoken_text)
         try:
-            try:
-                chunks = self.client.stream(job.pieces[0], split=False, voice_from_first=False, **job.piece_options(0))
-            except ChatTTSError as e:  # refused before anything was sent
-                raise synthesis_error(e) from None
-            async with contextlib.aclosing(chunks):
+            told: List[str] = []
+            offset = 0
+            async with contextlib.aclosing(self._stream_first(job, told.append if spoken_text else None)) as chunks:
                 try:
                     async for chunk in chunks:
+                        offset += chunk.size
                         yield chunk
                 except ChatTTSError as e:
                     raise synthesis_error(e) from None
-            for task in rest:
-                yield self.pause
-                yield await task
+            yield Segment(0, job.pieces[0], 0, offset, told[0] if told else None)
+            for i, task in enumerate(rest, 1):
+                if self.pause.size:
+                    yield self.pause
+                    offset += self.pause.size
+                result = await task
+                audio, spoken = result if spoken_text else (result, None)
+                yield audio
+                yield Segment(i, job.pieces[i], offset, offset + audio.size, spoken)
+                offset += audio.size
         finally:
             for t in rest:
                 t.cancel()
             if rest:  # collect the cancelled pieces: nothing is left unretrieved
                 await asyncio.gather(*rest, return_exceptions=True)
+
+    async def stream(self, job: Job) -> AsyncIterator[np.ndarray]:
+        """The audio of `parts` without its segments."""
+        async with contextlib.aclosing(self.parts(job)) as parts:
+            async for part in parts:
+                if isinstance(part, np.ndarray):
+                    yield part

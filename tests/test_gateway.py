@@ -23,7 +23,7 @@ from client.errors import ChatTTSError
 from gateway import api
 from gateway.app import Settings, create_app
 from gateway.audio import CONTENT_TYPES, FORMATS, StreamEncoder, decode, encode, to_int16
-from gateway.synth import Job, SynthesisError, split_text, synthesis_error
+from gateway.synth import Job, SynthesisError, Synthesizer, split_text, synthesis_error
 
 OK = {"model": "chattts", "input": "Hello world.", "voice": "alloy"}
 
@@ -55,6 +55,10 @@ def parse(**fields) -> api.SpeechRequest:
     ({"stream": "yes"}, "stream", "valid boolean"),
     ({"max_new_tokens": 5, "min_new_tokens": 9}, "min_new_tokens", "must not exceed"),
     ({"prompt": "[speed_2]", "speed": 1.5}, "speed", "not both"),
+    ({"sample_rate": 12345}, "sample_rate", "one of 8000, 16000, 22050, 24000, 44100, 48000"),
+    ({"sample_rate": "8000"}, "sample_rate", "valid integer"),
+    ({"sample_rate": 8000.0}, "sample_rate", "valid integer"),
+    ({"response_format": "opus", "sample_rate": 22050}, "sample_rate", "not an Opus rate"),
 ])
 def test_bad_fields_are_400s_naming_the_field(fields, param, words):
     with pytest.raises(api.APIError) as e:
@@ -195,47 +199,75 @@ def test_streams_give_bytes_from_the_first_chunk_and_decode_to_the_audio(fmt):
 
 
 # --- the application, with a stand-in synthesizer -----------------------------------------------------
-class FakeSynth:
-    """Audio of 0.5 s per piece (or `error`), after `delay_s`."""
+class FakeSynth(Synthesizer):
+    """The gateway's Synthesizer with its three Triton calls stood in for: every piece 0.5 s of tone (the first
+    streamed in one chunk) after `delay_s`, or `error`; a piece holding BAD is refused as the server refuses an
+    unknown control token, by chattts_preprocess too; `fail_piece` fails that piece with `fail_error` after the
+    first piece's audio was sent. The sequencing (pieces, pauses, segments, preflight) is the real one."""
 
-    def __init__(self):
+    def __init__(self, pause_ms: int = 0):
+        super().__init__("127.0.0.1:1", pause_ms=pause_ms)
         self.error: Optional[SynthesisError] = None
+        self.fail_piece: Optional[int] = None
+        self.fail_error = SynthesisError("UNAVAILABLE", "server busy: 32 generations in flight, retry later")
         self.delay_s = 0.0
         self.chunk_delay_s = 0.0
         self.jobs: List[Job] = []
         self.is_ready = True
         self.cancelled = 0  # syntheses stopped before their end
         self.closed = 0  # streams ended, however
-        self.pause = np.zeros(4800, np.float32)
+        self.checked: List[str] = []  # the pieces the preflight was asked about
+
+    def _refuse(self, text: str) -> None:
+        if self.error:
+            raise self.error
+        if BAD in text:
+            raise SynthesisError("INVALID_ARGUMENT", f"TEXT holds an unknown control token {BAD}", "TEXT")
 
     async def ready(self):
         return {"chattts": self.is_ready, "chattts_stream": True}
 
-    async def synthesize(self, job):
-        self.jobs.append(job)
+    async def _infer(self, job, i, spoken_text=False):
+        if i == 0:
+            self.jobs.append(job)
         try:
             await asyncio.sleep(self.delay_s)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
-        if self.error:
-            raise self.error
-        return tone(0.5 * len(job.pieces))
+        self._refuse(job.pieces[i])
+        if i == self.fail_piece:
+            await asyncio.sleep(0.2)  # after the first piece's audio went out
+            raise self.fail_error
+        audio = tone(0.5)
+        return (audio, spoken(job.pieces[i])) if spoken_text else audio
 
-    async def stream(self, job):
+    async def _stream_first(self, job, on_spoken_text):
         self.jobs.append(job)
         try:
             await asyncio.sleep(self.delay_s)
-            if self.error:
-                raise self.error
-            for _ in job.pieces:
-                yield tone(0.5)
-                await asyncio.sleep(self.chunk_delay_s)
+            self._refuse(job.pieces[0])
+            if on_spoken_text is not None:
+                on_spoken_text(spoken(job.pieces[0]))
+            yield tone(0.5)
+            await asyncio.sleep(self.chunk_delay_s)
         finally:
             self.closed += 1
 
+    async def _check(self, job, i):
+        self.checked.append(job.pieces[i])
+        self._refuse(job.pieces[i])
+        return spoken(job.pieces[i])
+
     async def close(self):
         pass
+
+
+BAD = "[bad_token]"
+
+
+def spoken(text: str) -> str:
+    return f"spoken: {text}"
 
 
 class Served:
@@ -373,8 +405,9 @@ def test_streamed_and_sse_responses(fmt):
         status, headers, body = s.request("/v1/audio/speech", {**OK, "response_format": fmt, "stream_format": "sse"})
         events = [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: ")]
         assert headers["Content-Type"].startswith("text/event-stream") and events[-1] == {"type": "speech.audio.done"}
-        audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
-        assert all(e["type"] == "speech.audio.delta" for e in events[:-1]) and decode(audio, fmt).size >= SAMPLE_RATE // 2
+        audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+        assert {e["type"] for e in events[:-1]} == {"speech.audio.delta", "speech.segment"}
+        assert decode(audio, fmt).size >= SAMPLE_RATE // 2
 
 
 # --- documentation and make ---------------------------------------------------------------------------
@@ -415,6 +448,212 @@ def _eventually(check, timeout_s: float = 10.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "not in time"
         time.sleep(0.02)
+
+
+# --- errors before the first byte, clean ends after it ----------------------------------------------------
+HELD_OUT = "第一句话很好。第二句有问题[bad_token]。"  # two pieces: the second refused by the server
+
+
+def metric(text: str, line_start: str) -> float:
+    line = next((x for x in text.splitlines() if x.startswith(line_start)), None)
+    return 0.0 if line is None else float(line.split()[-1])
+
+
+@pytest.mark.parametrize("fmt, fields", [("wav", {}), ("mp3", {}), ("pcm", {}), ("ulaw", {"sample_rate": 8000}),
+                                          ("pcm", {"stream_format": "sse"}), ("mp3", {"stream_format": "sse"})])
+def test_text_a_later_piece_cannot_speak_is_a_400_naming_input_before_any_byte(fmt, fields):
+    with Served(Settings()) as s:
+        status, headers, body = s.request("/v1/audio/speech", {**OK, "input": HELD_OUT, "response_format": fmt,
+                                                               "stream": True, **fields})
+        err = error_of(body)
+        assert status == 400 and headers["Content-Type"] == "application/json"
+        assert err["param"] == "input" and "piece 2 of 2" in err["message"] and BAD in err["message"]
+        assert s.synth.checked == [split_text(HELD_OUT)[1]]  # the preflight asked about the pieces after the first
+        metrics = s.request("/metrics")[2].decode()
+        assert metric(metrics, "chattts_gateway_stream_aborts_total") == 0.0 and s.app.state.gateway.inflight == 0
+
+
+def test_one_piece_is_not_checked_apart_and_every_later_piece_is():
+    with Served(Settings()) as s:
+        assert s.request("/v1/audio/speech", {**OK, "response_format": "pcm"})[0] == 200
+        assert s.synth.checked == []
+        assert s.request("/v1/audio/speech", {**OK, "input": f"{S1} {S2} {S3}", "response_format": "pcm"})[0] == 200
+        assert s.synth.checked == [S2, S3]
+
+
+def test_a_refused_first_piece_is_still_its_own_400():
+    with Served(Settings()) as s:
+        status, _, body = s.request("/v1/audio/speech", {**OK, "input": f"Bad {BAD} at once here. {S2}",
+                                                         "response_format": "pcm"})
+        assert status == 400 and error_of(body)["param"] == "input" and BAD in error_of(body)["message"]
+
+
+async def _asgi_post(app, path: str, body: dict):
+    """(status, body) of one request through the ASGI app itself, called as a server calls it: whatever the app
+    raises comes out of here."""
+    data = json.dumps(body).encode()
+    sent: List[dict] = []
+    received = asyncio.Event()
+    incoming = [{"type": "http.request", "body": data, "more_body": False}]
+
+    async def receive():
+        if incoming:
+            return incoming.pop()
+        await received.wait()  # the client stays until the response is complete
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            received.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    assert received.is_set(), "the response did not end"
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+@pytest.mark.parametrize("error, reason", [
+    (SynthesisError("UNAVAILABLE", "server busy: 32 generations in flight, retry later"), "unavailable"),
+    (SynthesisError("DEADLINE_EXCEEDED", "timed out"), "deadline_exceeded"),
+    (RuntimeError("a fault of the gateway's own"), "internal"),
+])
+@pytest.mark.parametrize("fmt, mode", [("wav", "stream"), ("mp3", "stream"), ("pcm", "stream"), ("pcm", "sse")])
+def test_a_failure_after_the_first_byte_ends_the_body_cleanly_and_is_counted(fmt, mode, error, reason):
+    import base64
+
+    synth = FakeSynth()
+    synth.fail_piece, synth.fail_error = 1, error
+    app = create_app(Settings(), synth)
+    body = {**OK, "input": f"{S1} {S2}", "response_format": fmt, "stream": True,
+            **({"stream_format": "sse"} if mode == "sse" else {})}
+    status, data = asyncio.run(_asgi_post(app, "/v1/audio/speech", body))  # raises if the app raised
+    assert status == 200
+    if mode == "sse":
+        events = [json.loads(x[6:]) for x in data.decode().split("\n\n") if x.startswith("data: ")]
+        assert events[-1]["type"] == "error" and "speech.audio.done" not in [e["type"] for e in events]
+        assert set(events[-1]["error"]) == {"message", "type", "param", "code"}
+        data = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+        assert [e["index"] for e in events if e["type"] == "speech.segment"] == [0]  # the piece that was sent
+    assert 0 <= decode(data, fmt).size - SAMPLE_RATE // 2 <= SLACK[fmt]  # the first piece, as a whole file
+    gw = app.state.gateway
+    metrics = gw.metrics.exposition().decode()
+    assert metric(metrics, f'chattts_gateway_stream_aborts_total{{reason="{reason}"}}') == 1.0
+    assert metric(metrics, f'chattts_gateway_requests_total{{format="{fmt}",mode="{mode}",status="aborted"}}') == 1.0
+    assert gw.inflight == 0 and synth.closed == 1
+
+
+def test_a_failed_stream_over_a_socket_reads_to_its_end():
+    """Through uvicorn: the body ends as HTTP says (no IncompleteRead), a whole WAV of the first piece."""
+    with Served(Settings()) as s:
+        s.synth.fail_piece = 1
+        status, _, body = s.request("/v1/audio/speech", {**OK, "input": f"{S1} {S2}", "response_format": "wav"})
+        assert status == 200 and decode(body, "wav").size == SAMPLE_RATE // 2
+        metrics = s.request("/metrics")[2].decode()
+        assert metric(metrics, 'chattts_gateway_stream_aborts_total{reason="unavailable"}') == 1.0
+
+
+# --- timings ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rate", [24000, 8000, 44100])
+def test_sse_segments_are_each_pieces_exact_place_in_the_audio_after_its_audio(rate):
+    import base64
+
+    from gateway.audio import out_length
+
+    with Served(Settings()) as s:
+        s.synth.pause = np.zeros(4800, np.float32)  # 0.2 s
+        status, _, body = s.request("/v1/audio/speech", {**OK, "input": f"{S1} {S2} {S3}", "response_format": "pcm",
+                                                         "stream_format": "sse", "sample_rate": rate})
+    events = [json.loads(x[6:]) for x in body.decode().split("\n\n") if x.startswith("data: ")]
+    assert status == 200 and events[-1]["type"] == "speech.audio.done"
+    segments, received = [], 0
+    for e in events:
+        if e["type"] == "speech.audio.delta":
+            received += len(base64.b64decode(e["audio"])) // 2
+        elif e["type"] == "speech.segment":
+            assert received >= e["end_sample"] - out_length(2400, rate)  # sent once its audio was (the resampler's delay)
+            segments.append(e)
+    piece, pause = SAMPLE_RATE // 2, 4800  # the stand-in's piece and the pause, at 24 kHz
+    assert [seg["text"] for seg in segments] == [S1, S2, S3]
+    assert [seg["spoken_text"] for seg in segments] == [spoken(S1), spoken(S2), spoken(S3)]
+    for i, seg in enumerate(segments):
+        start = i * (piece + pause)
+        assert (seg["index"], seg["start_sample"], seg["end_sample"]) == (i, out_length(start, rate),
+                                                                          out_length(start + piece, rate))
+        assert seg["start"] == seg["start_sample"] / rate and seg["end"] == seg["end_sample"] / rate
+    audio = decode(b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta"), "pcm")
+    assert audio.size == out_length(3 * piece + 2 * pause, rate)
+    for a, b in zip(segments, segments[1:]):  # the pause between two pieces is silence, the pieces are not
+        assert np.abs(audio[a["end_sample"] + rate // 100: b["start_sample"] - rate // 100]).max() < 1e-3
+        assert np.abs(audio[a["start_sample"]: a["end_sample"]]).max() > 0.3
+
+
+@pytest.mark.parametrize("fmt, rate", [("wav", 24000), ("mp3", 24000), ("wav_ulaw", 8000), ("flac", 48000)])
+def test_captioned_speech_is_the_audio_with_each_pieces_segment_and_subtitles(fmt, rate):
+    import base64
+    import re
+
+    from gateway.audio import out_length
+
+    text = f"{S1} {S2} Third & last [uv_break] piece, long enough to stand alone <here>."
+    with Served(Settings()) as s:
+        s.synth.pause = np.zeros(4800, np.float32)
+        replies = {}
+        for sub in (None, "srt", "vtt"):
+            status, headers, body = s.request("/v1/audio/speech/captioned", {
+                **OK, "input": text, "response_format": fmt, "sample_rate": rate, "seed": 5,
+                **({"subtitle_format": sub} if sub else {})})
+            assert status == 200 and headers["Content-Type"] == "application/json" and headers["X-ChatTTS-Seed"] == "5"
+            replies[sub] = json.loads(body)
+        metrics = s.request("/metrics")[2].decode()
+    r = replies[None]
+    assert (r["content_type"], r["response_format"], r["sample_rate"], r["seed"]) == (CONTENT_TYPES[fmt], fmt, rate, 5)
+    assert "subtitles" not in r and r["samples"] == out_length(3 * 12000 + 2 * 4800, rate)
+    audio = decode(base64.b64decode(r["audio"]), fmt, rate)
+    assert 0 <= audio.size - r["samples"] <= SLACK[fmt]
+    pieces = split_text(text)
+    assert [g["text"] for g in r["segments"]] == pieces and [g["spoken_text"] for g in r["segments"]] == [
+        spoken(p) for p in pieces]
+    assert [(g["start_sample"], g["end_sample"]) for g in r["segments"]] == [
+        (out_length(i * 16800, rate), out_length(i * 16800 + 12000, rate)) for i in range(3)]
+    srt, vtt = replies["srt"]["subtitles"], replies["vtt"]["subtitles"]
+    cues = srt.strip().split("\n\n")
+    assert len(cues) == 3
+    for n, (cue, g) in enumerate(zip(cues, r["segments"]), 1):
+        number, times, words = cue.split("\n")
+        start, end = re.fullmatch(r"(\d\d:\d\d:\d\d,\d{3}) --> (\d\d:\d\d:\d\d,\d{3})", times).groups()
+        assert int(number) == n and start == _clock(g["start"], ",") and end == _clock(g["end"], ",")
+    assert words == "Third & last piece, long enough to stand alone <here>."  # no control token in a subtitle
+    assert vtt.startswith("WEBVTT\n\n") and "-->" in vtt and "," not in vtt.split("\n")[2]
+    assert "Third &amp; last piece, long enough to stand alone &lt;here&gt;." in vtt
+    assert f"{_clock(r['segments'][1]['start'], '.')} --> {_clock(r['segments'][1]['end'], '.')}\n{S2}" in vtt
+    assert 'chattts_gateway_requests_total{format="%s",mode="captioned",status="200"} 3.0' % fmt in metrics
+
+
+def _clock(seconds: float, sep: str) -> str:
+    ms = round(seconds * 1000)
+    return f"{ms // 3600000:02d}:{ms // 60000 % 60:02d}:{ms // 1000 % 60:02d}{sep}{ms % 1000:03d}"
+
+
+def test_subtitle_clock_past_an_hour_and_a_piece_with_nothing_to_show():
+    from gateway.captions import subtitles
+
+    segs = [{"text": "[laugh]", "start": 0.0, "end": 1.0},
+            {"text": "a\n\nb", "start": 3723.4567, "end": 3725.0}]
+    assert subtitles(segs, "srt") == "1\n01:02:03,457 --> 01:02:05,000\na b\n"
+    assert subtitles(segs, "vtt") == "WEBVTT\n\n01:02:03.457 --> 01:02:05.000\na b\n"
+
+
+def test_captioned_errors_are_openai_errors_naming_the_field():
+    with Served(Settings()) as s:
+        status, _, body = s.request("/v1/audio/speech/captioned", {**OK, "subtitle_format": "ass"})
+        assert status == 400 and error_of(body)["param"] == "subtitle_format"
+        s.synth.error = SynthesisError("INVALID_ARGUMENT", "VOICE 'zz' is not a voice of this server", "VOICE")
+        status, _, body = s.request("/v1/audio/speech/captioned", OK)
+        assert status == 400 and error_of(body)["param"] == "voice"
 
 
 def test_a_client_that_leaves_stops_its_synthesis_and_its_stream():
