@@ -242,3 +242,19 @@ def test_decoding_at_a_rate_the_file_is_not_is_a_value_error():
     assert decode(data, "wav", 16000).size == out_length(speechlike(0.1).size, 16000)
     with pytest.raises(ValueError, match="16000"):
         decode(data, "wav", 8000)
+
+
+def test_audio_cost_probe_measures_every_rate_and_format_it_can_and_writes_json(tmp_path, capsys):
+    import json
+
+    from bench.probes import audio_cost
+
+    out = tmp_path / "cost.json"
+    assert audio_cost.main(["--seconds", "0.5", "--repeats", "1", "--formats", "ulaw,opus", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    expected = {("resample", r) for r in SAMPLE_RATES if r != SAMPLE_RATE} | {("ulaw", r) for r in SAMPLE_RATES} | {
+        ("opus", r) for r in OPUS_RATES}
+    assert {(r["what"], r["rate"]) for r in rows} == expected
+    assert all(r["whole_ms_per_audio_s"] >= 0 and r["stream_ms_per_audio_s"] > 0 for r in rows)
+    assert all(0 < r["stream_delay"]["mean_ms"] <= r["stream_delay"]["max_ms"] for r in rows if r["what"] == "resample")
+    assert capsys.readouterr().out.count("| ulaw |") == len(SAMPLE_RATES)
