@@ -44,7 +44,7 @@ from client.realtime import (
 )
 
 from .api import MAX_INPUT_CHARS
-from .audio import to_int16
+from .audio import SAMPLE_RATES, StreamEncoder
 from .synth import Synthesizer, synthesis_error
 
 log = logging.getLogger("chattts_wyoming")
@@ -53,7 +53,6 @@ DEFAULT_PORT = 10200  # the port Home Assistant's Wyoming TTS services use (wyom
 DEFAULT_VOICE = "alloy"  # spoken when an event names no voice: one stable voice, not a random one per reply
 WIDTH, CHANNELS = 2, 1  # 16-bit mono
 MAX_EVENT_BYTES = 1 << 20  # an event's data or payload above this is refused (a text event of the longest text is < 50 KB)
-SAMPLE_RATES = (SAMPLE_RATE,)  # the output rates --sample-rate takes
 DISCARD_S = 2.0  # how long the rest of a refused stream of bytes is read before the connection closes
 LANGUAGES = ["en", "zh"]  # what ChatTTS speaks
 PROGRAM = "chattts-triton"
@@ -185,16 +184,16 @@ def _voice(event: Event, default: str) -> str:
 
 # --- audio out ------------------------------------------------------------------------------------------------------
 class _Pcm:
-    """float32 audio at the model's rate → 16-bit PCM at the output rate, in audio-chunk sized pieces."""
+    """float32 audio at the model's rate → 16-bit PCM at the output rate (gateway.audio's pcm stream: libsoxr's
+    stream resampler, continuous across chunks), in audio-chunk sized pieces."""
 
     def __init__(self, sample_rate: int, samples_per_chunk: int):
-        self.rate, self.per_chunk = sample_rate, samples_per_chunk
-        self.samples = 0
+        self.rate, self.per_chunk = sample_rate, samples_per_chunk * WIDTH
+        self.encoder = StreamEncoder("pcm", sample_rate)
 
     def chunks(self, samples: np.ndarray, last: bool = False) -> List[bytes]:
-        pcm = to_int16(samples)
-        self.samples += pcm.size
-        return [pcm[i:i + self.per_chunk].tobytes() for i in range(0, pcm.size, self.per_chunk)]
+        data = self.encoder.push(samples) + (self.encoder.close() if last else b"")
+        return [data[i:i + self.per_chunk] for i in range(0, len(data), self.per_chunk)]
 
 
 class _Turn:

@@ -28,7 +28,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 from chattts_triton.config import BUILTIN_VOICE_SEEDS, SAMPLE_RATE, samples_for_codes
 from chattts_triton.launcher.tritonserver import _set_parent_death_signal, free_port
 from client.errors import ChatTTSError
-from gateway.audio import to_int16
+from gateway.audio import SAMPLE_RATES, out_length, resample, to_int16
 from gateway.wyoming import MAX_EVENT_BYTES, Settings, WyomingServer, build_parser, settings_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,12 +63,12 @@ class FakeClient:
 
         return gen()
 
-    def expected(self, pieces: int) -> np.ndarray:
+    def expected(self, pieces: int, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
         """The 16-bit audio of `pieces` pieces joined with the pause, as the server should send it."""
         parts = []
         for n in range(1, pieces + 1):
             parts += ([np.zeros(PAUSE, np.float32)] if n > 1 else []) + [np.full(self.chunk * self.chunks, n / 10, np.float32)]
-        return to_int16(np.concatenate(parts))
+        return to_int16(resample(np.concatenate(parts), sample_rate))
 
 
 def run(coro):
@@ -97,9 +97,9 @@ async def read_until(conn: AsyncTcpClient, *kinds) -> List[Event]:
             return events
 
 
-def audio_of(events: List[Optional[Event]]) -> np.ndarray:
+def audio_of(events: List[Optional[Event]], rate: int = SAMPLE_RATE) -> np.ndarray:
     chunks = [AudioChunk.from_event(e) for e in events if e is not None and AudioChunk.is_type(e.type)]
-    assert all((c.rate, c.width, c.channels) == (SAMPLE_RATE, 2, 1) for c in chunks)
+    assert all((c.rate, c.width, c.channels) == (rate, 2, 1) for c in chunks)
     return np.frombuffer(b"".join(c.audio for c in chunks), "<i2")
 
 
@@ -159,6 +159,30 @@ def test_synthesize_sends_audio_start_chunks_and_stop_with_the_voice_the_seed_sc
     assert np.array_equal(audio_of(events), client.expected(2))
     assert client.calls == [(FIRST, {"voice": "nova", "prompt": "[speed_3]", "seed": 40}),
                             (SECOND, {"voice": "nova", "prompt": "[speed_3]", "seed": 41})]
+
+
+@pytest.mark.parametrize("rate", [r for r in SAMPLE_RATES if r != SAMPLE_RATE])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_audio_at_another_rate_is_the_whole_audio_resampled_to_its_exact_length(rate, streamed):
+    client = FakeClient()
+
+    async def go():
+        async with serving(client, sample_rate=rate) as connect, connect() as conn:
+            if not streamed:
+                await conn.write_event(Synthesize(text=f"{FIRST} {SECOND}").event())
+                return await read_until(conn, AudioStop)
+            await conn.write_event(SynthesizeStart().event())
+            for token in (FIRST, " ", SECOND):
+                await conn.write_event(SynthesizeChunk(text=token).event())
+            await conn.write_event(SynthesizeStop().event())
+            return await read_until(conn, SynthesizeStopped)
+
+    events = run(go())
+    assert AudioStart.from_event(events[0]).rate == rate
+    audio, expected = audio_of(events, rate), client.expected(2, rate)
+    assert audio.size == expected.size == out_length(2 * client.chunk * client.chunks + PAUSE, rate)
+    # libsoxr's stream resampler gives the whole array's samples, chunk boundaries or not
+    assert np.abs(audio.astype(np.int32) - expected).max() <= 1
 
 
 def test_synthesize_without_a_voice_name_uses_the_default_voice():
@@ -410,6 +434,7 @@ def test_options_take_the_contract_types_and_prompt_defaults_to_speed_5():
     (["--option", "temperature=hot"], "not a number"),
     (["--option", "top_k=0.5"], "top_k"),
     (["--sample-rate", "12345"], "--sample-rate"),
+    (["--sample-rate", "96000"], "--sample-rate"),
     (["--port", "0"], "--port"),
     (["--samples-per-chunk", "0"], "--samples-per-chunk"),
     (["--repo", "/nonexistent"], "manifest.json"),
@@ -426,25 +451,34 @@ N = samples_for_codes(TOKENS)
 SEED = 11
 
 
-@pytest.fixture(scope="module")
-def wyoming_port(served_tiny, tmp_path_factory):
+@contextlib.contextmanager
+def wyoming_process(served_tiny, log: Path, *flags: str):
+    """`python -m gateway.wyoming` in front of `served_tiny` (forced lengths, a fixed seed); yields its port."""
     port = free_port()
-    log = tmp_path_factory.mktemp("wyoming") / "wyoming.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.wyoming", "--grpc-url", served_tiny.grpc_url, "--port", str(port),
              "--repo", str(served_tiny.model_repository), "--seed", str(SEED), "--idle-flush-s", "0",
-             "--option", f"max_new_tokens={TOKENS}", "--option", f"min_new_tokens={TOKENS}"],
+             "--option", f"max_new_tokens={TOKENS}", "--option", f"min_new_tokens={TOKENS}", *flags],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_set_parent_death_signal)
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            break
-        time.sleep(0.2)
-    yield port
-    proc.terminate()
-    assert proc.wait(30) == 0, log.read_text()  # SIGTERM: the wyoming server stops its connections and ends
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.2)
+        yield port
+    finally:
+        proc.terminate()
+        code = proc.wait(30)
+    assert code == 0, log.read_text()  # SIGTERM: the wyoming server stops its connections and ends
+
+
+@pytest.fixture(scope="module")
+def wyoming_port(served_tiny, tmp_path_factory):
+    with wyoming_process(served_tiny, tmp_path_factory.mktemp("wyoming") / "wyoming.log") as port:
+        yield port
 
 
 @pytest.fixture(scope="module")
@@ -528,3 +562,19 @@ def test_e2e_an_unknown_voice_is_an_error_event_in_a_stream_and_ends_a_plain_syn
     error = Error.from_event(in_stream[0])
     assert error.code == "INVALID_ARGUMENT" and "no-such-voice" in error.text and "alloy" in error.text
     assert types(plain) == ["error", None]
+
+
+@pytest.mark.e2e
+def test_e2e_a_server_at_16_khz_sends_the_grpc_stream_resampled(served_tiny, grpc, tmp_path):
+    async def go(port):
+        async with connect_to(port) as conn:
+            await conn.write_event(Synthesize(text="Hello world.", voice=SynthesizeVoice(name="onyx")).event())
+            return await read_until(conn, AudioStop)
+
+    with wyoming_process(served_tiny, tmp_path / "wyoming.log", "--sample-rate", "16000") as port:
+        events = run(go(port))
+    assert AudioStart.from_event(events[0]).rate == 16000
+    audio = audio_of(events, 16000)
+    expected = to_int16(resample(streamed(grpc, "Hello world.", "onyx", SEED), 16000))
+    assert audio.size == expected.size == out_length(N, 16000)
+    assert np.abs(audio.astype(np.int32) - expected).max() <= 2
