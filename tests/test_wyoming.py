@@ -578,3 +578,16 @@ def test_e2e_a_server_at_16_khz_sends_the_grpc_stream_resampled(served_tiny, grp
     expected = to_int16(resample(streamed(grpc, "Hello world.", "onyx", SEED), 16000))
     assert audio.size == expected.size == out_length(N, 16000)
     assert np.abs(audio.astype(np.int32) - expected).max() <= 2
+
+
+@pytest.mark.e2e
+def test_e2e_wyoming_bench_measures_both_paths_without_a_failure(wyoming_port):
+    """wyoming-bench (the community's Wyoming TTS benchmark, PyPI) against the server: every plain and streamed
+    synthesis it makes succeeds."""
+    pytest.importorskip("wyoming_bench", reason="wyoming-bench is not installed (requirements.txt pins it)")
+    text = "The weather today is sunny and warm. Tomorrow it will rain, so bring an umbrella."
+    r = subprocess.run([sys.executable, "-c", "import sys; from wyoming_bench.cli import main; sys.exit(main())",
+                        "tts", f"127.0.0.1:{wyoming_port}", "--texts", text, "--rounds", "2", "--warmup", "1",
+                        "--timeout", "120"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[non_streaming] ok=2 fail=0" in r.stdout and "[streaming] ok=2 fail=0" in r.stdout, r.stdout
