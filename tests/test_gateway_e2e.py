@@ -22,7 +22,7 @@ import pytest
 from chattts_triton.config import SAMPLE_RATE, samples_for_codes
 from chattts_triton.launcher.tritonserver import _set_parent_death_signal, free_port
 from client import ChatTTSClient
-from gateway.audio import FORMATS, decode, to_int16
+from gateway.audio import FORMATS, SAMPLE_RATES, check, decode, encode, out_length, to_int16
 
 pytestmark = pytest.mark.e2e
 
@@ -154,6 +154,101 @@ def test_bad_bodies_get_openai_400s_naming_the_field(gateway, body, param, words
     error = json.loads(e.value.read())["error"]
     assert e.value.code == 400 and error["type"] == "invalid_request_error" and error["param"] == param
     assert words in error["message"]
+
+
+def post(gateway: str, path: str, body: dict):
+    """(status, headers, body) of one request, the whole body read (http.client: a cut body raises)."""
+    host, port = gateway[len("http://"):].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.headers, r.read()
+    finally:
+        conn.close()
+
+
+HELD_OUT = "第一句话很好。第二句有问题[bad_token]。"
+
+
+@pytest.mark.parametrize("fields", [{"response_format": "wav"}, {"response_format": "mp3"}, {"response_format": "pcm"},
+                                    {"response_format": "pcm", "stream_format": "sse"}, {"stream": False}])
+def test_text_a_later_piece_cannot_speak_is_a_400_naming_input_before_any_byte(gateway, fields):
+    """The server's chattts_preprocess refuses the second piece's token; streamed, that comes before the first
+    piece's audio as the same 400 a whole request gets."""
+    body = {"model": "chattts", "input": HELD_OUT, "voice": "alloy", "stream": True, **FIXED, **fields}
+    status, headers, data = post(gateway, "/v1/audio/speech", body)
+    assert status == 400 and headers["Content-Type"] == "application/json", data[:200]
+    error = json.loads(data)["error"]
+    assert error["param"] == "input" and "bad_token" in error["message"]
+    assert fields.get("stream") is False or "piece 2 of 2" in error["message"]
+
+
+def _whole_and_streamed(fmt: str):
+    whole = [(fmt, False)]
+    streamed = [(fmt, True)] if fmt in ("pcm", "ulaw", "wav_alaw", "mp3", "opus") else []
+    return whole + streamed
+
+
+@pytest.mark.parametrize("rate", SAMPLE_RATES)
+def test_every_rate_and_codec_is_the_audio_of_the_same_call_at_that_rate(gateway, grpc, rate):
+    """Each format at `rate`, whole and (some) streamed, decoded back: as long as the 24 kHz audio of the same
+    gRPC call converted to `rate` (out_length), and its audio (the same call's, encoded the same way)."""
+    text, seed = "Hello world.", 17
+    whole = grpc.synthesize(text, voice="alloy", seed=seed, prompt="[speed_5]", **FIXED)
+    streamed = np.concatenate(list(grpc.stream(text, voice="alloy", seed=seed, prompt="[speed_5]", **FIXED)))
+    tried = 0
+    for fmt in FORMATS:
+        try:
+            check(fmt, rate)
+        except ValueError:  # Opus at a rate it does not code: the 400 is tested below
+            continue
+        for fmt_, stream in _whole_and_streamed(fmt):
+            body = {"model": "chattts", "input": text, "voice": "alloy", "seed": seed, "response_format": fmt_,
+                    "sample_rate": rate, "stream": stream, **FIXED}
+            status, _, data = post(gateway, "/v1/audio/speech", body)
+            assert status == 200, (fmt_, stream, data[:200])
+            expected = streamed if stream else whole
+            got = decode(data, fmt_, rate)
+            n = out_length(expected.size, rate)
+            exact = fmt_ != "aac" and not (stream and fmt_ == "mp3")  # ADTS and MP3 streams carry no length
+            assert (got.size == n) if exact else (0 <= got.size - n <= 2 * 1152), (fmt_, stream, got.size, n)
+            if fmt_ in ("pcm", "ulaw", "alaw"):  # raw: the very bytes of the same audio
+                assert data == encode(fmt_, expected, rate), (fmt_, stream)
+            elif not stream:
+                assert np.array_equal(got, decode(encode(fmt_, expected, rate), fmt_, rate)), fmt_
+            tried += 1
+    assert tried >= 12
+    status, _, data = post(gateway, "/v1/audio/speech", {"model": "chattts", "input": text, "voice": "alloy",
+                                                         "sample_rate": rate + 1, **FIXED})
+    assert status == 400 and json.loads(data)["error"]["param"] == "sample_rate"
+
+
+def test_sse_segments_and_the_captioned_response_time_each_piece_exactly(gateway):
+    text = "The first sentence. Then a second one. 最后是第3句。"
+    pieces = ["The first sentence.", "Then a second one.", "最后是第3句。"]
+    base = {"model": "chattts", "input": text, "voice": "fable", "seed": 40, **FIXED}
+    for rate in (24000, 8000):
+        status, _, data = post(gateway, "/v1/audio/speech", {**base, "response_format": "pcm", "stream_format": "sse",
+                                                             "sample_rate": rate})
+        events = [json.loads(x[6:]) for x in data.decode().split("\n\n") if x.startswith("data: ")]
+        assert status == 200 and events[-1]["type"] == "speech.audio.done"
+        segments = [e for e in events if e["type"] == "speech.segment"]
+        audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+        assert [g["text"] for g in segments] == pieces and len(audio) // 2 == out_length(3 * N + 2 * PAUSE, rate)
+        for i, g in enumerate(segments):
+            start = i * (N + PAUSE)
+            assert (g["start_sample"], g["end_sample"]) == (out_length(start, rate), out_length(start + N, rate))
+            assert g["start"] == g["start_sample"] / rate and g["spoken_text"]
+        assert "三" in segments[2]["spoken_text"]  # what the server read: the number in words
+    status, headers, data = post(gateway, "/v1/audio/speech/captioned", {**base, "response_format": "wav",
+                                                                         "sample_rate": 16000, "subtitle_format": "vtt"})
+    reply = json.loads(data)
+    assert status == 200 and reply["sample_rate"] == 16000 and reply["samples"] == out_length(3 * N + 2 * PAUSE, 16000)
+    assert decode(base64.b64decode(reply["audio"]), "wav", 16000).size == reply["samples"]
+    assert [(g["start_sample"], g["end_sample"]) for g in reply["segments"]] == [
+        (out_length(i * (N + PAUSE), 16000), out_length(i * (N + PAUSE) + N, 16000)) for i in range(3)]
+    assert reply["subtitles"].startswith("WEBVTT\n\n") and reply["subtitles"].count(" --> ") == 3
 
 
 def test_unknown_voice_through_the_openai_client_and_the_stream_path(oai):
