@@ -6,7 +6,7 @@ OpenAI's.
 | format | container / codec | whole response | streamed |
 |---|---|---|---|
 | mp3 | MP3 (LAME) | FFmpeg, with the LAME/Xing header (gapless length) | FFmpeg, frame by frame |
-| opus | Ogg / Opus (8, 16, 24, 48 kHz only) | FFmpeg | FFmpeg, a page per 20 ms |
+| opus | Ogg / Opus (8, 16, 24, 48 kHz: Opus has no 22.05 or 44.1) | FFmpeg | FFmpeg, a page per 20 ms |
 | aac | ADTS / AAC-LC | FFmpeg | FFmpeg |
 | flac | FLAC | libsndfile | FFmpeg (STREAMINFO without the total length) |
 | wav | RIFF / PCM 16-bit | libsndfile | FFmpeg (sizes 0xFFFFFFFF: unknown, as streaming writers do) |
@@ -14,8 +14,8 @@ OpenAI's.
 | ulaw, alaw | raw G.711 μ-law / A-law, 8-bit | libsndfile | libsndfile, chunk by chunk |
 | wav_ulaw, wav_alaw | RIFF / G.711 (WAVE_FORMAT_MULAW / ALAW) | libsndfile | FFmpeg's muxer, libsndfile's G.711 |
 
-Every format is made from the same 16-bit samples (`to_int16`), G.711 from them by libsndfile alone, so a format's
-stream carries the samples of its whole file. At another rate than 24 kHz the audio is resampled first by libsoxr
+Every format is made from the same 16-bit samples (`to_int16`), G.711 from them by libsndfile alone, so a stream
+of PCM, FLAC or G.711 carries its whole file's samples. At another rate than 24 kHz the audio is resampled first by libsoxr
 (HQ), whole or as a stream (`soxr.ResampleStream`: continuous across chunks, the same samples as the whole), and
 cut or padded to `out_length` samples at the end. A stream holds the resampler's delay (tens of ms, the most at
 8 kHz) until its next chunk or its close.
