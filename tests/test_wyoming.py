@@ -415,6 +415,28 @@ def test_garbage_on_the_wire_gets_an_error_event_and_a_closed_connection_and_the
     assert Info.is_type(answer.type)
 
 
+def test_a_fault_of_the_server_is_an_internal_error_event_that_ends_only_its_connection(monkeypatch):
+    from gateway import wyoming
+
+    def broken(settings):
+        raise RuntimeError("a bug")
+
+    async def go():
+        async with serving(FakeClient()) as connect:
+            async with connect() as conn:
+                monkeypatch.setattr(wyoming, "info", broken)
+                await conn.write_event(Describe().event())
+                events = await read_until(conn)
+                monkeypatch.undo()
+            async with connect() as conn:
+                await conn.write_event(Describe().event())
+                return events, await conn.read_event()
+
+    events, answer = run(go())
+    assert types(events) == ["error", None] and Error.from_event(events[0]).code == "internal"
+    assert Info.is_type(answer.type)
+
+
 # --- command line ------------------------------------------------------------------------------------------------------
 def parse(*argv) -> Settings:
     p = build_parser()
