@@ -29,7 +29,7 @@ from wyoming.ping import Ping, Pong
 from wyoming.server import AsyncEventHandler, AsyncTcpServer
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
-from chattts_triton.config import BUILTIN_VOICE_SEEDS, SAMPLE_RATE
+from chattts_triton.config import BUILTIN_VOICE_SEEDS, SAMPLE_RATE, VOICES
 from client.contract import OPTION_INPUTS, build_inputs, input_datatype
 from client.errors import ChatTTSError
 from client.realtime import (
@@ -98,14 +98,12 @@ class BadEvent(Exception):
 def voices(repo: Optional[Path]) -> List[Tuple[str, str]]:
     """(name, description) of each voice VOICE can name: the repository's registry (chattts_triton.voices), or the
     built-in voices without a repository, as the speech gateway lists them."""
-    if repo is None:
+    path = None if repo is None else repo / VOICES
+    if path is None or not path.exists():  # the server serves the built-ins then
         return [(n, f"{n} (seed {s})") for n, s in sorted(BUILTIN_VOICE_SEEDS.items())]
-    from chattts_triton.config import VOICES
-    from chattts_triton.runtime.voices import builtin_voices, read_voices
+    from chattts_triton.runtime.voices import read_voices
 
-    path = repo / VOICES
-    found = read_voices(path) if path.exists() else builtin_voices(1)
-    return [(n, f"{n} ({v.description or v.source})") for n, v in sorted(found.items())]
+    return [(n, f"{n} ({v.description or v.source})") for n, v in sorted(read_voices(path).items())]
 
 
 def info(settings: Settings) -> Info:
@@ -440,6 +438,15 @@ def _option(text: str) -> Tuple[str, Any]:
         raise argparse.ArgumentTypeError(f"{key}: {raw!r} is not a number or true/false") from None
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = Settings()
     p = argparse.ArgumentParser(prog="python -m gateway.wyoming", description=__doc__.split("\n\n")[0])
@@ -501,9 +508,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     settings = settings_from_args(p, a)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .__main__ import is_loopback
-
-    if not is_loopback(a.host):
+    if not _loopback(a.host):
         log.warning("binding %s: the Wyoming protocol has no authentication, anyone who reaches this port can "
                     "synthesise speech (keep it on a trusted network)", a.host)
     try:
