@@ -145,8 +145,8 @@ def parse(body: bytes, model: type = SpeechRequest) -> SpeechRequest:
     return req
 
 
-def voice_name(req: SpeechRequest) -> str:
-    return req.voice if isinstance(req.voice, str) else req.voice.id
+def voice_name(req: SpeechRequest) -> Optional[str]:
+    return req.voice.id if isinstance(req.voice, VoiceRef) else req.voice
 
 
 def contract_options(req: SpeechRequest) -> Dict[str, Any]:
@@ -154,7 +154,9 @@ def contract_options(req: SpeechRequest) -> Dict[str, Any]:
     prompt = req.prompt if req.prompt is not None else ""
     if not SPEED_TOKEN.search(prompt):
         prompt = speed_token(req.speed) + prompt
-    options: Dict[str, Any] = {"voice": voice_name(req), "prompt": prompt}
+    options: Dict[str, Any] = {"prompt": prompt}
+    if voice_name(req) is not None:  # a realtime session may leave it out: the session's seed names the speaker
+        options["voice"] = voice_name(req)
     for name in EXTRAS:
         value = getattr(req, name)
         if value is not None:
