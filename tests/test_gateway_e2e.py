@@ -107,8 +107,10 @@ def test_sse_events_carry_the_stream(oai, grpc):
                                                           stream_format="sse", extra_body={**FIXED, "seed": 5}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1]["type"] == "speech.audio.done" and {e["type"] for e in events[:-1]} == {"speech.audio.delta"}
-    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert events[-1]["type"] == "speech.audio.done"
+    assert {e["type"] for e in events[:-1]} == {"speech.audio.delta", "speech.segment"}
+    assert [e["index"] for e in events if e["type"] == "speech.segment"] == [0]
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
     expected = np.concatenate(list(grpc.stream("Hello.", voice="echo", seed=5, prompt="[speed_5]", **FIXED)))
     assert np.array_equal(np.frombuffer(audio, "<i2"), to_int16(expected))
 
