@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import re
 import secrets
+import time
 import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Union
@@ -139,6 +140,7 @@ class SegmentStart:
     index: int  # the piece's number in the session (its seed is the session's seed + index)
     text: str
     start: int  # sample offset in the turn's audio, at SAMPLE_RATE
+    cut_at: float = 0.0  # time.perf_counter() when the text that completed the piece came
 
 
 @dataclass
@@ -191,6 +193,7 @@ class _Piece:
     chunks: "asyncio.Queue[Any]" = field(default_factory=asyncio.Queue)
     spoken: List[str] = field(default_factory=list)
     task: Optional["asyncio.Task[None]"] = None
+    cut_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -358,7 +361,7 @@ class SpeechSession:
                         out.put_nowait(Audio(piece.turn, piece.index, self.pause))
                         self._turn_samples += self.pause.size
                     start = self._turn_samples
-                    out.put_nowait(SegmentStart(piece.turn, piece.index, piece.text, start))
+                    out.put_nowait(SegmentStart(piece.turn, piece.index, piece.text, start, piece.cut_at))
                     started = True
                 out.put_nowait(Audio(piece.turn, piece.index, chunk))
                 self._turn_samples += chunk.size
@@ -366,27 +369,27 @@ class SpeechSession:
                 out.put_nowait(SegmentEnd(piece.turn, piece.index, piece.text, piece.spoken[0] if piece.spoken else None,
                                           start, self._turn_samples))
             elif not speakable(piece.text):  # nothing to say: consumed, silent, in its place
-                out.put_nowait(SegmentStart(piece.turn, piece.index, piece.text, self._turn_samples))
+                out.put_nowait(SegmentStart(piece.turn, piece.index, piece.text, self._turn_samples, piece.cut_at))
                 out.put_nowait(SegmentEnd(piece.turn, piece.index, piece.text, "", self._turn_samples, self._turn_samples))
 
     async def _stop(self, drop_events: bool = True) -> int:
-        """Stops the sequencer and every piece; returns the turn whose audio was being handed out."""
+        """Stops the sequencer and every piece; returns the turn whose audio was being handed out. Nothing more is
+        handed out from the moment this is called: the sequencer and the events not yet taken go before any await."""
         self._sequencer.cancel()
         live, self._live = list(self._live), []
         for piece in live:
             piece.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._sequencer
-        if live:  # each stream's call is cancelled on the server as its task ends
-            await asyncio.gather(*(p.task for p in live), return_exceptions=True)
         turn = self.turn
         while not self._queue.empty():
-            item = self._queue.get_nowait()
-            turn = min(turn, item.turn)
+            turn = min(turn, self._queue.get_nowait().turn)
         if drop_events:
             while not self._out.empty():
                 event = self._out.get_nowait()
                 if isinstance(event, Audio):
                     self._turn_samples -= event.samples.size
                 turn = min(turn, getattr(event, "turn", turn))
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._sequencer
+        if live:  # each stream's call is cancelled on the server as its task ends
+            await asyncio.gather(*(p.task for p in live), return_exceptions=True)
         return turn

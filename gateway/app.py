@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chattts_triton.config import BUILTIN_VOICE_SEEDS, SAMPLE_RATE
 
-from . import api, captions
+from . import api, captions, realtime
 from .audio import CONTENT_TYPES, FORMATS, StreamEncoder, encode, needs_pyav, out_length, pyav_available
 from .metrics import Metrics
 from .synth import Job, Part, Segment, SynthesisError, Synthesizer, split_text
@@ -529,6 +529,7 @@ def create_app(settings: Settings, synthesizer: Optional[Synthesizer] = None) ->
     async def playground():
         return HTMLResponse(gw.playground)
 
+    realtime.install(app, gw)  # WS /v1/audio/speech/stream
     return app
 
 
