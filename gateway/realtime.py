@@ -359,7 +359,10 @@ def _segment_error(e: ChatTTSError) -> api.APIError:
     from .app import api_error  # the same mapping as the REST path's (app imports this module)
     from .synth import synthesis_error
 
-    return api_error(synthesis_error(e))
+    err = api_error(synthesis_error(e))
+    if err.param == "input":  # the session's text came in `text` messages
+        err.param = "text"
+    return err
 
 
 def _authorized(gw, ws: WebSocket) -> bool:

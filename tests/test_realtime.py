@@ -133,6 +133,15 @@ def test_bad_chunker_input_is_refused():
 
 
 # --- the session over a stand-in client ------------------------------------------------------------------------------
+def piece_level(n: int, i: int) -> float:
+    """The stand-in's sample value for chunk i of its n-th call: a piece's audio tells which call it came from."""
+    return 0.1 * n + 0.0001 * i
+
+
+def call_of(samples: np.ndarray) -> np.ndarray:
+    return np.floor(samples * 10 + 1e-3)
+
+
 class FakeClient:
     """`stream` as AsyncChatTTSClient's: chunks of a piece after delays that make later pieces finish first."""
 
@@ -149,12 +158,12 @@ class FakeClient:
             self.running += 1
             try:
                 if self.fail_on and self.fail_on in text:
-                    raise ChatTTSInputError(f"TEXT: unknown control token in {text!r}")
+                    raise ChatTTSInputError(f"TEXT has an unknown control token in {text!r}")  # as the server words it
                 on_spoken_text(text.upper())
                 for i in range(self.chunks):
                     # the first piece is the slowest: later pieces are ready before it
                     await asyncio.sleep(self.delay * (4 if n == 1 else 1))
-                    yield np.full(self.chunk, n + i / 10, np.float32)
+                    yield np.full(self.chunk, piece_level(n, i), np.float32)
             except asyncio.CancelledError:
                 self.cancelled.append(text)
                 raise
@@ -199,8 +208,8 @@ def test_a_turn_is_handed_out_in_order_with_exact_timings_and_the_seed_schedule(
     assert ends[0].start == 0 and ends[0].end == 3 * 480
     for a, b in zip(ends, ends[1:]):
         assert b.start == a.end + pause and b.end == b.start + 3 * 480
-    for e in ends:  # the samples between start and end are this piece's (the fake fills piece n with n + i/10)
-        assert np.all(np.floor(audio[e.start:e.end]) == e.index + 1)
+    for e in ends:  # the samples between start and end are this piece's (piece_level)
+        assert np.all(call_of(audio[e.start:e.end]) == e.index + 1)
         assert e.spoken_text == e.text.upper()
     assert isinstance(events[-1], TurnEnd) and events[-1].samples == audio.size == ends[-1].end
     starts = [e for e in events if isinstance(e, SegmentStart)]
