@@ -121,6 +121,8 @@ IF_MISSING_GROUPS: Dict[str, Tuple[Tuple[str, str, str], ...]] = {
         ("click", "8.5.1", "click"),
         ("h11", "0.16.0", "h11"),
         ("httptools", "0.9.0", "httptools"),  # the gateway's C HTTP parser, as deployed (h11 costs more CPU)
+        ("websockets", "17.4", "websockets"),  # uvicorn's WebSocket protocol (the realtime path) and bench.realtime's client
+        ("soxr", "1.1.0", "soxr"),  # libsoxr: output rates other than 24 kHz
         ("prometheus-client", "0.26.0", "prometheus_client"),
         ("soundfile", "0.14.0", "soundfile"),  # with libsndfile; cffi is in PACKAGES
         ("aiohttp", "3.14.5", "aiohttp"),  # bench.gateway's HTTP load generator
@@ -145,7 +147,7 @@ HOST_IMPORTS = (
     "tritonclient.http", "tritonclient.grpc", "ChatTTS", "vocos", "vector_quantize_pytorch", "wetext", "num2words",
 )
 # ... and the speech gateway with bench.gateway's load generator, where the bundle carries the "gateway" group
-GATEWAY_IMPORTS = ("fastapi", "uvicorn", "httptools", "soundfile", "prometheus_client", "aiohttp")
+GATEWAY_IMPORTS = ("fastapi", "uvicorn", "httptools", "websockets", "soxr", "soundfile", "prometheus_client", "aiohttp")
 
 
 # --- wheels ------------------------------------------------------------------------------------
