@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see tools/bundle.py):
-#   bash tools/gpu_session.sh STAGE...   stages: setup test bench detach collect wait step codec codecload gil engine aotiprobe clientcap gateway
+#   bash tools/gpu_session.sh STAGE...   stages: setup test bench detach collect wait step codec codecload gil engine aotiprobe clientcap gateway realtime
 # (detach: the stages in DETACH_STAGES (default `bench`) in a process session of their own, writing to DETACH_DIR
 #  (default build/detached), so that a run longer than one device call (a soak) goes on between calls; several
 #  detached runs side by side each have their own DETACH_DIR; collect [WAIT_S]: wait for DETACH_DIR's run to end,
@@ -77,6 +77,14 @@ for stage in "$@"; do
       python3 -m bench.gateway --repo build/bench-repo --out "$OUT/gateway" --concurrency 256 --tokens 150 --requests 30 \
         --seconds 12 --phases 3 --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(nproc) CPU cores" \
         ${GATEWAY_ARGS:-} 2>&1 | tee "$OUT/gateway.log" ;;
+    realtime)  # the realtime WebSocket (bench/realtime.py; REALTIME_ARGS): first audio at 1 session against the
+      # first chunk, 64 sessions of LLM-speed text for gaps, barge-in and the slots' release, on the default export
+      # through the launcher; needs `websockets` on the host (the client here, and uvicorn's WebSocket server)
+      python3 -c "import websockets" || { echo "realtime: websockets is not installed on this host"; continue; }
+      export_repo build/bench-repo
+      python3 -m bench.realtime --repo build/bench-repo --out "$OUT/realtime" --sessions 64 --frames 96 --turns 30 \
+        --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(nproc) CPU cores" \
+        ${REALTIME_ARGS:-} 2>&1 | tee "$OUT/realtime.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
