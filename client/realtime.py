@@ -237,6 +237,11 @@ class SpeechSession:
         self._closed = False
         self._sequencer = asyncio.ensure_future(self._sequence())
 
+    @property
+    def pieces_ahead(self) -> int:
+        """Pieces cut and waiting for their turn to be handed out (the one being handed out not counted)."""
+        return self._queue.qsize()
+
     # --- input ----------------------------------------------------------------------------------------------------
     async def append(self, text: str) -> None:
         """A text delta: the pieces it completes start at once."""

@@ -52,6 +52,9 @@ log = logging.getLogger("chattts_gateway")
 PATH = "/v1/audio/speech/stream"
 MAX_DELTA_CHARS = api.MAX_INPUT_CHARS  # one text message
 MAX_PENDING_CHARS = 4 * api.MAX_INPUT_CHARS  # text received and not yet cut into pieces (no sentence end in sight)
+# pieces waiting behind the one being sent: a client that sends text far ahead of the audio it takes (or never reads)
+# is told to wait instead of holding the gateway's memory for it
+MAX_PIECES_AHEAD = 64
 MAX_MESSAGE_BYTES = 64 << 10  # a message of the longest delta, JSON-escaped, is well under this
 INLINE_FORMATS = ("pcm", "ulaw", "alaw")  # encoded on the event loop (a numpy cast, libsndfile); the rest on a thread
 POLICY_VIOLATION = 1008  # WebSocket close codes (RFC 6455)
@@ -190,8 +193,12 @@ class Connection:
         try:
             async for ev in session.events():
                 await self._send_event(ev)
-        except (WebSocketDisconnect, RuntimeError):  # the client went away: the receiver closes the session
+        except (WebSocketDisconnect, RuntimeError, OSError):  # the client went away: the receiver closes the session
             pass
+        except Exception:  # noqa: BLE001  a fault here ends this connection (the receiver then closes the session)
+            log.exception("realtime session: sending failed")
+            with contextlib.suppress(Exception):
+                await self.ws.close(1011, "internal error")
 
     async def _send_event(self, ev) -> None:
         rate, fmt = self.settings.sample_rate, self.settings.response_format
@@ -322,6 +329,9 @@ class Connection:
             raise api.invalid(f"'text' has {len(delta)} characters, more than {MAX_DELTA_CHARS} in one message", "text")
         if len(self.session.chunker.pending) + len(delta) > MAX_PENDING_CHARS:
             raise api.invalid(f"more than {MAX_PENDING_CHARS} characters without a sentence end: send 'flush'", "text")
+        if self.session.pieces_ahead >= MAX_PIECES_AHEAD:
+            raise api.APIError(429, f"{MAX_PIECES_AHEAD} pieces are waiting to be spoken: send more text once their "
+                               "audio has come", "rate_limit_error", "text", "too_far_ahead")
         if not delta:
             return
         if not self.text_in_turn:

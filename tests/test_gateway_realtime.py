@@ -382,3 +382,19 @@ def test_the_documented_client_speaks_typed_text_and_prints_what_was_said(gatewa
     assert out.returncode == 0, out.stderr.decode()
     assert len(out.stdout) > 0 and len(out.stdout) % 2 == 0  # 16-bit PCM
     assert S1 in out.stderr.decode() and "error" not in out.stderr.decode()
+
+
+def test_text_far_ahead_of_the_audio_is_refused_until_the_audio_catches_up(monkeypatch):
+    import gateway.realtime as rt
+
+    monkeypatch.setattr(rt, "MAX_PIECES_AHEAD", 2)
+    with TestClient(app_with(FakeClient(chunks=100, delay=0.05))).websocket_connect(PATH) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"min_piece_frames": 0}})
+        ws.receive_json()
+        for s in (S1, S2, S3, S1):
+            ws.send_json({"type": "text", "text": s + " "})
+        while (msg := ws.receive())["text"] is None or json.loads(msg["text"])["type"] != "error":
+            pass
+        err = json.loads(msg["text"])["error"]
+        assert err["param"] == "text" and err["code"] == "too_far_ahead"
