@@ -388,8 +388,8 @@ class Gateway:
                 return await asyncio.wait_for(parts.__anext__(), timeout)
             except StopAsyncIteration:
                 return None
+        checks = asyncio.ensure_future(self.synth.preflight(job))  # sent first: it is short, the chunk is not
         first = asyncio.ensure_future(parts.__anext__())
-        checks = asyncio.ensure_future(self.synth.preflight(job))
         try:
             done, _ = await asyncio.wait((first, checks), timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
             for task in (first, checks):  # the first piece's error before the others'

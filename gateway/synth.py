@@ -1,6 +1,6 @@
 """Speech from Triton for the gateway: long text split into pieces, the pieces synthesised concurrently over
 a pooled asyncio gRPC client (`client.AsyncChatTTSClient`), joined in order with a short pause; or streamed,
-the first piece from `chattts_stream` chunk by chunk while the others are made beside it by `chattts`.
+the first piece from `chattts_stream` chunk by chunk, the others made by `chattts` from its first chunk on.
 
 Every piece gets the same voice and the request's seed schedule: piece i is sent with SEED = seed + i, so
 a request with a seed is reproducible and a one-piece request equals the same call over gRPC.
@@ -255,20 +255,25 @@ class Synthesizer:
 
     async def parts(self, job: Job, spoken_text: bool = False) -> AsyncIterator[Part]:
         """The audio as it is made, each piece followed by its Segment: the first piece's chunks from the
-        stream model, then a pause and each other piece whole, in order (they are synthesised from the start,
-        beside the first). An error raises SynthesisError from the iterator; before the first chunk nothing has
+        stream model, then a pause and each other piece whole, in order. The others are sent once the first chunk
+        has come (before it they would share the server with it, and they are needed only after the whole first
+        piece has been heard). An error raises SynthesisError from the iterator; before the first chunk nothing has
         been sent. `spoken_text`: the segments carry what the server read."""
-        rest = self._start(job, 1, spoken_text)
+        rest: List["asyncio.Task"] = []
         try:
             told: List[str] = []
             offset = 0
             async with contextlib.aclosing(self._stream_first(job, told.append if spoken_text else None)) as chunks:
                 try:
                     async for chunk in chunks:
+                        if not offset and not rest:
+                            rest = self._start(job, 1, spoken_text)
                         offset += chunk.size
                         yield chunk
                 except ChatTTSError as e:
                     raise synthesis_error(e) from None
+            if not rest:
+                rest = self._start(job, 1, spoken_text)
             yield Segment(0, job.pieces[0], 0, offset, told[0] if told else None)
             for i, task in enumerate(rest, 1):
                 if self.pause.size:
