@@ -388,7 +388,7 @@ class Gateway:
                 return await asyncio.wait_for(parts.__anext__(), timeout)
             except StopAsyncIteration:
                 return None
-        checks = asyncio.ensure_future(self.synth.preflight(job))  # sent first: it is short, the chunk is not
+        checks = self.synth.preflight(job)  # sent first: it is short, the chunk is not
         first = asyncio.ensure_future(parts.__anext__())
         try:
             done, _ = await asyncio.wait((first, checks), timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)

@@ -192,9 +192,10 @@ class Synthesizer:
         gate = asyncio.Semaphore(self.piece_concurrency)
         return [asyncio.ensure_future(self._piece(job, i, gate, spoken_text)) for i in range(first, len(job.pieces))]
 
-    async def preflight(self, job: Job, first: int = 1) -> List[str]:
+    def preflight(self, job: Job, first: int = 1) -> "asyncio.Future[List[str]]":
         """What the text decides for pieces[first:], checked before a stream starts (the first piece's own errors
-        come before its first chunk): their SPOKEN_TEXT (without refine), or SynthesisError naming the piece."""
+        come before its first chunk): their SPOKEN_TEXT (without refine), or SynthesisError naming the piece. The
+        calls are scheduled when this returns, ahead of what the caller starts next."""
         gate = asyncio.Semaphore(self.piece_concurrency)
         n = len(job.pieces)
 
@@ -209,13 +210,17 @@ class Synthesizer:
                     raise SynthesisError(e.status, f"piece {i + 1} of {n} ({shown!r}): {e.message}", e.field) from None
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(first, n)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
+
+        def settle(_) -> None:  # the first failure (or a cancel) ends every check still running
             for t in tasks:
-                t.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+                if not t.done():
+                    t.cancel()
+                elif not t.cancelled():
+                    t.exception()  # retrieved: a second piece's error is no "never retrieved" warning
+
+        checks = asyncio.gather(*tasks)
+        checks.add_done_callback(settle)
+        return checks
 
     async def synthesize(self, job: Job) -> np.ndarray:
         """The whole audio: every piece at once (in-flight batching makes a paragraph cost about one

@@ -217,6 +217,7 @@ class FakeSynth(Synthesizer):
         self.cancelled = 0  # syntheses stopped before their end
         self.closed = 0  # streams ended, however
         self.checked: List[str] = []  # the pieces the preflight was asked about
+        self.calls: List[str] = []  # the order of the calls: check i, stream, chunk, infer i
 
     def _refuse(self, text: str) -> None:
         if self.error:
@@ -228,6 +229,7 @@ class FakeSynth(Synthesizer):
         return {"chattts": self.is_ready, "chattts_stream": True}
 
     async def _infer(self, job, i, spoken_text=False):
+        self.calls.append(f"infer {i}")
         if i == 0:
             self.jobs.append(job)
         try:
@@ -243,18 +245,21 @@ class FakeSynth(Synthesizer):
         return (audio, spoken(job.pieces[i])) if spoken_text else audio
 
     async def _stream_first(self, job, on_spoken_text):
+        self.calls.append("stream")
         self.jobs.append(job)
         try:
             await asyncio.sleep(self.delay_s)
             self._refuse(job.pieces[0])
             if on_spoken_text is not None:
                 on_spoken_text(spoken(job.pieces[0]))
+            self.calls.append("chunk")
             yield tone(0.5)
             await asyncio.sleep(self.chunk_delay_s)
         finally:
             self.closed += 1
 
     async def _check(self, job, i):
+        self.calls.append(f"check {i}")
         self.checked.append(job.pieces[i])
         self._refuse(job.pieces[i])
         return spoken(job.pieces[i])
@@ -479,6 +484,21 @@ def test_one_piece_is_not_checked_apart_and_every_later_piece_is():
         assert s.synth.checked == []
         assert s.request("/v1/audio/speech", {**OK, "input": f"{S1} {S2} {S3}", "response_format": "pcm"})[0] == 200
         assert s.synth.checked == [S2, S3]
+
+
+def test_a_stream_checks_first_and_sends_the_other_pieces_after_the_first_chunk():
+    with Served(Settings()) as s:
+        assert s.request("/v1/audio/speech", {**OK, "input": f"{S1} {S2} {S3}", "response_format": "pcm"})[0] == 200
+        assert s.synth.calls == ["check 1", "check 2", "stream", "chunk", "infer 1", "infer 2"]
+
+
+def test_a_refused_later_piece_answers_without_waiting_for_the_first_chunk_and_stops_it():
+    with Served(Settings()) as s:
+        s.synth.delay_s = 5.0  # the first chunk is slow
+        t0 = time.monotonic()
+        status, _, body = s.request("/v1/audio/speech", {**OK, "input": HELD_OUT, "response_format": "pcm"})
+        assert status == 400 and error_of(body)["param"] == "input" and time.monotonic() - t0 < 2.0
+        _eventually(lambda: s.synth.closed == 1 and s.app.state.gateway.inflight == 0)  # the stream was cancelled
 
 
 def test_a_refused_first_piece_is_still_its_own_400():
