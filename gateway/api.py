@@ -2,8 +2,9 @@
 
 `POST /v1/audio/speech` takes OpenAI's body (`model`, `input`, `voice`, `response_format`, `speed`,
 `stream_format`, `instructions`) and, as optional extras, the ChatTTS sampling inputs under their contract
-names in lower case (`seed`, `temperature`, `top_p`, ...). Fields of newer API versions that this gateway
-does not know are ignored, as OpenAI's own clients send them.
+names in lower case (`seed`, `temperature`, `top_p`, ...), and the output's `sample_rate`. Fields of newer API
+versions that this gateway does not know are ignored, as OpenAI's own clients send them.
+`POST /v1/audio/speech/captioned` takes the same body and `subtitle_format`.
 """
 
 from __future__ import annotations
