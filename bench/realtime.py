@@ -276,7 +276,7 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
             "p50_margin_ms": pct(m, 50) * 1e3, "negative": sum(x < 0 for x in m),
             "worst_frame_margin_ms": min(fm) * 1e3 if fm else float("nan"), "negative_frames": sum(x < 0 for x in fm),
             "frames": len(fm),
-            "per_session": [{"piece_s": g["piece_s"], "margins_ms": [round(x * 1e3, 1) for x in g["margins"]]} for g in ok]}
+            "per_session": [{"texts": g["texts"], "piece_s": g["piece_s"], "margins_ms": [round(x * 1e3, 1) for x in g["margins"]]} for g in ok]}
         log(f"no gaps: {({k: v for k, v in result['no_gaps'].items() if k != 'per_session'})}")
 
         # 3. barge-in
@@ -300,14 +300,18 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
                    "cancelled_ms": (cancelled - t0) * 1e3, "audio_after_cancel_bytes": sum(n for t, n in frames if t > t0)}
             if metrics_url:
                 before = busy(scrape(metrics_url))
-                deadline = time.perf_counter() + 10
+                deadline, inflight_freed = time.perf_counter() + 10, None
                 while True:
                     now = time.perf_counter()
-                    left = busy(scrape(metrics_url))
+                    m = scrape(metrics_url)
+                    left = busy(m)
+                    if inflight_freed is None and not m.get("chattts_inflight_requests"):
+                        inflight_freed = (now - t0) * 1e3  # the finer gauge (50 ms) alone
                     if not left or now > deadline:
                         break
                     await asyncio.sleep(0.01)
-                row.update(busy_at_turn_cancelled=before, freed_ms=(now - t0) * 1e3 if not left else None)
+                row.update(busy_at_turn_cancelled=before, freed_ms=(now - t0) * 1e3 if not left else None,
+                           inflight_freed_ms=inflight_freed)
             rows.append(row)
         await s.close()
         if metrics_url:
@@ -322,6 +326,8 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
             "cancelled_p50_ms": pct([r["cancelled_ms"] for r in rows], 50),
             "cancelled_max_ms": max(r["cancelled_ms"] for r in rows),
             "metrics_url": metrics_url, "freed_p50_ms": pct(freed, 50) if freed else None,
+            "inflight_freed_p50_ms": pct([r["inflight_freed_ms"] for r in rows if r.get("inflight_freed_ms") is not None], 50)
+            if metrics_url else None,
             "freed_max_ms": max(freed) if freed else None, "not_freed": len(rows) - len(freed) if metrics_url else None,
             "step_ms": step_ms, "freed_max_steps": max(freed) / step_ms if freed and step_ms else None}
         if metrics_url and len(freed) < len(rows):
@@ -348,6 +354,7 @@ def to_markdown(res: dict) -> str:
     served = res["served"]
     freed = (f"{_ms(bi['freed_p50_ms'])} p50, {_ms(bi['freed_max_ms'])} max"
              + (f" (≤ {bi['freed_max_steps']:.1f} decode steps of {bi['step_ms']:.2f} ms)" if bi["freed_max_steps"] else "")
+             + f"; in-flight requests alone {_ms(bi['inflight_freed_p50_ms'])} p50"
              if bi["metrics_url"] else "not measured (no --metrics-url)")
     lines = [
         f"# Realtime WebSocket — {res['machine']}",
