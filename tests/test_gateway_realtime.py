@@ -113,6 +113,8 @@ def test_cancel_stops_the_turn_frees_every_piece_and_the_session_goes_on():
     fake = FakeClient(chunk=480, chunks=200, delay=0.01)
     with TestClient(app_with(fake)).websocket_connect(PATH) as ws:
         ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"idle_flush_ms": 0}})  # the half sentence stays unspoken
+        ws.receive_json()
         ws.send_json({"type": "text", "text": f"{S1} {S2} {S3} and half a sen"})
         assert ws.receive_json()["type"] == "segment.start"
         ws.receive_bytes()

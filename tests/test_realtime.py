@@ -248,7 +248,7 @@ def test_a_piece_that_fails_is_reported_in_its_place_and_the_turn_goes_on():
 def test_cancel_stops_the_turn_cancels_every_piece_and_the_session_goes_on():
     async def main():
         fake = FakeClient(chunks=50, delay=0.02)
-        s = SpeechSession(fake, {"voice": "alloy"}, seed=1, min_frames=0)
+        s = SpeechSession(fake, {"voice": "alloy"}, seed=1, min_frames=0, idle_flush_s=None)
         await s.append("One long first sentence. A second sentence. A third sentence. And half a fou")
         got = []
         async for ev in s.events():
