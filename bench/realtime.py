@@ -10,7 +10,8 @@ Without --grpc-url the server is started as it ships, by the launcher (`python -
 
 1. First audio at 1 session: from sending the delta that completes the turn's first sentence to the first binary
    audio frame, over --turns turns, in alternation with the first chunk of a direct `chattts_stream` call of the
-   same sentence (same voice, seed and --frames forced frames); target ≤ first chunk + 15 ms.
+   same sentence, as the session asks for it (voice, seed, --frames forced frames, options, spoken text);
+   target ≤ first chunk + 15 ms.
 2. No gaps: --sessions sessions at once, each streaming a 6-sentence reply (English and Chinese, mixed lengths) as
    tokens at --tokens-per-s, then `flush`. Playback starts at the first audio byte and runs in real time; each
    piece after the first has a margin = (when the audio before it has played out) − (when its first byte came).
@@ -180,6 +181,8 @@ def errors_in(events) -> List[dict]:
 
 async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Optional[str]) -> Dict[str, object]:
     from client import AsyncChatTTSClient
+    from gateway.api import contract_options
+    from gateway.realtime import parse_settings
 
     rate, fmt = a.sample_rate, a.response_format
     bps = BYTES_PER_SAMPLE[fmt]
@@ -190,12 +193,16 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
     errors: List[str] = result["errors"]  # type: ignore[assignment]
     try:
         # 1. first audio at 1 session, beside a direct stream's first chunk
-        s = await Session(ws_url).open({**base, "voice": "alloy", "seed": a.seed, **fixed})
+        first_settings = {**base, "voice": "alloy", "seed": a.seed, **fixed}
+        s = await Session(ws_url).open(first_settings)
+        # the request the session makes of the server (its options, the spoken text asked for): only the path differs
+        same = {k: v for k, v in contract_options(parse_settings(first_settings)).items() if k != "seed"}
         index = 0
 
         async def first_chunk(seed: int) -> float:
             t0 = time.perf_counter()
-            chunks = direct.stream(FIRST, split=False, voice_from_first=False, voice="alloy", seed=seed, **fixed)
+            chunks = direct.stream(FIRST, split=False, voice_from_first=False, on_spoken_text=lambda _: None,
+                                   seed=seed, **same)
             await chunks.__anext__()
             t = time.perf_counter() - t0
             async for _ in chunks:
