@@ -47,7 +47,13 @@ SEED_LIMIT = 2**63  # SEED is INT64: the schedule wraps below this
 # first sentence starts speaking at its first clauses instead of at its full stop.
 DEFAULT_PIECE_FRAMES = 384  # ≈ 8 s
 DEFAULT_PAUSE_S = 0.2  # silence between the pieces of a turn, as the speech gateway joins them
-DEFAULT_PIECE_CONCURRENCY = 4  # pieces of one session synthesised at once
+# pieces of one session synthesised at once: the one being heard and the next are enough to keep the audio
+# gapless (synthesis outruns playback), and every stream more holds a server slot other sessions may need
+DEFAULT_PIECE_CONCURRENCY = 2
+# an overloaded server (UNAVAILABLE before a piece's first audio) is asked again, with backoff, this long: a piece
+# late is better than a piece dropped from a conversation
+DEFAULT_RETRY_S = 30.0
+RETRY_BACKOFF_S = (0.05, 1.0)  # first wait, longest wait
 DEFAULT_IDLE_FLUSH_S = 0.5  # text left this long without a new delta is spoken as it is
 SPEAKER_OPTIONS = ("voice", "speaker", "speaker_sample", "speaker_audio")
 
@@ -208,7 +214,8 @@ class SpeechSession:
     def __init__(self, client: Any, options: Optional[Mapping[str, Any]] = None, seed: Optional[int] = None, *,
                  max_frames: int = DEFAULT_PIECE_FRAMES, min_frames: int = DEFAULT_MIN_FRAMES,
                  pause_s: float = DEFAULT_PAUSE_S, piece_concurrency: int = DEFAULT_PIECE_CONCURRENCY,
-                 idle_flush_s: Optional[float] = DEFAULT_IDLE_FLUSH_S, chunk_timeout_s: Optional[float] = None):
+                 idle_flush_s: Optional[float] = DEFAULT_IDLE_FLUSH_S, chunk_timeout_s: Optional[float] = None,
+                 retry_s: float = DEFAULT_RETRY_S):
         options = {k: v for k, v in (options or {}).items() if v is not None}
         check_options(options)
         if "seed" in options:
@@ -226,6 +233,7 @@ class SpeechSession:
         self.pause = np.zeros(int(round(pause_s * SAMPLE_RATE)), np.float32)
         self.idle_flush_s = idle_flush_s
         self.chunk_timeout_s = chunk_timeout_s
+        self.retry_s = float(retry_s)
         self.turn = 0
         self._next_index = 0
         self._gate = asyncio.Semaphore(piece_concurrency)
@@ -263,10 +271,11 @@ class SpeechSession:
         self._check_open()
         self._disarm_idle()
         self.chunker.clear()
-        turn = await self._stop()
-        self._out.put_nowait(TurnCancelled(turn, self._turn_samples))
+        turn, ending = self._halt()
+        self._out.put_nowait(TurnCancelled(turn, self._turn_samples))  # before the calls' ends: nothing more comes
         self._turn_samples = 0
         self.turn = max(self.turn, turn) + 1
+        await self._ended(ending)
         self._sequencer = asyncio.ensure_future(self._sequence())
         return turn
 
@@ -276,7 +285,8 @@ class SpeechSession:
             return
         self._closed = True
         self._disarm_idle()
-        await self._stop(drop_events=False)
+        _, ending = self._halt(drop_events=False)
+        await self._ended(ending)
         self._out.put_nowait(_CLOSED)
 
     async def __aenter__(self) -> "SpeechSession":
@@ -327,11 +337,23 @@ class SpeechSession:
         try:
             async with self._gate:
                 options = {**self.options, "seed": (self.seed + piece.index) % SEED_LIMIT}
-                chunks = self.client.stream(piece.text, split=False, voice_from_first=False, on_spoken_text=piece.spoken.append,
-                                            chunk_timeout_s=self.chunk_timeout_s, **options)
-                async with contextlib.aclosing(chunks):
-                    async for chunk in chunks:
-                        piece.chunks.put_nowait(chunk)
+                deadline, wait = time.monotonic() + self.retry_s, RETRY_BACKOFF_S[0]
+                while True:
+                    sent = False
+                    chunks = self.client.stream(piece.text, split=False, voice_from_first=False,
+                                                on_spoken_text=piece.spoken.append, chunk_timeout_s=self.chunk_timeout_s,
+                                                **options)
+                    try:
+                        async with contextlib.aclosing(chunks):
+                            async for chunk in chunks:
+                                sent = True
+                                piece.chunks.put_nowait(chunk)
+                        break
+                    except ChatTTSError as e:
+                        if sent or not e.retryable or time.monotonic() + wait > deadline:
+                            raise
+                    await asyncio.sleep(wait)
+                    wait = min(2 * wait, RETRY_BACKOFF_S[1])
             piece.chunks.put_nowait(_DONE)
         except ChatTTSError as e:
             piece.chunks.put_nowait(e)
@@ -377,9 +399,9 @@ class SpeechSession:
                 out.put_nowait(SegmentStart(piece.turn, piece.index, piece.text, self._turn_samples, piece.cut_at))
                 out.put_nowait(SegmentEnd(piece.turn, piece.index, piece.text, "", self._turn_samples, self._turn_samples))
 
-    async def _stop(self, drop_events: bool = True) -> int:
-        """Stops the sequencer and every piece; returns the turn whose audio was being handed out. Nothing more is
-        handed out from the moment this is called: the sequencer and the events not yet taken go before any await."""
+    def _halt(self, drop_events: bool = True):
+        """Stops the sequencer and every piece at once (no await: nothing more is handed out from here) and drops
+        what is queued; returns the turn whose audio was being handed out and what is still ending."""
         self._sequencer.cancel()
         live, self._live = list(self._live), []
         for piece in live:
@@ -393,8 +415,9 @@ class SpeechSession:
                 if isinstance(event, Audio):
                     self._turn_samples -= event.samples.size
                 turn = min(turn, getattr(event, "turn", turn))
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._sequencer
-        if live:  # each stream's call is cancelled on the server as its task ends
-            await asyncio.gather(*(p.task for p in live), return_exceptions=True)
-        return turn
+        return turn, [self._sequencer] + [p.task for p in live]
+
+    @staticmethod
+    async def _ended(tasks) -> None:
+        """Waits for halted tasks: each stream's call is cancelled on the server as its task ends."""
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -145,8 +145,9 @@ def call_of(samples: np.ndarray) -> np.ndarray:
 class FakeClient:
     """`stream` as AsyncChatTTSClient's: chunks of a piece after delays that make later pieces finish first."""
 
-    def __init__(self, chunk=480, chunks=3, delay=0.01, fail_on=None):
+    def __init__(self, chunk=480, chunks=3, delay=0.01, fail_on=None, busy=0):
         self.chunk, self.chunks, self.delay, self.fail_on = chunk, chunks, delay, fail_on
+        self.busy = busy  # the first `busy` calls are refused as an overloaded server refuses them
         self.calls, self.cancelled, self.running = [], [], 0
 
     def stream(self, text, *, split, voice_from_first, on_spoken_text, chunk_timeout_s, **options):
@@ -157,6 +158,8 @@ class FakeClient:
         async def gen():
             self.running += 1
             try:
+                if n <= self.busy:
+                    raise ChatTTSError("UNAVAILABLE", "server busy: 4 streams in flight, retry later")
                 if self.fail_on and self.fail_on in text:
                     raise ChatTTSInputError(f"TEXT has an unknown control token in {text!r}")  # as the server words it
                 on_spoken_text(text.upper())
@@ -257,7 +260,7 @@ def test_cancel_stops_the_turn_cancels_every_piece_and_the_session_goes_on():
                 break
         running_before = fake.running
         turn = await s.cancel()
-        assert fake.running == 0 and len(fake.cancelled) == running_before == 3
+        assert fake.running == 0 and len(fake.cancelled) == running_before == 2  # the third waited for its turn
         after_cancel = await collect(s)
         await s.append("Next turn.")
         await s.flush()
@@ -272,6 +275,35 @@ def test_cancel_stops_the_turn_cancels_every_piece_and_the_session_goes_on():
     assert [e.text for e in nxt if isinstance(e, SegmentEnd)] == ["Next turn."]
     assert all(e.turn == 1 for e in nxt)
     assert fake.calls[-1][1]["seed"] == 4  # the schedule goes on: pieces 0-2 were sent, "half a fou" was dropped
+
+
+def test_an_overloaded_server_is_asked_again_and_no_piece_is_dropped():
+    async def main():
+        fake = FakeClient(busy=3)
+        s = SpeechSession(fake, {"voice": "alloy"}, seed=1, min_frames=0, piece_concurrency=1)
+        await s.append("One sentence here. Another sentence there.")
+        await s.flush()
+        events = await collect(s)
+        await s.close()
+        return fake, events
+
+    fake, events = run(main())
+    assert [e.text for e in events if isinstance(e, SegmentEnd)] == ["One sentence here.", "Another sentence there."]
+    assert not any(isinstance(e, SegmentError) for e in events) and len(fake.calls) == 5
+    assert [o["seed"] for _, o in fake.calls] == [1, 1, 1, 1, 2]  # a retry is the same piece: the same seed
+
+
+def test_an_overload_that_outlasts_the_retry_window_is_the_pieces_error():
+    async def main():
+        s = SpeechSession(FakeClient(busy=100), {"voice": "alloy"}, seed=1, retry_s=0.2)
+        await s.append("One sentence here, long enough to stand alone.")
+        await s.flush()
+        events = await collect(s)
+        await s.close()
+        return events
+
+    err = next(e for e in run(main()) if isinstance(e, SegmentError))
+    assert err.error.status == "UNAVAILABLE"
 
 
 def test_text_left_idle_is_spoken_without_a_flush():
