@@ -43,19 +43,15 @@ class VoiceRef(BaseModel):
     id: str
 
 
-class SpeechRequest(BaseModel):
+class ChatTTSOptions(BaseModel):
+    """What a speech request and a realtime session (gateway.realtime) share: OpenAI's `speed`, the output rate, and
+    the ChatTTS inputs under their contract names in lower case (omitted: the server's default)."""
+
     # strict: "1.5" is not a speed and 1 is not a string (wrong types get a 400 naming the field)
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    model: str
-    input: str
-    voice: Union[str, VoiceRef]
-    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm", "ulaw", "alaw", "wav_ulaw", "wav_alaw"] = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0)
-    stream_format: Literal["audio", "sse"] = "audio"
     sample_rate: int = SAMPLE_RATE  # of the audio sent (the model's resampled): one of audio.SAMPLE_RATES
-    instructions: Optional[str] = None  # gpt-4o-mini-tts's style prompt: accepted, not used (ChatTTS takes none)
-    # --- extras: ChatTTS inputs (contract names in lower case), omitted = the server's default
     seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
     temperature: Optional[float] = Field(None, gt=0, le=100)
     top_p: Optional[float] = Field(None, gt=0, le=1)
@@ -67,6 +63,18 @@ class SpeechRequest(BaseModel):
     refine_text: Optional[bool] = None
     normalize_text: Optional[bool] = None
     use_decoder: Optional[bool] = None
+
+
+ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm", "ulaw", "alaw", "wav_ulaw", "wav_alaw"]
+
+
+class SpeechRequest(ChatTTSOptions):
+    model: str
+    input: str
+    voice: Union[str, VoiceRef]
+    response_format: ResponseFormat = "mp3"
+    stream_format: Literal["audio", "sse"] = "audio"
+    instructions: Optional[str] = None  # gpt-4o-mini-tts's style prompt: accepted, not used (ChatTTS takes none)
     # --- gateway switches
     stream: Optional[bool] = None  # audio as it is made (default: the gateway's --stream-default; flac: whole)
     split: bool = True  # long input in pieces (sentences); false sends it as one piece (≤ 2000 characters)
@@ -79,7 +87,7 @@ class CaptionedRequest(SpeechRequest):
     subtitle_format: Optional[Literal["srt", "vtt"]] = None
 
 
-assert set(SpeechRequest.model_fields["response_format"].annotation.__args__) == set(FORMATS)
+assert set(ResponseFormat.__args__) == set(FORMATS)
 EXTRAS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "min_new_tokens",
           "refine_text", "normalize_text", "use_decoder")
 
@@ -123,9 +131,7 @@ def parse(body: bytes, model: type = SpeechRequest) -> SpeechRequest:
     except ValidationError as e:
         message, param = _describe(e.errors(include_url=False)[0])
         raise invalid(message, param) from None
-    if req.model not in MODELS:
-        raise APIError(400, f"model {req.model!r} does not exist here; use one of {', '.join(MODELS)}",
-                       "invalid_request_error", "model", "model_not_found")
+    check_model(req.model)
     if not req.input.strip():
         raise invalid("'input' is empty", "input")
     if len(req.input) > MAX_INPUT_CHARS:
@@ -133,7 +139,20 @@ def parse(body: bytes, model: type = SpeechRequest) -> SpeechRequest:
                       "string_above_max_length")
     if not req.split and len(req.input) > LIMITS.max_text_chars:
         raise invalid(f"with split false 'input' must be at most {LIMITS.max_text_chars} characters", "input")
-    if not voice_name(req).strip():
+    check_options(req, req.model_fields_set)
+    return req
+
+
+def check_model(model: str) -> None:
+    if model not in MODELS:
+        raise APIError(400, f"model {model!r} does not exist here; use one of {', '.join(MODELS)}",
+                       "invalid_request_error", "model", "model_not_found")
+
+
+def check_options(req, given) -> None:
+    """The checks across fields of a request or a session's settings (`given`: the fields the client set)."""
+    name = voice_name(req)
+    if name is not None and not name.strip():
         raise invalid("'voice' is empty", "voice")
     try:
         check(req.response_format, req.sample_rate)
@@ -141,9 +160,8 @@ def parse(body: bytes, model: type = SpeechRequest) -> SpeechRequest:
         raise invalid(f"'sample_rate': {e}", "sample_rate") from None
     if req.min_new_tokens is not None and req.max_new_tokens is not None and req.min_new_tokens > req.max_new_tokens:
         raise invalid("'min_new_tokens' must not exceed 'max_new_tokens'", "min_new_tokens")
-    if req.prompt is not None and SPEED_TOKEN.search(req.prompt) and "speed" in req.model_fields_set:
+    if req.prompt is not None and SPEED_TOKEN.search(req.prompt) and "speed" in given:
         raise invalid("give 'speed' or a [speed_N] token in 'prompt', not both", "speed")
-    return req
 
 
 def voice_name(req: SpeechRequest) -> Optional[str]:

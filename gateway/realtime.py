@@ -27,9 +27,9 @@ from typing import Any, Dict, Literal, Optional, Union
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from prometheus_client import Counter, Gauge, Histogram
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
-from chattts_triton.config import LIMITS, SAMPLE_RATE
+from chattts_triton.config import LIMITS
 from chattts_triton.model.split import DEFAULT_MIN_FRAMES
 from client.errors import ChatTTSError
 from client.realtime import (
@@ -46,7 +46,7 @@ from client.realtime import (
 )
 
 from . import api
-from .audio import FORMATS, StreamEncoder, check, needs_pyav, out_length
+from .audio import StreamEncoder, needs_pyav, out_length
 
 log = logging.getLogger("chattts_gateway")
 PATH = "/v1/audio/speech/stream"
@@ -61,28 +61,14 @@ POLICY_VIOLATION = 1008  # WebSocket close codes (RFC 6455)
 TRY_AGAIN_LATER = 1013
 
 
-class SessionSettings(BaseModel):
-    """`session.update`'s `session`: the speech request's fields that make sense for a stream of text (OpenAI's names,
-    the ChatTTS extras), and the session's own. Unknown fields are ignored, as on `/v1/audio/speech`."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
+class SessionSettings(api.ChatTTSOptions):
+    """`session.update`'s `session`: the speech request's options (api.ChatTTSOptions: speed, sample_rate, seed, the
+    ChatTTS extras), `model`, `voice`, `response_format`, and the session's own. Unknown fields are ignored, as on
+    `/v1/audio/speech`."""
 
     model: str = api.MODELS[0]
     voice: Optional[Union[str, api.VoiceRef]] = None  # none: the seed's speaker, the same for the whole session
-    response_format: Literal[FORMATS] = "pcm"  # type: ignore[valid-type]
-    sample_rate: int = SAMPLE_RATE
-    speed: float = Field(1.0, ge=0.25, le=4.0)
-    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
-    temperature: Optional[float] = Field(None, gt=0, le=100)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=1, le=2**30)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=100)
-    max_new_tokens: Optional[int] = Field(None, ge=1, le=LIMITS.max_new_tokens)
-    min_new_tokens: Optional[int] = Field(None, ge=0, le=LIMITS.max_new_tokens)
-    prompt: Optional[str] = Field(None, max_length=256)
-    refine_text: Optional[bool] = None
-    normalize_text: Optional[bool] = None
-    use_decoder: Optional[bool] = None
+    response_format: api.ResponseFormat = "pcm"
     # --- the session's own
     audio: Literal["binary", "base64"] = "binary"  # binary WebSocket frames, or {"type": "audio", "audio": base64}
     max_piece_frames: int = Field(DEFAULT_PIECE_FRAMES, ge=16, le=LIMITS.max_new_tokens)
@@ -110,18 +96,8 @@ def parse_settings(given: Any, base: Optional[SessionSettings] = None) -> Sessio
         loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int) and x not in ("str", "VoiceRef")]
         field = loc[0] if loc else None
         raise api.invalid(f"'session.{'.'.join(loc)}': {err.get('msg')}", field) from None
-    if s.model not in api.MODELS:
-        raise api.invalid(f"model {s.model!r} does not exist here; use one of {', '.join(api.MODELS)}", "model")
-    if s.voice is not None and not api.voice_name(s).strip():
-        raise api.invalid("'voice' is empty", "voice")
-    try:
-        check(s.response_format, s.sample_rate)
-    except ValueError as e:
-        raise api.invalid(f"'sample_rate': {e}", "sample_rate") from None
-    if s.min_new_tokens is not None and s.max_new_tokens is not None and s.min_new_tokens > s.max_new_tokens:
-        raise api.invalid("'min_new_tokens' must not exceed 'max_new_tokens'", "min_new_tokens")
-    if s.prompt is not None and api.SPEED_TOKEN.search(s.prompt) and "speed" in given:
-        raise api.invalid("give 'speed' or a [speed_N] token in 'prompt', not both", "speed")
+    api.check_model(s.model)
+    api.check_options(s, given)
     return s
 
 
