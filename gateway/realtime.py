@@ -133,7 +133,7 @@ class Connection:
         self.encoder: Optional[StreamEncoder] = None
         self.open_turns = 0  # turns with text whose end (done or cancelled) has not been sent
         self.text_in_turn = False
-        self.turn_first_audio: Dict[int, bool] = {}
+        self.first_cut: Dict[int, float] = {}  # turn → when the text that completed its first piece came, until its first byte
         self.send_lock = asyncio.Lock()
         self.busy: Optional[asyncio.Future] = None
 
@@ -183,15 +183,14 @@ class Connection:
                 self.encoder = StreamEncoder(fmt, rate)
             data = await self._encode(self.encoder.push, ev.samples)
             await self.send_audio(data, ev.turn, ev.index)
-            if data and not self.turn_first_audio.get(ev.turn):
-                self.turn_first_audio[ev.turn] = True
+            if data and ev.turn in self.first_cut:  # (a resampler may hold the first chunk's audio back)
+                self.metrics.first_audio.observe(time.perf_counter() - self.first_cut.pop(ev.turn))
         elif isinstance(ev, SegmentStart):
             start = self._rate_of(ev.start)
             await self.send_json({"type": "segment.start", "turn": ev.turn, "index": ev.index, "text": ev.text,
                                   "start_sample": start["sample"], "start": start["seconds"]})
-            if ev.turn not in self.turn_first_audio:  # the turn's first piece: its audio follows this message
-                self.turn_first_audio[ev.turn] = False
-                self.metrics.first_audio.observe(time.perf_counter() - ev.cut_at)
+            if ev.turn not in self.first_cut and ev.start == 0:  # the turn's first piece: its audio follows
+                self.first_cut[ev.turn] = ev.cut_at
         elif isinstance(ev, SegmentEnd):
             start, end = self._rate_of(ev.start), self._rate_of(ev.end)
             self.metrics.segments.labels("spoken").inc()
@@ -220,7 +219,7 @@ class Connection:
 
     def _turn_ended(self, turn: int, outcome: str) -> None:
         self.open_turns = max(0, self.open_turns - 1)
-        self.turn_first_audio.pop(turn, None)
+        self.first_cut.pop(turn, None)
         self.metrics.turns.labels(outcome).inc()
         if outcome == "done":
             self.gw.metrics.requests.labels(self.settings.response_format, "realtime", "200").inc()
