@@ -86,6 +86,12 @@ def margins(frames: Sequence[Tuple[float, int]], piece_starts: Sequence[int], ra
     it (negative: a gap). `frames` are the turn's audio frames (arrival time, bytes) in order; `piece_starts` the
     sample offsets where the pieces after the first begin (the previous piece's segment.end end_sample: a pause
     before a piece is that piece's audio). Playback starts when the first byte arrives and runs at `rate`."""
+    return [need - came for need, came in piece_times(frames, piece_starts, rate, bytes_per_sample)]
+
+
+def piece_times(frames: Sequence[Tuple[float, int]], piece_starts: Sequence[int], rate: int,
+                bytes_per_sample: int) -> List[Tuple[float, float]]:
+    """For each piece after the first: (when the listener needs its first sample, when its first byte came)."""
     if not frames:
         return []
     t0 = frames[0][0]
@@ -97,7 +103,23 @@ def margins(frames: Sequence[Tuple[float, int]], piece_starts: Sequence[int], ra
             i += 1
         if i == len(frames):
             raise ValueError(f"no audio byte at sample {start}: {offset // bytes_per_sample} samples received")
-        out.append(t0 + start / rate - frames[i][0])
+        out.append((t0 + start / rate, frames[i][0]))
+    return out
+
+
+def text_times(tokens: Sequence[str], sent: Sequence[float], pieces: Sequence[str]) -> List[float]:
+    """When the token that completed each piece's text was sent (pieces: the segment texts, in order)."""
+    full, ends, pos = "", [], 0
+    for tok in tokens:
+        full += tok
+        ends.append(len(full))
+    out = []
+    for text in pieces:
+        at = full.find(text, pos)
+        if at < 0:
+            raise ValueError(f"piece {text!r} is not in the text sent")
+        pos = at + len(text)
+        out.append(sent[next(k for k, e in enumerate(ends) if e >= pos)])
     return out
 
 
@@ -250,9 +272,10 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
             try:
                 receiver = asyncio.ensure_future(sess.turn())
                 toks = [t for k, sentence in enumerate(REPLY) for t in llm_tokens((" " if k else "") + sentence)]
-                t0 = time.perf_counter()
+                t0, sent = time.perf_counter(), []
                 for k, tok in enumerate(toks):
                     await asyncio.sleep(max(0.0, t0 + k / a.tokens_per_s - time.perf_counter()))
+                    sent.append(time.perf_counter())
                     await sess.send(type="text", text=tok)
                 await sess.send(type="flush")
                 frames, events = await receiver
@@ -261,7 +284,12 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
             ends = [ev for _, ev in events if ev.get("type") == "segment.end"]
             errs = errors_in(events)
             starts = [e["end_sample"] for e in ends[:-1]]
-            return {"pieces": len(ends), "errors": errs, "margins": margins(frames, starts, rate, bps),
+            times = piece_times(frames, starts, rate, bps)
+            # a piece whose text was not all sent before the audio ahead of it had played out cannot be in time on any
+            # server (the random weights end some pieces early): its gap is the text's, not the server's
+            texts = text_times(toks, sent, [e["text"] for e in ends])[1:]
+            return {"pieces": len(ends), "errors": errs, "margins": [need - came for need, came in times],
+                    "server_margins": [need - came for (need, came), t in zip(times, texts) if t <= need],
                     "frame_margins": frame_margins(frames, rate, bps), "audio_s": sum(n for _, n in frames) / bps / rate,
                     "texts": [e["text"] for e in ends],
                     "piece_s": [round((e["end_sample"] - e["start_sample"]) / rate, 3) for e in ends]}
@@ -274,6 +302,7 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
         for g in ok:
             errors.extend(f"no gaps: {e}" for e in g["errors"])
         m = [x for g in ok for x in g["margins"]]
+        sm = [x for g in ok for x in g["server_margins"]]
         fm = [x for g in ok for x in g["frame_margins"]]
         result["no_gaps"] = {
             "sessions": a.sessions, "tokens_per_s": a.tokens_per_s, "max_new_tokens": a.max_new_tokens,
@@ -281,6 +310,8 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
             "audio_s": sum(g["audio_s"] for g in ok),
             "worst_margin_ms": min(m) * 1e3 if m else float("nan"), "p1_margin_ms": pct(m, 1) * 1e3,
             "p50_margin_ms": pct(m, 50) * 1e3, "negative": sum(x < 0 for x in m),
+            "text_bound": len(m) - len(sm), "server_worst_margin_ms": min(sm) * 1e3 if sm else float("nan"),
+            "server_negative": sum(x < 0 for x in sm),
             "worst_frame_margin_ms": min(fm) * 1e3 if fm else float("nan"), "negative_frames": sum(x < 0 for x in fm),
             "frames": len(fm),
             "per_session": [{"texts": g["texts"], "piece_s": g["piece_s"], "margins_ms": [round(x * 1e3, 1) for x in g["margins"]]} for g in ok]}
@@ -345,8 +376,10 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
 
     # 4. resampling and G.711 per second of audio
     from bench.probes.audio_cost import measure
+    from gateway.audio import needs_pyav, pyav_available
 
-    result["audio_cost"] = measure(a.audio_seconds, a.audio_repeats, ["pcm", "ulaw", "alaw", "wav_ulaw"])
+    formats = [f for f in ("pcm", "ulaw", "alaw", "wav_ulaw") if pyav_available() or not needs_pyav(f, True)]
+    result["audio_cost"] = measure(a.audio_seconds, a.audio_repeats, formats)  # a host without FFmpeg: what it serves
     return result
 
 
@@ -382,6 +415,10 @@ def to_markdown(res: dict) -> str:
         f"**{ng['worst_margin_ms']:.0f}** / {ng['p1_margin_ms']:.0f} / {ng['p50_margin_ms']:.0f} ms | worst ≥ 0 |",
         f"| pieces whose first audio came after the audio before them had played out | **{ng['negative']}** of "
         f"{ng['margins']} | 0 |",
+        f"| of them, pieces whose text came only after that (the random weights ended the piece before: no server is "
+        f"in time) | {ng['text_bound']} | |",
+        f"| pieces whose text was in before they were needed: worst margin, late | **{ng['server_worst_margin_ms']:.0f} ms**, "
+        f"**{ng['server_negative']}** | worst ≥ 0, 0 |",
         f"| every audio frame (stalls inside a piece too): worst margin, late frames | {ng['worst_frame_margin_ms']:.0f} ms, "
         f"{ng['negative_frames']} of {ng['frames']} | |",
         f"| barge-in ({bi['runs']} cancels in turns of {bi['long_frames']}-frame pieces): cancel → last audio byte, "

@@ -118,3 +118,11 @@ def test_bench_realtime_fills_every_figure_against_a_served_repository(served_ti
     for line in ("| first audio − first chunk, p50", "| no gaps: 2 sessions", "cancel → last audio byte",
                  "cancel → turn.cancelled", "decode steps of", "| ulaw | 8000 |", "Errors: 0"):
         assert line in md, line
+
+
+def test_text_times_are_when_the_token_that_completed_each_piece_was_sent():
+    from bench.realtime import text_times
+
+    tokens = ["Hello ", "there.", " How ", "are you", "? Fine", "."]
+    sent = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
+    assert text_times(tokens, sent, ["Hello there.", "How are you?", "Fine."]) == [0.1, 0.4, 0.5]
