@@ -120,9 +120,11 @@ def test_bench_realtime_fills_every_figure_against_a_served_repository(served_ti
         assert line in md, line
 
 
-def test_text_times_are_when_the_token_that_completed_each_piece_was_sent():
-    from bench.realtime import text_times
+def test_cut_times_are_when_the_sessions_chunker_gave_each_piece_out():
+    from bench.realtime import cut_times
 
-    tokens = ["Hello ", "there.", " How ", "are you", "? Fine", "."]
+    tokens = ["Hello ", "there", ". How ", "are you", "? Fine", "."]
     sent = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
-    assert text_times(tokens, sent, ["Hello there.", "How are you?", "Fine."]) == [0.1, 0.4, 0.5]
+    # "there." waits for a space or the next token? a "." after a letter ends it at once: the token ". How " does
+    assert cut_times(tokens, sent, 0.9, 384, 0) == [0.2, 0.4, 0.5]
+    assert cut_times(["no end"], [0.0], 0.9, 384, 0) == [0.9]  # the flush gives it out
