@@ -322,6 +322,7 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
         s = await Session(ws_url).open({**base, "voice": "alloy", "seed": a.seed, **long_fixed})
         rows = []
         step_ms = None
+        released0 = scrape(metrics_url) if metrics_url else {}
         for _ in range(a.barge_ins):
             got_audio = asyncio.Event()
             receiver = asyncio.ensure_future(s.turn(first_audio=got_audio))
@@ -356,6 +357,15 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
             m = scrape(metrics_url)
             steps = m.get("chattts_engine_steps", 0.0)
             step_ms = 1e3 * m.get("chattts_engine_step_seconds", 0.0) / steps if steps else None
+            # the engine's own clock: cancel() (the stream stub saw the cancellation) → the row's slot released
+            n_rel = m.get("chattts_engine_cancel_releases", 0.0) - released0.get("chattts_engine_cancel_releases", 0.0)
+            rel_s = m.get("chattts_engine_cancel_release_seconds", 0.0) - released0.get("chattts_engine_cancel_release_seconds", 0.0)
+            released = {"rows": n_rel, "mean_ms": 1e3 * rel_s / n_rel if n_rel else None,
+                        "max_ms": 1e3 * m.get("chattts_engine_cancel_release_max_seconds", 0.0) if n_rel else None,
+                        "late": m.get("chattts_engine_cancel_release_late", 0.0)
+                        - released0.get("chattts_engine_cancel_release_late", 0.0)}
+        else:
+            released = None
         freed = [r["freed_ms"] for r in rows if r.get("freed_ms") is not None]
         result["barge_in"] = {
             "runs": len(rows), "long_frames": a.long_frames, "rows": rows,
@@ -367,7 +377,8 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
             "inflight_freed_p50_ms": pct([r["inflight_freed_ms"] for r in rows if r.get("inflight_freed_ms") is not None], 50)
             if metrics_url else None,
             "freed_max_ms": max(freed) if freed else None, "not_freed": len(rows) - len(freed) if metrics_url else None,
-            "step_ms": step_ms, "freed_max_steps": max(freed) / step_ms if freed and step_ms else None}
+            "step_ms": step_ms, "freed_max_steps": max(freed) / step_ms if freed and step_ms else None,
+            "engine_released": released}
         if metrics_url and len(freed) < len(rows):
             errors.append(f"barge-in: the stream model still busy 10 s after {len(rows) - len(freed)} cancels")
         log(f"barge-in: {({k: v for k, v in result['barge_in'].items() if k != 'rows'})}")
@@ -385,6 +396,14 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
 
 def _ms(x: Optional[float], fmt: str = ".1f") -> str:
     return "–" if x is None or x != x else f"{x:{fmt}} ms"
+
+
+def released_row(bi: dict) -> str:
+    r = bi.get("engine_released")
+    if not r or not r["rows"]:
+        return "not measured (no --metrics-url, or a server without the engine's release counters)"
+    steps = f" ({r['max_ms'] / bi['step_ms']:.1f} steps of {bi['step_ms']:.2f} ms)" if bi.get("step_ms") else ""
+    return f"{r['rows']:.0f}, {_ms(r['mean_ms'], '.2f')} / {_ms(r['max_ms'], '.2f')}{steps}, late **{r['late']:.0f}**"
 
 
 def to_markdown(res: dict) -> str:
@@ -425,7 +444,9 @@ def to_markdown(res: dict) -> str:
         f"p50 / max | **{bi['last_audio_p50_ms']:.1f}** / {bi['last_audio_max_ms']:.1f} ms | ≤ 50 ms |",
         f"| cancel → turn.cancelled, p50 / max | {bi['cancelled_p50_ms']:.1f} / {bi['cancelled_max_ms']:.1f} ms | |",
         f"| cancel → the stream model's in-flight requests, streams and engine slots at 0 in Triton's metrics | {freed} "
-        "| one decode step |",
+        "| |",
+        f"| the engine's own clock, the stub's cancel → the row's slot released: rows, mean / max, released after more "
+        f"than one decode step had begun | {released_row(bi)} | late 0 |",
         "",
         f"No gaps: {ng['audio_s']:.0f} s of audio in {ng['wall_s']:.1f} s, natural lengths up to {ng['max_new_tokens']} "
         "frames per piece. A piece's margin: when the audio before it has played out (playback from the first byte, "

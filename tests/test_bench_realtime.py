@@ -112,11 +112,13 @@ def test_bench_realtime_fills_every_figure_against_a_served_repository(served_ti
     assert row["busy_at_turn_cancelled"] >= 0 and row["freed_ms"] > 0 and bi["not_freed"] == 0
     assert 0 < row["inflight_freed_ms"] <= row["freed_ms"]
     assert 0 <= bi["last_audio_p50_ms"] and 0 < bi["cancelled_p50_ms"] and bi["step_ms"] > 0
+    rel = bi["engine_released"]  # the cancelled piece's row, on the engine's own clock
+    assert rel["rows"] >= 1 and rel["late"] == 0 and 0 < rel["mean_ms"] <= rel["max_ms"]
     rates = {r["rate"] for r in res["audio_cost"]["rows"] if r["what"] == "ulaw"}
     assert rates >= {8000, 24000}
     md = out.with_suffix(".md").read_text()
     for line in ("| first audio − first chunk, p50", "| no gaps: 2 sessions", "cancel → last audio byte",
-                 "cancel → turn.cancelled", "decode steps of", "| ulaw | 8000 |", "Errors: 0"):
+                 "cancel → turn.cancelled", "decode steps of", "late **0**", "| ulaw | 8000 |", "Errors: 0"):
         assert line in md, line
 
 

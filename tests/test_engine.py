@@ -120,6 +120,41 @@ def test_context_overflow_and_cancel(tiny):
         eng.stop()
 
 
+def test_a_cancelled_running_row_frees_its_slot_at_the_next_step_and_the_release_is_counted(tiny):
+    """Barge-in: a cancel between steps frees the row's slot and pages at the end of the next decode step (one
+    step begun since the cancel); a cancel from a stream callback (during a step, before its bookkeeping) at the
+    end of that same step. Neither is counted late, and the others keep running."""
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, start=False)
+    got = {}
+
+    def req(i, **kw):
+        return GenRequest(text_ids=torch.arange(1, 6 + i), params=greedy(100, 100, seed=i),
+                          on_done=lambda r, i=i: got.__setitem__(i, r), **kw)
+
+    reqs = [req(0), req(1, on_tokens=lambda t, h: reqs[1].cancel() if reqs[1].cancelled_at is None and len(got) == 0
+                        and eng.counters.steps >= 3 else None), req(2)]
+    try:
+        for r in reqs:
+            eng.submit(r)
+        while eng.counters.steps < 3:
+            eng._run_once(block=False)
+        # the callback cancelled row 1 during step 3's delivery: released by that step's bookkeeping
+        assert got.get(1) is not None and got[1].finish_reason == "cancelled" and eng.active == 2
+        free = len(eng.free)
+        reqs[0].cancel()
+        eng._run_once(block=False)
+        assert got.get(0) is not None and got[0].finish_reason == "cancelled"
+        assert eng.active == 1 and len(eng.free) == free + 1 and 2 not in got
+        c = eng.counters
+        assert c.cancel_releases == 2 and c.cancel_release_late == 0
+        assert 0 < c.cancel_release_max_seconds <= c.cancel_release_seconds
+        stats = eng.stats()
+        assert stats["engine_cancel_releases"] == 2 and stats["engine_cancel_release_late"] == 0
+    finally:
+        eng.stop(drain=False)
+
+
 @pytest.mark.slow
 def test_full_size_engine_greedy_equals_upstream(full_assets):
     arch, emb, g = upstream_gpt(full_assets)

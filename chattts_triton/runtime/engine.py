@@ -25,6 +25,7 @@ behind `Engine.stats()` are `stats.py` (`EngineStats`).
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
 import queue
@@ -76,6 +77,7 @@ class GenRequest:
     eos_id: int = AUDIO_EOS
     want_hidden: bool = True
     cancelled: bool = False
+    cancelled_at: Optional[float] = None  # time.perf_counter() of the first cancel(): the engine times the release
     # streaming: on_tokens(tokens, hiddens) gets the tokens generated since its last call once
     # there are at least `stream_every` of them (on the engine thread, one step later, after the
     # step's own host sync: hand off, never block). The consumer may change stream_every at any
@@ -88,6 +90,8 @@ class GenRequest:
         return int(self.text_ids.numel()) + (0 if self.audio_codes is None else int(self.audio_codes.shape[0]))
 
     def cancel(self) -> None:
+        if not self.cancelled:
+            self.cancelled_at = time.perf_counter()
         self.cancelled = True
 
 
@@ -233,6 +237,8 @@ class Engine:
         self.counters = EngineStats()  # cumulative, for metrics: Engine.stats()
         self._graph_timing_failed = False
         self._step_events: Optional[Tuple[Any, Any]] = None
+        # when the last few decode steps began: a cancelled row's release counts the steps begun since its cancel
+        self._step_starts: "collections.deque[float]" = collections.deque(maxlen=4)
         self.cache_dtype = cache_dtype
         self.cuda_graphs = cuda_graphs
         self.graphs: Optional[CudaGraphs] = None
@@ -836,6 +842,7 @@ class Engine:
         n_text = int(self.h_text[:b].sum())
         mode = "code" if n_text == 0 else "text" if n_text == b else "mixed"
         c = self.counters
+        self._step_starts.append(time.perf_counter())
         hit = None
         inner = None  # the timing events of the graph that runs this step, if one does
         timed = self.device.type == "cuda" and c.steps % GPU_TIMING_EVERY == 0
@@ -998,6 +1005,8 @@ class Engine:
             slot = self.rows[slot_id]
             results.append((slot.req, self._result(slot_id, slot.req, reason)))
             self.streaming.discard(slot)
+            if reason == "cancelled":
+                self._count_release(slot.req)
         if self.device.type == "cuda":
             # one event after the results' copies: the consumer waits for them alone, not for the
             # steps launched meanwhile (a copy made on its own thread queues behind those and takes
@@ -1012,6 +1021,19 @@ class Engine:
         self._compact({i for i, _ in items})  # after the results' copies: they are queued first
         for req, res in results:
             self._hand_off(req, res)
+
+    def _count_release(self, req: GenRequest) -> None:
+        """A cancelled row's slot comes back now: how long after the cancel, and whether more than one decode step
+        began in between (the row is checked after every step, so one step plus the host's bookkeeping is the bound)."""
+        if req.cancelled_at is None:
+            return
+        c = self.counters
+        wait = time.perf_counter() - req.cancelled_at
+        c.cancel_releases += 1
+        c.cancel_release_seconds += wait
+        c.cancel_release_max_seconds = max(c.cancel_release_max_seconds, wait)
+        if sum(t >= req.cancelled_at for t in self._step_starts) > 1:
+            c.cancel_release_late += 1
 
     def _result(self, slot_id: int, req: GenRequest, reason: str) -> GenResult:
         n = int(self.h_n[slot_id])

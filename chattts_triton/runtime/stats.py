@@ -40,6 +40,12 @@ class EngineStats:
     prefill_seconds: float = 0.0
     prefills: int = 0
     prefill_rows: int = 0
+    # running rows cancelled (a client gone, a barge-in): slots released, the seconds from each cancel() to its
+    # release (sum and largest), and releases after more than one decode step had begun since the cancel (bound: 0)
+    cancel_releases: int = 0
+    cancel_release_seconds: float = 0.0
+    cancel_release_max_seconds: float = 0.0
+    cancel_release_late: int = 0
     # requests suspended for want of KV pages, and resumed
     preemptions: int = 0
     resumes: int = 0
