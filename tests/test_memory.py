@@ -18,7 +18,7 @@ def planned_total(plans, vocoders=1) -> int:
     return sum(p.bytes for p in plans.values()) + vocoders * m.VOCODER_BYTES + (len(plans) + vocoders) * m.PROCESS_CONTEXT_BYTES
 
 
-@pytest.mark.parametrize("gib,gpt,stream", [(None, 512, 64), (15, 128, 40), (22, 280, 64)])
+@pytest.mark.parametrize("gib,gpt,stream", [(None, 1024, 128), (15, 128, 40), (22, 280, 88)])
 def test_a_card_gets_the_slots_its_memory_holds_and_the_plan_stays_inside_the_budget(gib, gpt, stream):
     budget = m.budget(H200, gib)
     plans = m.plan(budget, FULL_ARCH, "bf16", 3072, 2048)
@@ -31,7 +31,7 @@ def test_a_card_gets_the_slots_its_memory_holds_and_the_plan_stays_inside_the_bu
 
 def test_the_default_on_an_h200_takes_a_fraction_of_the_whole_context_slots():
     plans = m.plan(m.budget(H200), FULL_ARCH, "bf16", 3072, 2048)
-    whole = 256 * 3072 * m.kv_bytes_per_token(FULL_ARCH, 2)  # the old default's GPT cache alone
+    whole = plans["gpt"].slots * 3072 * m.kv_bytes_per_token(FULL_ARCH, 2)  # as many slots at the whole context
     assert plans["gpt"].bytes < 0.45 * whole
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from chattts_triton.config import ENSEMBLE, ENSEMBLE_INPUTS, GPT, MANIFEST, PREPROCESS, STREAM, VOCODER, Arch
+from chattts_triton.memory import MAX_SLOTS
 from chattts_triton.triton import repo_config as rc
 
 
@@ -296,7 +297,7 @@ def test_every_queue_holds_twice_what_the_engines_admit():
     queue size" below the engine's bound): each is bounded, at twice the engines' admission bound — sized
     at the largest batch where the engines size themselves from the GPU at load."""
     for dep, bound in ((rc.Deployment(gpt_slots=3), 12), (rc.Deployment(gpt_slots=3, gpt_max_pending=5), 5),
-                       (rc.Deployment(gpus=[0, 1]), 2 * 4 * 512), (rc.Deployment(gpus=[0], gpt_slots=100), 400)):
+                       (rc.Deployment(gpus=[0, 1]), 2 * 4 * MAX_SLOTS["gpt"]), (rc.Deployment(gpus=[0], gpt_slots=100), 400)):
         cfgs = rc.build_configs(_tiny_arch(), dep)
         for m in rc.MODELS:
             assert cfgs[m].dynamic_batching.default_queue_policy.max_queue_size == 2 * bound, (dep, m)
@@ -306,7 +307,7 @@ def test_every_queue_holds_twice_what_the_engines_admit():
     gpu = rc.build_configs(_tiny_arch(), rc.Deployment(gpus=[0]))
     assert {k: gpu[GPT].parameters[k].string_value for k in ("gpt_slots", "gpt_max_pending", "gpt_cache_tokens")} == \
         {"gpt_slots": "auto", "gpt_max_pending": "auto", "gpt_cache_tokens": "auto"}
-    assert gpu[STREAM].dynamic_batching.default_queue_policy.max_queue_size == 2 * 2 * 64
+    assert gpu[STREAM].dynamic_batching.default_queue_policy.max_queue_size == 2 * 2 * MAX_SLOTS["stream"]
     explicit = rc.build_configs(_tiny_arch(), rc.Deployment(gpt_slots=3, max_queue_size=7))
     assert all(explicit[m].dynamic_batching.default_queue_policy.max_queue_size == 7 for m in rc.MODELS)
 
