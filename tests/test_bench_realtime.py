@@ -108,6 +108,8 @@ def test_bench_realtime_fills_every_figure_against_a_served_repository(served_ti
         assert len(s["margins_ms"]) == len(s["texts"]) - 1 and all(d > 0 for d in s["piece_s"])
     assert ng["worst_margin_ms"] <= ng["p1_margin_ms"] <= ng["p50_margin_ms"] and ng["audio_s"] > 0
     assert 0 <= ng["negative"] <= 10 and ng["frames"] > 0
+    assert ng["text_bound"] + ng["floor_bound"] <= ng["margins"] and ng["floor_bound"] >= 0
+    assert 0 < ng["cut_to_audio_p50_ms"] <= ng["cut_to_audio_p99_ms"] <= ng["cut_to_audio_max_ms"]
     (row,) = bi["rows"]
     assert row["busy_at_turn_cancelled"] >= 0 and row["freed_ms"] > 0 and bi["not_freed"] == 0
     assert 0 < row["inflight_freed_ms"] <= row["freed_ms"]
