@@ -1,6 +1,6 @@
 """Closed-loop load from several client processes: one asyncio client queues its own requests.
 
-`python -m bench.probes.client_capacity --stream` (`results/raw/2026-12-02-*-thirteenth-client-capacity-stream-*`):
+`python -m bench.probes.client_capacity --stream` (`results/raw/2026-12-02-*-client-capacity-stream-*`):
 64 streams against a stand-in server that sends each first chunk 90 ms after the request arrived.
 
 | host | client processes | first chunk p50 / p99 ms | request's way in p99 ms | first chunk's way out p99 ms |
