@@ -20,144 +20,58 @@ is decided by `scheduler.py` (`Scheduler`; the engine does the tensor work its d
 sampling state, packed on the device, is named by `row_params.py` (`RowParams`); the cumulative counters
 behind `Engine.stats()` are `stats.py` (`EngineStats`).
 
+The engine's parts beside this file: `runner.py` (`Runner`: the decode step, sampling, the prefill's tensor work),
+`kv.py` (`KvPages`: pages, block tables, suspend/resume, compaction), `warmup.py` (`WarmUp`), `graphs.py`
+(`CudaGraphs`: steps and prefills replayed from CUDA graphs), `request.py` (requests, results). They are mixins
+of `Engine`, which owns all the state; this file holds the loop and the public API.
+
 `model` is `ChatTTSGPT` or its TorchScript export (same methods).
 """
 
 from __future__ import annotations
 
 import collections
-import inspect
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, KV_PAGE_TOKENS, REPETITION_WINDOW
-from ..model import attention, sampling
-from .graphs import GraphCache, bucket, to_host
-from .row_params import RowParams
-from .scheduler import Admission, Scheduler, Suspended
+from ..config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, KV_PAGE_TOKENS
+from ..model import attention
+from .graphs import (  # noqa: F401  re-exported: callers import the buckets and CudaGraphs from here
+    BATCH_STEP,
+    LEN_STEP,
+    PREFILL_GRAPH_TOKENS,
+    PREFILL_LEN_STEP,
+    PREFILL_WARM_BATCHES,
+    PREFILL_WARM_LENGTHS,
+    WARM_DECODE_LEN,
+    CudaGraphs,
+    bucket_sizes,
+)
+from .kv import KvPages
+from .request import EngineError, GenRequest, GenResult, SamplingParams, _Slot  # noqa: F401  re-exported
+from .runner import Runner, _check_model, paged_interface  # noqa: F401  re-exported
+from .scheduler import Admission, Scheduler
 from .stats import EngineStats
+from .warmup import WarmUp
 
 log = logging.getLogger(__name__)
 
 MAX_EMPTY_RETRIES = 16  # ensure_non_empty re-draws of the first step before giving up
 
-
-@dataclass
-class SamplingParams:
-    temperature: float
-    top_p: Optional[float]  # None: off (upstream passes None to skip the warper)
-    top_k: Optional[int]
-    repetition_penalty: float
-    max_new_tokens: int
-    min_new_tokens: int
-    seed: int
-    ensure_non_empty: bool = True
+GPU_TIMING_EVERY = 8  # decode steps per one timed on the GPU's clock (two events and a query each)
+# decode steps per GIL probe: its sleep(0) is paid on the hot path (≈ 1 % of a step at concurrency 1 when every
+# 8th step paid it), so it samples rarely
+GIL_PROBE_EVERY = 64
 
 
-@dataclass
-class GenRequest:
-    """One generation. `mode` "code": audio codes through the 4 code heads (EOS = code 625);
-    "text": refine-text through the text head (EOS = `eos_id`)."""
-
-    text_ids: Tensor  # int64 [N]
-    params: SamplingParams
-    on_done: Callable[["GenResult"], None]
-    mode: str = "code"
-    audio_codes: Optional[Tensor] = None  # int64 [P, num_vq] appended after the text (spk_smp)
-    spk_emb: Optional[Tensor] = None  # float [hidden] written at every spk_emb_id position
-    spk_emb_id: int = -1
-    eos_id: int = AUDIO_EOS
-    want_hidden: bool = True
-    cancelled: bool = False
-    cancelled_at: Optional[float] = None  # time.perf_counter() of the first cancel(): the engine times the release
-    # streaming: on_tokens(tokens, hiddens) gets the tokens generated since its last call once
-    # there are at least `stream_every` of them (on the engine thread, one step later, after the
-    # step's own host sync: hand off, never block). The consumer may change stream_every at any
-    # time; the tail arrives in on_done's result.
-    on_tokens: Optional[Callable[[Tensor, Optional[Tensor]], None]] = None
-    stream_every: int = 1
-
-    @property
-    def prompt_len(self) -> int:
-        return int(self.text_ids.numel()) + (0 if self.audio_codes is None else int(self.audio_codes.shape[0]))
-
-    def cancel(self) -> None:
-        if not self.cancelled:
-            self.cancelled_at = time.perf_counter()
-        self.cancelled = True
-
-
-@dataclass
-class GenResult:
-    tokens: Optional[Tensor]  # code: int64 [n, num_vq]; text: int64 [n]
-    hiddens: Optional[Tensor]  # float32 [n, hidden] (code mode with want_hidden)
-    finish_reason: str  # "eos" | "max_tokens" | "cancelled" | "error"
-    error: Optional[BaseException] = None
-    steps: int = 0
-    # CUDA: tokens/hiddens are pinned host copies, complete once this event has (recorded by the
-    # engine right after the copies, so waiting on it never waits for a later step)
-    ready: Optional[Any] = None
-
-    def wait(self) -> "GenResult":
-        if self.ready is not None:
-            self.ready.synchronize()
-            self.ready = None
-        return self
-
-
-class EngineError(RuntimeError):
-    pass
-
-
-class _Slot:
-    __slots__ = ("req", "idx", "attempt", "emitted", "seq", "saved", "_eng")
-
-    def __init__(self, eng: "Engine", req: GenRequest, idx: int, seq: int):
-        self._eng = eng
-        self.req = req
-        self.idx = idx  # slot; changes when finished requests below it are compacted away
-        self.attempt = 0
-        self.emitted = 0  # tokens handed to req.on_tokens
-        self.seq = seq  # admission order: the newest running requests are suspended first
-        self.saved: Optional[tuple] = None  # while suspended: its pages' keys/values and its slot state
-
-    @property
-    def n(self) -> int:  # tokens generated (kept) so far
-        return int(self._eng.h_n[self.idx])
-
-    @property
-    def plen(self) -> int:
-        return int(self._eng.h_plen[self.idx])
-
-
-def paged_interface(model) -> bool:
-    """Whether `model` (ChatTTSGPT or its TorchScript export) takes block tables (`tables`); a gpt.pt
-    exported before the paged cache takes a slot range instead."""
-    try:
-        if isinstance(model, torch.jit.ScriptModule):
-            names = [a.name for a in model.forward.schema.arguments]
-        else:
-            names = list(inspect.signature(model.forward).parameters)
-    except Exception:  # noqa: BLE001 - an unusual wrapper: let the first step tell
-        return True
-    return "tables" in names
-
-
-def _check_model(model) -> None:
-    if not paged_interface(model):
-        raise EngineError("the GPT model was exported before the paged KV cache: re-export it (python -m export), "
-                          "or run the eager module built from its weights (gpt.eager_from_script)")
-
-
-class Engine:
+class Engine(Runner, KvPages, WarmUp):
     def __init__(
         self,
         model,
@@ -276,167 +190,9 @@ class Engine:
         slower per decode step."""
         if self.allocated:
             return
-        model, max_slots, cache_dtype = self.model, self.max_slots, self.cache_dtype
-        max_new_tokens, num_vq, hidden = self.max_new_tokens, self.num_vq, self.hidden
-        dev = self.device
-        # running requests hold slots 0..B-1 (compacted); CUDA-graph buckets pad with free slots B..
-        # and never exceed max_slots, so no scratch slot is needed
-        s = max_slots
-        self.k_cache, self.v_cache = model.new_cache(self.num_pages, self.page, cache_dtype, dev)
-        # each slot's pages in order (page 0, scratch, where it holds none); the host copy is the truth,
-        # rows that changed are copied over before the next prefill or step (`_sync_tables`)
-        self.block_table = torch.zeros(s, self.table_width, dtype=torch.int64, device=dev)
-        self.h_table = np.zeros((s, self.table_width), dtype=np.int64)
-        self.h_pages = np.zeros(s, dtype=np.int64)
-        self.free_pages: List[int] = list(range(self.num_pages - 1, 0, -1))
-        self._dirty: Set[int] = set()
-        self.tokens = torch.zeros(s, max_new_tokens + 1, num_vq, dtype=torch.int64, device=dev)
-        # the model's final hidden states are in the compute dtype: kept in it, they are exact at half the memory
-        self.hiddens = torch.zeros(s, max_new_tokens + 1, hidden, dtype=self.compute_dtype, device=dev)
-        # each slot's sampling state and counts (row_params.py); a free slot's pads graph buckets
-        self.row_params = RowParams.free(s, dev)
-        self._free_row = RowParams.free(1, dev)
-        self.n_dev = self.row_params.n  # the count column, kept as one view: every step writes it in place
-        self.n_live = torch.zeros((), dtype=torch.int64, device=dev)  # rows ≥ this in a graph bucket are padding
-        self.graphs = CudaGraphs(self) if (self.cuda_graphs and self.device.type == "cuda") else None
+        self._alloc_pages()
+        self._alloc_slots()
         self.allocated = True
-
-    def compile_step(self, dynamic: bool = True, backend: str = "inductor", prefill: bool = False) -> None:
-        """Graph buckets run the decode step compiled by torch.compile (inductor: fused norm, RoPE
-        and sampling kernels, still replayed from CUDA graphs: faster than the TorchScript step, bench/probes/step.py
-        measures both); audio-code steps only. Needs the eager module, not TorchScript.
-        dynamic: one compile for all buckets (batch 1 still gets its own); else one per bucket. Call
-        `freeze_compiled` once the buckets in use are warm: a bucket that would need a recompile then
-        runs the plain step instead of stalling every running request for the tens of seconds a
-        compile takes. prefill: prefills (graphed or not) run `prefill_core` compiled too, with dynamic
-        shapes (opt-in: faster alone from its graph, but it makes a served start-up minutes longer;
-        docs/performance.md)."""
-        if isinstance(self.model, torch.jit.ScriptModule):
-            raise EngineError("compile_step needs the eager GPT module (chattts_triton.model.gpt), not TorchScript")
-        import torch._dynamo as dynamo
-        import torch._inductor.config as inductor_config
-
-        cfg = dynamo.config
-        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
-            if hasattr(cfg, name):  # one compile per (mode, batch bucket, length bucket) unless dynamic
-                setattr(cfg, name, max(getattr(cfg, name), 4096))
-        # autotuning a kernel that writes in place clones its arguments per tried config: for the
-        # KV-cache writes that is the whole multi-GB cache (minutes, and no result)
-        inductor_config.triton.autotune_pointwise = False
-        self.graph_step = torch.compile(self.step_core, dynamic=dynamic, backend=backend)
-        self.graph_prefill = torch.compile(self.prefill_core, dynamic=True, backend=backend) if prefill else None
-
-    def freeze_compiled(self) -> None:
-        self.compiled_frozen = True
-
-    def compile_stance(self) -> str:
-        """torch.compiler stance of compiled calls: once frozen, a call that would recompile runs plainly."""
-        return "eager_on_recompile" if self.compiled_frozen else "default"
-
-    def warm_up(self, text_eos_id: Optional[int] = None, freeze: bool = True, timeout: float = 1800.0) -> None:
-        """Run what a server meets first before any client does: TorchScript's specialising runs,
-        and with graph buckets, per mode (code; text when `text_eos_id` is given) a request alone and
-        two together, so the compiled step (batch 1 and the dynamic batch ≥ 2 variant) and their
-        first CUDA graphs exist, and the prefill graphs of the common buckets (PREFILL_WARM_*); then
-        `freeze_compiled`. Runs the loop itself when the engine thread is not started."""
-        deadline = time.monotonic() + timeout
-        modes = [("code", AUDIO_EOS)] + ([("text", text_eos_id)] if text_eos_id is not None else [])
-        if self.graphs is None:  # nothing to capture or compile: TorchScript's specialising runs only
-            modes, rounds, tokens = modes[:1], (1, 1), 4
-        else:  # 16 tokens each; a pair steps at batch 2
-            rounds, tokens = (1, 1, 2), 16
-        for mode, eos in modes:
-            for n in rounds:
-                self._warm_batch([torch.arange(1, 9)] * n, tokens, deadline, mode, eos)
-        if self.graphs is not None:
-            self._warm_prefills([k for k in PREFILL_WARM_BATCHES if k <= self.max_slots], deadline)
-        if freeze and self.graph_step is not None:
-            self.freeze_compiled()
-
-    def warm_graphs(self, mode: str = "code", max_len: Optional[int] = None, timeout: float = 1800.0) -> int:
-        """Capture now, before the first client, what a load would otherwise capture as it first reaches
-        a bucket (each capture synchronises the device, stalling every running request): the decode
-        graph of every batch bucket at every attention bucket up to `max_len` (default
-        WARM_DECODE_LEN; with `decode_kernel` one bucket serves every length), and the prefill graphs
-        of the prompt counts `warm_up` left out. A capture that fails leaves its bucket eager, as in
-        serving. Returns the number of graphs held afterwards."""
-        if self.graphs is None:
-            return 0
-        deadline = time.monotonic() + timeout
-        max_len = WARM_DECODE_LEN if max_len is None else max_len
-        self._warm_prefills([k for k in bucket_sizes(BATCH_STEP, self.max_slots) if k not in PREFILL_WARM_BATCHES], deadline)
-        lens = sorted({self.graphs.buckets(1, n)[1] for n in range(1, min(max_len, self.max_context) + 1)})
-        keys = [(bb, lb) for lb in lens for bb in bucket_sizes(BATCH_STEP, self.max_slots)]
-
-        def capture() -> None:
-            # a capture's warm-up steps every row of its bucket in `mode`: a live row of the other mode
-            # would be stepped with the wrong head (the lazy path only meets buckets of its rows' mode)
-            if self.rows:
-                raise EngineError("warm_graphs needs an idle engine (requests are running)")
-            for bb, lb in keys:
-                self.graphs.decode_graph(mode, bb, lb)
-
-        self._on_engine_thread(capture, deadline)
-        return len(self.graphs.graphs)
-
-    def _warm_prefills(self, counts: List[int], deadline: float) -> None:
-        """One prefill (no decode step) of k prompts per PREFILL_WARM_LENGTHS bucket that graphs take,
-        for each k in `counts`: their graphs are captured now."""
-        if not self.prefill_graphs:
-            return
-        for k in counts:
-            for t in PREFILL_WARM_LENGTHS:
-                if t < self.max_context and k * t <= PREFILL_GRAPH_TOKENS:
-                    self._warm_batch([torch.arange(1, t + 1)] * k, 1, deadline)
-
-    def _on_engine_thread(self, fn: Callable[[], object], deadline: float) -> None:
-        """Run fn where the engine's graphs run (its thread, between two steps), wait for it, raise
-        what it raised."""
-        if self.thread is None or self.thread is threading.current_thread():
-            with torch.inference_mode():
-                fn()
-            return
-        done, box = threading.Event(), []
-
-        def task() -> None:
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001  handed to the caller
-                box.append(e)
-            finally:
-                done.set()
-
-        with self.cv:
-            if self.stopping:
-                raise EngineError("engine is stopping")
-            self._tasks.append(task)
-            self.cv.notify_all()
-        while not done.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
-            if not self.thread.is_alive():
-                raise EngineError("the engine thread has ended")
-            if time.monotonic() >= deadline:
-                raise EngineError("engine task did not finish in time")
-        if box:
-            raise box[0]
-
-    def _warm_batch(self, prompts: List[Tensor], tokens: int, deadline: float, mode: str = "code", eos: int = AUDIO_EOS) -> None:
-        """Generate `tokens` for each prompt, all waiting before the engine looks (an idle engine admits
-        them in one prefill); raise what failed."""
-        results: List[GenResult] = []
-        with self.cv:  # re-entrant: submit takes it too
-            for i, ids in enumerate(prompts):
-                params = SamplingParams(1.0, None, None, 1.0, tokens, tokens, seed=i)
-                self.submit(GenRequest(ids, params, results.append, mode=mode, eos_id=eos, want_hidden=False))
-        while len(results) < len(prompts):
-            if time.monotonic() > deadline:
-                raise EngineError(f"engine warm-up ({mode}, {len(prompts)} requests) did not finish in time")
-            if self.thread is None:
-                self._run_once(block=False)
-            else:
-                time.sleep(0.01)
-        for r in results:
-            if r.error is not None:
-                raise r.error
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -602,101 +358,6 @@ class Engine:
             self._hand_off(req, GenResult(None, None, "cancelled", steps=steps))
         return admitted
 
-    # -- pages ------------------------------------------------------------------------------------
-    def _grant(self, slot_id: int, pages: int) -> None:
-        """Give the slot free pages until it holds `pages` (the caller checked there are enough)."""
-        have = int(self.h_pages[slot_id])
-        if pages > have:
-            for j in range(have, pages):
-                self.h_table[slot_id, j] = self.free_pages.pop()
-            self.h_pages[slot_id] = pages
-            self._dirty.add(slot_id)
-
-    def _release(self, slot_id: int) -> None:
-        """The slot's pages back to the pool (work queued on the device before still reads them in order)."""
-        have = int(self.h_pages[slot_id])
-        if have:
-            self.free_pages.extend(self.h_table[slot_id, :have].tolist())
-            self.h_table[slot_id, :have] = 0
-            self.h_pages[slot_id] = 0
-            self._dirty.add(slot_id)
-
-    def _sync_tables(self) -> None:
-        """The block table rows that changed, onto the device (one copy)."""
-        if self._dirty:
-            rows = sorted(self._dirty)
-            self._dirty.clear()
-            at = self._h2d(torch.tensor(rows, dtype=torch.int64))
-            self.block_table.index_copy_(0, at, self._h2d(torch.from_numpy(self.h_table[rows])))
-
-    def _ensure_pages(self) -> None:
-        """Before a decode step: every running row holds the page of the position it writes; where the pool
-        has too few, the rows the scheduler picks are suspended."""
-        b = len(self.rows)
-        want = self.scheduler.pages_for(self.h_plen[:b] + self.h_n[:b])  # through the position it writes
-        short = want > self.h_pages[:b]
-        if int(short.sum()) > len(self.free_pages):
-            self._suspend(self.scheduler.victims([s.seq for s in self.rows], self.h_pages[:b], short, len(self.free_pages)))
-            b = len(self.rows)
-            want = self.scheduler.pages_for(self.h_plen[:b] + self.h_n[:b])
-            short = want > self.h_pages[:b]
-        for i in np.flatnonzero(short):
-            self._grant(int(i), int(want[i]))
-
-    def _suspend(self, ids: List[int]) -> None:
-        """Take the rows `ids` out of the batch: their pages' keys and values, tokens, hidden states and
-        sampling state to the host (queued before anything reuses the pages), their pages freed; back to
-        the head of the queue (the scheduler's `requeue`)."""
-        records = []
-        for i in ids:
-            slot = self.rows[i]
-            n, k = int(self.h_n[i]), int(self.h_pages[i])
-            pages = self._h2d(torch.from_numpy(self.h_table[i, :k].copy()))
-            slot.saved = (self._d2h(self.k_cache.index_select(1, pages)), self._d2h(self.v_cache.index_select(1, pages)),
-                          self._d2h(self.tokens[i, :n]), self._d2h(self.hiddens[i, :n]),
-                          self.row_params.narrow(i, 1).map(self._d2h),
-                          (n, int(self.h_plen[i]), int(self.h_max[i]), bool(self.h_text[i]), k))
-            self.streaming.discard(slot)
-            self._release(i)
-            records.append(Suspended(slot.req, slot.seq, pages=k, steps=n, state=slot))
-        self._compact(set(ids))
-        self.scheduler.requeue(records, self.counters.steps)
-        self.counters.preemptions += len(records)
-        log.debug("suspended %d requests for want of KV pages (%d free)", len(records), len(self.free_pages))
-
-    def _resume(self, slot: _Slot) -> None:
-        """A suspended request into the next slot, exactly as it was."""
-        k_saved, v_saved, toks, hids, params, (n, plen, max_new, text, k) = slot.saved
-        i = len(self.rows)
-        self._grant(i, k)
-        pages = self._h2d(torch.from_numpy(self.h_table[i, :k].copy()))
-        self.k_cache.index_copy_(1, pages, self._h2d(k_saved))
-        self.v_cache.index_copy_(1, pages, self._h2d(v_saved))
-        self.tokens[i, :n].copy_(self._h2d(toks))
-        self.hiddens[i, :n].copy_(self._h2d(hids))
-        self.row_params.narrow(i, 1).copy_(params.map(self._h2d))
-        self.h_n[i], self.h_plen[i], self.h_max[i], self.h_text[i] = n, plen, max_new, text
-        slot.idx, slot.saved = i, None
-        self.rows.append(slot)
-        if slot.req.on_tokens is not None:
-            self.streaming.add(slot)
-        self.counters.resumes += 1
-
-    # -- host <-> device without extra host syncs ---------------------------------------------------
-    def _h2d(self, t: Tensor) -> Tensor:
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)  # a pageable copy would sync the stream
-
-    def _d2h(self, t: Tensor) -> Tensor:
-        if self.device.type != "cuda":
-            return t.clone()  # the slot's buffers are reused: hand out a copy
-        return t.to("cpu", non_blocking=True)  # pinned; valid after the next host sync
-
-    def _set_live(self, b: int) -> None:
-        if b != self._live:
-            self.n_live.fill_(b)  # a kernel with a scalar argument: no copy, no sync
-            self._live = b
 
     # -- prefill --------------------------------------------------------------------------------
     def _prefill(self, reqs: Sequence[GenRequest]) -> None:
@@ -723,74 +384,6 @@ class Engine:
             h_last = self.run_prefill(x, positions, idx)
         self._first_step(b0, k, h_last[:k])
 
-    def run_prefill(self, x: Tensor, positions: Tensor, idx: Tensor) -> Tensor:
-        """`prefill_core`, compiled where `compile_step(prefill=True)` asked (frozen: a shape that would
-        recompile runs it plainly, as the step does)."""
-        if self.graph_prefill is not None:
-            try:
-                with torch.compiler.set_stance(self.compile_stance()):
-                    return self.graph_prefill(x, positions, idx)
-            except Exception:
-                if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                    raise  # the capture is spoilt: the graph cache runs this bucket eagerly (and we get here again)
-                log.exception("the compiled prefill failed; prefills run the plain module from now on")
-                self.graph_prefill = None
-        return self.prefill_core(x, positions, idx)
-
-    def prefill_core(self, x: Tensor, positions: Tensor, idx: Tensor) -> Tensor:
-        """The final hidden state [rows, hidden] (float) of each row's last prompt position, its
-        keys and values written to the pages of slot idx[0, row] (pure tensor work: CUDA-graph safe).
-        idx [2, rows]: slots, last positions."""
-        h = self.model.prefill(x, positions, self.block_table.index_select(0, idx[0]), self.k_cache, self.v_cache)
-        return h[torch.arange(x.shape[0], device=self.device), idx[1]].float()
-
-    def _set_params(self, b0: int, reqs: Sequence[GenRequest]) -> None:
-        self.row_params.narrow(b0, len(reqs)).copy_(RowParams.of(reqs).map(self._h2d))
-
-    def _prompt_batch(self, reqs: Sequence[GenRequest], rows: int, t: int, b0: int):
-        """The admitted prompts (slots b0..) as one padded batch x [rows, t, hidden], positions [rows, t]
-        (-1 = padding) and idx [2, rows] (slot, last prompt position); rows past the prompts are bucket
-        padding (all positions -1, slot b0). One host→device copy per input kind, one embedding call per
-        kind, one gather to lay them out."""
-        lens = [r.prompt_len for r in reqs]
-        k = len(reqs)
-        ids = [r.text_ids.reshape(-1).to("cpu", torch.int64) for r in reqs]
-        codes = [r.audio_codes.to("cpu", torch.int64) if r.audio_codes is not None and r.audio_codes.numel() else None
-                 for r in reqs]
-        n_text = sum(int(i.numel()) for i in ids)
-        n_code = sum(0 if c is None else int(c.shape[0]) for c in codes)
-        src = torch.full((rows, t), n_text + n_code, dtype=torch.int64)  # padding points at a zero row
-        positions = torch.full((rows, t), -1, dtype=torch.int64)
-        idx = torch.zeros(2, rows, dtype=torch.int64)
-        idx[0] = b0
-        idx[0, :k] += torch.arange(k)
-        idx[1, :k] = torch.tensor(lens) - 1
-        spk_row = torch.full((n_text,), -1, dtype=torch.int64)
-        spk: List[Tensor] = []
-        ot, oc = 0, n_text
-        for i, r in enumerate(reqs):
-            nt = int(ids[i].numel())
-            src[i, :nt] = torch.arange(ot, ot + nt)
-            if r.spk_emb is not None:
-                spk_row[ot : ot + nt].masked_fill_(ids[i] == r.spk_emb_id, len(spk))
-                spk.append(r.spk_emb.reshape(-1).cpu())
-            ot += nt
-            if codes[i] is not None:
-                nc = int(codes[i].shape[0])
-                src[i, nt : nt + nc] = torch.arange(oc, oc + nc)
-                oc += nc
-            positions[i, : lens[i]] = torch.arange(lens[i])
-        x = self.model.embed_text(self._h2d(torch.cat(ids)))
-        if spk:
-            table = self._h2d(torch.stack(spk)).to(x.dtype)
-            row = self._h2d(spk_row)
-            x = torch.where((row >= 0).unsqueeze(1), table[row.clamp(min=0)], x)
-        parts = [x]
-        if n_code:
-            parts.append(self.model.embed_code(self._h2d(torch.cat([c for c in codes if c is not None]))).to(x.dtype))
-        parts.append(x.new_zeros(1, x.shape[1]))
-        flat = torch.cat(parts).to(self.compute_dtype)
-        return flat[self._h2d(src)], self._h2d(positions), self._h2d(idx)
 
     def _first_step(self, b0: int, k: int, h: Tensor) -> None:
         """Sample each new request's first token; upstream ensure_non_empty: an EOS there is redrawn."""
@@ -883,85 +476,6 @@ class Engine:
         self._deliver()
         self._advance(0, b, hit_host)
 
-    def _host_sync(self, hit: Tensor) -> np.ndarray:
-        """A step's (or prefill's) one host sync: its EOS flags on the host. `event_sync` (CUDA, off by default,
-        an experiment of bench/probes/stream_codec.py): `to_host`'s wait on an event instead of a blocking copy."""
-        if self.event_sync:
-            return to_host(hit).numpy()
-        return hit.cpu().numpy()
-
-    def step_core(self, start: int, b: int, attn_len: int, mode: str = "code", n_live: Optional[Tensor] = None,
-                  groups: Optional[List[Tuple[str, Tensor]]] = None) -> Tensor:
-        """One decode step of the rows in slots start..start+b-1 (pure tensor work: no host sync,
-        CUDA-graph safe). Feeds each row's last token at position prompt_len + n - 1 (both from the
-        device state, so a graph replay needs no input), samples the next, records token and hidden
-        state. Rows at or past `n_live` are padding: they compute, but their count does not advance.
-        mode "mixed" (eager) samples each of `groups` (mode, row indices) with its own head.
-        Returns eos_hit [b]."""
-        dev = self.device
-        st = torch.arange(start, start + b, dtype=torch.int64, device=dev)
-        p = self.row_params.select(st)  # a copy: sampling advances the counts (n_dev) in place
-        n = p.n
-        last_tok = self.tokens[st, (n - 1).clamp(min=0)]
-        if mode == "text":
-            x = self.model.embed_text(last_tok[:, 0])
-        else:
-            # a free slot may still hold text-vocabulary ids: keep padding rows' lookups in range
-            x = self.model.embed_code(last_tok.clamp(max=self.num_audio_tokens - 1))
-            if mode == "mixed":
-                x = torch.where(p.text.bool().unsqueeze(1), self.model.embed_text(last_tok[:, 0]), x)
-        x = x.to(self.compute_dtype).unsqueeze(1)
-        positions = (p.prompt_len + n - 1).unsqueeze(1)
-        tables = self.block_table.narrow(0, start, b)
-        h = self.model(x, positions, tables, self.k_cache, self.v_cache, attn_len)[:, 0].float()
-        if groups is None:
-            valid = None if n_live is None else torch.arange(b, device=dev) < n_live
-            return self.sample_core(st, p, h, mode, valid)[1]
-        hit = torch.zeros(b, dtype=torch.bool, device=dev)
-        for m, rows in groups:
-            _, hm = self.sample_core(st.index_select(0, rows), p.select(rows), h.index_select(0, rows), m)
-            hit.index_copy_(0, rows, hm)
-        return hit
-
-    def sample_core(self, st: Tensor, p: Tensor, h: Tensor, mode: str, valid: Optional[Tensor] = None):
-        """Sample the next token of the rows in slots `st` (p: a copy of their `row_params`); record it."""
-        b = st.shape[0]
-        q = self.num_vq if mode == "code" else 1
-        n = p.n
-        hc = h.to(self.compute_dtype)
-        logits = self.model.logits_code(hc) if mode == "code" else self.model.logits_text(hc).unsqueeze(1)
-        logits = logits.reshape(b * q, logits.shape[-1]).float()
-
-        def rep(t: Tensor) -> Tensor:  # per-request value for each of its rows
-            return t.repeat_interleave(q)
-
-        w = REPETITION_WINDOW
-        offs = (n.unsqueeze(1) - w + torch.arange(w, device=self.device)).clamp(min=0)  # [B, W]
-        hist = self.tokens[st.unsqueeze(1), offs][..., :q].permute(0, 2, 1).reshape(b * q, w)
-        eos = p.eos
-        logits = sampling.process_logits(
-            logits,
-            rep(p.temperature),
-            rep(p.repetition_penalty),
-            rep(p.top_p),
-            rep(p.top_k),
-            hist,
-            rep(n.clamp(max=w)),
-            rep(n < p.min_new_tokens),
-            rep(eos),
-        )
-        row = torch.arange(q, device=self.device).repeat(b)
-        u = sampling.uniform(rep(p.seed), rep(n), row, rep(p.attempt))
-        tok = sampling.sample(logits, u).view(b, q)
-        hit = (tok == eos.unsqueeze(1)).any(1)
-        if q < self.num_vq:
-            tok = tok.expand(b, self.num_vq)
-        self.tokens[st, n] = tok
-        self.hiddens[st, n] = h.to(self.hiddens.dtype)  # the compute dtype: exact, the model's output in it
-        keep = ~hit if valid is None else ~hit & valid
-        self.n_dev.index_add_(0, st, keep.long())
-        return tok, hit
-
     # -- host bookkeeping -------------------------------------------------------------------------
     def _advance(self, lo: int, hi: int, hit: np.ndarray) -> None:
         """After a step of the rows in slots lo..hi-1: counts, stream chunks, finished requests."""
@@ -1043,41 +557,6 @@ class Engine:
         hid = self._d2h(self.hiddens[slot_id, :n].float()) if (req.want_hidden and req.mode == "code") else None
         return GenResult(toks, hid, reason, steps=n)
 
-    def _compact(self, done: Set[int]) -> None:
-        """Keep the running requests in slots 0..B-1: the last ones move into the freed slots below (their
-        state and block table rows; their keys and values stay in their pages). `done` rows hold no pages."""
-        b = len(self.rows)
-        keep = b - len(done)
-        holes = sorted(i for i in done if i < keep)
-        movers = [i for i in range(keep, b) if i not in done]
-        if holes:
-            src_h, dst_h = np.array(movers), np.array(holes)
-            src = self._h2d(torch.from_numpy(src_h))
-            dst = self._h2d(torch.from_numpy(dst_h))
-            t = int(self.h_n[src_h].max()) + 1
-            for buf in (self.tokens.narrow(1, 0, t), self.hiddens.narrow(1, 0, t), self.row_params.ints, self.row_params.floats):
-                buf.index_copy_(0, dst, buf.index_select(0, src))
-            for arr in (self.h_n, self.h_plen, self.h_max, self.h_text, self.h_table, self.h_pages):
-                arr[dst_h] = arr[src_h]
-            self.h_table[src_h] = 0
-            self.h_pages[src_h] = 0
-            self._dirty.update(holes + movers)
-            for s, d in zip(movers, holes):
-                slot = self.rows[s]
-                slot.idx = d
-                self.rows[d] = slot
-        del self.rows[keep:]
-        self._clear_free(keep, b)
-
-    def _clear_free(self, lo: int, hi: int) -> None:
-        # free slots are the padding rows of graph buckets: n = prompt_len = 0 (nothing in their
-        # history is read) and the audio EOS (a text request's EOS id would index past the code head)
-        if hi > lo:
-            self.row_params.narrow(lo, hi - lo).copy_(self._free_row)
-            self.h_n[lo:hi] = 0
-            self.h_plen[lo:hi] = 0
-            self.h_text[lo:hi] = False
-
     def _fail_all(self, error: BaseException) -> None:
         self._pending.clear()
         for i in range(len(self.rows)):
@@ -1103,108 +582,3 @@ class Engine:
             req.on_done(res)
         except Exception:  # a failing callback must not take the engine down
             log.exception("generation callback failed")
-
-
-GPU_TIMING_EVERY = 8  # decode steps per one timed on the GPU's clock (two events and a query each)
-# decode steps per GIL probe: its sleep(0) is paid on the hot path (≈ 1 % of a step at concurrency 1 when every
-# 8th step paid it), so it samples rarely
-GIL_PROBE_EVERY = 64
-BATCH_STEP = 32  # batch buckets: powers of two up to this, then its multiples (≤ 31 padding rows)
-LEN_STEP = 128  # attention-length buckets: multiples of this
-PREFILL_LEN_STEP = 32  # prompt-length buckets: powers of two up to this, then its multiples
-PREFILL_GRAPH_TOKENS = 4096  # larger padded prefills run eagerly
-PREFILL_WARM_BATCHES = (1, 2, 4, 8, 16, 32)  # prefill graphs captured by warm_up: prompts per prefill ...
-PREFILL_WARM_LENGTHS = (16, 32, 64, 128)  # ... times prompt-length bucket
-WARM_DECODE_LEN = 512  # warm_graphs: decode graphs of every batch bucket up to this attention length
-
-
-def bucket_sizes(step: int, largest: int) -> List[int]:
-    """Every bucket `bucket(n, step, largest)` takes for n = 1 .. largest."""
-    return sorted({bucket(n, step, largest) for n in range(1, largest + 1)})
-
-
-class CudaGraphs(GraphCache):
-    """Decode steps and prefills replayed from CUDA graphs.
-
-    Decode: one graph per (mode, batch bucket, attention-length bucket; with `Engine.decode_kernel` one
-    length bucket for all). A bucket runs slots
-    0..bucket-1: the live batch, then free slots as padding rows (`Engine.n_live` keeps their counts
-    from advancing; their other writes land in free slots, which admission resets). What a graph runs
-    is `Engine.step_core`, the same code as the eager path.
-    Prefill: one graph per (prompt-count bucket, prompt-length bucket) up to PREFILL_GRAPH_TOKENS
-    padded tokens, over static inputs that each prefill copies its padded batch into; it runs
-    `Engine.run_prefill` (slots as a tensor, so one graph serves any slots).
-    All are captured on first use into one shared memory pool; with capture=False (CPU tests) the
-    same buckets run eagerly.
-    """
-
-    def __init__(self, engine: Engine, capture: bool = True):
-        super().__init__(engine.device, capture)
-        self.e = engine
-        self.prefill_inputs: Dict[tuple, Tuple[Tensor, Tensor, Tensor]] = {}
-        self.last_events = None  # see step
-
-    def buckets(self, b: int, attn_len: int) -> Tuple[int, int]:
-        e = self.e
-        if e.decode_kernel:  # each row reads its own keys whatever attn_len: one graph per batch bucket
-            return bucket(b, BATCH_STEP, e.max_slots), LEN_STEP
-        return bucket(b, BATCH_STEP, e.max_slots), bucket(max(attn_len, LEN_STEP), LEN_STEP, e.max_context)
-
-    def prefill_buckets(self, k: int, t: int) -> Tuple[int, int]:
-        e = self.e
-        return bucket(k, BATCH_STEP, e.max_slots), bucket(t, PREFILL_LEN_STEP, e.max_context)
-
-    def step(self, b: int, attn_len: int, mode: str) -> Optional[Tensor]:
-        """eos_hit [bucket] of one step of the live rows 0..b-1, or None: run it eagerly.
-        `last_events`: the timing events of the graph it replayed (None: eager, or untimed)."""
-        self.last_events = None
-        run = self.decode_graph(mode, *self.buckets(b, attn_len))
-        if run is None:
-            return None
-        self.e._set_live(b)
-        self.last_events = getattr(run, "events", None)
-        return run()
-
-    def decode_graph(self, mode: str, bb: int, lb: int) -> Optional[Callable[[], Tensor]]:
-        return self._graph((mode, bb, lb), lambda: self._warm(mode, bb, lb), lambda: self._step(mode, bb, lb), timed=True)
-
-    def failed_decode_buckets(self) -> List[tuple]:
-        """Decode buckets whose capture failed (they run eagerly); failed prefill buckets are not
-        counted (they run eagerly too, and a compiled prefill that fails falls back by itself)."""
-        return [key for key, run in self.graphs.items() if run is None and key[0] != "prefill"]
-
-    def prefill(self, b0: int, reqs: Sequence[GenRequest]) -> Optional[Tensor]:
-        """`Engine.run_prefill` of the prompts `reqs` into slots b0.. from the graph of their bucket:
-        [bucket rows, hidden], the first len(reqs) rows theirs; None over PREFILL_GRAPH_TOKENS."""
-        e = self.e
-        kb, tb = self.prefill_buckets(len(reqs), max(r.prompt_len for r in reqs))
-        if kb * tb > PREFILL_GRAPH_TOKENS:  # compute-bound anyway: not worth a graph per shape
-            return None
-        key = ("prefill", kb, tb)
-        inputs = e._prompt_batch(reqs, kb, tb, b0)
-        static = self.prefill_inputs.get(key)
-        if static is None:
-            static = self.prefill_inputs[key] = tuple(torch.empty_like(t) for t in inputs)
-        for buf, t in zip(static, inputs):
-            buf.copy_(t)
-        # warm-up and capture runs compute this very prefill (the same writes each time)
-        run = self._graph(key, lambda: [e.run_prefill(*static) for _ in range(3)], lambda: e.run_prefill(*static))
-        return e.run_prefill(*static) if run is None else run()
-
-    def _step(self, mode: str, bb: int, lb: int) -> Tensor:
-        e = self.e
-        # text mode (refine text, rare) keeps the plain step: inductor 2.11 fails to generate its
-        # top-P scan over the 21178-id text vocabulary at a dynamic batch
-        if e.graph_step is None or mode != "code":
-            return e.step_core(0, bb, lb, mode, e.n_live)
-        # frozen: a bucket the warm-up did not compile for runs the plain step (still in a graph)
-        with torch.compiler.set_stance(e.compile_stance()):
-            return e.graph_step(0, bb, lb, mode, e.n_live)
-
-    def _warm(self, mode: str, bb: int, lb: int) -> None:
-        # n_live = 0: every row is padding, so a live row only gets the writes (its KV at its current
-        # position, its next token/hidden) that its next real step makes again before reading them
-        e = self.e
-        e._set_live(0)
-        for _ in range(3):
-            self._step(mode, bb, lb)

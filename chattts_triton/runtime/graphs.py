@@ -1,15 +1,19 @@
 """CUDA graphs captured on first use, by key, into one memory pool (the engine's decode steps and
-prefills, the codec's padded batches), and device-to-host copies that wait on an event. Plain
-PyTorch: no Triton here."""
+prefills: `CudaGraphs` and its buckets; the codec's padded batches), and device-to-host copies that wait on an
+event. Plain PyTorch: no Triton here."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Dict, Hashable, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .request import GenRequest
 
 log = logging.getLogger(__name__)
 
@@ -124,3 +128,104 @@ class GraphCache:
             if events is not None:
                 events[1].record()
         return graph, out
+
+
+BATCH_STEP = 32  # batch buckets: powers of two up to this, then its multiples (≤ 31 padding rows)
+LEN_STEP = 128  # attention-length buckets: multiples of this
+PREFILL_LEN_STEP = 32  # prompt-length buckets: powers of two up to this, then its multiples
+PREFILL_GRAPH_TOKENS = 4096  # larger padded prefills run eagerly
+PREFILL_WARM_BATCHES = (1, 2, 4, 8, 16, 32)  # prefill graphs captured by warm_up: prompts per prefill ...
+PREFILL_WARM_LENGTHS = (16, 32, 64, 128)  # ... times prompt-length bucket
+WARM_DECODE_LEN = 512  # warm_graphs: decode graphs of every batch bucket up to this attention length
+
+
+def bucket_sizes(step: int, largest: int) -> List[int]:
+    """Every bucket `bucket(n, step, largest)` takes for n = 1 .. largest."""
+    return sorted({bucket(n, step, largest) for n in range(1, largest + 1)})
+
+
+class CudaGraphs(GraphCache):
+    """Decode steps and prefills replayed from CUDA graphs.
+
+    Decode: one graph per (mode, batch bucket, attention-length bucket; with `Engine.decode_kernel` one
+    length bucket for all). A bucket runs slots
+    0..bucket-1: the live batch, then free slots as padding rows (`Engine.n_live` keeps their counts
+    from advancing; their other writes land in free slots, which admission resets). What a graph runs
+    is `Engine.step_core`, the same code as the eager path.
+    Prefill: one graph per (prompt-count bucket, prompt-length bucket) up to PREFILL_GRAPH_TOKENS
+    padded tokens, over static inputs that each prefill copies its padded batch into; it runs
+    `Engine.run_prefill` (slots as a tensor, so one graph serves any slots).
+    All are captured on first use into one shared memory pool; with capture=False (CPU tests) the
+    same buckets run eagerly.
+    """
+
+    def __init__(self, engine: "Engine", capture: bool = True):
+        super().__init__(engine.device, capture)
+        self.e = engine
+        self.prefill_inputs: Dict[tuple, Tuple[Tensor, Tensor, Tensor]] = {}
+        self.last_events = None  # see step
+
+    def buckets(self, b: int, attn_len: int) -> Tuple[int, int]:
+        e = self.e
+        if e.decode_kernel:  # each row reads its own keys whatever attn_len: one graph per batch bucket
+            return bucket(b, BATCH_STEP, e.max_slots), LEN_STEP
+        return bucket(b, BATCH_STEP, e.max_slots), bucket(max(attn_len, LEN_STEP), LEN_STEP, e.max_context)
+
+    def prefill_buckets(self, k: int, t: int) -> Tuple[int, int]:
+        e = self.e
+        return bucket(k, BATCH_STEP, e.max_slots), bucket(t, PREFILL_LEN_STEP, e.max_context)
+
+    def step(self, b: int, attn_len: int, mode: str) -> Optional[Tensor]:
+        """eos_hit [bucket] of one step of the live rows 0..b-1, or None: run it eagerly.
+        `last_events`: the timing events of the graph it replayed (None: eager, or untimed)."""
+        self.last_events = None
+        run = self.decode_graph(mode, *self.buckets(b, attn_len))
+        if run is None:
+            return None
+        self.e._set_live(b)
+        self.last_events = getattr(run, "events", None)
+        return run()
+
+    def decode_graph(self, mode: str, bb: int, lb: int) -> Optional[Callable[[], Tensor]]:
+        return self._graph((mode, bb, lb), lambda: self._warm(mode, bb, lb), lambda: self._step(mode, bb, lb), timed=True)
+
+    def failed_decode_buckets(self) -> List[tuple]:
+        """Decode buckets whose capture failed (they run eagerly); failed prefill buckets are not
+        counted (they run eagerly too, and a compiled prefill that fails falls back by itself)."""
+        return [key for key, run in self.graphs.items() if run is None and key[0] != "prefill"]
+
+    def prefill(self, b0: int, reqs: Sequence["GenRequest"]) -> Optional[Tensor]:
+        """`Engine.run_prefill` of the prompts `reqs` into slots b0.. from the graph of their bucket:
+        [bucket rows, hidden], the first len(reqs) rows theirs; None over PREFILL_GRAPH_TOKENS."""
+        e = self.e
+        kb, tb = self.prefill_buckets(len(reqs), max(r.prompt_len for r in reqs))
+        if kb * tb > PREFILL_GRAPH_TOKENS:  # compute-bound anyway: not worth a graph per shape
+            return None
+        key = ("prefill", kb, tb)
+        inputs = e._prompt_batch(reqs, kb, tb, b0)
+        static = self.prefill_inputs.get(key)
+        if static is None:
+            static = self.prefill_inputs[key] = tuple(torch.empty_like(t) for t in inputs)
+        for buf, t in zip(static, inputs):
+            buf.copy_(t)
+        # warm-up and capture runs compute this very prefill (the same writes each time)
+        run = self._graph(key, lambda: [e.run_prefill(*static) for _ in range(3)], lambda: e.run_prefill(*static))
+        return e.run_prefill(*static) if run is None else run()
+
+    def _step(self, mode: str, bb: int, lb: int) -> Tensor:
+        e = self.e
+        # text mode (refine text, rare) keeps the plain step: inductor 2.11 fails to generate its
+        # top-P scan over the 21178-id text vocabulary at a dynamic batch
+        if e.graph_step is None or mode != "code":
+            return e.step_core(0, bb, lb, mode, e.n_live)
+        # frozen: a bucket the warm-up did not compile for runs the plain step (still in a graph)
+        with torch.compiler.set_stance(e.compile_stance()):
+            return e.graph_step(0, bb, lb, mode, e.n_live)
+
+    def _warm(self, mode: str, bb: int, lb: int) -> None:
+        # n_live = 0: every row is padding, so a live row only gets the writes (its KV at its current
+        # position, its next token/hidden) that its next real step makes again before reading them
+        e = self.e
+        e._set_live(0)
+        for _ in range(3):
+            self._step(mode, bb, lb)

@@ -1,0 +1,262 @@
+"""The GPT engine's tensor work: the decode step (`step_core`), sampling (`sample_core`), the prefill
+(`prefill_core`, `run_prefill`, `_prompt_batch`), the compiled step, and the slot state they read and write
+(tokens, hidden states, `RowParams`). A mixin of `Engine` (engine.py), which owns the state and decides when
+each runs; `step_core` and `prefill_core` are pure tensor work (no host sync: CUDA-graph safe)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..config import REPETITION_WINDOW
+from ..model import sampling
+from .graphs import CudaGraphs, to_host
+from .request import EngineError, GenRequest
+from .row_params import RowParams
+
+log = logging.getLogger(__name__)
+
+
+def paged_interface(model) -> bool:
+    """Whether `model` (ChatTTSGPT or its TorchScript export) takes block tables (`tables`); a gpt.pt
+    exported before the paged cache takes a slot range instead."""
+    try:
+        if isinstance(model, torch.jit.ScriptModule):
+            names = [a.name for a in model.forward.schema.arguments]
+        else:
+            names = list(inspect.signature(model.forward).parameters)
+    except Exception:  # noqa: BLE001 - an unusual wrapper: let the first step tell
+        return True
+    return "tables" in names
+
+
+def _check_model(model) -> None:
+    if not paged_interface(model):
+        raise EngineError("the GPT model was exported before the paged KV cache: re-export it (python -m export), "
+                          "or run the eager module built from its weights (gpt.eager_from_script)")
+
+
+class Runner:
+    """`Engine`'s decode step, sampling and prefill (state: `_alloc_slots`)."""
+
+    def _alloc_slots(self) -> None:
+        """Each slot's tokens, hidden states and sampling state (engine thread, see `Engine._alloc`)."""
+        max_slots, max_new_tokens, num_vq, hidden = self.max_slots, self.max_new_tokens, self.num_vq, self.hidden
+        dev = self.device
+        # running requests hold slots 0..B-1 (compacted); CUDA-graph buckets pad with free slots B..
+        # and never exceed max_slots, so no scratch slot is needed
+        s = max_slots
+        self.tokens = torch.zeros(s, max_new_tokens + 1, num_vq, dtype=torch.int64, device=dev)
+        # the model's final hidden states are in the compute dtype: kept in it, they are exact at half the memory
+        self.hiddens = torch.zeros(s, max_new_tokens + 1, hidden, dtype=self.compute_dtype, device=dev)
+        # each slot's sampling state and counts (row_params.py); a free slot's pads graph buckets
+        self.row_params = RowParams.free(s, dev)
+        self._free_row = RowParams.free(1, dev)
+        self.n_dev = self.row_params.n  # the count column, kept as one view: every step writes it in place
+        self.n_live = torch.zeros((), dtype=torch.int64, device=dev)  # rows ≥ this in a graph bucket are padding
+        self.graphs = CudaGraphs(self) if (self.cuda_graphs and self.device.type == "cuda") else None
+
+    def compile_step(self, dynamic: bool = True, backend: str = "inductor", prefill: bool = False) -> None:
+        """Graph buckets run the decode step compiled by torch.compile (inductor: fused norm, RoPE
+        and sampling kernels, still replayed from CUDA graphs: faster than the TorchScript step, bench/probes/step.py
+        measures both); audio-code steps only. Needs the eager module, not TorchScript.
+        dynamic: one compile for all buckets (batch 1 still gets its own); else one per bucket. Call
+        `freeze_compiled` once the buckets in use are warm: a bucket that would need a recompile then
+        runs the plain step instead of stalling every running request for the tens of seconds a
+        compile takes. prefill: prefills (graphed or not) run `prefill_core` compiled too, with dynamic
+        shapes (opt-in: faster alone from its graph, but it makes a served start-up minutes longer;
+        docs/performance.md)."""
+        if isinstance(self.model, torch.jit.ScriptModule):
+            raise EngineError("compile_step needs the eager GPT module (chattts_triton.model.gpt), not TorchScript")
+        import torch._dynamo as dynamo
+        import torch._inductor.config as inductor_config
+
+        cfg = dynamo.config
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(cfg, name):  # one compile per (mode, batch bucket, length bucket) unless dynamic
+                setattr(cfg, name, max(getattr(cfg, name), 4096))
+        # autotuning a kernel that writes in place clones its arguments per tried config: for the
+        # KV-cache writes that is the whole multi-GB cache (minutes, and no result)
+        inductor_config.triton.autotune_pointwise = False
+        self.graph_step = torch.compile(self.step_core, dynamic=dynamic, backend=backend)
+        self.graph_prefill = torch.compile(self.prefill_core, dynamic=True, backend=backend) if prefill else None
+
+    def freeze_compiled(self) -> None:
+        self.compiled_frozen = True
+
+    def compile_stance(self) -> str:
+        """torch.compiler stance of compiled calls: once frozen, a call that would recompile runs plainly."""
+        return "eager_on_recompile" if self.compiled_frozen else "default"
+
+    # -- host <-> device without extra host syncs ---------------------------------------------------
+    def _h2d(self, t: Tensor) -> Tensor:
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)  # a pageable copy would sync the stream
+
+    def _d2h(self, t: Tensor) -> Tensor:
+        if self.device.type != "cuda":
+            return t.clone()  # the slot's buffers are reused: hand out a copy
+        return t.to("cpu", non_blocking=True)  # pinned; valid after the next host sync
+
+    def _set_live(self, b: int) -> None:
+        if b != self._live:
+            self.n_live.fill_(b)  # a kernel with a scalar argument: no copy, no sync
+            self._live = b
+
+
+    # -- prefill --------------------------------------------------------------------------------
+    def run_prefill(self, x: Tensor, positions: Tensor, idx: Tensor) -> Tensor:
+        """`prefill_core`, compiled where `compile_step(prefill=True)` asked (frozen: a shape that would
+        recompile runs it plainly, as the step does)."""
+        if self.graph_prefill is not None:
+            try:
+                with torch.compiler.set_stance(self.compile_stance()):
+                    return self.graph_prefill(x, positions, idx)
+            except Exception:
+                if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise  # the capture is spoilt: the graph cache runs this bucket eagerly (and we get here again)
+                log.exception("the compiled prefill failed; prefills run the plain module from now on")
+                self.graph_prefill = None
+        return self.prefill_core(x, positions, idx)
+
+    def prefill_core(self, x: Tensor, positions: Tensor, idx: Tensor) -> Tensor:
+        """The final hidden state [rows, hidden] (float) of each row's last prompt position, its
+        keys and values written to the pages of slot idx[0, row] (pure tensor work: CUDA-graph safe).
+        idx [2, rows]: slots, last positions."""
+        h = self.model.prefill(x, positions, self.block_table.index_select(0, idx[0]), self.k_cache, self.v_cache)
+        return h[torch.arange(x.shape[0], device=self.device), idx[1]].float()
+
+    def _set_params(self, b0: int, reqs: Sequence[GenRequest]) -> None:
+        self.row_params.narrow(b0, len(reqs)).copy_(RowParams.of(reqs).map(self._h2d))
+
+    def _prompt_batch(self, reqs: Sequence[GenRequest], rows: int, t: int, b0: int):
+        """The admitted prompts (slots b0..) as one padded batch x [rows, t, hidden], positions [rows, t]
+        (-1 = padding) and idx [2, rows] (slot, last prompt position); rows past the prompts are bucket
+        padding (all positions -1, slot b0). One host→device copy per input kind, one embedding call per
+        kind, one gather to lay them out."""
+        lens = [r.prompt_len for r in reqs]
+        k = len(reqs)
+        ids = [r.text_ids.reshape(-1).to("cpu", torch.int64) for r in reqs]
+        codes = [r.audio_codes.to("cpu", torch.int64) if r.audio_codes is not None and r.audio_codes.numel() else None
+                 for r in reqs]
+        n_text = sum(int(i.numel()) for i in ids)
+        n_code = sum(0 if c is None else int(c.shape[0]) for c in codes)
+        src = torch.full((rows, t), n_text + n_code, dtype=torch.int64)  # padding points at a zero row
+        positions = torch.full((rows, t), -1, dtype=torch.int64)
+        idx = torch.zeros(2, rows, dtype=torch.int64)
+        idx[0] = b0
+        idx[0, :k] += torch.arange(k)
+        idx[1, :k] = torch.tensor(lens) - 1
+        spk_row = torch.full((n_text,), -1, dtype=torch.int64)
+        spk: List[Tensor] = []
+        ot, oc = 0, n_text
+        for i, r in enumerate(reqs):
+            nt = int(ids[i].numel())
+            src[i, :nt] = torch.arange(ot, ot + nt)
+            if r.spk_emb is not None:
+                spk_row[ot : ot + nt].masked_fill_(ids[i] == r.spk_emb_id, len(spk))
+                spk.append(r.spk_emb.reshape(-1).cpu())
+            ot += nt
+            if codes[i] is not None:
+                nc = int(codes[i].shape[0])
+                src[i, nt : nt + nc] = torch.arange(oc, oc + nc)
+                oc += nc
+            positions[i, : lens[i]] = torch.arange(lens[i])
+        x = self.model.embed_text(self._h2d(torch.cat(ids)))
+        if spk:
+            table = self._h2d(torch.stack(spk)).to(x.dtype)
+            row = self._h2d(spk_row)
+            x = torch.where((row >= 0).unsqueeze(1), table[row.clamp(min=0)], x)
+        parts = [x]
+        if n_code:
+            parts.append(self.model.embed_code(self._h2d(torch.cat([c for c in codes if c is not None]))).to(x.dtype))
+        parts.append(x.new_zeros(1, x.shape[1]))
+        flat = torch.cat(parts).to(self.compute_dtype)
+        return flat[self._h2d(src)], self._h2d(positions), self._h2d(idx)
+
+    # -- decode ---------------------------------------------------------------------------------
+    def _host_sync(self, hit: Tensor) -> np.ndarray:
+        """A step's (or prefill's) one host sync: its EOS flags on the host. `event_sync` (CUDA, off by default,
+        an experiment of bench/probes/stream_codec.py): `to_host`'s wait on an event instead of a blocking copy."""
+        if self.event_sync:
+            return to_host(hit).numpy()
+        return hit.cpu().numpy()
+
+    def step_core(self, start: int, b: int, attn_len: int, mode: str = "code", n_live: Optional[Tensor] = None,
+                  groups: Optional[List[Tuple[str, Tensor]]] = None) -> Tensor:
+        """One decode step of the rows in slots start..start+b-1 (pure tensor work: no host sync,
+        CUDA-graph safe). Feeds each row's last token at position prompt_len + n - 1 (both from the
+        device state, so a graph replay needs no input), samples the next, records token and hidden
+        state. Rows at or past `n_live` are padding: they compute, but their count does not advance.
+        mode "mixed" (eager) samples each of `groups` (mode, row indices) with its own head.
+        Returns eos_hit [b]."""
+        dev = self.device
+        st = torch.arange(start, start + b, dtype=torch.int64, device=dev)
+        p = self.row_params.select(st)  # a copy: sampling advances the counts (n_dev) in place
+        n = p.n
+        last_tok = self.tokens[st, (n - 1).clamp(min=0)]
+        if mode == "text":
+            x = self.model.embed_text(last_tok[:, 0])
+        else:
+            # a free slot may still hold text-vocabulary ids: keep padding rows' lookups in range
+            x = self.model.embed_code(last_tok.clamp(max=self.num_audio_tokens - 1))
+            if mode == "mixed":
+                x = torch.where(p.text.bool().unsqueeze(1), self.model.embed_text(last_tok[:, 0]), x)
+        x = x.to(self.compute_dtype).unsqueeze(1)
+        positions = (p.prompt_len + n - 1).unsqueeze(1)
+        tables = self.block_table.narrow(0, start, b)
+        h = self.model(x, positions, tables, self.k_cache, self.v_cache, attn_len)[:, 0].float()
+        if groups is None:
+            valid = None if n_live is None else torch.arange(b, device=dev) < n_live
+            return self.sample_core(st, p, h, mode, valid)[1]
+        hit = torch.zeros(b, dtype=torch.bool, device=dev)
+        for m, rows in groups:
+            _, hm = self.sample_core(st.index_select(0, rows), p.select(rows), h.index_select(0, rows), m)
+            hit.index_copy_(0, rows, hm)
+        return hit
+
+    def sample_core(self, st: Tensor, p: Tensor, h: Tensor, mode: str, valid: Optional[Tensor] = None):
+        """Sample the next token of the rows in slots `st` (p: a copy of their `row_params`); record it."""
+        b = st.shape[0]
+        q = self.num_vq if mode == "code" else 1
+        n = p.n
+        hc = h.to(self.compute_dtype)
+        logits = self.model.logits_code(hc) if mode == "code" else self.model.logits_text(hc).unsqueeze(1)
+        logits = logits.reshape(b * q, logits.shape[-1]).float()
+
+        def rep(t: Tensor) -> Tensor:  # per-request value for each of its rows
+            return t.repeat_interleave(q)
+
+        w = REPETITION_WINDOW
+        offs = (n.unsqueeze(1) - w + torch.arange(w, device=self.device)).clamp(min=0)  # [B, W]
+        hist = self.tokens[st.unsqueeze(1), offs][..., :q].permute(0, 2, 1).reshape(b * q, w)
+        eos = p.eos
+        logits = sampling.process_logits(
+            logits,
+            rep(p.temperature),
+            rep(p.repetition_penalty),
+            rep(p.top_p),
+            rep(p.top_k),
+            hist,
+            rep(n.clamp(max=w)),
+            rep(n < p.min_new_tokens),
+            rep(eos),
+        )
+        row = torch.arange(q, device=self.device).repeat(b)
+        u = sampling.uniform(rep(p.seed), rep(n), row, rep(p.attempt))
+        tok = sampling.sample(logits, u).view(b, q)
+        hit = (tok == eos.unsqueeze(1)).any(1)
+        if q < self.num_vq:
+            tok = tok.expand(b, self.num_vq)
+        self.tokens[st, n] = tok
+        self.hiddens[st, n] = h.to(self.hiddens.dtype)  # the compute dtype: exact, the model's output in it
+        keep = ~hit if valid is None else ~hit & valid
+        self.n_dev.index_add_(0, st, keep.long())
+        return tok, hit
+
