@@ -142,8 +142,8 @@ def write_input_data(path: Path, frames, text: str = TEXT, seed: int = 1) -> Pat
 
 
 def command(binary: Path, url: str, concurrency: int, input_data: Path, csv_path: Path, window_ms: int,
-            stability: int = 25) -> List[str]:
-    return [str(binary), "-m", "chattts", "-i", "grpc", "-u", url, "-b", "1", "--input-data", str(input_data),
+            stability: int = 25, protocol: str = "grpc") -> List[str]:
+    return [str(binary), "-m", "chattts", "-i", protocol, "-u", url, "-b", "1", "--input-data", str(input_data),
             "--concurrency-range", str(concurrency), "--measurement-mode", "time_windows",
             "--measurement-interval", str(window_ms), "--stability-percentage", str(stability), "--max-trials", "6",
             "--percentile", "99", "-f", str(csv_path)]
@@ -160,7 +160,7 @@ def parse_csv(path: Path) -> dict:
 
 
 def run(url: str, levels: List[int], frames, out: Path, window_ms: int = 5000, binary: Optional[Path] = None,
-        log=print, stability: int = 25) -> List[dict]:
+        log=print, stability: int = 25, protocol: str = "grpc") -> List[dict]:
     """One perf_analyzer run per level; stability: the spread (%) its last three windows must fall within.
     frames: N, or a Lengths / "A-B" (a mix: write_input_data)."""
     binary = binary or prepare()
@@ -168,7 +168,7 @@ def run(url: str, levels: List[int], frames, out: Path, window_ms: int = 5000, b
     rows = []
     for c in levels:
         csv_path = out / f"perf-c{c}.csv"
-        cmd = command(binary, url, c, data, csv_path, window_ms, stability)
+        cmd = command(binary, url, c, data, csv_path, window_ms, stability, protocol)
         r = subprocess.run(cmd, capture_output=True, text=True, env=environment(binary),
                            timeout=60 + 8 * window_ms / 1000)
         if r.returncode != 0 or not csv_path.is_file():

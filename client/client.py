@@ -69,6 +69,11 @@ MAX_BACKOFF_S = 10.0
 DEFAULT_MAX_CONCURRENCY = 16
 CONNECT_TIMEOUT_S = 10.0
 CLOSE_WAIT_S = 1.0  # how long closing a stream waits for its call to end
+# Triton's HTTP frontend gzips an infer response whenever the request accepts gzip or deflate, and it does so
+# in the thread that delivers the ensemble's responses: one response after the other, ~10-20 ms for a few
+# seconds of float32 audio (which hardly compresses). aiohttp (tritonclient.http.aio) accepts both by default,
+# which held every asyncio HTTP client to one answer at a time. Ask for the bytes as they are.
+UNCOMPRESSED_HEADERS = {"Accept-Encoding": "identity"}
 
 OnResult = Callable[[int, Union[np.ndarray, ChatTTSError]], None]
 OnSpokenText = Callable[[str], None]
@@ -583,7 +588,8 @@ class _HttpTransport:
 
     def infer(self, arrays: Mapping[str, np.ndarray], spoken_text: bool = False):
         result = self._client().infer(
-            self._model, to_infer_inputs(self._module, arrays), outputs=requested_outputs(self._module, spoken_text)
+            self._model, to_infer_inputs(self._module, arrays), outputs=requested_outputs(self._module, spoken_text),
+            headers=dict(UNCOMPRESSED_HEADERS),  # a copy each call: tritonclient adds its own to the dict
         )
         return _infer_result(result, spoken_text)
 
@@ -690,7 +696,8 @@ class _AioHttpTransport:
 
     async def infer(self, arrays: Mapping[str, np.ndarray], spoken_text: bool = False):
         result = await self._client.infer(
-            self._model, to_infer_inputs(self._module, arrays), outputs=requested_outputs(self._module, spoken_text)
+            self._model, to_infer_inputs(self._module, arrays), outputs=requested_outputs(self._module, spoken_text),
+            headers=dict(UNCOMPRESSED_HEADERS),  # a copy each call: tritonclient adds its own to the dict
         )
         return _infer_result(result, spoken_text)
 
@@ -698,7 +705,7 @@ class _AioHttpTransport:
         return await self._client.is_server_ready() and await self._client.is_model_ready(self._model)
 
     async def statistics(self, model: str) -> dict:
-        return await self._client.get_inference_statistics(model)
+        return await self._client.get_inference_statistics(model, headers=dict(UNCOMPRESSED_HEADERS))
 
     async def close(self) -> None:
         if self._stream_session is not None:
