@@ -1,0 +1,93 @@
+"""bench.http_clients' arithmetic and report, and loadtest.standin's repository (no server here)."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from bench import http_clients as hc
+from chattts_triton import config as C
+from loadtest import standin
+
+
+def test_summarize_counts_the_window_only():
+    spans = [(0.0, 0.5, True), (0.2, 1.5, True), (1.0, 2.5, False), (1.1, 2.9, True), (2.0, 3.5, True)]
+    got = hc.summarize(spans, 1.0, 3.0)
+    assert got["requests"] == 3 and got["errors"] == 1
+    assert got["throughput_utt_s"] == pytest.approx(2 / 2.0)
+    assert got["latency_p50_ms"] == pytest.approx((1300 + 1800) / 2)
+
+
+def _history(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Timestamp", "User Count", "Type", "Name", "Total Request Count", "Total Failure Count"])
+        w.writerows(rows)
+
+
+def test_locust_window_takes_the_aggregated_rows_inside(tmp_path):
+    p = tmp_path / "h.csv"
+    _history(p, [[100, 4, "", "Aggregated", 10, 0], [101, 4, "http", "chattts short", 99, 9],
+                 [102, 4, "", "Aggregated", 30, 1], [106, 4, "", "Aggregated", 110, 3], [120, 4, "", "Aggregated", 500, 3]])
+    got = hc.locust_window(p, 101.5, 110)
+    assert got == {"throughput_utt_s": pytest.approx((80 - 2) / 4), "errors": 2, "requests": 80}
+    with pytest.raises(RuntimeError, match="fewer than two"):
+        hc.locust_window(p, 107, 110)
+
+
+def test_ratios_and_marks_against_perf_analyzer():
+    rows = [{"concurrency": 64, "path": "perf_analyzer", "throughput_utt_s": 200.0},
+            {"concurrency": 64, "path": "asyncio", "throughput_utt_s": 190.0},
+            {"concurrency": 64, "path": "tritonclient-aio", "throughput_utt_s": 50.0},
+            {"concurrency": 256, "path": "sync", "throughput_utt_s": 300.0}]
+    hc.add_ratios(rows)
+    assert [r["of_perf_analyzer"] for r in rows] == [1.0, 0.95, 0.25, None]
+    md = hc.to_markdown({"server": "s", "machine": "m", "tokens": 150, "seconds": 30, "warmup": 10, "window_ms": 5000,
+                         "stability": 25, "command": "python -m bench.http_clients", "rows": rows})
+    assert "| 64 | asyncio | 190.0 | 95 % ✓ |" in md and "| 64 | tritonclient-aio | 50.0 | 25 % ✗ |" in md
+    assert "| 256 | sync | 300.0 |  |" in md  # no reference at that level: no share
+
+
+@pytest.mark.parametrize("argv", [["--url", "h:1", "--paths", "asyncio,nope"], ["--url", "h:1", "--paths", "grpc"],
+                                  ["--url", "h:1", "--concurrency", "0"], ["--standin", "--tokens", "0"], ["--paths", "sync"]])
+def test_bad_arguments_exit_2(argv, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        hc.main([*argv, "--out", str(tmp_path)])
+    assert e.value.code == 2
+
+
+def test_standin_has_the_ensembles_inputs_and_outputs(tmp_path):
+    repo = standin.write_repo(tmp_path / "r", default_frames=7)
+    text = (repo / C.ENSEMBLE / "config.pbtxt").read_text()
+    assert f'name: "{C.ENSEMBLE}"' in text and 'backend: "python"' in text
+    for name, (dtype, _, required) in C.ENSEMBLE_INPUTS.items():
+        block = text.split(f'name: "{name}"\n', 1)[1].split("}", 1)[0]
+        assert f"data_type: {dtype}" in block and ("optional: true" in block) == (not required), name
+    for name in C.ENSEMBLE_OUTPUTS:
+        assert f'output {{\n  name: "{name}"' in text
+    assert 'key: "default_frames"\n  value {\n    string_value: "7"' in text
+    assert "class TritonPythonModel" in (repo / C.ENSEMBLE / "1" / "model.py").read_text()
+    with pytest.raises(ValueError, match="default_frames"):
+        standin.write_repo(tmp_path / "x", default_frames=0)
+
+
+@pytest.mark.e2e
+def test_standin_serves_the_forced_length_to_our_clients(tmp_path):
+    import asyncio
+
+    from chattts_triton.launcher.tritonserver import TritonServer
+    from client import AsyncChatTTSClient, ChatTTSClient
+
+    with TritonServer(standin.write_repo(tmp_path / "r"), log_file=tmp_path / "log") as server:
+        with ChatTTSClient(server.grpc_url, retries=0) as c:
+            audio = c.infer_one("你好。", {"max_new_tokens": 12, "min_new_tokens": 12})
+            spoken = c.infer_one("你好。", spoken_text=True)[1]
+
+        async def over_http():
+            async with AsyncChatTTSClient(server.http_url, protocol="http", retries=0) as c:
+                return await c.infer_one("你好。")
+
+        default = asyncio.run(over_http())
+    assert audio.size == C.samples_for_codes(12) and default.size == C.samples_for_codes(standin.DEFAULT_FRAMES)
+    assert spoken == "你好。" and 0 < abs(default).max() < 1
