@@ -205,6 +205,7 @@ GPT = "chattts_gpt"
 VOCODER = "chattts_vocoder"
 MANIFEST = "manifest.json"  # beside the model folders: the architecture, tokens and deployment it was exported with
 VOICES = "voices.json"  # the voice registry (runtime/voices.py), shared by every model and replica that reads the repository
+LEXICON = "lexicon.json"  # the pronunciation lexicon (runtime/lexicon.py), read as the voice registry is
 
 # --- what the launcher and the models tell each other ------------------------------------------
 # the ensemble's entries (chattts_preprocess, chattts_stream) refuse new requests while this file exists: the launcher

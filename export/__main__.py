@@ -29,7 +29,7 @@ from typing import Callable, List
 
 import torch
 
-from chattts_triton.config import CPU_ONLY_PRECISIONS, ENSEMBLE, GPT, MANIFEST, PREPROCESS, VOCODER, VOICES
+from chattts_triton.config import CPU_ONLY_PRECISIONS, ENSEMBLE, GPT, LEXICON, MANIFEST, PREPROCESS, VOCODER, VOICES
 from chattts_triton.model.assets import AssetError, check_folder, infer_arch, sha256_files
 from chattts_triton.model.gpt import DTYPES
 from chattts_triton.runtime.voices import carried_over, write_voices
@@ -150,6 +150,8 @@ def export_repository(
         for note in notes:
             progress(f"[export] {note}")
         write_voices(tmp / VOICES, voices)
+        if (out / LEXICON).is_file():  # and its pronunciation lexicon (chattts_triton.lexicon), as it is
+            shutil.copy2(out / LEXICON, tmp / LEXICON)
         rc.write_configs(tmp, arch, dep)
         os.chmod(tmp, 0o755)
         _swap_into_place(tmp, out)

@@ -3,37 +3,35 @@
 `POST /v1/audio/speech` takes OpenAI's body (`model`, `input`, `voice`, `response_format`, `speed`,
 `stream_format`, `instructions`) and, as optional extras, the ChatTTS sampling inputs under their contract
 names in lower case (`seed`, `temperature`, `top_p`, ...), and the output's `sample_rate`. Fields of newer API
-versions that this gateway does not know are ignored, as OpenAI's own clients send them.
+versions that this gateway does not know are ignored, as OpenAI's own clients send them. An `input` that starts with
+`<speak` is SSML (chattts_triton.model.ssml, docs/ssml.md): checked here, its segments are the request's pieces.
 `POST /v1/audio/speech/captioned` takes the same body and `subtitle_format`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
-import re
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from chattts_triton.config import ENSEMBLE, LIMITS, SAMPLE_RATE, InferCodeParams
+from chattts_triton.model import ssml
+from chattts_triton.model.ssml import SPEED_TOKEN, SPEED_UPPER_BOUNDS, speed_token
 
 from .audio import FORMATS, check
+from .synth import Job, split_text
 
 # `model` values taken: this server's model, and OpenAI's speech model names (clients hard-code them)
 MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 MODELS = (ENSEMBLE,) + MODEL_ALIASES
 MAX_INPUT_CHARS = 4096  # OpenAI's limit of `input`; the gateway splits it into pieces the server takes
 
-# OpenAI `speed` (0.25-4.0, 1.0 normal) -> ChatTTS [speed_N] (0-9, upstream's default 5). N grows with the
-# logarithm of the speed: N = 5 + 2.5 log2(speed), rounded and held to 0-9 (0.25 -> 0, 0.5 -> 3, 1 -> 5,
-# 2 -> 8, 4 -> 9; docs/gateway.md prints the table). ChatTTS has ten speeds, so nearby values share one.
-SPEED_UPPER_BOUNDS = tuple(2 ** ((n - 4.5) / 2.5) for n in range(9))  # speed < bound[N] -> [speed_N]
-SPEED_TOKEN = re.compile(r"\[speed_\d\]")
-
-
-def speed_token(speed: float) -> str:
-    n = next((i for i, bound in enumerate(SPEED_UPPER_BOUNDS) if speed < bound), len(SPEED_UPPER_BOUNDS))
-    return f"[speed_{n}]"
+# OpenAI `speed` (0.25-4.0, 1.0 normal) -> ChatTTS [speed_N] (0-9, upstream's default 5): `speed_token`, the table
+# SSML's prosody rate also goes through (chattts_triton.model.ssml). N grows with the logarithm of the speed:
+# N = 5 + 2.5 log2(speed), rounded and held to 0-9 (0.25 -> 0, 0.5 -> 3, 1 -> 5, 2 -> 8, 4 -> 9; docs/gateway.md
+# prints the table). ChatTTS has ten speeds, so nearby values share one.
 
 
 class VoiceRef(BaseModel):
@@ -78,6 +76,7 @@ class SpeechRequest(ChatTTSOptions):
     # --- gateway switches
     stream: Optional[bool] = None  # audio as it is made (default: the gateway's --stream-default; flac: whole)
     split: bool = True  # long input in pieces (sentences); false sends it as one piece (≤ 2000 characters)
+    _ssml: Optional[ssml.Document] = PrivateAttr(None)  # `input` as SSML, when it is
 
 
 class CaptionedRequest(SpeechRequest):
@@ -137,7 +136,12 @@ def parse(body: bytes, model: type = SpeechRequest) -> SpeechRequest:
     if len(req.input) > MAX_INPUT_CHARS:
         raise invalid(f"'input' has {len(req.input)} characters, more than the limit of {MAX_INPUT_CHARS}", "input",
                       "string_above_max_length")
-    if not req.split and len(req.input) > LIMITS.max_text_chars:
+    if ssml.is_ssml(req.input):
+        try:
+            req._ssml = ssml.parse(req.input)
+        except ssml.SSMLError as e:
+            raise invalid(f"'input': {e}", "input", "invalid_ssml") from None
+    elif not req.split and len(req.input) > LIMITS.max_text_chars:
         raise invalid(f"with split false 'input' must be at most {LIMITS.max_text_chars} characters", "input")
     check_options(req, req.model_fields_set)
     return req
@@ -181,6 +185,56 @@ def contract_options(req: SpeechRequest) -> Dict[str, Any]:
         if value is not None:
             options[name] = value
     return options
+
+
+async def speech_job(req: SpeechRequest) -> Job:
+    """The request's pieces with the options each is sent with: its text split (`split_text`), or its SSML's
+    segments, each split, spoken in the segment's voice at its rate, with the silence its breaks ask for."""
+    options = contract_options(req)
+    seed = {"seed": req.seed} if req.seed is not None else {}
+    if req._ssml is None:
+        pieces = split_text(req.input) if req.split else [req.input]
+        if not pieces:
+            raise invalid("'input' has nothing to speak", "input")
+        return Job(pieces, options, **seed)
+    if req._ssml.needs_spoken:  # the grammars: loaded once (~0.3 s), then ~50 µs a character, off the event loop
+        speech = await asyncio.to_thread(_render, req._ssml)
+    else:
+        speech = _render(req._ssml)
+    pieces: List[str] = []
+    extras: List[Dict[str, Any]] = []
+    gaps: List[Optional[int]] = []  # silence before each piece (None: the usual pause between pieces)
+    after: Optional[int] = None  # the silence the breaks after the last segment ask for
+    for segment in speech.segments:
+        if not req.split and len(segment.text) > LIMITS.max_text_chars:
+            raise invalid(f"with split false each part of the SSML 'input' must be at most {LIMITS.max_text_chars} "
+                          f"characters", "input")
+        extra: Dict[str, Any] = {}
+        if segment.voice is not None:
+            extra["voice"] = segment.voice
+        if segment.rate != 1.0:
+            extra["prompt"] = ssml.with_rate(options["prompt"], segment.rate)
+        texts = split_text(segment.text) if req.split else [segment.text]
+        for i, text in enumerate(texts):
+            gaps.append(speech.lead_ms + (after or 0) if not pieces else after if i == 0 else None)
+            pieces.append(text)
+            extras.append(extra)
+        if texts:
+            after = segment.pause_after_ms
+        elif segment.pause_after_ms:
+            after = (after or 0) + segment.pause_after_ms
+    if not pieces:
+        raise invalid("'input' has nothing to speak", "input")
+    return Job(pieces, options, piece_extras=extras, gaps_ms=gaps + [after or 0], **seed)
+
+
+def _render(doc: ssml.Document) -> ssml.Speech:
+    spoken = None
+    if doc.needs_spoken:
+        from chattts_triton.model.spoken import default
+
+        spoken = default()
+    return ssml.render(doc, spoken, breaks="silence")
 
 
 def speed_table() -> List[Tuple[float, float, str]]:

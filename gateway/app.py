@@ -302,10 +302,8 @@ class Gateway:
             self.metrics.requests.labels(fmt, mode, "429").inc()
             raise api.APIError(429, f"more than {self.settings.max_concurrency} speech requests in flight, retry later",
                                "rate_limit_error", None, "rate_limit_exceeded", {"Retry-After": "1"})
-        pieces = split_text(req.input) if req.split else [req.input]
-        if not pieces:
-            raise api.invalid("'input' has nothing to speak", "input")
-        job = Job(pieces, api.contract_options(req), **({"seed": req.seed} if req.seed is not None else {}))
+        job = await api.speech_job(req)  # the pieces: the text split, or its SSML's segments (docs/ssml.md)
+        pieces = job.pieces
         headers = {"X-ChatTTS-Seed": str(job.seed), "X-ChatTTS-Pieces": str(len(pieces))}
         self.metrics.pieces.inc(len(pieces))
         self.inflight += 1

@@ -3,7 +3,9 @@ a pooled asyncio gRPC client (`client.AsyncChatTTSClient`), joined in order with
 the first piece from `chattts_stream` chunk by chunk, the others made by `chattts` from its first chunk on.
 
 Every piece gets the same voice and the request's seed schedule: piece i is sent with SEED = seed + i, so
-a request with a seed is reproducible and a one-piece request equals the same call over gRPC.
+a request with a seed is reproducible and a one-piece request equals the same call over gRPC. An SSML request's
+pieces may each have their own voice and speed (`Job.piece_extras`) and silence of their own around them
+(`Job.gaps_ms`, from its breaks).
 
 What the text decides (an unknown control token, a piece with nothing left to say) is checked for the pieces
 after the first by `chattts_preprocess` alone (`preflight`), while the first piece's first chunk is made: a
@@ -87,14 +89,19 @@ def synthesis_error(err: ChatTTSError) -> SynthesisError:
 @dataclass
 class Job:
     """One speech request: its pieces and the contract options every piece shares (lower-case keywords of
-    `client.contract.OPTION_INPUTS`, without `seed`)."""
+    `client.contract.OPTION_INPUTS`, without `seed`). `piece_extras[i]`: options of piece i that differ (an SSML
+    segment's voice and prompt); `gaps_ms` (len(pieces) + 1): the silence before each piece and after the last, None
+    for the synthesizer's pause between pieces (None: that pause between pieces, nothing before or after)."""
 
     pieces: List[str]
     options: Dict[str, Any]
     seed: int = field(default_factory=lambda: secrets.randbits(62))
+    piece_extras: Optional[List[Dict[str, Any]]] = None
+    gaps_ms: Optional[List[Optional[int]]] = None
 
     def piece_options(self, i: int) -> Dict[str, Any]:
-        return {**self.options, "seed": (self.seed + i) % SEED_LIMIT}
+        extra = self.piece_extras[i] if self.piece_extras else {}
+        return {**self.options, **extra, "seed": (self.seed + i) % SEED_LIMIT}
 
 
 @dataclass
@@ -173,7 +180,8 @@ class Synthesizer:
 
         if self._preprocess is None:  # inside the running loop: aio channels belong to it
             self._preprocess = aio.InferenceServerClient(self.url)
-        options = {k: job.options[k] for k in PREFLIGHT_OPTIONS if job.options.get(k) is not None}
+        piece = job.piece_options(i)
+        options = {k: piece[k] for k in PREFLIGHT_OPTIONS if piece.get(k) is not None}
         arrays = build_inputs(job.pieces[i], {**options, "refine_text": False})
         try:
             result = await self._preprocess.infer(self.preprocess_model, to_infer_inputs(module, arrays),
@@ -222,10 +230,17 @@ class Synthesizer:
         checks.add_done_callback(settle)
         return checks
 
+    def gap(self, job: Job, i: int) -> np.ndarray:
+        """The silence before piece i (i == len(pieces): after the last)."""
+        ms = job.gaps_ms[i] if job.gaps_ms is not None else None
+        if ms is None:
+            return self.pause if 0 < i < len(job.pieces) else self.pause[:0]
+        return np.zeros(int(round(ms * SAMPLE_RATE / 1000)), np.float32)
+
     async def synthesize(self, job: Job) -> np.ndarray:
         """The whole audio: every piece at once (in-flight batching makes a paragraph cost about one
         sentence), joined in order with a pause between pieces."""
-        if len(job.pieces) == 1:  # most requests: awaited in place, without a task and a gather of their own
+        if len(job.pieces) == 1 and job.gaps_ms is None:  # most requests: awaited in place, no task and gather
             return await self._infer(job, 0)
         tasks = self._start(job, 0)
         try:
@@ -233,7 +248,7 @@ class Synthesizer:
         finally:
             for t in tasks:
                 t.cancel()
-        return self.join(audios)
+        return self.join(audios, job)
 
     async def synthesize_segments(self, job: Job) -> Tuple[np.ndarray, List[Segment]]:
         """The whole audio and each piece's segment in it, with the text the server read."""
@@ -245,18 +260,23 @@ class Synthesizer:
                 t.cancel()
         segments, offset = [], 0
         for i, (audio, spoken) in enumerate(results):
-            offset += self.pause.size if i else 0
+            offset += self.gap(job, i).size
             segments.append(Segment(i, job.pieces[i], offset, offset + audio.size, spoken))
             offset += audio.size
-        return self.join([a for a, _ in results]), segments
+        return self.join([a for a, _ in results], job), segments
 
-    def join(self, audios: List[np.ndarray]) -> np.ndarray:
-        if len(audios) == 1:
-            return audios[0]
+    def join(self, audios: List[np.ndarray], job: Optional[Job] = None) -> np.ndarray:
+        """The pieces' audio in order with the silence between them (the job's, else the pause)."""
+        if job is None:
+            job = Job([""] * len(audios), {}, 0)
         out: List[np.ndarray] = []
         for i, a in enumerate(audios):
-            out += [self.pause, a] if i else [a]
-        return np.concatenate(out).astype(np.float32, copy=False)
+            out += [self.gap(job, i), a]
+        out.append(self.gap(job, len(audios)))
+        out = [a for a in out if a.size]
+        if len(out) == 1:
+            return out[0]
+        return np.concatenate(out).astype(np.float32, copy=False) if out else np.zeros(0, np.float32)
 
     async def parts(self, job: Job, spoken_text: bool = False) -> AsyncIterator[Part]:
         """The audio as it is made, each piece followed by its Segment: the first piece's chunks from the
@@ -267,28 +287,39 @@ class Synthesizer:
         rest: List["asyncio.Task"] = []
         try:
             told: List[str] = []
-            offset = 0
+            lead = self.gap(job, 0)  # an SSML break before any text: sent once the first chunk came
+            offset, started = 0, False
             async with contextlib.aclosing(self._stream_first(job, told.append if spoken_text else None)) as chunks:
                 try:
                     async for chunk in chunks:
-                        if not offset and not rest:
-                            rest = self._start(job, 1, spoken_text)
+                        if not started:
+                            rest, started = self._start(job, 1, spoken_text), True
+                            if lead.size:
+                                yield lead
+                                offset = lead.size
                         offset += chunk.size
                         yield chunk
                 except ChatTTSError as e:
                     raise synthesis_error(e) from None
-            if not rest:
+            if not started:
                 rest = self._start(job, 1, spoken_text)
-            yield Segment(0, job.pieces[0], 0, offset, told[0] if told else None)
+                if lead.size:
+                    yield lead
+                    offset = lead.size
+            yield Segment(0, job.pieces[0], lead.size, offset, told[0] if told else None)
             for i, task in enumerate(rest, 1):
-                if self.pause.size:
-                    yield self.pause
-                    offset += self.pause.size
+                gap = self.gap(job, i)
+                if gap.size:
+                    yield gap
+                    offset += gap.size
                 result = await task
                 audio, spoken = result if spoken_text else (result, None)
                 yield audio
                 yield Segment(i, job.pieces[i], offset, offset + audio.size, spoken)
                 offset += audio.size
+            tail = self.gap(job, len(job.pieces))
+            if tail.size:
+                yield tail
         finally:
             for t in rest:
                 t.cancel()

@@ -11,9 +11,9 @@ from typing import Iterator, List, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "chattts_triton"
 RANK = {"ground": 0, "model": 1, "runtime": 2, "triton": 3, "launcher": 4, "face": 5}
-# the paths of the commands (python -m chattts_triton.serve | repo_config | voices) and of the adapter that
+# the paths of the commands (python -m chattts_triton.serve | repo_config | voices | lexicon) and of the adapter that
 # repositories exported before the wings import (chattts_triton.backend): nothing of the package imports them
-FACES = {"serve", "repo_config", "voices", "backend"}
+FACES = {"serve", "repo_config", "voices", "lexicon", "backend"}
 CONFIG_WRITER = {"chattts_triton.triton.repo_config", "chattts_triton.triton.params"}
 
 

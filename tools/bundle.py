@@ -88,6 +88,7 @@ PACKAGES: Tuple[Tuple[str, str], ...] = (
     ("pyahocorasick", "2.3.1"),
     ("num2words", "0.5.14"),
     ("docopt", "0.6.2"),
+    ("defusedxml", "0.7.1"),  # SSML (chattts_triton.model.ssml), server and gateway
 )
 # (distribution, version, import name): shipped in groups, installed on the host only where the
 # import fails there or the host's distribution is older (pydantic needs typing-extensions ≥ 4.16,

@@ -263,6 +263,10 @@ class SpokenForm:
         return "".join(parts) + window[pos:]
 
     # -- phone numbers ------------------------------------------------------------------------------------------
+    def telephone(self, phone: Phone, lang: str) -> str:
+        """`phone` read as a phone number whatever its shape (SSML `say-as interpret-as="telephone"`)."""
+        return self._phone(phone, lang)
+
     def _phones(self, m: "re.Match", lang: str) -> str:
         """A `_PHONE` candidate with the phone numbers in it spoken, each in the language of its window."""
         out, pos = [], m.start()
@@ -308,6 +312,10 @@ class SpokenForm:
         if fraction:
             words += " point " + " ".join(self._num2words(int(d), lang="en") for d in fraction)
         return _words(words)
+
+    def year(self, year: int) -> str:
+        """An English year in words as it is said ("twenty twenty four"; SSML `say-as interpret-as="date"`)."""
+        return self._year(year)
 
     def _year(self, year: int) -> str:
         return _words(self._num2words(year, lang="en", to="year"))

@@ -1,5 +1,5 @@
-"""`chattts_preprocess`: TEXT and the speaker inputs → the GPT's prompt tensors (normalisation, voices,
-reference audio, refine-text through the GPT model)."""
+"""`chattts_preprocess`: TEXT and the speaker inputs → the GPT's prompt tensors (SSML, the pronunciation lexicon,
+normalisation, voices, reference audio, refine-text through the GPT model)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,12 @@ from ..config import (
     RefineTextParams,
 )
 from ..model import speaker as spk
+from ..model import ssml
 from ..model import text as txt
 from ..model.text import InputError
 from .artifacts import Artifact, check_reference_audio, reference_codes
 from .inputs import Call, Outputs, Overloaded, get_bool, get_str, named, refine_params
+from .lexicon import LexiconRegistry
 from .voices import Voice, VoiceRegistry
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,8 @@ class PreprocessService:
         self.tokenizer = txt.TextTokenizer(Path(version_dir) / "tokenizer")
         from ..model.spoken import default as spoken_form  # the grammars: ~0.3 s and ~45 MB, once per process
 
-        self.normalizer = txt.Normalizer(spoken=spoken_form())
+        self.spoken = spoken_form()
+        self.normalizer = txt.Normalizer(spoken=self.spoken)
         # cumulative, for metrics (triton/backend.py STAT_HELP): what normalisation removed without a trace in the audio
         self.text_counters = {"text_normalized": 0, "text_with_removed_chars": 0, "text_removed_chars": 0}
         self.text_lock = threading.Lock()
@@ -59,6 +62,8 @@ class PreprocessService:
         self._encoder: Optional[Artifact] = None
         # named voices: REPO/voices.json beside the model folders (version_dir is REPO/MODEL/1)
         self.voices = VoiceRegistry(Path(version_dir).parent.parent, arch.gpt.hidden)
+        # the pronunciation lexicon: REPO/lexicon.json, re-read when it changes as voices.json is
+        self.lexicon = LexiconRegistry(Path(version_dir).parent.parent)
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="chattts-pre")
         # Triton 2.51 fails in-flight ensemble requests at their next step once it got SIGTERM, so
         # the launcher drains first: it creates this file, waits for idle, then signals Triton
@@ -112,12 +117,17 @@ class PreprocessService:
         check_reference_audio(wav)
         return reference_codes(self.encoder(), wav)
 
-    def voice_inputs(self, inputs) -> Tuple[Optional[Voice], Optional[str], Optional[str]]:
-        """(voice, speaker string, reference transcript): VOICE resolved in the repository's registry; an
-        explicit SPEAKER / SPEAKER_TEXT for what the voice also holds is an error naming both."""
+    def voice_inputs(self, inputs, ssml_voice: Optional[str] = None) -> Tuple[Optional[Voice], Optional[str], Optional[str]]:
+        """(voice, speaker string, reference transcript): VOICE (or the voice SSML's <voice> names) resolved in the
+        repository's registry; an explicit SPEAKER / SPEAKER_TEXT for what the voice also holds is an error naming both."""
         speaker = get_str(inputs, "SPEAKER")
         txt_smp = get_str(inputs, "SPEAKER_TEXT")
         name = get_str(inputs, "VOICE")
+        if ssml_voice is not None:
+            if name is not None and name != ssml_voice:
+                raise InputError(f"TEXT: SSML <voice name={ssml_voice!r}> is not VOICE {name!r}: one request speaks in "
+                                 f"one voice; leave VOICE out or send each voice's part as a request of its own")
+            name = ssml_voice
         if name is None:
             return None, speaker, txt_smp
         voice = self.voices.resolve(name)
@@ -132,13 +142,17 @@ class PreprocessService:
         return voice, speaker, txt_smp
 
     def prepare(self, inputs) -> Outputs:
-        text = txt.validate_text(get_str(inputs, "TEXT"))
+        raw = get_str(inputs, "TEXT")
+        text = None if ssml.is_ssml(raw) else txt.validate_text(raw)  # SSML: what it reads is checked
         prompt = txt.validate_prompt(get_str(inputs, "PROMPT", InferCodeParams.prompt))
         refine_params(inputs)  # bad REFINE_* values are rejected even when REFINE_TEXT is off
         txt.validate_prompt(get_str(inputs, "REFINE_PROMPT", RefineTextParams.prompt), what="REFINE_PROMPT")
-        if get_bool(inputs, "NORMALIZE_TEXT", NORMALIZE_TEXT_DEFAULT):
-            text = self.normalize(text)
-        voice, speaker, txt_smp = self.voice_inputs(inputs)  # an unknown voice fails before any refine
+        ssml_voice = None
+        if text is None:
+            text, prompt, ssml_voice = self.from_ssml(raw, prompt)
+        if get_bool(inputs, "NORMALIZE_TEXT", NORMALIZE_TEXT_DEFAULT):  # off: TEXT is read as sent, lexicon too
+            text = self.normalize(self.lexicon.apply(text))
+        voice, speaker, txt_smp = self.voice_inputs(inputs, ssml_voice)  # an unknown voice fails before any refine
         if get_bool(inputs, "REFINE_TEXT", REFINE_TEXT_DEFAULT):
             text = self.refine_text(text, inputs)
         emb = named("SPEAKER", spk.speaker_embedding, speaker, self.arch.gpt.hidden) if speaker else None
@@ -154,6 +168,16 @@ class PreprocessService:
             "AUDIO_PROMPT": cp.audio_codes.reshape(1, -1, NUM_VQ),
             "SPOKEN_TEXT": np.array([[text.encode("utf-8")]], dtype=np.object_),  # what the GPT reads
         }
+
+    def from_ssml(self, document: str, prompt: str) -> Tuple[str, str, Optional[str]]:
+        """(text, prompt, voice) of an SSML TEXT (model/ssml.py; docs/ssml.md): one text, so a break is a ChatTTS pause
+        token, a prosody rate the prompt's [speed_N], and a document in more than one voice or rate is refused."""
+        if len(document) > LIMITS.max_text_chars:
+            raise InputError(f"TEXT has {len(document)} characters, more than the limit of {LIMITS.max_text_chars}")
+        doc = named("TEXT", ssml.parse, document)
+        segment = named("TEXT", ssml.single, ssml.render(doc, self.spoken, breaks="tokens"))
+        text = txt.validate_text(segment.text, what="TEXT (as its SSML reads)")
+        return text, ssml.with_rate(prompt, segment.rate), segment.voice
 
     def normalize(self, text: str) -> str:
         """TEXT in spoken form through the upstream step; what that removed is counted and logged, and a text it
