@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import importlib.util
 import json
 import os
 import platform
@@ -287,6 +288,9 @@ def measure(server: Server, paths: Sequence[str], levels: Sequence[int], a: argp
                                   protocol="grpc" if path == "grpc" else "http")
             elif path == "sync":
                 row = run_sync(server, n, a.tokens, perf.TEXT, a.warmup, a.seconds)
+            elif importlib.util.find_spec("locust") is None:  # e.g. a GPU host whose bundle has no Locust
+                log("locust is not installed here: its path is left out")
+                continue
             else:
                 row = run_locust(server, n, a.tokens, perf.TEXT, a.warmup, a.seconds, a.out / f"locust-c{n}",
                                  a.locust_processes)

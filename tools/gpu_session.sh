@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see tools/bundle.py):
-#   bash tools/gpu_session.sh STAGE...   stages: setup test bench detach collect wait step codec codecload gil engine aotiprobe clientcap gateway realtime
+#   bash tools/gpu_session.sh STAGE...   stages: setup test bench detach collect wait step codec codecload gil engine aotiprobe clientcap gateway realtime httpclients
 # (detach: the stages in DETACH_STAGES (default `bench`) in a process session of their own, writing to DETACH_DIR
 #  (default build/detached), so that a run longer than one device call (a soak) goes on between calls; several
 #  detached runs side by side each have their own DETACH_DIR; collect [WAIT_S]: wait for DETACH_DIR's run to end,
@@ -85,6 +85,15 @@ for stage in "$@"; do
       python3 -m bench.realtime --repo build/bench-repo --out "$OUT/realtime" --sessions 64 --frames 96 --turns 30 \
         --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(nproc) CPU cores" \
         ${REALTIME_ARGS:-} 2>&1 | tee "$OUT/realtime.log" ;;
+    httpclients)  # our HTTP clients (asyncio, sync, Locust) beside perf_analyzer over HTTP at 64 and 256, with
+      # tritonclient.http.aio as it comes and gRPC for comparison (bench/http_clients.py; HTTPCLIENTS_ARGS), on the
+      # default export through the launcher; ≈ 100 s to ready + ≈ 8 min measured: run it detached
+      export_repo build/bench-repo
+      python3 -m bench.http_clients --repo build/bench-repo --out "$OUT/http-clients" --concurrency 64,256 --tokens 150 \
+        --paths perf_analyzer,asyncio,sync,locust,tritonclient-aio,grpc --seconds 20 --warmup 10 \
+        --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(nproc) CPU cores" \
+        ${HTTPCLIENTS_ARGS:-} 2>&1 | tee "$OUT/http_clients.log"
+      cp "$OUT"/http-clients/http-clients.{json,md} "$OUT"/ 2>/dev/null ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
