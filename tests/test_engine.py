@@ -28,12 +28,17 @@ from tests.engine_util import (
     upstream_gpt,
 )
 
+# the engine's loop with and without overlapping the host's bookkeeping with the next step (Engine overlap: on by
+# default on CUDA only; the CPU runs the same logic, its ops synchronous)
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 
+
+@OVERLAP
 @pytest.mark.parametrize("scripted", [False, True])
-def test_engine_greedy_codes_and_hiddens_equal_upstream_generate(tiny, scripted):
+def test_engine_greedy_codes_and_hiddens_equal_upstream_generate(tiny, scripted, overlap):
     arch, emb, g, ours = tiny
     model = torch.jit.script(ours) if scripted else ours
-    eng = make_engine(model, arch)
+    eng = make_engine(model, arch, overlap=overlap)
     try:
         for seed, (n, min_new) in enumerate([(120, 60), (40, 0), (1, 0)]):
             torch.manual_seed(seed)
@@ -61,10 +66,11 @@ def test_engine_refine_text_mode_equals_upstream(tiny):
         eng.stop()
 
 
-def test_request_output_does_not_depend_on_batchmates(tiny):
+@OVERLAP
+def test_request_output_does_not_depend_on_batchmates(tiny, overlap):
     """Real sampling (temperature 0.3): alone vs joined mid-flight by others, same tokens."""
     arch, _, _, ours = tiny
-    eng = make_engine(ours, arch, max_slots=8)
+    eng = make_engine(ours, arch, max_slots=8, overlap=overlap)
     prompts = [torch.randint(0, 21000, (5 + 7 * i,)) for i in range(6)]
     params = [SamplingParams(0.3, 0.7, 20, 1.05, 30 + 10 * i, 10, seed=100 + i) for i in range(6)]
     try:
@@ -88,9 +94,10 @@ def test_request_output_does_not_depend_on_batchmates(tiny):
         eng.stop()
 
 
-def test_min_new_tokens_forbids_eos_and_max_new_tokens_stops(tiny):
+@OVERLAP
+def test_min_new_tokens_forbids_eos_and_max_new_tokens_stops(tiny, overlap):
     arch, _, _, ours = tiny
-    eng = make_engine(ours, arch)
+    eng = make_engine(ours, arch, overlap=overlap)
     try:
         p = SamplingParams(5.0, None, None, 1.0, 25, 25, seed=3)  # hot sampling: EOS would be likely
         r = eng.generate(GenRequest(text_ids=torch.arange(1, 9), params=p, on_done=None))
@@ -100,9 +107,10 @@ def test_min_new_tokens_forbids_eos_and_max_new_tokens_stops(tiny):
         eng.stop()
 
 
-def test_context_overflow_and_cancel(tiny):
+@OVERLAP
+def test_context_overflow_and_cancel(tiny, overlap):
     arch, _, _, ours = tiny
-    eng = make_engine(ours, arch, max_context=64, max_new_tokens=60)
+    eng = make_engine(ours, arch, max_context=64, max_new_tokens=60, overlap=overlap)
     try:
         with pytest.raises(ValueError, match="exceeds the context"):
             eng.submit(GenRequest(text_ids=torch.arange(1, 20), params=greedy(60, 0), on_done=lambda r: None))
@@ -120,12 +128,14 @@ def test_context_overflow_and_cancel(tiny):
         eng.stop()
 
 
-def test_a_cancelled_running_row_frees_its_slot_at_the_next_step_and_the_release_is_counted(tiny):
+@OVERLAP
+def test_a_cancelled_running_row_frees_its_slot_at_the_next_step_and_the_release_is_counted(tiny, overlap):
     """Barge-in: a cancel between steps frees the row's slot and pages at the end of the next decode step (one
     step begun since the cancel); a cancel from a stream callback (during a step, before its bookkeeping) at the
-    end of that same step. Neither is counted late, and the others keep running."""
+    end of that same step. Neither is counted late, and the others keep running. With overlap the bookkeeping
+    that checks the cancel is the previous step's, run after the next one's launch: still one step begun."""
     arch, _, _, ours = tiny
-    eng = make_engine(ours, arch, start=False)
+    eng = make_engine(ours, arch, start=False, overlap=overlap)
     got = {}
 
     def req(i, **kw):
@@ -153,6 +163,37 @@ def test_a_cancelled_running_row_frees_its_slot_at_the_next_step_and_the_release
         assert stats["engine_cancel_releases"] == 2 and stats["engine_cancel_release_late"] == 0
     finally:
         eng.stop(drain=False)
+
+
+def test_with_overlap_compaction_moves_the_rows_of_the_step_in_flight(tiny):
+    """Overlap: a row ends while the next step is already launched; compaction moves the last row into its slot,
+    and the step in flight's flags must follow it there (or that row would read the ended one's flags)."""
+    from tests.engine_util import assert_counts_agree
+
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, start=False, overlap=True)
+    done = {}
+    reqs = [GenRequest(torch.arange(1, 6 + i), greedy(30, 30, seed=i), lambda r, i=i: done.__setitem__(i, r)) for i in range(4)]
+    for r in reqs:
+        eng.submit(r)
+    while eng._flight is None or len(eng.rows) < 4:
+        eng._run_once(block=False)
+    eng._run_once(block=False)
+    before = {id(s.req): s.idx for s in eng.rows}
+    reqs[1].cancel()
+    eng._run_once(block=False)  # launches a step of all four, then the last one's bookkeeping ends row 1
+    f = eng._flight
+    assert [s.idx for s in eng.rows] == [0, 1, 2] and eng.rows[1].req is reqs[3]
+    assert [int(f.slot_of[s.idx]) for s in eng.rows] == [before[id(s.req)] for s in eng.rows] == [0, 3, 2]
+    assert (f.slot_of[3:] == -1).all()
+    while len(done) < 4:
+        eng._run_once(block=False)
+        assert_counts_agree(eng)
+    assert done[1].finish_reason == "cancelled"
+    plain = make_engine(ours, arch, start=False)
+    for i in (0, 2, 3):
+        assert done[i].finish_reason == "max_tokens"
+        assert torch.equal(done[i].tokens, drive(plain, [dict(ids=reqs[i].text_ids, params=reqs[i].params)])[0].result.tokens)
 
 
 @pytest.mark.slow
@@ -184,8 +225,9 @@ def test_slot_reused_after_refine_text_request(tiny):
         eng.stop()
 
 
+@OVERLAP
 @pytest.mark.parametrize("graphs", ["eager", "buckets"])
-def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs):
+def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs, overlap):
     """Requests leave in many orders (EOS, max_tokens, a cancel from a stream callback), others join
     mid-flight; compaction moves slots under them. Each one's tokens, hiddens and stream chunks are
     what it produces alone. "buckets" runs the CUDA-graph bucket logic eagerly: padding rows (free
@@ -197,7 +239,8 @@ def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs):
     if graphs == "buckets":
         eng.graphs = CudaGraphs(eng, capture=False)
     specs = scenario_specs()
-    alone = [drive(eng, [s])[0] for s in specs]
+    alone = [drive(eng, [s])[0] for s in specs]  # the plain loop: overlap must not change a token
+    eng.overlap = overlap
     seen = instrument(eng)
     batched = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2])
     check_same_as_alone(alone, batched)
@@ -212,8 +255,9 @@ def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs):
     assert torch.equal(rows.ints, eng._free_row.ints.expand(8, -1)) and (rows.floats == 1).all()
 
 
+@OVERLAP
 @pytest.mark.parametrize("graphs", ["eager", "buckets"])
-def test_requests_suspended_for_want_of_pages_resume_exactly_where_they_stopped(tiny, graphs):
+def test_requests_suspended_for_want_of_pages_resume_exactly_where_they_stopped(tiny, graphs, overlap):
     """A page pool too small for the scenario's requests together (the smallest the context allows: one
     request of the full context): the newest are suspended mid-generation, their pages copied out, and
     resumed later. Each request's tokens, hidden states and stream chunks are still what it produces
@@ -224,7 +268,7 @@ def test_requests_suspended_for_want_of_pages_resume_exactly_where_they_stopped(
     specs = scenario_specs()
     alone = [drive(make_engine(ours, arch, max_slots=8, start=False), [s])[0] for s in specs]
     longest = max(len(s["ids"]) + s["params"].max_new_tokens for s in specs)
-    eng = make_engine(ours, arch, max_slots=8, max_context=longest, cache_tokens=longest, start=False)
+    eng = make_engine(ours, arch, max_slots=8, max_context=longest, cache_tokens=longest, start=False, overlap=overlap)
     assert eng.num_pages - 1 == -(-longest // KV_PAGE_TOKENS) == 5
     if graphs == "buckets":
         eng.graphs = CudaGraphs(eng, capture=False)
@@ -256,9 +300,10 @@ def test_a_half_precision_engine_keeps_its_hidden_states_exactly_at_half_the_mem
             assert h.dtype == torch.float32 and torch.equal(h, h.to(torch.bfloat16).float())
 
 
-def test_a_request_cancelled_while_suspended_ends_cancelled_and_frees_nothing_twice(tiny):
+@OVERLAP
+def test_a_request_cancelled_while_suspended_ends_cancelled_and_frees_nothing_twice(tiny, overlap):
     arch, _, _, ours = tiny
-    eng = make_engine(ours, arch, max_slots=4, max_context=64, cache_tokens=64, start=False)
+    eng = make_engine(ours, arch, max_slots=4, max_context=64, cache_tokens=64, start=False, overlap=overlap)
     g = torch.Generator().manual_seed(5)
     specs = [dict(ids=torch.randint(0, 21000, (8,), generator=g), params=SamplingParams(0.3, 0.7, 20, 1.05, 40, 40, seed=i))
              for i in range(3)]  # 3 × 48 positions (3 pages) in a pool of 4 pages: two start, one is suspended
@@ -529,17 +574,20 @@ def test_padding_row_over_a_slot_left_by_refine_text(tiny):
     check_same_as_alone(alone, recs[:3])
 
 
-def test_more_requests_than_slots_queue_and_match_alone(tiny):
+@OVERLAP
+def test_more_requests_than_slots_queue_and_match_alone(tiny, overlap):
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, max_slots=3, start=False)
     specs = scenario_specs(seed=3)
     alone = [drive(eng, [s])[0] for s in specs]
+    eng.overlap = overlap
     check_same_as_alone(alone, drive(eng, specs))
 
 
-def test_admission_batches_prefills_when_busy_and_admits_at_once_when_idle(tiny):
+@OVERLAP
+def test_admission_batches_prefills_when_busy_and_admits_at_once_when_idle(tiny, overlap):
     arch, _, _, ours = tiny
-    eng = make_engine(ours, arch, max_slots=8, start=False, admit_batch=3, admit_wait_steps=4)
+    eng = make_engine(ours, arch, max_slots=8, start=False, admit_batch=3, admit_wait_steps=4, overlap=overlap)
     prefills = []
     prefill = eng._prefill
     eng._prefill = lambda reqs: (prefills.append(len(reqs)), prefill(reqs))
@@ -614,9 +662,12 @@ def test_engine_stats_are_exactly_the_engine_gauges_the_backend_publishes(tiny):
     assert set(EngineStats().report()) < set(s) and all(isinstance(v, (int, float)) for v in s.values())
 
 
-def test_engine_counts_its_steps_rows_and_busy_time(tiny):
+@OVERLAP
+def test_engine_counts_its_steps_rows_and_busy_time(tiny, overlap):
+    """With overlap too: a row that its step in flight takes to max_tokens is not counted in the next step (it
+    runs there, but nothing reads it), and no step is launched once every row ends with the one in flight."""
     arch, _, _, ours = tiny
-    eng = make_engine(ours, arch, start=False)
+    eng = make_engine(ours, arch, start=False, overlap=overlap)
     s0 = eng.stats()
     assert s0["engine_steps"] == 0 and s0["engine_active"] == 0 and s0["engine_step_seconds"] == 0
     specs = [dict(ids=torch.arange(1, 9), params=greedy(n, n, seed=i)) for i, n in enumerate((10, 20))]

@@ -1,7 +1,7 @@
 """The served GPT engine alone under the sweep's closed-loop load: no Triton, no other process on the device.
 
     python -m bench.probes.engine_load --repo REPO [--concurrency 256,512] [--slots N] [--think-ms 0] [--seconds 10]
-                                [--tokens 150] [--out FILE]
+                                [--tokens 150] [--overlap on,off] [--out FILE]
 
 Builds `chattts_gpt`'s service from an exported repository exactly as Triton's instance would
 (`ModelContext.from_repo` + `backend.gpt_service`: its dtype, slots, compiled step, warm-up and graphs),
@@ -13,6 +13,9 @@ concurrency this splits a served step into the engine's own GPU time and what th
 processes (vocoder, stream codec) take from it on a shared GPU. `--think-ms T`: each client waits
 uniformly 0..2T ms between a result and its next request, as a served request's vocoder, Triton and
 gRPC time spread the arrivals (the engine's admissions, so its prefills, follow the arrivals).
+`--overlap on,off`: each level with the engine's host bookkeeping overlapping the next step (`Engine.overlap`,
+the served default on a GPU) and without, switched between windows of one engine: the row's `overlap` says
+which; wall per step (`engine_step_ms`) against the GPU clock's (`engine_step_gpu_ms`) is what it buys.
 """
 
 from __future__ import annotations
@@ -165,6 +168,8 @@ def main(argv=None) -> int:
                          "a comma list runs every level with each")
     ap.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
                     help="override the repository's gpt_compile_prefill (prefills through torch.compile with the step)")
+    ap.add_argument("--overlap", default="on",
+                    help="comma list of on/off: the engine overlaps its host bookkeeping with the next step (Engine.overlap)")
     add_device_args(ap)
     a = ap.parse_args(argv)
     if cuda_missing(a):
@@ -184,6 +189,9 @@ def main(argv=None) -> int:
         ap.error("--think-ms must be numbers of milliseconds, comma-separated")
     if not thinks or min(thinks) < 0:
         ap.error("--think-ms must be ≥ 0")
+    overlaps = [v.strip() for v in a.overlap.split(",") if v.strip()]
+    if not overlaps or set(overlaps) - {"on", "off"}:
+        ap.error("--overlap must be a comma list of on and off")
     overrides = {} if a.slots is None else {"gpt_slots": a.slots}
     if a.compile_prefill is not None:
         overrides["gpt_compile_prefill"] = int(a.compile_prefill)
@@ -200,11 +208,14 @@ def main(argv=None) -> int:
     prompts = load_prompts(a.repo)
     rows = []
     try:
-        for think, c in ((t, c) for t in thinks for c in levels):
+        for think, c, ov in ((t, c, o) for t in thinks for c in levels for o in overlaps):
+            service.engine.overlap = ov == "on"  # taken up at its next step (a step in flight is landed first)
             row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle, think / 1000)
+            row["overlap"] = service.engine.overlap
             rows.append(row)
             fmt = lambda k, spec=".2f": "n/a" if row.get(k) is None else format(row[k], spec)  # noqa: E731
-            print(f"[engine_load] concurrency {c}{f' (think {think:g} ms)' if think else ''}: {row['throughput_utt_s']:.1f} utt/s, p50 {fmt('latency_p50_ms', '.0f')} ms, "
+            print(f"[engine_load] concurrency {c}{f' (think {think:g} ms)' if think else ''}, overlap {ov}: "
+                  f"{row['throughput_utt_s']:.1f} utt/s, p50 {fmt('latency_p50_ms', '.0f')} ms, "
                   f"step {fmt('engine_step_ms')} ms (device {fmt('engine_step_device_ms')}, GPU clock "
                   f"{fmt('engine_step_gpu_ms')}, graph {fmt('engine_step_graph_ms')}, prefill/step {fmt('engine_prefill_ms_per_step')} "
                   f"({fmt('engine_prefill_ms')} ms per prefill of {fmt('engine_prefill_prompts', '.1f')}), GIL wait "

@@ -19,6 +19,10 @@ would ship instead of TorchScript + torch.compile at start-up; `build_s` is a pa
 `load_s` its load (a server's start-up cost, against `capture_s` of the compile variants).
 `--compile-prefill`: the compile variants' prefills run compiled too (their eager and graph figures).
 `--lengths uniform`: rows at positions spread below `--attn-len` (what the decode kernel gains in serving).
+`--loop-tokens N`: then, per batch size, that many requests of N forced frames through the engine's own loop
+(`Engine._run_once` on this thread: admission, steps, bookkeeping, results), once to capture its graphs, then
+once per `--overlap` setting (on: the host's bookkeeping of a step overlaps the next step, `Engine.overlap`):
+wall ms per step against the GPU clock's ms per step (the engine's counters), the host's share of a step.
 `--profile N`: also profile N steps of each batch (and N prefills of each shape) launched without a
 graph (torch.profiler) and record the device kernels per step, their summed time and the most expensive kernels: where a
 launch-bound step's time goes (on a CPU, the leaf operators instead of kernels).
@@ -127,6 +131,40 @@ def _set_positions(engine, b: int, attn_len: int, lengths: str) -> None:
     for i, p in enumerate(pos.tolist()):
         engine._grant(i, p // engine.page + 1)
     engine._sync_tables()
+
+
+def _loop(engine, b: int, tokens: int, overlap: bool) -> dict:
+    """b requests of `tokens` forced frames (prompts of 16 tokens) through the engine's loop on this thread: per
+    step, wall ms and the GPU clock's ms (sampled every GPU_TIMING_EVERY-th step), from the engine's counters."""
+    import dataclasses
+
+    from chattts_triton.runtime.engine import GenRequest, SamplingParams
+
+    for i in range(engine.max_slots):  # whatever the step timings left: every slot free, every page back
+        engine._release(i)
+    engine._clear_free(0, engine.max_slots)
+    engine._sync_tables()
+    engine.overlap = overlap
+    g = torch.Generator().manual_seed(b)
+    done: list = []
+    for i in range(b):
+        engine.submit(GenRequest(torch.randint(0, 21000, (16,), generator=g),
+                                 SamplingParams(1.0, None, None, 1.0, tokens, tokens, seed=i), done.append, want_hidden=False))
+    c0 = dataclasses.replace(engine.counters)
+    t0 = time.perf_counter()
+    while len(done) < b:
+        engine._run_once(block=False)
+    wall = time.perf_counter() - t0
+    c = engine.counters
+    steps, gpu_n = c.steps - c0.steps, c.step_gpu_samples - c0.step_gpu_samples
+
+    def per_step(field: str, n: int):
+        return round(1000 * (getattr(c, field) - getattr(c0, field)) / n, 4) if n else None
+
+    return {"overlap": overlap, "steps": steps, "wall_ms_per_step": per_step("step_seconds", steps),
+            "device_ms_per_step": per_step("step_device_seconds", steps), "gpu_ms_per_step": per_step("step_gpu_seconds", gpu_n),
+            "gpu_samples": gpu_n, "prefill_ms": per_step("prefill_seconds", c.prefills - c0.prefills),
+            "total_s": round(wall, 3)}
 
 
 def _prefill_once(engine, k: int, t: int, graphed: bool):
@@ -238,6 +276,15 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
                 row["profile"] = _profile(_prefill_once(engine, k, t, False), args.profile, cuda)
             out["prefill"][shape] = row
             print(f"[{variant}] prefill {k} prompts x {t} tokens: {row}", flush=True)
+    if args.loop_tokens:
+        out["loop"] = {}
+        with torch.inference_mode():
+            for b in args.batches:
+                _loop(engine, b, args.loop_tokens, False)  # captures the graphs the loop reaches
+                rows = [_loop(engine, b, args.loop_tokens, ov == "on") for ov in args.overlap]
+                out["loop"][b] = rows
+                for row in rows:
+                    print(f"[{variant}] loop of {b} x {args.loop_tokens} frames: {row}", flush=True)
     if cuda:
         out["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
         free, total = torch.cuda.mem_get_info()  # also what the allocator does not see (an AOTInductor package's weights)
@@ -263,6 +310,10 @@ def main(argv=None) -> int:
                          "step, their time, the top ones")
     ap.add_argument("--compile-prefill", action="store_true",
                     help="compile variants: the prefills through torch.compile too (Engine.compile_step(prefill=True))")
+    ap.add_argument("--loop-tokens", type=int, default=0, metavar="N",
+                    help="also run each batch size's requests of N forced frames through the engine's loop (0: not)")
+    ap.add_argument("--overlap", default="off,on",
+                    help="with --loop-tokens: the engine's overlap settings to run, comma list of off/on")
     ap.add_argument("--aoti-dir", type=Path, default=Path("build/aoti"),
                     help="where the aoti variants write their packages (each holds the GPT's weights: not --out)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -275,6 +326,9 @@ def main(argv=None) -> int:
     from chattts_triton.model.assets import infer_arch
 
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.overlap = [v.strip() for v in args.overlap.split(",") if v.strip()]
+    if set(args.overlap) - {"on", "off"}:
+        ap.error("--overlap must be a comma list of off and on")
     args.prefill = [p for p in args.prefill.split(",") if p]
     arch = infer_arch(args.assets, {})
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]

@@ -6,7 +6,8 @@ waited a few steps), runs one decode step for every active request, samples, and
 finished ones through their callbacks. Running requests stay compacted in slots 0..B-1 (a finished
 request's slot takes the last one's state and block table row). Each request's tokens depend only on
 its own prompt, params and seed (per-slot positions, per-request counter-based sampling), not on its
-slot, its pages or its batchmates. One host sync per decode step.
+slot, its pages or its batchmates. One host sync per decode step; with `overlap` (CUDA's default) that
+sync waits for the step before the one just launched, so the host's bookkeeping runs while the GPU steps.
 
 The KV cache is a pool of pages (`config.KV_PAGE_TOKENS` positions each, page 0 scratch); a request
 holds the pages its positions reach, one more each time it crosses a page. The pool is sized for the
@@ -71,6 +72,24 @@ GPU_TIMING_EVERY = 8  # decode steps per one timed on the GPU's clock (two event
 GIL_PROBE_EVERY = 64
 
 
+class _Flight:
+    """A decode step launched, its bookkeeping still to do (`Engine._land`)."""
+
+    __slots__ = ("step", "b", "hit", "events", "inner", "slot_of", "host", "ready", "launch_seconds")
+
+    def __init__(self, step: int, b: int, hit: Tensor, events, inner, slots: int):
+        self.step = step  # its index (the steps counter at its launch)
+        self.b = b  # it ran slots 0..b-1
+        self.hit = hit  # its EOS flags [b] on the device
+        self.events = events  # timing events around its launch (every GPU_TIMING_EVERY-th step on CUDA)
+        self.inner = inner  # the timing events its graph records, if a graph ran it
+        # for each slot now, the row of this step it held then (-1: not in it); compaction keeps it current
+        self.slot_of = np.full(slots, -1, dtype=np.int64)
+        self.host: Optional[np.ndarray] = None  # overlap: its flags on the host (valid once `ready` is done)
+        self.ready = None  # overlap on CUDA: the event after the flags' copy
+        self.launch_seconds = 0.0
+
+
 class Engine(Runner, KvPages, WarmUp):
     def __init__(
         self,
@@ -93,6 +112,7 @@ class Engine(Runner, KvPages, WarmUp):
         compile_step: bool = False,
         compile_prefill: bool = False,
         decode_kernel: Optional[bool] = None,
+        overlap: Optional[bool] = None,
         start: bool = True,
     ):
         """admit_batch / admit_wait_steps / max_prefill_tokens: the admission policy (`Scheduler`): while
@@ -106,12 +126,18 @@ class Engine(Runner, KvPages, WarmUp):
         (`attention.decode_attention`); None: where its GPU kernel runs (True elsewhere: its dense PyTorch
         reference, for tests). TorchScript models: never.
         cache_tokens: positions the paged KV cache holds, all requests together (None: max_slots ×
-        max_context, which never suspends a request); at least one request of the full context."""
+        max_context, which never suspends a request); at least one request of the full context.
+        overlap: each decode step is launched before the previous one's EOS flags are read back, so that
+        the host's bookkeeping runs while the GPU steps (`_decode_step`); None: on CUDA (a CPU's ops are
+        synchronous: nothing to overlap, the logic is the same). May be changed between steps."""
         _check_model(model)
         self.model = model
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # the engine thread needs the index
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
+        self._flight: Optional[_Flight] = None  # overlap: the step launched and not yet read back
+        self._flag_bufs: List[Tensor] = []  # overlap on CUDA: two pinned buffers the steps' flags alternate in
         self.decode_kernel = False  # the model's decode steps read each row's own keys (attn_len unused)
         if isinstance(model, torch.jit.ScriptModule) or not hasattr(model, "decode_kernel"):
             if decode_kernel:
@@ -145,7 +171,8 @@ class Engine(Runner, KvPages, WarmUp):
         self.h_max = np.zeros(s, dtype=np.int64)
         self.h_text = np.zeros(s, dtype=bool)
         self.streaming: Set[_Slot] = set()
-        self._pending: List[tuple] = []  # stream chunks copied to the host, delivered after the next sync
+        # stream chunks copied to the host, each with the event after its copy (CUDA), delivered after the next sync
+        self._pending: List[tuple] = []
         self.cv = threading.Condition()
         self.stopping = False
         self.counters = EngineStats()  # cumulative, for metrics: Engine.stats()
@@ -324,6 +351,9 @@ class Engine(Runner, KvPages, WarmUp):
             tasks, self._tasks = self._tasks, []
             stop = self.stopping and not self.scheduler.pending and not self.rows
             admitted = None if stop else self._take_admissions()
+        if tasks:  # a task (a graph capture) meets no step in flight
+            with torch.inference_mode():
+                self._drain()
         for task in tasks:  # each reports its own outcome
             with torch.inference_mode():
                 task()
@@ -341,10 +371,9 @@ class Engine(Runner, KvPages, WarmUp):
                     self.counters.prefills += 1
                     self.counters.prefill_rows += len(fresh)
                 if self.rows:
-                    t0, b = time.perf_counter(), len(self.rows)
+                    t0 = time.perf_counter()
                     self._decode_step()
                     self.counters.step_seconds += time.perf_counter() - t0
-                    self.counters.step_rows += b
         except Exception as e:  # fail the requests in flight, keep serving the next ones
             log.exception("engine step failed")
             self._fail_all(e)
@@ -428,21 +457,75 @@ class Engine(Runner, KvPages, WarmUp):
 
     # -- decode ---------------------------------------------------------------------------------
     def _decode_step(self) -> None:
-        self._ensure_pages()
-        self._sync_tables()
+        """One decode step of every running row. Without overlap: launch it, read its EOS flags back (the
+        step's one host sync), then the bookkeeping (`_land`). With overlap: launch step n+1, then read step n's
+        flags (done by now, or soon: the GPU runs n+1 meanwhile) and do its bookkeeping, one step late. Step
+        n+1 reads its inputs from the device state that step n left (`step_core`), so it needs nothing from the
+        host's bookkeeping of step n; a row that ended at step n computes one step more, which nothing reads
+        (results copy its first n tokens), and its slot is freed by the bookkeeping as before."""
+        if not self.overlap:
+            self._drain()  # switched off with a step in flight
+            self._land(self._launch())
+            return
+        launched = self._launch()  # may land the step in flight first (`_drain`)
+        prev, self._flight = self._flight, launched
+        if prev is not None:
+            self._land(prev)
+        if not self.rows:  # everyone it stepped has finished: nothing to read back
+            self._flight = None
+
+    def _drain(self) -> None:
+        """Land the step in flight (overlap), if any: before what needs the host's counts exact (suspending
+        rows, a task such as a graph capture)."""
+        f, self._flight = self._flight, None
+        if f is not None:
+            self._land(f)
+
+    def _ahead(self, b: int) -> np.ndarray:
+        """1 for each of the rows 0..b-1 that the step in flight runs: on the device it may be one token past
+        the host's count."""
+        if self._flight is None:
+            return np.zeros(b, dtype=np.int64)
+        return (self._flight.slot_of[:b] >= 0).astype(np.int64)
+
+    def _launch(self) -> Optional["_Flight"]:
+        """Enqueue one decode step of rows 0..B-1 (pages granted, tables synced first). With a step in flight
+        the host's counts lag by it: pages and the attention length are taken one position further for the
+        rows it runs. None: nothing launched (the rows all end with the step in flight, which was landed)."""
         b = len(self.rows)
-        attn_len = int((self.h_plen[:b] + self.h_n[:b]).max())  # 1 + the largest position fed
+        ahead = self._ahead(b)
+        if self._flight is not None:
+            # max_tokens: a row the step in flight takes to its last token is done either way; when all are,
+            # read that step back instead of launching one that nothing would read
+            done_either_way = ahead.astype(bool) & (self.h_n[:b] + 1 >= self.h_max[:b])
+            if done_either_way.all():
+                self._drain()
+                return None
+        else:
+            done_either_way = np.zeros(b, dtype=bool)
+        if not self._ensure_pages(ahead):  # short of pages: suspending needs the exact counts
+            self._drain()
+            if not self.rows:
+                return None
+            b = len(self.rows)
+            ahead, done_either_way = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=bool)
+            self._ensure_pages(ahead)
+            b = len(self.rows)
+            ahead, done_either_way = ahead[:b], done_either_way[:b]
+        self._sync_tables()
+        attn_len = int((self.h_plen[:b] + self.h_n[:b] + ahead).max())  # 1 + the largest position fed
         n_text = int(self.h_text[:b].sum())
         mode = "code" if n_text == 0 else "text" if n_text == b else "mixed"
         c = self.counters
         self._step_starts.append(time.perf_counter())
         hit = None
         inner = None  # the timing events of the graph that runs this step, if one does
-        timed = self.device.type == "cuda" and c.steps % GPU_TIMING_EVERY == 0
-        if timed:
+        events = None
+        if self.device.type == "cuda" and c.steps % GPU_TIMING_EVERY == 0:
             if self._step_events is None:
                 self._step_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._step_events[0].record()
+            events = self._step_events
+            events[0].record()
         t0 = time.perf_counter()
         if self.graphs is not None and mode != "mixed":
             hit = self.graphs.step(b, attn_len, mode)
@@ -453,13 +536,45 @@ class Engine(Runner, KvPages, WarmUp):
                 text = self.h_text[:b]
                 groups = [(m, self._h2d(torch.from_numpy(np.flatnonzero(sel)))) for m, sel in (("code", ~text), ("text", text))]
             hit = self.step_core(0, b, attn_len, mode, None, groups)
-        if timed:
-            self._step_events[1].record()
-        hit_host = self._host_sync(hit[:b])
-        c.step_device_seconds += time.perf_counter() - t0
-        if timed:  # both events are done: the sync came after the second
-            c.step_gpu_seconds += self._step_events[0].elapsed_time(self._step_events[1]) / 1000
+        if events is not None:
+            events[1].record()
+        f = _Flight(c.steps, b, hit[:b], events, inner, self.max_slots)
+        f.slot_of[:b] = np.arange(b)
+        if self.overlap:
+            # the flags to the host now: a graph's replay returns the same buffer, which the next step overwrites
+            if self.device.type == "cuda":
+                if not self._flag_bufs:
+                    self._flag_bufs = [torch.empty(self.max_slots, dtype=torch.bool, pin_memory=True) for _ in range(2)]
+                buf = self._flag_bufs[c.steps % 2]  # the other one may still be read back (the step in flight)
+                buf[:b].copy_(f.hit, non_blocking=True)
+                f.ready = torch.cuda.Event()
+                f.ready.record()
+                f.host = buf.numpy()
+            else:
+                f.host = f.hit.numpy().copy()
+        f.launch_seconds = time.perf_counter() - t0
+        c.steps += 1
+        c.step_rows += b - int(done_either_way.sum())  # rows that step for a token someone reads
+        return f
+
+    def _land(self, f: "_Flight") -> None:
+        """A launched step's flags on the host (its one host sync, or the wait for its copy), its timings, then
+        its bookkeeping: counts, stream chunks, finished rows. Rows that moved since the launch are found
+        through `f.slot_of`; rows admitted since (not in the step) stay as they are."""
+        c = self.counters
+        t0 = time.perf_counter()
+        if f.host is None:
+            hit_host = self._host_sync(f.hit)
+        else:
+            if f.ready is not None:
+                f.ready.synchronize()
+            hit_host = f.host[: f.b].copy()
+        c.step_device_seconds += f.launch_seconds + time.perf_counter() - t0
+        if f.events is not None:  # both events are done: they came before the flags
+            c.step_gpu_seconds += f.events[0].elapsed_time(f.events[1]) / 1000
             c.step_gpu_samples += 1
+            # the graph's own events are re-recorded by its next replay: unreadable once that is launched
+            inner = f.inner if self._flight is None or self._flight.inner is not f.inner else None
             if inner is not None and not self._graph_timing_failed:
                 try:
                     c.step_graph_seconds += inner[0].elapsed_time(inner[1]) / 1000
@@ -467,46 +582,67 @@ class Engine(Runner, KvPages, WarmUp):
                 except Exception:
                     log.exception("reading a decode graph's own timing events failed; no more graph timings")
                     self._graph_timing_failed = True
-        if c.steps % GIL_PROBE_EVERY == 0:
+        if f.step % GIL_PROBE_EVERY == 0:
             t1 = time.perf_counter()
             time.sleep(0)  # lets the GIL go and takes it back: the wait a release costs now
             c.gil_wait_seconds += time.perf_counter() - t1
             c.gil_wait_samples += 1
-        c.steps += 1
         self._deliver()
-        self._advance(0, b, hit_host)
+        b = len(self.rows)
+        where = f.slot_of[:b]
+        stepped = where >= 0
+        if stepped.all() and b == f.b and (where == np.arange(b)).all():
+            self._advance(0, b, hit_host)
+            return
+        hit = np.zeros(b, dtype=bool)
+        hit[stepped] = hit_host[where[stepped]]
+        self._advance(0, b, hit, stepped)
 
     # -- host bookkeeping -------------------------------------------------------------------------
-    def _advance(self, lo: int, hi: int, hit: np.ndarray) -> None:
-        """After a step of the rows in slots lo..hi-1: counts, stream chunks, finished requests."""
+    def _advance(self, lo: int, hi: int, hit: np.ndarray, stepped: Optional[np.ndarray] = None) -> None:
+        """After a step of the rows in slots lo..hi-1: counts, stream chunks, finished requests. `stepped`: which
+        of them the step ran (None: all; rows admitted after an overlapped step's launch were not in it)."""
         rows = self.rows
         cancelled = np.fromiter((rows[i].req.cancelled for i in range(lo, hi)), dtype=bool, count=hi - lo)
         kept = ~hit & ~cancelled
+        if stepped is not None:
+            kept &= stepped
         n = self.h_n[lo:hi]
         n += kept
         maxed = kept & (n >= self.h_max[lo:hi])
+        chunks = []
         for slot in self.streaming:
             i = slot.idx - lo
             if 0 <= i < hi - lo and kept[i] and not maxed[i] and n[i] - slot.emitted >= max(1, slot.req.stream_every):
-                self._emit(slot.idx, slot)
-        done = np.flatnonzero(~kept | maxed)
+                chunks.append(self._emit(slot.idx, slot))
+        if chunks:
+            # with overlap the next host sync waits for an earlier step than these copies: they get their own event
+            ready = None
+            if self.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
+            self._pending.extend(chunk + (ready,) for chunk in chunks)
+        done = np.flatnonzero(hit | cancelled | maxed)
         if done.size:
             reasons = ["cancelled" if cancelled[j] else "eos" if hit[j] else "max_tokens" for j in done]
             self._finish_rows([(lo + int(j), r) for j, r in zip(done, reasons)])
 
-    def _emit(self, slot_id: int, slot: _Slot) -> None:
-        """Queue the slot's tokens since its last chunk; on_tokens gets them after the next host sync
+    def _emit(self, slot_id: int, slot: _Slot) -> tuple:
+        """The slot's tokens since its last chunk, copies queued; on_tokens gets them after the next host sync
         (the step's own), so streaming adds no sync of its own."""
         a, b = slot.emitted, int(self.h_n[slot_id])
         toks = self._d2h(self.tokens[slot_id, a:b])
         hid = self._d2h(self.hiddens[slot_id, a:b].float()) if slot.req.want_hidden else None
         slot.emitted = b
-        self._pending.append((slot, toks, hid))
+        return slot, toks, hid
 
     def _deliver(self) -> None:
-        """Hand queued chunks to their consumers; call right after a host sync (their copies are done)."""
+        """Hand queued chunks to their consumers; call right after a host sync (their copies are done, or
+        done with a step that is: the wait on their event is then a formality)."""
         pending, self._pending = self._pending, []
-        for slot, toks, hid in pending:
+        for slot, toks, hid, ready in pending:
+            if ready is not None:
+                ready.synchronize()
             try:
                 slot.req.on_tokens(toks, hid)
             except Exception:  # a failing consumer must not take the engine down: stop its generation
@@ -559,6 +695,7 @@ class Engine(Runner, KvPages, WarmUp):
 
     def _fail_all(self, error: BaseException) -> None:
         self._pending.clear()
+        self._flight = None
         for i in range(len(self.rows)):
             self._release(i)
         rows, self.rows = self.rows, []

@@ -57,8 +57,10 @@ class GPTService:
     def __init__(self, model_path: Path, arch: Arch, device: torch.device, dtype: str, max_slots: int,
                  max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int, max_pending: int = 0,
                  compile_step: bool = False, admit_batch: int = ADMIT_BATCH, admit_wait_steps: int = ADMIT_WAIT_STEPS,
-                 compile_prefill: bool = False, cache_tokens: Optional[int] = None):
-        """cache_tokens: positions of the engine's paged KV cache (None: max_slots × max_context)."""
+                 compile_prefill: bool = False, cache_tokens: Optional[int] = None, overlap: bool = True):
+        """cache_tokens: positions of the engine's paged KV cache (None: max_slots × max_context).
+        overlap: the engine's host bookkeeping overlaps its next step (Engine overlap; CUDA only: nothing to gain
+        where the ops are synchronous)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if dtype in CPU_ONLY_PRECISIONS and device.type != "cpu":
@@ -87,6 +89,7 @@ class GPTService:
                 admit_batch=admit_batch,
                 admit_wait_steps=admit_wait_steps,
                 max_pending=max_pending,
+                overlap=overlap and device.type == "cuda",
             )
             # an experiment switch: a host sync that waits on an event instead of the stream (bench/probes/stream_codec.py)
             engine.event_sync = os.environ.get(EVENT_SYNC_ENV, "") == "1"

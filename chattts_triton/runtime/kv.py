@@ -7,7 +7,7 @@ which rows to suspend and how many pages a request needs is `scheduler.py`'s."""
 from __future__ import annotations
 
 import logging
-from typing import List, Set
+from typing import List, Optional, Set
 
 import numpy as np
 import torch
@@ -59,24 +59,31 @@ class KvPages:
             at = self._h2d(torch.tensor(rows, dtype=torch.int64))
             self.block_table.index_copy_(0, at, self._h2d(torch.from_numpy(self.h_table[rows])))
 
-    def _ensure_pages(self) -> None:
+    def _ensure_pages(self, ahead: Optional[np.ndarray] = None) -> bool:
         """Before a decode step: every running row holds the page of the position it writes; where the pool
-        has too few, the rows the scheduler picks are suspended."""
+        has too few, the rows the scheduler picks are suspended. `ahead` [B]: tokens each row may have on the
+        device beyond the host's count (a step in flight); False, and nothing done, where that would need a
+        suspension (which copies exactly the tokens a row has: land the step first)."""
         b = len(self.rows)
-        want = self.scheduler.pages_for(self.h_plen[:b] + self.h_n[:b])  # through the position it writes
+        reach = self.h_plen[:b] + self.h_n[:b] + (0 if ahead is None else ahead)
+        want = self.scheduler.pages_for(reach)  # through the position it writes
         short = want > self.h_pages[:b]
         if int(short.sum()) > len(self.free_pages):
+            if ahead is not None and ahead.any():
+                return False
             self._suspend(self.scheduler.victims([s.seq for s in self.rows], self.h_pages[:b], short, len(self.free_pages)))
             b = len(self.rows)
             want = self.scheduler.pages_for(self.h_plen[:b] + self.h_n[:b])
             short = want > self.h_pages[:b]
         for i in np.flatnonzero(short):
             self._grant(int(i), int(want[i]))
+        return True
 
     def _suspend(self, ids: List[int]) -> None:
         """Take the rows `ids` out of the batch: their pages' keys and values, tokens, hidden states and
         sampling state to the host (queued before anything reuses the pages), their pages freed; back to
         the head of the queue (the scheduler's `requeue`)."""
+        assert self._flight is None, "suspending with a step in flight"
         records = []
         for i in ids:
             slot = self.rows[i]
@@ -123,7 +130,7 @@ class KvPages:
             src_h, dst_h = np.array(movers), np.array(holes)
             src = self._h2d(torch.from_numpy(src_h))
             dst = self._h2d(torch.from_numpy(dst_h))
-            t = int(self.h_n[src_h].max()) + 1
+            t = int(self.h_n[src_h].max()) + 1  # index h_n too: the token a step in flight (overlap) wrote there
             for buf in (self.tokens.narrow(1, 0, t), self.hiddens.narrow(1, 0, t), self.row_params.ints, self.row_params.floats):
                 buf.index_copy_(0, dst, buf.index_select(0, src))
             for arr in (self.h_n, self.h_plen, self.h_max, self.h_text, self.h_table, self.h_pages):
@@ -135,6 +142,10 @@ class KvPages:
                 slot = self.rows[s]
                 slot.idx = d
                 self.rows[d] = slot
+            if self._flight is not None:  # the step in flight's rows move with them
+                self._flight.slot_of[dst_h] = self._flight.slot_of[src_h]
+        if self._flight is not None:
+            self._flight.slot_of[keep:b] = -1
         del self.rows[keep:]
         self._clear_free(keep, b)
 

@@ -14,11 +14,14 @@ from typing import Dict
 
 @dataclass
 class EngineStats:
-    # decode steps: busy time = step + prefill seconds; mean batch = step_rows / steps
+    # decode steps: busy time = step + prefill seconds; mean batch = step_rows / steps (with overlap, a row that the
+    # step before takes to max_tokens is not counted in the next one, which runs it for nothing)
     steps: int = 0
     step_rows: int = 0
-    step_seconds: float = 0.0
-    step_device_seconds: float = 0.0  # of step_seconds: launch to the step's host sync (the rest is host bookkeeping)
+    step_seconds: float = 0.0  # the loop's time in decode steps: launch and bookkeeping (wall per step = this / steps)
+    # of step_seconds: the step's launch plus the wait for its flags on the host (without overlap, launch to the
+    # step's host sync; with it, ~0 while the host is behind the GPU); the rest is host bookkeeping
+    step_device_seconds: float = 0.0
     # CUDA, every GPU_TIMING_EVERY-th step: the step's span on the GPU's own clock (events around its launch).
     # Set beside step_device_seconds it separates a slow GPU (kernels, other processes' time slices) from a
     # host that comes back late (the launch, or the GIL held by another thread)

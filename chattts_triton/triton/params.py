@@ -106,6 +106,7 @@ class EngineParams(Params):
     instances: int = 1  # chattts_vocoder instances per GPU, which the engine's memory plan leaves room for
     gpt_compile: bool = False  # the decode step through torch.compile (GPU instances)
     gpt_compile_prefill: bool = False  # ... and the prefills
+    gpt_overlap: bool = True  # GPU engines: the host's bookkeeping of a step overlaps the next step
     gpt_admit_batch: int = ADMIT_BATCH
     gpt_admit_wait_steps: int = ADMIT_WAIT_STEPS
     gil_switch_interval_us: int = GIL_SWITCH_INTERVAL_US

@@ -104,6 +104,9 @@ class Deployment:
     gpt_compile: bool = True
     # ... and the prefills: faster alone, but served the start-up grew longer than the gain was worth; opt-in
     gpt_compile_prefill: bool = False
+    # GPU engines launch each decode step before reading the previous one's EOS flags back, so that the host's
+    # bookkeeping overlaps the GPU's step (Engine overlap; CPU engines never: their ops are synchronous)
+    gpt_overlap: bool = True
     # chattts_vocoder replays its codec from CUDA graphs (GPU only): one launch per call instead of hundreds
     vocoder_graphs: bool = True
     # chattts_stream's codec on a CUDA stream of its own, so its calls overlap its engine's steps on the GPU
@@ -393,6 +396,8 @@ def parser() -> argparse.ArgumentParser:
                     help="GPU instances run the decode step through torch.compile (default for new exports; each GPU instance compiles for minutes at start-up)")
     ap.add_argument("--gpt-compile-prefill", action=argparse.BooleanOptionalAction, default=None,
                     help="with --gpt-compile: prefills through torch.compile too (dynamic shapes; opt-in: start-up grows longer)")
+    ap.add_argument("--gpt-overlap", action=argparse.BooleanOptionalAction, default=None,
+                    help="GPU engines overlap the host's bookkeeping of a decode step with the next step (on by default)")
     ap.add_argument("--vocoder-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU chattts_vocoder instances replay the decoder and Vocos from CUDA graphs (groups of up to 16 "
                          "utterances of up to 512 frames, longer ones eagerly; on by default)")
