@@ -182,12 +182,14 @@ def test_to_host_copies_through_pinned_memory():
     assert host.device.type == "cpu" and host.is_pinned() and torch.equal(host, t.cpu())
 
 
-def test_decode_step_syncs_the_host_once(full_assets):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_step_syncs_the_host_once(full_assets, overlap):
     """Steady state with graphs, streaming consumers and a request finishing (compaction): exactly
-    one synchronizing CUDA call per decode step."""
+    one synchronizing CUDA call per decode step, with or without overlap (with it, the call waits for the
+    step before the one just launched)."""
     arch = infer_arch(full_assets)
     model = torch.jit.script(load_gpt(full_assets, arch).cuda())
-    eng = _engine(model, arch, True, slots=8, start=False)
+    eng = _engine(model, arch, True, slots=8, start=False, overlap=overlap)
     got = []
     for i in range(6):
         n = 25 if i == 0 else 60  # slot 0 finishes at the 24th step: the last slot moves into it
@@ -314,16 +316,18 @@ def test_stream_codec_captures_nothing_after_start_up_on_gpu(tiny_repo):
         svc.close()
 
 
-def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets, overlap):
     """One decode step in GPU_TIMING_EVERY is timed with CUDA events: its span on the GPU's clock is
-    positive and no longer than the launch-to-sync time the host saw for those steps on average
-    (within the jitter of 2 ms over 10+ samples); the graphed ones also on the events their graph
-    records itself, a span inside the host-recorded one."""
+    positive and no longer than the host's time per step (without overlap the launch-to-sync time, with it
+    the whole step's wall time, as the sync waits for the step before) on average (within the jitter of 2 ms
+    over 10+ samples); the graphed ones also on the events their graph records itself, a span inside the
+    host-recorded one."""
     from chattts_triton.runtime.engine import GPU_TIMING_EVERY
 
     arch = infer_arch(tiny_assets)
     model = torch.jit.script(load_gpt(tiny_assets, arch).cuda())
-    eng = _engine(model, arch, True, slots=8)
+    eng = _engine(model, arch, True, slots=8, overlap=overlap)
     try:
         done: "queue.Queue" = queue.Queue()
 
@@ -337,12 +341,12 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets):
         wave()
         s1 = eng.stats()
         s = {k: s1[k] - s0[k] for k in ("engine_steps", "engine_step_gpu_samples", "engine_step_gpu_seconds",
-                                        "engine_step_device_seconds", "engine_step_graph_samples",
+                                        "engine_step_device_seconds", "engine_step_seconds", "engine_step_graph_samples",
                                         "engine_step_graph_seconds")}
         assert abs(s["engine_step_gpu_samples"] - s["engine_steps"] / GPU_TIMING_EVERY) <= 1
         assert s["engine_step_gpu_samples"] >= 10
         gpu_ms = 1000 * s["engine_step_gpu_seconds"] / s["engine_step_gpu_samples"]
-        device_ms = 1000 * s["engine_step_device_seconds"] / s["engine_steps"]
+        device_ms = 1000 * s["engine_step_device_seconds" if not overlap else "engine_step_seconds"] / s["engine_steps"]
         # every step of the timed wave ran from a captured graph: each sample has its graph's own span
         assert s["engine_step_graph_samples"] == s["engine_step_gpu_samples"]
         graph_ms = 1000 * s["engine_step_graph_seconds"] / s["engine_step_graph_samples"]

@@ -328,6 +328,33 @@ def test_stream_service_chunks_equal_the_offline_audio(stream_service, n):
         assert len(rec.chunks) > 3
 
 
+def test_on_the_cpu_only_the_engine_runs_an_openmp_team_of_more_than_one_thread(stream_service, monkeypatch):
+    """libgomp lets a team's idle workers spin only while the process's OpenMP threads fit the cores: the
+    codec thread and each stream's preprocess thread run on one OpenMP thread, so that the engine's team is
+    the stream process's only one (as in chattts_gpt); the calling thread's count is left as it was."""
+    svc, seen = stream_service, {}
+    prepare, synthesize = svc.pre.prepare, svc.voc.synthesize
+    monkeypatch.setattr(svc.pre, "prepare", lambda inputs: seen.setdefault("preprocess", torch.get_num_threads()) and prepare(inputs))
+    monkeypatch.setattr(svc.voc, "synthesize", lambda items: seen.setdefault("codec", torch.get_num_threads()) and synthesize(items))
+    before = torch.get_num_threads()
+    rec = Recorder(contract(n=5))
+    svc.execute([rec.call])
+    assert rec.ended.wait(120) and rec.error is None and rec.final == 1
+    assert svc.side_threads == 1 and seen == {"preprocess": 1, "codec": 1}
+    assert torch.get_num_threads() == before
+
+
+def test_omp_threads_sets_the_calling_threads_count_inside_the_block_and_restores_it():
+    from chattts_triton.runtime.streaming import omp_threads
+
+    before = torch.get_num_threads()
+    with omp_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with omp_threads(None):
+        assert torch.get_num_threads() == before
+
+
 def test_frames_that_pile_up_behind_a_slow_codec_are_sent_in_capped_windows(stream_service, monkeypatch):
     """A codec call that lags lets frames pile up; they go out as several windows of at most the
     warmed length (no codec graph captured mid-run) and the stream still equals the offline audio."""

@@ -11,6 +11,7 @@ one vocoder call and sends the chunks, and polls cancellation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -32,6 +33,24 @@ log = logging.getLogger(__name__)
 CANCEL_POLL_S = 0.05  # the codec thread checks cancellations this often
 WARM_STREAM_FRAMES = 256  # codec graphs captured at start-up: every frame bucket up to the largest window
 # of the streams up to this long, for 1, 2, 4 .. CODEC_GRAPH_BATCH streams' windows in one call
+
+
+def set_omp_threads(n: Optional[int]) -> None:
+    """This thread's torch intra-op (OpenMP) threads: `n`, or None to leave them."""
+    if n is not None and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+@contextlib.contextmanager
+def omp_threads(n: Optional[int]):
+    """The calling thread's torch ops on `n` OpenMP threads inside the block (None: as they are); its count is
+    restored after (the count is per thread; the value later threads start from is torch's global, restored too)."""
+    before = torch.get_num_threads()
+    set_omp_threads(n)
+    try:
+        yield
+    finally:
+        set_omp_threads(before)
 
 
 class Cancelled(RuntimeError):
@@ -86,8 +105,14 @@ class StreamService:
 
     def __init__(self, preprocess, gpt, vocoder, first_chunk: int, chunk: int, lookahead: int,
                  max_streams: int, drain_file: str = "", first_lookahead: Optional[int] = None, fade: int = 0,
-                 exact: Optional[int] = None, codec_stream: bool = False, first_chunks_first: bool = False):
-        """codec_stream: on a GPU the codec thread launches on a CUDA stream of its own (its inputs are
+                 exact: Optional[int] = None, codec_stream: bool = False, first_chunks_first: bool = False,
+                 side_threads: Optional[int] = None):
+        """side_threads: OpenMP threads of the codec thread and of each preprocess thread a stream starts on
+        (None: the process's). On the CPU the factory gives 1, so that the engine's is the process's only OpenMP
+        team: libgomp lets a team's idle workers spin only while the process's OpenMP threads fit the cores; with
+        a second team the engine's worker sleeps and each of a step's parallel regions waits for a futex wake,
+        a third slower decode step than `chattts_gpt`'s on an idle 2-core machine.
+        codec_stream: on a GPU the codec thread launches on a CUDA stream of its own (its inputs are
         host memory the engine has finished with, its outputs are copied back before use), so a codec
         call's kernels can run beside the engine's step instead of queueing with it.
         first_chunks_first: a codec step decodes new streams' first windows in a call of their own, and
@@ -101,6 +126,7 @@ class StreamService:
         self.pre, self.gpt, self.voc = preprocess, gpt, vocoder
         self.codec_stream = torch.cuda.Stream(device=vocoder.device) if codec_stream and vocoder.device.type == "cuda" else None
         self.first_chunks_first = first_chunks_first
+        self.side_threads = side_threads
         self.max_streams = max_streams
         self.drain_file = drain_file
         self.events: "queue.Queue" = queue.Queue()
@@ -151,6 +177,7 @@ class StreamService:
     def _start(self, call: StreamCall) -> None:
         stream = None
         t_start = time.monotonic()
+        set_omp_threads(self.side_threads)  # a pool thread: no OpenMP team of its own beside the engine's
         try:
             if call.cancelled():
                 raise Cancelled("request cancelled")
@@ -184,6 +211,7 @@ class StreamService:
     # -- codec thread ---------------------------------------------------------------------------
     def _codec_loop(self) -> None:
         torch.set_grad_enabled(False)
+        set_omp_threads(self.side_threads)
         if self.voc.device.type == "cuda":  # per thread, like the engine's
             torch.cuda.set_device(self.voc.device)
         if self.codec_stream is not None:

@@ -160,6 +160,10 @@ STAT_HELP = {
     "engine_kv_pages_free": "of those, the pages no generation holds",
     "engine_preemptions": "generations suspended to host memory for want of KV pages (cumulative; resumed exactly later)",
     "engine_resumes": "suspended generations resumed (cumulative)",
+    "engine_cancel_releases": "cancelled generations whose slot the engine gave back (cumulative)",
+    "engine_cancel_release_seconds": "summed time from a generation's cancel() to its slot given back (cumulative; / engine_cancel_releases = mean)",
+    "engine_cancel_release_max_seconds": "the longest of those releases so far",
+    "engine_cancel_release_late": "releases after which more than one decode step had begun since the cancel (cumulative; should stay 0)",
     "gpu_memory_reserved_bytes": "GPU memory this model instance's process holds through torch's allocator",
     "gpu_memory_peak_reserved_bytes": "the most it held so far",
     "streams": "streams in flight in this instance",
@@ -441,22 +445,26 @@ def stream_service(ctx: ModelContext):
     from ..runtime.device import check_dtype_supported, device_for
     from ..runtime.inputs import refine_request
     from ..runtime.preprocess import PreprocessService
-    from ..runtime.streaming import StreamService
+    from ..runtime.streaming import StreamService, omp_threads
     from ..runtime.vocoder import VocoderService
 
     p = ctx.params(StreamParams)
     schedule = p.schedule(ctx.arch)
-    gpt = gpt_service(ctx, ctx.repo_dir / GPT / "1", p)
+    gpt = gpt_service(ctx, ctx.repo_dir / GPT / "1", p)  # its engine thread has made its OpenMP team (warm-up)
     device = device_for(ctx.instance_kind, ctx.device_id)
-    pre = PreprocessService(
-        ctx.repo_dir / PREPROCESS / "1", ctx.arch, device, p.artifact_format,
-        refine=lambda ids, params: gpt.call(refine_request(ids, params))["CODES"][0, :, 0],
-    )
-    check_dtype_supported(device, p.dtype)
-    # the stream's codec windows come in a few sizes: always CUDA graphs of them (its memory is within the engine's cap)
-    voc = VocoderService(ctx.repo_dir / VOCODER / "1", ctx.arch, device, p.artifact_format, graphs=True)
+    # CPU: everything but the engine on one OpenMP thread (loading here, the codec thread, the preprocess threads),
+    # so that, as in chattts_gpt, the engine's team is the process's only one (StreamService's side_threads says why)
+    side_threads = 1 if device.type == "cpu" else None
+    with omp_threads(side_threads):
+        pre = PreprocessService(
+            ctx.repo_dir / PREPROCESS / "1", ctx.arch, device, p.artifact_format,
+            refine=lambda ids, params: gpt.call(refine_request(ids, params))["CODES"][0, :, 0],
+        )
+        check_dtype_supported(device, p.dtype)
+        # the stream's codec windows come in a few sizes: always CUDA graphs of them (its memory is within the engine's cap)
+        voc = VocoderService(ctx.repo_dir / VOCODER / "1", ctx.arch, device, p.artifact_format, graphs=True)
     return StreamService(
         pre, gpt, voc, **schedule,
         max_streams=gpt.max_pending, drain_file=os.environ.get(DRAIN_FILE_ENV, ""),
-        codec_stream=p.stream_codec_stream, first_chunks_first=p.stream_first_chunks_first,
+        codec_stream=p.stream_codec_stream, first_chunks_first=p.stream_first_chunks_first, side_threads=side_threads,
     )
