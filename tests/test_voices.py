@@ -117,6 +117,113 @@ def test_unusable_entries_and_a_corrupt_file_fail_the_requests_that_name_a_voice
         reg.resolve("ok")
 
 
+# --- mixes (model/mix.py) -------------------------------------------------------------------------------
+def test_registry_resolves_a_mix_of_names_and_seeds_by_the_rule(repo_copy):
+    from chattts_triton.model import mix as M
+
+    reg = V.VoiceRegistry(repo_copy, 64)
+    voice = reg.resolve("2222*0.7+nova*0.3")
+    expected = M.mix([spk.decode_speaker(spk.sample_random_speaker(2222, 64), 64),
+                      spk.decode_speaker(spk.sample_random_speaker(BUILTIN_VOICE_SEEDS["nova"], 64), 64)], [0.7, 0.3], 64)
+    assert np.array_equal(spk.decode_speaker(voice.speaker, 64), expected)
+    assert voice.mix == "2222*0.7+nova*0.3" and voice.source == "mix 2222*0.7+nova*0.3" and voice.sample is None
+    assert reg.resolve("2222(7)+nova(3)").speaker == voice.speaker  # Kokoro's form, the same weights
+    assert reg.resolve("2222*0.7+nova*0.3") is voice  # made once per version of the file
+    assert reg.resolve("2222*0.5+alloy*0.5").speaker == reg.resolve("2222").speaker  # alloy is seed 2222
+    with V.editing(repo_copy, 64) as voices:  # an edit of a term's voice reaches its mixes
+        voices["nova"] = V.seed_voice("nova", 1, 64)
+    assert reg.resolve("2222*0.7+nova*0.3").speaker != voice.speaker
+
+
+@pytest.mark.parametrize("expr, words", [
+    ("2222*0.7+nobody*0.3", "VOICE 'nobody' is not a voice of this server; known: alloy"),
+    ("2222*-0.7+nova*0.3", "VOICE '2222*-0.7+nova*0.3': term 1 of the voice mix (2222): weight '-0.7'"),
+    ("2222*nan+nova", "weight 'nan'"),
+    ("2222+", "term 2 of the voice mix '2222+' is empty"),
+    ("+".join(["2222"] * 1000), "1000 terms"),
+    ("reader*0.5+nova*0.5", "'reader' is a voice of reference audio; a mix is made of speaker embeddings only"),
+])
+def test_bad_mixes_are_input_errors_naming_voice(repo_copy, expr, words):
+    with V.editing(repo_copy, 64) as voices:
+        voices["reader"] = V.Voice("reader", sample=spk.encode_prompt(np.ones((4, 5), np.int64)), text="hi")
+    with pytest.raises(InputError) as e:
+        V.VoiceRegistry(repo_copy, 64).resolve(expr)
+    assert str(e.value).startswith("VOICE ") and words in str(e.value)
+
+
+def test_a_mix_in_voice_gives_the_prompt_of_the_mixed_speaker(pre):
+    mixed = pre.voices.resolve("alloy*0.7+nova*0.3").speaker
+    assert same_prompt(pre.prepare({"TEXT": b("你好"), "VOICE": b("alloy*0.7+nova*0.3")}),
+                       pre.prepare({"TEXT": b("你好"), "SPEAKER": b(mixed)}))
+    assert not same_prompt(pre.prepare({"TEXT": b("你好"), "VOICE": b("alloy*0.7+nova*0.3")}),
+                           pre.prepare({"TEXT": b("你好"), "VOICE": b("alloy")}))
+    with pytest.raises(InputError, match="^VOICE .*weight"):
+        pre.prepare({"TEXT": b("你好"), "VOICE": b("alloy*0+nova")})
+
+
+def test_cli_stores_a_mix_as_a_voice_and_a_stored_mix_mixes_again(repo_copy):
+    run = cli(repo_copy, "add", "blend", "--mix", "2222(2)+nova(1)", "--description", "two of alloy")
+    assert run.returncode == 0, run.stderr
+    stored = V.read_voices(repo_copy / VOICES)["blend"]
+    reg = V.VoiceRegistry(repo_copy, 64)
+    assert stored.speaker == reg.resolve("2222*2+nova*1").speaker and stored.mix == "2222*0.666667+nova*0.333333"
+    assert "blend\tmix 2222*0.666667+nova*0.333333: two of alloy" in cli(repo_copy, "list").stdout
+    assert json.loads(cli(repo_copy, "list", "--json").stdout)["blend"]["mix"] == stored.mix
+    assert reg.resolve("blend").speaker == stored.speaker and reg.resolve("blend*0.5+echo*0.5").mix == "blend*0.5+echo*0.5"
+    bad = cli(repo_copy, "add", "junk", "--mix", "2222*-1+nova")
+    assert bad.returncode == 1 and "weight '-1'" in bad.stderr and "junk" not in V.read_voices(repo_copy / VOICES)
+    unknown = cli(repo_copy, "add", "junk", "--mix", "2222+ghost")
+    assert unknown.returncode == 1 and "'ghost' is not a voice" in unknown.stderr
+
+
+# --- reference audio, decoded as the CLI and the gateway do ---------------------------------------------
+def tone_file(fmt: str, seconds: float = 1.0, rate: int = 16000, channels: int = 1) -> bytes:
+    import io
+
+    import soundfile
+
+    t = np.arange(int(seconds * rate)) / rate
+    x = 0.3 * np.sin(2 * np.pi * 220 * t)
+    buf = io.BytesIO()
+    soundfile.write(buf, np.stack([x] * channels, 1) if channels > 1 else x, rate, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt, rate, channels", [("WAV", 16000, 1), ("FLAC", 48000, 2), ("OGG", 44100, 1),
+                                                 ("MP3", 22050, 1)])
+def test_reference_audio_of_common_formats_is_24k_mono(fmt, rate, channels):
+    import io
+
+    wav = V.decode_reference_audio(io.BytesIO(tone_file(fmt, 1.0, rate, channels)))
+    assert wav.dtype == np.float32 and abs(wav.size - SAMPLE_RATE) <= 2048 and 0.2 < np.abs(wav).max() < 0.45  # stereo: FFmpeg sums at -3 dB
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"", "not readable audio"),
+    (b"hello, this is no audio at all " * 50, "not readable audio"),
+    (b"\x89PNG\r\n\x1a\n" + bytes(2000), "not a recording in a common audio format"),
+    (b"#EXTM3U\n#EXTINF:1,x\nhttp://127.0.0.1/a.wav\n", "not"),
+])
+def test_what_is_not_reference_audio_is_an_input_error(data, words):
+    import io
+
+    with pytest.raises(InputError) as e:
+        V.decode_reference_audio(io.BytesIO(data), what="'voice.audio'")
+    assert str(e.value).startswith("'voice.audio'") and words in str(e.value)
+
+
+def test_reference_audio_longer_than_the_limit_stops_decoding_at_it():
+    import io
+    import time
+
+    data = tone_file("FLAC", 600.0, 8000)  # ten minutes: small as FLAC, long decoded
+    t = time.perf_counter()
+    with pytest.raises(InputError, match="longer than 15 s"):
+        V.decode_reference_audio(io.BytesIO(data))
+    assert time.perf_counter() - t < 2.0
+    assert V.decode_reference_audio(io.BytesIO(tone_file("WAV", 14.5))).size == int(14.5 * SAMPLE_RATE)
+
+
 @pytest.mark.parametrize("name", ["", "12345", "-lead", "has space", "x" * 65, "名字"])
 def test_bad_voice_names_are_refused(name):
     with pytest.raises(InputError, match="voice name"):

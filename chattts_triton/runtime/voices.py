@@ -5,13 +5,15 @@ A voice is what upstream `InferCodeParams` takes as a speaker: a speaker embeddi
 speaker `torch.manual_seed(seed); Chat.sample_random_speaker()` gives), and/or a reference-audio prompt
 (`spk_smp`, the DVAE codes of a recording) with its transcript (`txt_smp`). The contract input `VOICE` names
 one; a decimal number that is no stored name is the seed's speaker (`VOICE=2222`, as ChatTTS users share
-voices). A repository without voices.json (exported before it existed) serves the built-in voices
+voices); a mix of them (`VOICE="2222*0.7+nova*0.3"`, model/mix.py) is one speaker embedding, their weighted average
+held to the speaker distribution, and can be stored as a voice of its own (`add NAME --mix EXPR`). A repository without voices.json (exported before it existed) serves the built-in voices
 (`config.BUILTIN_VOICE_SEEDS`).
 
     python -m chattts_triton.voices --repo REPO list
     python -m chattts_triton.voices --repo REPO add NAME --seed 2222
     python -m chattts_triton.voices --repo REPO add NAME --speaker @speaker.txt
     python -m chattts_triton.voices --repo REPO add NAME --audio reference.wav --text "what it says"
+    python -m chattts_triton.voices --repo REPO add NAME --mix "2222*0.7+nova*0.3"
     python -m chattts_triton.voices --repo REPO remove NAME
 
 Edits are atomic (written aside, renamed over voices.json, under a lock on the repository folder); a
@@ -31,11 +33,13 @@ import re
 import sys
 import tempfile
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..config import BUILTIN_VOICE_SEEDS, LIMITS, MANIFEST, PREPROCESS, SAMPLE_RATE, VOICES
+from ..model import mix as voice_mix
 from ..model import speaker as spk
 from ..model.text import InputError, validate_text
 
@@ -62,9 +66,10 @@ class Voice:
     seed: Optional[int] = None  # where the speaker came from, when a seed
     builtin: bool = False
     description: str = ""
+    mix: Optional[str] = None  # where the speaker came from, when a mix (its terms with normalised weights)
 
     def to_json(self) -> dict:
-        d = {k: getattr(self, k) for k in ("speaker", "sample", "text", "seed") if getattr(self, k) is not None}
+        d = {k: getattr(self, k) for k in ("speaker", "sample", "text", "seed", "mix") if getattr(self, k) is not None}
         if self.builtin:
             d["builtin"] = True
         if self.description:
@@ -76,6 +81,8 @@ class Voice:
         """What the voice is made of, in a few words (listings)."""
         if self.seed is not None:
             return f"seed {self.seed}"
+        if self.mix is not None:
+            return f"mix {self.mix}"
         parts = (["speaker string"] if self.speaker else []) + (["reference audio"] if self.sample else [])
         return " + ".join(parts)
 
@@ -103,17 +110,17 @@ def check_name(name: str) -> str:
 def _voice_from_json(name: str, d) -> Voice:
     if not isinstance(d, dict):
         raise VoiceFileError(f"voice {name!r} is not an object")
-    unknown = set(d) - {"speaker", "sample", "text", "seed", "builtin", "description"}
+    unknown = set(d) - {"speaker", "sample", "text", "seed", "builtin", "description", "mix"}
     if unknown:
         raise VoiceFileError(f"voice {name!r} has unknown fields {sorted(unknown)}")
-    for k in ("speaker", "sample", "text", "description"):
+    for k in ("speaker", "sample", "text", "description", "mix"):
         if k in d and not isinstance(d[k], str):
             raise VoiceFileError(f"voice {name!r}: {k} must be a string")
     seed = d.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise VoiceFileError(f"voice {name!r}: seed must be an integer")
     return Voice(name, d.get("speaker"), d.get("sample"), d.get("text"), seed, bool(d.get("builtin", False)),
-                 d.get("description", ""))
+                 d.get("description", ""), d.get("mix"))
 
 
 def seed_voice(name: str, seed: int, hidden: int, builtin: bool = False, description: str = "") -> Voice:
@@ -215,6 +222,7 @@ class VoiceRegistry:
         self._voices: Dict[str, Voice] = {}
         self._error: Optional[VoiceFileError] = None
         self._broken: Dict[str, str] = {}
+        self._mixes: "OrderedDict[str, Voice]" = OrderedDict()  # mix expression -> its voice, for this file version
 
     def _identity(self) -> Optional[Tuple]:
         try:
@@ -238,6 +246,7 @@ class VoiceRegistry:
                     log.error("voice registry: %s", e)
                     self._voices, self._error = {}, e
                 self._broken = {}
+                self._mixes.clear()
                 for name, voice in self._voices.items():
                     try:
                         voice.check(self.hidden)
@@ -251,7 +260,10 @@ class VoiceRegistry:
             return self._voices, self._broken
 
     def resolve(self, name: str) -> Voice:
-        """The voice VOICE names; InputError (listing the known names) for an unknown one."""
+        """The voice VOICE names (a mix expression: the mix of the voices it names, `mix_voice`); InputError
+        (listing the known names) for an unknown one."""
+        if voice_mix.is_mix(name):
+            return self._resolve_mix(name)
         voices, broken = self._load()
         voice = voices.get(name)
         if voice is None and SEED_RE.match(name or ""):
@@ -265,6 +277,46 @@ class VoiceRegistry:
         if name in broken:
             raise InputError(f"VOICE {name!r} cannot be used with this model: {broken[name]}")
         return voice
+
+    def _resolve_mix(self, expr: str) -> Voice:
+        self._load()
+        with self._lock:
+            key, hit = self._key, self._mixes.get(expr)
+        if hit is not None:
+            return hit
+        voice = mix_voice(expr, self.resolve, self.hidden)
+        with self._lock:
+            if self._key == key:  # not made from a registry that changed meanwhile
+                self._mixes[expr] = voice
+                while len(self._mixes) > MIXES_CACHED:
+                    self._mixes.popitem(last=False)
+        return voice
+
+
+MIXES_CACHED = 256  # mixes a registry keeps made (each costs its terms' decoding and one LZMA encoding)
+
+
+def mix_voice(expr: str, resolve: Callable[[str], Voice], hidden: int, name: Optional[str] = None) -> Voice:
+    """The voice a mix expression makes (model/mix.py: grammar and rule): its terms resolved by `resolve` (a
+    registry's), each a speaker embedding (a seed, a speaker string or a stored mix; a voice of reference audio has
+    none to mix); InputError starting with VOICE for every fault, naming the term."""
+    shown = voice_mix._shown(expr)
+    try:
+        terms = voice_mix.parse(expr)
+    except voice_mix.MixError as e:
+        raise InputError(f"VOICE {shown}: {e}") from None
+    embeddings = []
+    for term, _ in terms:
+        voice = resolve(term)
+        if voice.speaker is None or voice.sample is not None:
+            raise InputError(f"VOICE {shown}: {term!r} is a voice of reference audio; a mix is made of speaker "
+                             f"embeddings only (seed numbers, speaker strings, other mixes)")
+        embeddings.append(spk.decode_speaker(voice.speaker, hidden))
+    try:
+        mixed = voice_mix.mix(embeddings, [w for _, w in terms], hidden)
+    except voice_mix.MixError as e:
+        raise InputError(f"VOICE {shown}: {e}") from None
+    return Voice(name or expr, speaker=spk.encode_speaker(mixed), mix=voice_mix.canonical(terms))
 
 
 @functools.lru_cache(maxsize=256)
@@ -283,24 +335,59 @@ def _hidden(repo: Path) -> int:
     return int(json.loads(path.read_text(encoding="utf-8"))["arch"]["gpt"]["hidden"])
 
 
-def read_reference_audio(path: Path):
-    """Mono float32 samples at the model's rate from any file FFmpeg reads (PyAV: resampled, channels mixed)."""
+# The containers a reference recording may come in (FFmpeg demuxer names): what recorders, browsers and audio
+# tools write. Anything else FFmpeg's probe takes a file for (images, video-only, playlists, text) is refused.
+REFERENCE_CONTAINERS = frozenset({"wav", "w64", "mp3", "flac", "ogg", "matroska", "webm", "mov", "mp4", "m4a", "aac",
+                                  "aiff", "caf", "au", "wv"})
+
+
+def decode_reference_audio(source, what: str = "reference audio",
+                           max_seconds: float = LIMITS.max_reference_audio_seconds):
+    """Mono float32 samples at the model's rate (PyAV: resampled by FFmpeg's swresample, channels mixed) of a
+    recording in a common container (`REFERENCE_CONTAINERS`): a path or a binary file object. InputError naming
+    `what` for anything else, for no audio stream, and for audio longer than `max_seconds` (decoding stops there:
+    a small file that expands to hours costs no more than `max_seconds` of it). RuntimeError without PyAV."""
     import numpy as np
 
     try:
         import av
     except ImportError:
-        raise SystemExit("error: reading reference audio needs PyAV: pip install 'chattts-triton[gateway]'") from None
+        raise RuntimeError("reading reference audio needs PyAV: pip install 'chattts-triton[gateway]'") from None
+    limit = int(max_seconds * SAMPLE_RATE)
     resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
-    out = []
+    out, n = [], 0
     try:
-        with av.open(str(path)) as f:
+        with av.open(source if not isinstance(source, Path) else str(source), mode="r") as f:
+            kind = set(f.format.name.split(","))
+            if not kind & REFERENCE_CONTAINERS:
+                raise InputError(f"{what} is {f.format.long_name or f.format.name}, not a recording in a common audio "
+                                 f"format (wav, mp3, flac, ogg/opus, webm, m4a/aac, aiff, caf)")
+            if not f.streams.audio:
+                raise InputError(f"{what} holds no audio stream")
             for frame in f.decode(audio=0):
-                out += [r.to_ndarray().reshape(-1) for r in resampler.resample(frame)]
-            out += [r.to_ndarray().reshape(-1) for r in resampler.resample(None)]
-    except (av.FFmpegError, OSError, IndexError) as e:
-        raise SystemExit(f"error: {path}: not readable audio ({e})") from None
+                for r in resampler.resample(frame):
+                    out.append(r.to_ndarray().reshape(-1))
+                    n += out[-1].size
+                if n > limit:
+                    break
+            else:
+                out += [r.to_ndarray().reshape(-1) for r in resampler.resample(None)]
+                n = sum(a.size for a in out)
+    except InputError:
+        raise
+    except (av.FFmpegError, OSError, IndexError, ValueError, EOFError) as e:
+        raise InputError(f"{what} is not readable audio ({type(e).__name__}: {str(e)[:200]})") from None
+    if n > limit:
+        raise InputError(f"{what} is longer than {max_seconds:g} s")
     return np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
+
+
+def read_reference_audio(path: Path):
+    """`decode_reference_audio` of a file, for the command line (SystemExit with the reason)."""
+    try:
+        return decode_reference_audio(Path(path), what=str(path))
+    except (InputError, RuntimeError) as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def encode_reference(repo: Path, wav) -> str:
@@ -335,6 +422,8 @@ def main(argv=None) -> int:
     src.add_argument("--audio", type=Path, metavar="FILE",
                      help=f"reference audio (any format FFmpeg reads, ≤ {LIMITS.max_reference_audio_seconds:g} s), with --text")
     src.add_argument("--sample", metavar="STR", help="a reference sample string (Chat.sample_audio_speaker()), with --text; @FILE reads it")
+    src.add_argument("--mix", metavar="EXPR", help="a mix of this repository's voices and seeds: '2222*0.7+nova*0.3' "
+                     "or '2222(2)+nova(1)' (docs/gateway.md#voice-mixes)")
     add.add_argument("--text", help="what the reference audio says (its transcript); @FILE reads it")
     add.add_argument("--description", default="")
     add.add_argument("--force", action="store_true", help="replace a voice of that name")
@@ -364,6 +453,9 @@ def main(argv=None) -> int:
                 voice = seed_voice(a.name, a.seed, hidden, description=a.description)
             elif a.speaker is not None:
                 voice = Voice(a.name, speaker=_text_arg(a.speaker), description=a.description)
+            elif a.mix is not None:
+                mixed = mix_voice(a.mix, VoiceRegistry(repo, hidden).resolve, hidden, a.name)
+                voice = Voice(a.name, speaker=mixed.speaker, mix=mixed.mix, description=a.description)
             else:
                 sample = _text_arg(a.sample) if a.sample is not None else encode_reference(repo, read_reference_audio(a.audio))
                 voice = Voice(a.name, sample=sample, text=text, description=a.description)
