@@ -6,17 +6,28 @@ names in lower case (`seed`, `temperature`, `top_p`, ...), and the output's `sam
 versions that this gateway does not know are ignored, as OpenAI's own clients send them. An `input` that starts with
 `<speak` is SSML (chattts_triton.model.ssml, docs/ssml.md): checked here, its segments are the request's pieces.
 `POST /v1/audio/speech/captioned` takes the same body and `subtitle_format`.
+
+`voice` is a voice name or seed number, `{"id": ...}`, a mix (`"2222*0.7+nova*0.3"`, resolved by the server:
+chattts_triton/model/mix.py), or a voice of this request only, `{"audio": base64, "transcript": ...}`: reference audio
+decoded here (`decode_reference_audio`, as the voices CLI decodes a file) and sent as SPEAKER_AUDIO / SPEAKER_TEXT,
+which the server encodes with its DVAE encoder as it encoded a stored voice's recording (docs/gateway.md#voices).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import io
 import math
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+import re
+from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError
 
 from chattts_triton.config import ENSEMBLE, LIMITS, SAMPLE_RATE, InferCodeParams
+from chattts_triton.model import mix as voice_mix
 from chattts_triton.model import ssml
 from chattts_triton.model.ssml import SPEED_TOKEN, SPEED_UPPER_BOUNDS, speed_token
 
@@ -39,6 +50,40 @@ class VoiceRef(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
     id: str
+
+
+# A voice of one request: reference audio (base64 of a file, or a data: URL) and what it says. The file may be at most
+# MAX_VOICE_AUDIO_BYTES (15 s of 48 kHz stereo float WAV fits; a body with it may exceed the gateway's body limit by
+# that much) and at most the reference-audio limit long once decoded.
+MAX_VOICE_AUDIO_BYTES = 8 << 20
+MAX_VOICE_AUDIO_BASE64 = 4 * ((MAX_VOICE_AUDIO_BYTES + 2) // 3) + 256  # + a data: URL's prefix
+_DATA_URL = re.compile(r"^data:([^;,]*)((?:;[^;,]*)*),", re.IGNORECASE)
+
+
+class VoiceAudio(BaseModel):
+    """`voice: {"audio": base64, "transcript": "..."}` (vLLM-Omni's `ref_audio` / `ref_text`): a voice taken from a
+    recording for this request only, as a stored voice of reference audio is (the voices CLI's `add --audio`)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    audio: str
+    transcript: str = Field(max_length=LIMITS.max_text_chars)
+
+
+def _voice_kind(value: Any) -> Optional[str]:
+    if isinstance(value, str):
+        return "voice-name"
+    if isinstance(value, VoiceAudio) or (isinstance(value, dict) and "audio" in value):
+        return "voice-audio"
+    if isinstance(value, (dict, VoiceRef)):
+        return "voice-id"
+    return None
+
+
+Voice = Annotated[Union[Annotated[str, Tag("voice-name")], Annotated[VoiceRef, Tag("voice-id")],
+                        Annotated[VoiceAudio, Tag("voice-audio")]],
+                  Discriminator(_voice_kind, custom_error_type="voice_type",
+                                custom_error_message="Input should be a valid string (a voice name or mix), {\"id\": ...} "
+                                                     "or {\"audio\": ..., \"transcript\": ...}")]
 
 
 class ChatTTSOptions(BaseModel):
@@ -69,7 +114,7 @@ ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm", "ulaw", "al
 class SpeechRequest(ChatTTSOptions):
     model: str
     input: str
-    voice: Union[str, VoiceRef]
+    voice: Voice
     response_format: ResponseFormat = "mp3"
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: Optional[str] = None  # gpt-4o-mini-tts's style prompt: accepted, not used (ChatTTS takes none)
@@ -77,6 +122,7 @@ class SpeechRequest(ChatTTSOptions):
     stream: Optional[bool] = None  # audio as it is made (default: the gateway's --stream-default; flac: whole)
     split: bool = True  # long input in pieces (sentences); false sends it as one piece (≤ 2000 characters)
     _ssml: Optional[ssml.Document] = PrivateAttr(None)  # `input` as SSML, when it is
+    _body_bytes: int = PrivateAttr(0)  # of the body it was parsed from (one with voice audio may be larger)
 
 
 class CaptionedRequest(SpeechRequest):
@@ -111,10 +157,13 @@ def invalid(message: str, param: Optional[str], code: Optional[str] = None) -> A
 def _describe(err: Dict[str, Any]) -> Tuple[str, Optional[str]]:
     loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
     # a Union's branch name ("str", "VoiceRef") is no field of the body
-    loc = [x for x in loc if x not in ("str", "VoiceRef", "function-after[...]")]
+    loc = [x for x in loc if x not in ("str", "VoiceRef", "function-after[...]", "voice-name", "voice-id",
+                                       "voice-audio")]
     param = loc[0] if loc else None
+    if "voice-audio" in err.get("loc", ()):  # the fields of a voice of reference audio are named in full
+        param = ".".join(loc)
     if err.get("type") == "missing":
-        return f"'{param}' is a required property", param
+        return f"'{'.'.join(loc)}' is a required property", param
     if err.get("type") in ("json_invalid", "model_type"):
         return f"the body must be a JSON object ({err.get('msg')})", None
     got = err.get("input")
@@ -123,13 +172,18 @@ def _describe(err: Dict[str, Any]) -> Tuple[str, Optional[str]]:
     return f"'{'.'.join(loc)}': {err.get('msg')}, got {shown}", param
 
 
-def parse(body: bytes, model: type = SpeechRequest) -> SpeechRequest:
-    """The request (a `model`), or APIError(400) naming the first field at fault."""
+def parse(body: bytes, model: type = SpeechRequest, max_body_bytes: Optional[int] = None) -> SpeechRequest:
+    """The request (a `model`), or APIError(400) naming the first field at fault. `max_body_bytes`: the body limit of
+    a request without voice audio (one with it may be larger by MAX_VOICE_AUDIO_BASE64)."""
     try:
         req = model.model_validate_json(body)
     except ValidationError as e:
         message, param = _describe(e.errors(include_url=False)[0])
         raise invalid(message, param) from None
+    req._body_bytes = len(body)
+    if max_body_bytes is not None and len(body) > max_body_bytes and not isinstance(req.voice, VoiceAudio):
+        raise invalid(f"the request body is larger than {max_body_bytes} bytes ('input' may have at most "
+                      f"{MAX_INPUT_CHARS} characters)", "input", "string_above_max_length")
     check_model(req.model)
     if not req.input.strip():
         raise invalid("'input' is empty", "input")
@@ -158,6 +212,13 @@ def check_options(req, given) -> None:
     name = voice_name(req)
     if name is not None and not name.strip():
         raise invalid("'voice' is empty", "voice")
+    if name is not None and voice_mix.is_mix(name):  # its terms' names are the server's to resolve
+        try:
+            voice_mix.parse(name)
+        except voice_mix.MixError as e:
+            raise invalid(f"'voice': {e}", "voice", "invalid_voice_mix") from None
+    if isinstance(getattr(req, "voice", None), VoiceAudio):
+        check_voice_audio(req.voice)
     try:
         check(req.response_format, req.sample_rate)
     except ValueError as e:
@@ -169,7 +230,70 @@ def check_options(req, given) -> None:
 
 
 def voice_name(req: SpeechRequest) -> Optional[str]:
+    """The voice's name (a mix expression too); None for a voice of reference audio."""
+    if isinstance(req.voice, VoiceAudio):
+        return None
     return req.voice.id if isinstance(req.voice, VoiceRef) else req.voice
+
+
+def check_voice_audio(voice: VoiceAudio) -> None:
+    """What can be said of a request's voice audio without decoding it: its size, its MIME type, its transcript."""
+    text = voice.audio
+    if len(text) > MAX_VOICE_AUDIO_BASE64:
+        raise invalid(f"'voice.audio' is larger than {MAX_VOICE_AUDIO_BYTES} bytes (base64: {len(text)} characters)",
+                      "voice.audio", "voice_audio_too_large")
+    m = _DATA_URL.match(text[:512])
+    if m is not None:
+        mime, params = m.group(1).strip().lower(), m.group(2).lower()
+        if not (mime.startswith("audio/") or mime in ("", "application/octet-stream", "video/webm", "video/mp4",
+                                                      "video/ogg")):
+            raise invalid(f"'voice.audio' is a data URL of {mime!r}, not audio", "voice.audio", "invalid_voice_audio")
+        if ";base64" not in params:
+            raise invalid("'voice.audio' must be base64 (a data URL with ';base64')", "voice.audio",
+                          "invalid_voice_audio")
+    if not voice.transcript.strip():
+        raise invalid("'voice.transcript' is empty: give what the reference audio says", "voice.transcript")
+
+
+def decode_voice_audio(voice: VoiceAudio) -> np.ndarray:
+    """The request's reference audio as SPEAKER_AUDIO: 24 kHz mono float32 within the reference-audio bounds (the
+    server's own check, chattts_triton.runtime.artifacts); APIError(400) naming `voice.audio` for anything else. Blocks
+    (FFmpeg): call it off the event loop."""
+    from chattts_triton.model.text import InputError
+    from chattts_triton.runtime.artifacts import check_reference_audio
+    from chattts_triton.runtime.voices import decode_reference_audio
+
+    check_voice_audio(voice)
+    text = voice.audio
+    m = _DATA_URL.match(text[:512])
+    if m is not None:
+        text = text[m.end():]
+    try:
+        data = base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise invalid(f"'voice.audio' is not base64 ({e})", "voice.audio", "invalid_voice_audio") from None
+    if not data:
+        raise invalid("'voice.audio' is empty", "voice.audio", "invalid_voice_audio")
+    if len(data) > MAX_VOICE_AUDIO_BYTES:
+        raise invalid(f"'voice.audio' is {len(data)} bytes, more than {MAX_VOICE_AUDIO_BYTES}", "voice.audio",
+                      "voice_audio_too_large")
+    try:
+        wav = decode_reference_audio(io.BytesIO(data), what="'voice.audio'")
+        check_reference_audio(wav)
+    except InputError as e:
+        message = str(e).replace("SPEAKER_AUDIO", "'voice.audio'")
+        raise invalid(message, "voice.audio", "invalid_voice_audio") from None
+    except RuntimeError as e:  # no PyAV on this host
+        raise invalid(f"'voice.audio' cannot be read here: {e}", "voice.audio", "unsupported_voice_audio") from None
+    return wav
+
+
+async def voice_options(req: SpeechRequest) -> Dict[str, Any]:
+    """The contract options of a request's voice of reference audio (none for a named voice)."""
+    if not isinstance(req.voice, VoiceAudio):
+        return {}
+    wav = await asyncio.to_thread(decode_voice_audio, req.voice)
+    return {"speaker_audio": wav, "speaker_text": req.voice.transcript}
 
 
 def contract_options(req: SpeechRequest) -> Dict[str, Any]:
@@ -191,6 +315,7 @@ async def speech_job(req: SpeechRequest) -> Job:
     """The request's pieces with the options each is sent with: its text split (`split_text`), or its SSML's
     segments, each split, spoken in the segment's voice at its rate, with the silence its breaks ask for."""
     options = contract_options(req)
+    options.update(await voice_options(req))
     seed = {"seed": req.seed} if req.seed is not None else {}
     if req._ssml is None:
         pieces = split_text(req.input) if req.split else [req.input]
@@ -210,8 +335,8 @@ async def speech_job(req: SpeechRequest) -> Job:
             raise invalid(f"with split false each part of the SSML 'input' must be at most {LIMITS.max_text_chars} "
                           f"characters", "input")
         extra: Dict[str, Any] = {}
-        if segment.voice is not None:
-            extra["voice"] = segment.voice
+        if segment.voice is not None:  # in place of the request's voice, a voice of reference audio too
+            extra.update(voice=segment.voice, speaker_audio=None, speaker_text=None)
         if segment.rate != 1.0:
             extra["prompt"] = ssml.with_rate(options["prompt"], segment.rate)
         texts = split_text(segment.text) if req.split else [segment.text]
@@ -244,7 +369,8 @@ def speed_table() -> List[Tuple[float, float, str]]:
 
 
 # the contract input a server error names -> the body field a client sent it as
-FIELD_OF_INPUT = {"TEXT": "input", "VOICE": "voice", "PROMPT": "speed"}
+FIELD_OF_INPUT = {"TEXT": "input", "VOICE": "voice", "PROMPT": "speed", "SPEAKER_AUDIO": "voice.audio",
+                  "SPEAKER_TEXT": "voice.transcript"}
 assert InferCodeParams.prompt == speed_token(1.0)  # speed 1.0 is upstream's default prompt
 
 

@@ -267,9 +267,10 @@ class Gateway:
                                {"WWW-Authenticate": "Bearer"})
 
     async def body(self, request: Request) -> bytes:
-        """The request body, at most max_body_bytes of it: a larger one is read to its end (up to DRAIN_BYTES,
-        so that the client, still sending, gets the answer instead of a reset connection) and refused."""
-        limit = self.settings.max_body_bytes
+        """The request body, at most max_body_bytes of it, or that and a voice's reference audio (api.VoiceAudio,
+        `parse` tells them apart): a larger one is read to its end (up to DRAIN_BYTES, so that the client, still
+        sending, gets the answer instead of a reset connection) and refused."""
+        limit = self.settings.max_body_bytes + api.MAX_VOICE_AUDIO_BASE64
         data, seen = bytearray(), 0
         async for part in request.stream():
             seen += len(part)
@@ -278,8 +279,11 @@ class Gateway:
             elif seen > DRAIN_BYTES:
                 break
         if seen > limit:
-            raise api.invalid(f"the request body is larger than {limit} bytes ('input' may have at most "
-                              f"{api.MAX_INPUT_CHARS} characters)", "input", "string_above_max_length")
+            if b'"audio"' in data:  # the voice's reference audio is what is too large
+                raise api.invalid(f"the request body is larger than {limit} bytes: 'voice.audio' may be at most "
+                                  f"{api.MAX_VOICE_AUDIO_BYTES} bytes", "voice.audio", "voice_audio_too_large")
+            raise api.invalid(f"the request body is larger than {self.settings.max_body_bytes} bytes ('input' may "
+                              f"have at most {api.MAX_INPUT_CHARS} characters)", "input", "string_above_max_length")
         return bytes(data)
 
     # --- speech ------------------------------------------------------------------------------------
@@ -287,7 +291,8 @@ class Gateway:
         """`POST /v1/audio/speech`, or with `captioned` its JSON form with timings (always whole)."""
         t0 = time.perf_counter()
         self.authenticate(request)
-        req = api.parse(await self.body(request), api.CaptionedRequest if captioned else api.SpeechRequest)
+        req = api.parse(await self.body(request), api.CaptionedRequest if captioned else api.SpeechRequest,
+                        self.settings.max_body_bytes)
         fmt = req.response_format
         # a FLAC stream cannot carry its length (libsndfile's readers refuse it): whole unless asked for
         default = self.settings.stream_default and fmt not in WHOLE_BY_DEFAULT

@@ -797,3 +797,108 @@ def test_without_pyav_the_ffmpeg_formats_are_refused_naming_the_field(monkeypatc
                 err = error_of(data)
                 assert status == 400 and err["param"] == "response_format" and "PyAV" in err["message"], (body, err)
                 assert "available: " in err["message"] and "mp3" not in err["message"].split("available: ")[1]
+
+
+# --- a voice in the request: reference audio, mixes (docs/gateway.md#voices) ----------------------------
+def wav_base64(seconds: float = 1.0, rate: int = 16000, fmt: str = "WAV") -> str:
+    import base64
+    import io
+
+    import soundfile
+
+    t = np.arange(int(seconds * rate)) / rate
+    buf = io.BytesIO()
+    soundfile.write(buf, 0.3 * np.sin(2 * np.pi * 220 * t), rate, format=fmt)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def test_a_voice_of_reference_audio_becomes_speaker_audio_and_speaker_text():
+    b64 = wav_base64(1.0, 16000)
+    req = parse(voice={"audio": b64, "transcript": "参考音频"})
+    assert isinstance(req.voice, api.VoiceAudio) and api.voice_name(req) is None
+    assert "voice" not in api.contract_options(req)
+    job = asyncio.run(api.speech_job(req))
+    wav = job.options["speaker_audio"]
+    assert job.options["speaker_text"] == "参考音频" and wav.dtype == np.float32 and wav.size == SAMPLE_RATE
+    import base64
+    import io
+
+    from chattts_triton.runtime.voices import decode_reference_audio
+
+    assert np.array_equal(wav, decode_reference_audio(io.BytesIO(base64.b64decode(b64))))  # as the voices CLI reads it
+    url = asyncio.run(api.speech_job(parse(voice={"audio": "data:audio/flac;base64," + wav_base64(1.0, 48000, "FLAC"),
+                                                  "transcript": "x"})))
+    assert abs(url.options["speaker_audio"].size - SAMPLE_RATE) <= 1
+    # an SSML <voice> speaks in that voice, without the request's reference audio
+    ssml_job = asyncio.run(api.speech_job(parse(voice={"audio": b64, "transcript": "hi"},
+                                                input='<speak>One. <voice name="nova">Two.</voice></speak>')))
+    assert np.array_equal(ssml_job.piece_options(0)["speaker_audio"], wav)
+    assert ssml_job.piece_options(1)["voice"] == "nova" and ssml_job.piece_options(1)["speaker_audio"] is None
+    from client.contract import build_inputs
+
+    assert "SPEAKER_AUDIO" not in build_inputs("Two.", ssml_job.piece_options(1))
+
+
+def speech_job_error(voice) -> api.APIError:
+    with pytest.raises(api.APIError) as e:
+        asyncio.run(api.speech_job(parse(voice=voice)))
+    return e.value
+
+
+@pytest.mark.parametrize("voice, param, words", [
+    ({"audio": "!!!not base64!!!", "transcript": "x"}, "voice.audio", "not base64"),
+    ({"audio": "", "transcript": "x"}, "voice.audio", "empty"),
+    ({"audio": __import__("base64").b64encode(b"hello world, no audio " * 40).decode(), "transcript": "x"}, "voice.audio",
+     "not readable audio"),
+    ({"audio": "data:image/png;base64,iVBORw0KGgo=", "transcript": "x"}, "voice.audio", "data URL of 'image/png', not audio"),
+    ({"audio": "data:audio/wav,RIFF", "transcript": "x"}, "voice.audio", "must be base64"),
+    ({"audio": "data:audio/wav;base64," + __import__("base64").b64encode(b"\x89PNG\r\n\x1a\n" + bytes(3000)).decode(),
+      "transcript": "x"}, "voice.audio", "not a recording in a common audio format"),
+    ({"audio": "WAVE", "transcript": "  "}, "voice.transcript", "empty"),
+    ({"audio": "WAVE"}, "voice.transcript", "'voice.transcript' is a required property"),
+    ({"transcript": "x", "audio": 5}, "voice.audio", "valid string"),
+    ({"audio": "WAVE", "transcript": "x", "format": "wav"}, "voice.format", "Extra inputs"),
+    ({"audio": "WAVE", "transcript": "x" * (LIMITS.max_text_chars + 1)}, "voice.transcript", "at most"),
+])
+def test_bad_voice_audio_is_a_400_naming_the_field(voice, param, words):
+    e = speech_job_error(voice)
+    assert e.status == 400 and e.param == param and words in e.message, e.message
+
+
+def test_voice_audio_too_short_too_long_or_too_large_is_a_400_naming_voice_audio():
+    e = speech_job_error({"audio": wav_base64(0.05), "transcript": "x"})
+    assert e.param == "voice.audio" and "'voice.audio' is too short" in e.message
+    e = speech_job_error({"audio": wav_base64(16.0, 8000), "transcript": "x"})
+    assert e.param == "voice.audio" and "longer than 15 s" in e.message
+    e = speech_job_error({"audio": "A" * (api.MAX_VOICE_AUDIO_BASE64 + 1), "transcript": "x"})
+    assert e.param == "voice.audio" and e.code == "voice_audio_too_large"
+
+
+@pytest.mark.parametrize("voice, words", [
+    ("2222*-0.7+nova*0.3", "weight '-0.7'"),
+    ("2222*nan+nova", "weight 'nan'"),
+    ("2222+", "term 2 of the voice mix '2222+' is empty"),
+    ("+".join(["nova"] * 1000), "1000 terms, more than 16"),
+    ("nova(1", "is not NAME"),
+])
+def test_a_bad_mix_is_a_400_naming_voice_before_the_server_is_asked(voice, words):
+    with pytest.raises(api.APIError) as e:
+        parse(voice=voice)
+    assert e.value.status == 400 and e.value.param == "voice" and words in e.value.message
+    assert api.contract_options(parse(voice="2222*0.7+nova*0.3"))["voice"] == "2222*0.7+nova*0.3"  # the server mixes
+    assert api.contract_options(parse(voice={"id": "a(2)+b(1)"}))["voice"] == "a(2)+b(1)"
+
+
+def test_the_body_limit_makes_room_for_voice_audio_only():
+    with Served(Settings(stream_default=False, max_body_bytes=1 << 16)) as s:
+        audio = wav_base64(10.0, 48000)  # ~1.3 MB of base64: over the plain limit
+        status, _, _ = s.request("/v1/audio/speech", {**OK, "voice": {"audio": audio, "transcript": "x"}})
+        assert status == 200 and s.synth.jobs[-1].options["speaker_audio"].size == 10 * SAMPLE_RATE
+        status, _, body = s.request("/v1/audio/speech", {**OK, "input": "x" * 4000, "instructions": "y" * 200_000})
+        assert status == 400 and error_of(body)["param"] == "input" and "larger than 65536" in error_of(body)["message"]
+        huge = {**OK, "voice": {"audio": "A" * (50 << 20), "transcript": "x"}}  # 50 MB of base64
+        status, _, body = s.request("/v1/audio/speech", huge)
+        assert status == 400 and error_of(body)["param"] == "voice.audio" and error_of(body)["code"] == "voice_audio_too_large"
+        status, _, body = s.request("/v1/audio/speech", {**OK, "voice": {"audio": "bm9pc2Uh" * 1000, "transcript": "x"}})
+        assert status == 400 and error_of(body)["param"] == "voice.audio"
+        assert s.request("/health")[0] == 200

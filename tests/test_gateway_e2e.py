@@ -440,3 +440,100 @@ def _healthy(url: str) -> bool:
             return r.status == 200
     except OSError:
         return False
+
+
+# --- a voice in the request: mixes and reference audio (docs/gateway.md#voices) ------------------------
+def tone_wav(seconds: float = 1.0, rate: int = 16000) -> bytes:
+    import io
+
+    import soundfile
+
+    t = np.arange(int(seconds * rate)) / rate
+    buf = io.BytesIO()
+    soundfile.write(buf, 0.3 * np.sin(2 * np.pi * 180 * t) * np.sin(2 * np.pi * 3 * t), rate, format="WAV")
+    return buf.getvalue()
+
+
+def pcm(response) -> np.ndarray:
+    return np.frombuffer(response.content if hasattr(response, "content") else response, "<i2")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_mix_is_the_mixed_speaker_embedding_over_grpc(oai, grpc, served_tiny, stream):
+    """`voice: "2222*0.7+nova*0.3"` through OpenAI's client is the audio of the speaker the documented rule makes,
+    sent as SPEAKER over gRPC; Kokoro's form with the same weights is the same voice; a term alone is another."""
+    from chattts_triton.runtime import voices as V
+    from chattts_triton.triton.repo_config import read_manifest
+
+    repo = served_tiny.model_repository
+    hidden = read_manifest(repo)["arch"]["gpt"]["hidden"]
+    mixed = V.mix_voice("2222*0.7+nova*0.3", V.VoiceRegistry(repo, hidden).resolve, hidden).speaker
+    body = {**FIXED, "seed": 7, "stream": stream}
+    got = {v: pcm(oai.audio.speech.create(model="chattts", voice=v, input="Hello world.", response_format="pcm",
+                                          extra_body=body)) for v in ("2222*0.7+nova*0.3", "2222(7) + nova(3)", "2222")}
+    call = grpc.synthesize if not stream else lambda *a, **k: np.concatenate(list(grpc.stream(*a, **k)))
+    expected = call("Hello world.", speaker=mixed, seed=7, prompt="[speed_5]", **FIXED)
+    assert np.array_equal(got["2222*0.7+nova*0.3"], to_int16(expected))
+    assert np.array_equal(got["2222(7) + nova(3)"], got["2222*0.7+nova*0.3"])
+    assert not np.array_equal(got["2222"], got["2222*0.7+nova*0.3"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_voice_of_reference_audio_is_the_stored_kind_of_voice(oai, grpc, served_tiny, stream):
+    """`voice: {"audio", "transcript"}` is the audio of the same recording encoded as the voices CLI stores it
+    (SPEAKER_SAMPLE: the repository's DVAE encoder's codes) with its transcript, and of SPEAKER_AUDIO over gRPC."""
+    import io
+
+    from chattts_triton.runtime import voices as V
+
+    data = tone_wav(1.5, 16000)
+    wav = V.decode_reference_audio(io.BytesIO(data))
+    stored = V.encode_reference(served_tiny.model_repository, wav)  # what `voices add --audio` writes
+    voice = {"audio": base64.b64encode(data).decode("ascii"), "transcript": "参考音频"}
+    body = {**FIXED, "seed": 9, "stream": stream}
+    got = pcm(oai.audio.speech.create(model="chattts", voice="alloy", input="Hello world.", response_format="pcm",
+                                      extra_body={**body, "voice": voice}))
+    as_url = pcm(oai.audio.speech.create(model="chattts", voice="alloy", input="Hello world.", response_format="pcm",
+                                         extra_body={**body, "voice": {**voice, "audio": "data:audio/wav;base64," +
+                                                                                    voice["audio"]}}))
+    call = grpc.synthesize if not stream else lambda *a, **k: np.concatenate(list(grpc.stream(*a, **k)))
+    by_sample = call("Hello world.", speaker_sample=stored, speaker_text="参考音频", seed=9, prompt="[speed_5]",
+                     voice_from_first=False, **FIXED)
+    by_audio = call("Hello world.", speaker_audio=wav, speaker_text="参考音频", seed=9, prompt="[speed_5]",
+                    voice_from_first=False, **FIXED)
+    assert np.array_equal(got, to_int16(by_sample)) and np.array_equal(by_sample, by_audio)
+    assert np.array_equal(as_url, got)
+    plain = call("Hello world.", seed=9, prompt="[speed_5]", voice_from_first=False, **FIXED)
+    assert not np.array_equal(to_int16(plain), got)  # the reference reached the GPT's prompt
+
+
+def _png_base64() -> str:
+    return base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(4000)).decode("ascii")
+
+
+@pytest.mark.parametrize("voice, param, words", [
+    ({"audio": "A" * (50 << 20), "transcript": "x"}, "voice.audio", "'voice.audio' may be at most"),  # 50 MB base64
+    ({"audio": base64.b64encode(b"garbage, no audio here " * 100).decode(), "transcript": "x"}, "voice.audio",
+     "not readable audio"),
+    ({"audio": "data:image/png;base64," + _png_base64(), "transcript": "x"}, "voice.audio", "'image/png', not audio"),
+    ({"audio": "data:audio/wav;base64," + _png_base64(), "transcript": "x"}, "voice.audio", "not a recording"),
+    ({"audio": "%%% not base64 %%%", "transcript": "x"}, "voice.audio", "not base64"),
+    ({"audio": base64.b64encode(tone_wav(20.0, 8000)).decode(), "transcript": "x"}, "voice.audio", "longer than 15 s"),
+    ({"audio": base64.b64encode(tone_wav(0.05)).decode(), "transcript": "x"}, "voice.audio", "too short"),
+    ({"audio": base64.b64encode(tone_wav(1.0)).decode(), "transcript": ""}, "voice.transcript", "empty"),
+    ("2222*-0.3+nova*0.7", "voice", "weight '-0.3'"),
+    ("2222*nan+nova", "voice", "weight 'nan'"),
+    ("2222*NaN+nova(1)", "voice", "weight 'NaN'"),
+    ("2222*0+nova", "voice", "weight '0'"),
+    ("2222++nova", "voice", "term 2 of the voice mix '2222++nova' is empty"),
+    ("+".join(["nova"] * 1000), "voice", "1000 terms, more than 16"),
+    ("2222*0.5+nobody*0.5", "voice", "'nobody' is not a voice of this server; known: alloy"),  # the server's check
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_hostile_voices_get_openai_400s_naming_the_field(oai, voice, param, words, stream):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.audio.speech.create(model="chattts", voice="alloy", input="Hello.", response_format="pcm",
+                                extra_body={**FIXED, "stream": stream, "voice": voice})
+    assert e.value.body["param"] == param and words in e.value.body["message"], e.value.body
