@@ -43,7 +43,7 @@ SYNTHETIC :=
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-fast assets export configure serve gateway wyoming demo loadtest sweep perf soak bundle clean
+.PHONY: help setup lint test test-fast assets export configure serve gateway wyoming demo loadtest sweep perf soak bundle client-wheel clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -104,6 +104,10 @@ soak: setup ## reliability soak: 70 % of saturation on the tiny CPU server (SOAK
 
 bundle: setup ## gather wheels + tritonserver files for a GPU host without a package index (into .bundle/)
 	$(PY) -m tools.bundle .bundle
+
+client-wheel: setup ## the client alone (chattts-triton-client, import chattts_client: numpy + tritonclient, no torch) -> build/dist/
+	$(PY) -m pip wheel --no-deps -q -w $(BUILD)/dist packaging/client
+	@ls $(BUILD)/dist/chattts_triton_client-*.whl
 
 clean: ## remove build outputs (keeps .venv)
 	rm -rf $(BUILD)

@@ -189,8 +189,22 @@ def _run_stream(client: ChatTTSClient, args, options, out) -> int:
     return EXIT_OK
 
 
+class _NoBar:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _run_file(client: ChatTTSClient, args, options, numbered, out) -> int:
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the client package needs no tqdm (extra "progress"): then no bar
+        tqdm = _NoBar
 
     if not client.is_ready():
         print(f"error: {client.where} is unreachable or not ready", file=sys.stderr)

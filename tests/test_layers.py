@@ -108,3 +108,67 @@ def test_the_commands_and_the_adapter_keep_their_paths():
         run = subprocess.run([sys.executable, "-m", f"chattts_triton.{command}", "--help"], cwd=ROOT, capture_output=True,
                              text=True, timeout=120)
         assert run.returncode == 0 and f"python -m chattts_triton.{command}" in run.stdout, (command, run.stderr[-2000:])
+
+
+# The client (client/, shipped alone as `chattts_client` by packaging/client) runs where only numpy and tritonclient
+# are installed: no torch, no server modules. Of the server package it reads the two modules that
+# packaging/client/setup.py copies into it, both plain Python.
+CLIENT_MAY_IMPORT = {"chattts_triton.config", "chattts_triton.model.split"}
+CLIENT_LEFT_OUT = {"demo.py"}  # python -m client.demo exports and starts a server: not in the client package
+NOT_IN_THE_CLIENT = {"torch", "torchaudio", "tokenizers", "safetensors", "export", "gateway", "loadtest", "bench", "tools",
+                     "tests", "fastapi", "av"}
+
+
+def client_violations(root: Path = ROOT) -> List[str]:
+    out = []
+    for path in sorted((root / "client").glob("*.py")):
+        if path.name in CLIENT_LEFT_OUT:
+            continue
+        where = path.relative_to(root)
+        for line, target in imports(path, root):
+            if target not in CLIENT_MAY_IMPORT:
+                out.append(f"{where}:{line} imports {target}: the client package carries only {sorted(CLIENT_MAY_IMPORT)}")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
+            out.extend(f"{where}:{node.lineno} imports {n}: not installed with the client" for n in names
+                       if n.split(".")[0] in NOT_IN_THE_CLIENT)
+    return out
+
+
+def test_the_client_imports_neither_torch_nor_the_server():
+    assert client_violations() == []
+
+
+def test_the_client_check_sees_torch_and_server_imports(tmp_path):
+    for module in ("config", "model/split", "runtime/engine", "triton/params"):
+        (tmp_path / "chattts_triton" / module).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "chattts_triton" / f"{module}.py").write_text("")
+    client = tmp_path / "client"
+    client.mkdir()
+    (client / "__init__.py").write_text("from .audio import x\n")
+    (client / "audio.py").write_text("import numpy as np\nfrom chattts_triton.config import SAMPLE_RATE\n"
+                                     "from chattts_triton.model.split import split_spans\n\n"
+                                     "def f():\n    import torch\n    from chattts_triton.runtime import engine\n")
+    (client / "contract.py").write_text("from chattts_triton import config as C\nfrom chattts_triton.triton import params\n"
+                                        "from gateway.audio import encode\n")
+    (client / "demo.py").write_text("from chattts_triton.launcher.tritonserver import TritonServer\n")
+    found = client_violations(tmp_path)
+    assert [v.split(": ")[0] for v in found] == [
+        "client/audio.py:7 imports chattts_triton.runtime.engine", "client/audio.py:6 imports torch",
+        "client/contract.py:2 imports chattts_triton.triton.params", "client/contract.py:3 imports gateway.audio"], found
+
+
+def test_the_client_imports_without_torch():
+    """Imported with torch made unimportable: no module of the server beyond the two the client package carries."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import client, client.cli, client.realtime, client.balancer, client.audio\n"
+            "import json; print(json.dumps(sorted(m for m in sys.modules if m.startswith('chattts_triton'))))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    loaded = set(json.loads(run.stdout))
+    assert loaded <= CLIENT_MAY_IMPORT | {"chattts_triton", "chattts_triton.model"}, loaded
