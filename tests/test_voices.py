@@ -135,6 +135,20 @@ def test_registry_resolves_a_mix_of_names_and_seeds_by_the_rule(repo_copy):
     assert reg.resolve("2222*0.7+nova*0.3").speaker != voice.speaker
 
 
+def test_reexport_mixes_a_stored_mix_again_for_a_new_size_from_its_recipe(tmp_path):
+    old = tmp_path / VOICES
+    full = V.VoiceRegistry(tmp_path, FULL_ARCH.gpt.hidden)  # no voices.json here: the built-ins
+    stored = V.mix_voice("2222*0.7+nova*0.3", full.resolve, FULL_ARCH.gpt.hidden, "warm")
+    broken = V.Voice("odd", speaker=stored.speaker, mix="2222*0.5+gone*0.5")
+    V.write_voices(old, {**V.builtin_voices(FULL_ARCH.gpt.hidden), "warm": stored, "odd": broken})
+    voices, notes = V.carried_over(old, 64)
+    tiny = V.mix_voice("2222*0.7+nova*0.3", V.VoiceRegistry(tmp_path / "none", 64).resolve, 64)
+    assert voices["warm"].speaker == tiny.speaker and voices["warm"].mix == "2222*0.7+nova*0.3"
+    assert "odd" not in voices and any("'odd' dropped: its mix cannot be made again" in n for n in notes)
+    same, _ = V.carried_over(old, FULL_ARCH.gpt.hidden)  # the same size: the stored speaker, as stored
+    assert same["warm"].speaker == stored.speaker
+
+
 @pytest.mark.parametrize("expr, words", [
     ("2222*0.7+nobody*0.3", "VOICE 'nobody' is not a voice of this server; known: alloy"),
     ("2222*-0.7+nova*0.3", "VOICE '2222*-0.7+nova*0.3': term 1 of the voice mix (2222): weight '-0.7'"),

@@ -135,15 +135,16 @@ def builtin_voices(hidden: int) -> Dict[str, Voice]:
 
 def carried_over(old: Path, hidden: int) -> Tuple[Dict[str, Voice], List[str]]:
     """The registry a re-export writes: the previous repository's voices.json (`old`) where there is one,
-    else the built-ins. Seed voices are made again for this model's hidden size; a voice that cannot serve
-    this model is dropped, said in the notes returned."""
+    else the built-ins. Seed voices are made again for this model's hidden size, and so is a stored mix that
+    cannot serve it (from its recipe, over the carried voices); a voice that cannot serve this model is dropped,
+    said in the notes returned."""
     if not Path(old).is_file():
         return builtin_voices(hidden), []
     try:
         previous = read_voices(old)
     except VoiceFileError as e:
         return builtin_voices(hidden), [f"the previous {VOICES} was not kept: {e}"]
-    voices, notes = {}, []
+    voices, notes, remix = {}, [], []
     for name, v in previous.items():
         if v.seed is not None and v.sample is None:
             voices[name] = seed_voice(name, v.seed, hidden, v.builtin, v.description)
@@ -151,9 +152,29 @@ def carried_over(old: Path, hidden: int) -> Tuple[Dict[str, Voice], List[str]]:
         try:
             v.check(hidden)
         except InputError as e:
-            notes.append(f"voice {name!r} dropped: {e}")
+            if v.mix is not None and v.sample is None:
+                remix.append(v)
+            else:
+                notes.append(f"voice {name!r} dropped: {e}")
             continue
         voices[name] = v
+
+    def resolve(term: str) -> Voice:
+        if term in voices:
+            return voices[term]
+        if SEED_RE.match(term):
+            return _seed_voice_cached(int(term), hidden)
+        raise InputError(f"VOICE {term!r} is not a voice of the new registry")
+
+    for v in remix:  # after every other voice: a mix's terms are carried first
+        try:
+            mixed = mix_voice(v.mix, resolve, hidden, v.name)
+        except InputError as e:
+            notes.append(f"voice {v.name!r} dropped: its mix cannot be made again: {e}")
+            continue
+        voices[v.name] = Voice(v.name, speaker=mixed.speaker, mix=mixed.mix, builtin=v.builtin,
+                               description=v.description)
+        notes.append(f"voice {v.name!r} mixed again for this model ({v.mix})")
     if any(v.sample is not None for v in voices.values()):
         notes.append("reference-audio voices keep the codes the previous weights' encoder gave: re-add them after "
                      "a change of weights")
