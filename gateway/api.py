@@ -122,7 +122,6 @@ class SpeechRequest(ChatTTSOptions):
     stream: Optional[bool] = None  # audio as it is made (default: the gateway's --stream-default; flac: whole)
     split: bool = True  # long input in pieces (sentences); false sends it as one piece (≤ 2000 characters)
     _ssml: Optional[ssml.Document] = PrivateAttr(None)  # `input` as SSML, when it is
-    _body_bytes: int = PrivateAttr(0)  # of the body it was parsed from (one with voice audio may be larger)
 
 
 class CaptionedRequest(SpeechRequest):
@@ -173,15 +172,15 @@ def _describe(err: Dict[str, Any]) -> Tuple[str, Optional[str]]:
 
 
 def parse(body: bytes, model: type = SpeechRequest, max_body_bytes: Optional[int] = None) -> SpeechRequest:
-    """The request (a `model`), or APIError(400) naming the first field at fault. `max_body_bytes`: the body limit of
-    a request without voice audio (one with it may be larger by MAX_VOICE_AUDIO_BASE64)."""
+    """The request (a `model`), or APIError(400) naming the first field at fault. `max_body_bytes`: the body limit
+    beside a voice's reference audio (a body with it may be larger by the audio's base64, up to MAX_VOICE_AUDIO_BASE64)."""
     try:
         req = model.model_validate_json(body)
     except ValidationError as e:
         message, param = _describe(e.errors(include_url=False)[0])
         raise invalid(message, param) from None
-    req._body_bytes = len(body)
-    if max_body_bytes is not None and len(body) > max_body_bytes and not isinstance(req.voice, VoiceAudio):
+    audio = len(req.voice.audio) if isinstance(req.voice, VoiceAudio) else 0  # room for it, for nothing else
+    if max_body_bytes is not None and len(body) > max_body_bytes + audio:
         raise invalid(f"the request body is larger than {max_body_bytes} bytes ('input' may have at most "
                       f"{MAX_INPUT_CHARS} characters)", "input", "string_above_max_length")
     check_model(req.model)

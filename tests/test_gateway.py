@@ -896,6 +896,9 @@ def test_the_body_limit_makes_room_for_voice_audio_only():
         assert status == 200 and s.synth.jobs[-1].options["speaker_audio"].size == 10 * SAMPLE_RATE
         status, _, body = s.request("/v1/audio/speech", {**OK, "input": "x" * 4000, "instructions": "y" * 200_000})
         assert status == 400 and error_of(body)["param"] == "input" and "larger than 65536" in error_of(body)["message"]
+        sneaked = {**OK, "instructions": "y" * 200_000, "voice": {"audio": audio[:2000], "transcript": "x"}}
+        status, _, body = s.request("/v1/audio/speech", sneaked)  # the audio's room is for the audio only
+        assert status == 400 and error_of(body)["param"] == "input" and "larger than 65536" in error_of(body)["message"]
         huge = {**OK, "voice": {"audio": "A" * (50 << 20), "transcript": "x"}}  # 50 MB of base64
         status, _, body = s.request("/v1/audio/speech", huge)
         assert status == 400 and error_of(body)["param"] == "voice.audio" and error_of(body)["code"] == "voice_audio_too_large"
