@@ -23,6 +23,7 @@ size. Writes <out>/<date>-<device>.json, .md and .png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -34,7 +35,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from chattts_triton.config import FIRST_CHUNK_BUCKETS_MS, SAMPLE_RATE, first_chunk_bucket, samples_for_codes
-from chattts_triton.triton.repo_config import Deployment
+from chattts_triton.triton.deployment import EXPORT, Deployment, add_flags, from_args
+from chattts_triton.triton.deployment import default as field_default
 from loadtest.lengths import Lengths, lengths_arg
 
 TEXT = "四川美食确实以辣闻名，但也有不辣的选择。"
@@ -100,6 +102,7 @@ def _pct(values: List[float], q: float) -> Optional[float]:
 
 # one asyncio client process adds tens of ms to a 64-stream first chunk's p99 that four do not (bench/clients.py)
 STREAM_CLIENT_PROCS = 4
+SERVED_DEFAULTS = {"gpus": [0]}  # the Deployment flags whose default here is not the field's: GPU 0 (CUDA only)
 
 STREAM_COUNTERS = ("stream_first_chunks", "stream_first_tokens_seconds", "stream_first_chunk_seconds",
                    "stream_chunks", "stream_codec_calls", "stream_codec_seconds",
@@ -741,11 +744,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-concurrency", type=int, default=512)
     ap.add_argument("--start-concurrency", type=int, default=1)
     ap.add_argument("--step-seconds", type=float, default=10.0)
-    ap.add_argument("--dtype", default="auto", help="export dtype (auto, the default: bf16 on GPUs that have it, else fp16)")
     ap.add_argument("--repo", type=Path, default=Path("build/bench-repo"))
     ap.add_argument("--name", default=None, help="result file stem (default: <date>-<device>)")
     ap.add_argument("--append", action="store_true", help="add to the result file of the same name (runs split over calls)")
-    ap.add_argument("--gpus", default="0", help="GPU ids the served pipeline uses (one GPT engine each)")
     ap.add_argument("--stream-concurrency", default="1,64", help="closed-loop stream clients per run (empty: skip)")
     ap.add_argument("--stream-seconds", type=float, default=15.0)
     ap.add_argument("--stream-procs", type=int, default=STREAM_CLIENT_PROCS,
@@ -756,33 +757,12 @@ def main(argv=None) -> int:
     ap.add_argument("--perf-concurrency", default="", help="Triton's perf_analyzer at these levels after the sweep (bench/perf.py)")
     ap.add_argument("--soak-seconds", type=float, default=0.0,
                     help="then cycles of idle, a burst from idle and a minute at --hold-concurrency until this long after ready")
-    ap.add_argument("--gpu-memory-gb", type=float, default=None,
-                    help="the deployment's GPU memory, GiB (default: the card's; e.g. 15 sizes for a 16-GB card, with caps)")
-    ap.add_argument("--stream-lookahead", type=int, default=0, help="chattts_stream context frames (0: exact)")
-    ap.add_argument("--stream-first-lookahead", type=int, default=Deployment.stream_first_lookahead_frames,
-                    help="right context of a stream's first chunk (0: as later chunks)")
-    ap.add_argument("--stream-fade", type=int, default=Deployment.stream_fade_frames, help="frames cross-faded at each seam")
-    ap.add_argument("--vocoder-graphs", action=argparse.BooleanOptionalAction, default=Deployment.vocoder_graphs,
-                    help="chattts_vocoder replays its codec from CUDA graphs")
-    ap.add_argument("--gpt-compile", action=argparse.BooleanOptionalAction, default=Deployment.gpt_compile,
-                    help="serve the GPT decode step through torch.compile (--no-gpt-compile: the TorchScript step)")
-    ap.add_argument("--gpt-admit-batch", type=int, default=Deployment.gpt_admit_batch,
-                    help="prefill waiting requests together once this many wait (engine admission policy)")
-    ap.add_argument("--max-queue-delay-us", type=int, default=Deployment.max_queue_delay_us,
-                    help="the vocoder's batching delay (the other models' is 0)")
-    ap.add_argument("--gpt-admit-wait-steps", type=int, default=Deployment.gpt_admit_wait_steps,
-                    help="... or once the oldest has waited this many decode steps")
-    ap.add_argument("--gpt-compile-prefill", action=argparse.BooleanOptionalAction, default=Deployment.gpt_compile_prefill,
-                    help="with --gpt-compile: the GPT prefills through torch.compile too (opt-in)")
-    ap.add_argument("--stream-codec-stream", action=argparse.BooleanOptionalAction, default=Deployment.stream_codec_stream,
-                    help="chattts_stream decodes on a CUDA stream of its own, beside its engine's steps (opt-in)")
-    ap.add_argument("--stream-first-chunks-first", action=argparse.BooleanOptionalAction,
-                    default=Deployment.stream_first_chunks_first,
-                    help="chattts_stream decodes new streams' first chunks in a codec call of their own (opt-in)")
-    ap.add_argument("--gil-switch-interval-us", type=int, default=Deployment.gil_switch_interval_us,
-                    help="the interpreter's switch interval in the engines' processes (0: Python's 5000)")
     ap.add_argument("--mps", action="store_true",
                     help="serve under a CUDA MPS daemon (chattts_triton.launcher.mps): the model processes share the GPU")
+    # the served repository's settings: each flag a Deployment field's, its default the field's (what
+    # `python -m export` writes), but the GPUs: GPU 0 where the device is CUDA
+    add_flags(ap, EXPORT, defaults=SERVED_DEFAULTS,
+              title="the served repository's settings (chattts_triton/triton/deployment.py; --dtype is the export's)")
     a = ap.parse_args(argv)
     a.tokens = Lengths(a.tokens.low, a.tokens.high, a.tokens_seed)
     if not a.tokens.fixed and not a.skip_upstream and (a.upstream_batches.strip(",") or a.upstream_compile_batches.strip(",")):
@@ -809,33 +789,33 @@ def main(argv=None) -> int:
         path.write_text(json.dumps(res, indent=2))
         (a.out / f"{stem}.md").write_text(to_markdown(res))
 
-    from export.__main__ import export_repository
+    from export.__main__ import FORMATS, export_repository
 
-    gpus = [int(g) for g in a.gpus.split(",") if g.strip()] if dev.startswith("cuda") else []
+    gpus = a.gpus if dev.startswith("cuda") else []
     streams = [int(c) for c in a.stream_concurrency.split(",") if c]
     # the repository `python -m export` writes, its defaults as they are; the flags change single settings
-    dep = Deployment(gpus=gpus, gpu_memory_gb=a.gpu_memory_gb, stream_lookahead_frames=a.stream_lookahead,
-                     stream_first_lookahead_frames=a.stream_first_lookahead, stream_fade_frames=a.stream_fade,
-                     gpt_compile=a.gpt_compile, gpt_compile_prefill=a.gpt_compile_prefill, vocoder_graphs=a.vocoder_graphs, gpt_admit_batch=a.gpt_admit_batch,
-                     gpt_admit_wait_steps=a.gpt_admit_wait_steps, max_queue_delay_us=a.max_queue_delay_us,
-                     gil_switch_interval_us=a.gil_switch_interval_us, stream_codec_stream=a.stream_codec_stream,
-                     stream_first_chunks_first=a.stream_first_chunks_first)
+    dep = from_args(a, gpus=gpus)
     # the served pipeline's settings; an --append call that serves nothing keeps those of the rows it appends to
-    settings = {"gpus": gpus, "stream_lookahead_frames": a.stream_lookahead or "exact",
-                "stream_first_lookahead_frames": a.stream_first_lookahead or "as later chunks",
-                "stream_fade_frames": a.stream_fade, "gpt_compile": a.gpt_compile,
-                "gpt_compile_prefill": a.gpt_compile_prefill, "vocoder_graphs": a.vocoder_graphs,
-                "stream_codec_stream": a.stream_codec_stream, "stream_first_chunks_first": a.stream_first_chunks_first,
+    settings = {"gpus": gpus, "stream_lookahead_frames": dep.stream_lookahead_frames or "exact",
+                "stream_first_lookahead_frames": dep.stream_first_lookahead_frames or "as later chunks",
+                "stream_fade_frames": dep.stream_fade_frames, "gpt_compile": dep.gpt_compile,
+                "gpt_compile_prefill": dep.gpt_compile_prefill, "vocoder_graphs": dep.vocoder_graphs,
+                "stream_codec_stream": dep.stream_codec_stream, "stream_first_chunks_first": dep.stream_first_chunks_first,
                 "stream_procs": a.stream_procs, "mps": a.mps,
-                "gpt_admit": {"batch": a.gpt_admit_batch, "wait_steps": a.gpt_admit_wait_steps},
-                "max_queue_delay_us": a.max_queue_delay_us, "gil_switch_interval_us": a.gil_switch_interval_us,
-                "gpu_memory_gb": a.gpu_memory_gb}
+                "gpt_admit": {"batch": dep.gpt_admit_batch, "wait_steps": dep.gpt_admit_wait_steps},
+                "max_queue_delay_us": dep.max_queue_delay_us, "gil_switch_interval_us": dep.gil_switch_interval_us,
+                "gpu_memory_gb": dep.gpu_memory_gb}
+    # the settings no field above records, where they are not the defaults
+    settings.update({f.name: getattr(dep, f.name) for f in dataclasses.fields(Deployment)
+                     if f.name not in settings and f.name not in ("dtype", "gpus")
+                     and getattr(dep, f.name) != field_default(f)})
     serves = bool(a.max_concurrency or streams or a.hold_seconds or a.burst or a.soak_seconds)
     if serves or not any(res.get(k) for k in ("served", "stream", "hold")):
         res.update(settings)
     if serves:
         log(f"exporting {a.assets} → {a.repo} (dtype {a.dtype})")
-        export_repository(a.assets, a.repo, ["torchscript"], a.dtype, "cpu", dep, progress=log)
+        formats = sorted({"torchscript", dep.artifact_format}, key=FORMATS.index)
+        export_repository(a.assets, a.repo, formats, a.dtype, "cpu", dep, progress=log)
         res["dtype"] = json.loads((a.repo / "manifest.json").read_text())["dtype"]  # what auto resolved to
 
         def save_served(out):

@@ -34,16 +34,12 @@ NUM_AUDIO_TOKENS = 626
 AUDIO_EOS = NUM_AUDIO_TOKENS - 1  # code 625 ends an utterance
 NUM_TEXT_TOKENS = 21178
 # engine admission while generating: prefill waiting requests together once this many wait, or once
-# the oldest has waited this many decode steps (Engine, repo_config.Deployment)
+# the oldest has waited this many decode steps (the Engine's defaults, and so the deployment's:
+# triton/deployment.py's gpt_admit_batch and gpt_admit_wait_steps name these)
 ADMIT_BATCH = 32
 ADMIT_WAIT_STEPS = 4
-# the interpreter's switch interval in a process that hosts a GPT engine (µs; 0: Python's 5000). The
-# engine thread lets the GIL go at every torch call, graph replay and host sync; while Triton's
-# request and reply threads want it, taking it back can wait the whole interval each time
 # an engine's admission bound per slot: generations running + waiting (GPT), streams in flight (stream model)
 PENDING_PER_SLOT = {"gpt": 4, "stream": 2}
-GIL_SWITCH_INTERVAL_US = 200
-GIL_SWITCH_INTERVAL_MAX_US = 1_000_000  # a larger value is a mistake (Python's own default is 5000)
 REPETITION_WINDOW = 16  # upstream CustomRepetitionPenaltyLogitsProcessorRepeat past_window
 MIN_TOKENS_TO_KEEP = 3  # upstream top-P/top-K warpers
 
@@ -188,7 +184,6 @@ KV_PAGE_TOKENS = 16
 @dataclass(frozen=True)
 class Limits:
     max_text_chars: int = 2000
-    max_batch_size: int = 64  # Triton max_batch_size of every batching model
     max_context: int = 4096  # prompt + generated tokens, per request (GPT positions)
     max_new_tokens: int = 2048
     max_prompt_tokens: int = 1024

@@ -1,7 +1,7 @@
 """Export ChatTTS weights into a Triton model repository.
 
     python -m export --assets DIR --out REPO [--formats torchscript[,onnx]] [--dtype auto|fp32|fp16|bf16|int8]
-                     [--device cpu|cuda] [--gpus 0,1] [--instances N]
+                     [--device cpu|cuda] [--gpus 0,1] [--instances N] [any setting of `make configure`]
     python -m export --hf --out REPO      # the 2Noise/ChatTTS snapshot, where a network exists
 
 Writes, into a folder beside REPO that is renamed over REPO only when complete:
@@ -34,10 +34,11 @@ from chattts_triton.model.assets import AssetError, check_folder, infer_arch, sh
 from chattts_triton.model.gpt import DTYPES
 from chattts_triton.runtime.voices import carried_over, write_voices
 from chattts_triton.triton import repo_config as rc
+from chattts_triton.triton.deployment import ARTIFACT_FORMATS, EXPORT, Deployment, add_flags, from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "model_repository"
-FORMATS = ("torchscript", "onnx")
+FORMATS = ARTIFACT_FORMATS
 
 
 def hf_assets() -> Path:
@@ -87,9 +88,9 @@ def export_repository(
     assets: Path,
     out: Path,
     formats: List[str],
-    dtype: str = "fp32",
+    dtype: str = Deployment.dtype,
     device: str = "cpu",
-    deployment: rc.Deployment | None = None,
+    deployment: Deployment | None = None,
     progress: Callable[[str], None] = print,
 ) -> Path:
     from chattts_triton.model.text import TextTokenizer
@@ -113,7 +114,7 @@ def export_repository(
     tok = TextTokenizer(assets / "tokenizer")
     if len(tok) != arch.num_text_tokens:
         raise AssetError(f"tokenizer has {len(tok)} tokens but Embed.safetensors has {arch.num_text_tokens}")
-    dep = deployment or rc.Deployment()
+    dep = deployment or Deployment()
     dep.dtype = dtype
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -191,15 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="torchscript",
                     help="artifact formats, comma-separated: torchscript (served), onnx (for --artifact-format onnx and "
                          "python -m export.native)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
-                    help="auto (default): fp32 on the CPU; on GPUs bf16 where they support it, else fp16")
     ap.add_argument("--device", default="cpu", help="device used to trace/check the export (cpu or cuda)")
-    ap.add_argument("--gpus", default="", help="comma-separated GPU ids for the instance groups (empty: CPU)")
-    ap.add_argument("--instances", type=int, default=1)
-    ap.add_argument("--artifact-format", default="torchscript", choices=FORMATS, help="what the decoder/vocoder models load")
-    ap.add_argument("--gpt-compile", action=argparse.BooleanOptionalAction, default=rc.Deployment.gpt_compile,
-                    help="GPU instances run the decode step through torch.compile (faster steps; each GPU instance "
-                         "compiles at start-up, ≈ 2 min measured; --no-gpt-compile: the TorchScript step)")
+    add_flags(ap, EXPORT)  # --dtype, --gpus, --instances, ... (each a Deployment field)
     a = ap.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
@@ -207,8 +201,7 @@ def main(argv=None) -> int:
         formats = [f.strip() for f in a.formats.split(",") if f.strip()]
         if a.artifact_format not in formats:
             ap.error(f"--artifact-format {a.artifact_format} is not among --formats {a.formats}")
-        dep = rc.Deployment(gpus=[int(g) for g in a.gpus.split(",") if g.strip()], instances=a.instances,
-                            artifact_format=a.artifact_format, gpt_compile=a.gpt_compile)
+        dep = from_args(a)
         export_repository(assets, a.out, formats, a.dtype, a.device, dep, progress=log)
     except (AssetError, ValueError) as e:
         log(f"export failed: {e}")

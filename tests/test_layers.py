@@ -14,7 +14,7 @@ RANK = {"ground": 0, "model": 1, "runtime": 2, "triton": 3, "launcher": 4, "face
 # the paths of the commands (python -m chattts_triton.serve | repo_config | voices | lexicon) and of the adapter that
 # repositories exported before the wings import (chattts_triton.backend): nothing of the package imports them
 FACES = {"serve", "repo_config", "voices", "lexicon", "backend"}
-CONFIG_WRITER = {"chattts_triton.triton.repo_config", "chattts_triton.triton.params"}
+CONFIG_WRITER = {"chattts_triton.triton.repo_config", "chattts_triton.triton.params", "chattts_triton.triton.deployment"}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

@@ -254,8 +254,11 @@ def test_configure_gil_switch_interval_reaches_the_engine_processes_and_refuses_
     import shutil
     import sys
 
-    from chattts_triton.config import GIL_SWITCH_INTERVAL_MAX_US, GIL_SWITCH_INTERVAL_US
     from chattts_triton.triton.backend import ModelContext, gpt_service, set_switch_interval
+    from chattts_triton.triton.deployment import setting_of
+
+    GIL_SWITCH_INTERVAL_US = rc.Deployment.gil_switch_interval_us  # the field's default and bound
+    GIL_SWITCH_INTERVAL_MAX_US = int(setting_of("gil_switch_interval_us").max)
 
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)

@@ -32,7 +32,7 @@ from typing import Dict, List
 import numpy as np
 
 from chattts_triton.config import samples_for_codes
-from chattts_triton.triton.repo_config import Deployment
+from chattts_triton.triton.deployment import Deployment
 
 STREAM_FIRST_FRAMES = Deployment.stream_first_chunk_frames  # the served default chunks, in code frames
 STREAM_CHUNK_FRAMES = Deployment.stream_chunk_frames

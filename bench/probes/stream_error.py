@@ -28,7 +28,7 @@ import torch
 from chattts_triton.config import SAMPLES_PER_CODE, STREAM
 from chattts_triton.model.chunks import ChunkPlanner, chunk_samples, stream_schedule
 from chattts_triton.triton.backend import ModelContext, stream_service
-from chattts_triton.triton.repo_config import Deployment
+from chattts_triton.triton.deployment import Deployment
 from client.audio import snr_db
 
 TEXTS = ["四川美食确实以辣闻名，但也有不辣的选择。", "Hello, this is a streaming test of the first chunk."]

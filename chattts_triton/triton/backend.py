@@ -23,7 +23,6 @@ import numpy as np
 from ..config import (
     DRAIN_FILE_ENV,
     FIRST_CHUNK_BUCKETS_MS,
-    GIL_SWITCH_INTERVAL_MAX_US,
     GPT,
     INFLIGHT_METRIC,
     MANIFEST,
@@ -37,6 +36,7 @@ from ..memory import VOCODER_BYTES
 from ..model.text import InputError
 from ..runtime.inputs import Call, Overloaded
 from ..runtime.streaming import StreamCall
+from .deployment import setting_of
 from .params import EngineParams, GPTParams, P, PreprocessParams, StreamParams, VocoderParams
 
 log = logging.getLogger("chattts_triton")
@@ -422,8 +422,9 @@ def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None, params: O
 def set_switch_interval(us: int) -> None:
     """The process's GIL switch interval for an engine's thread (0: leave Python's). Process-wide:
     this process hosts one engine model."""
-    if not 0 <= us <= GIL_SWITCH_INTERVAL_MAX_US:  # the bound repo_config writes within (a hand-edited config)
-        raise RuntimeError(f"parameter gil_switch_interval_us must be in [0, {GIL_SWITCH_INTERVAL_MAX_US}], got {us}")
+    why = setting_of("gil_switch_interval_us").bounds_error("gil_switch_interval_us", us)
+    if why:  # the bounds repo_config writes within (a hand-edited config)
+        raise RuntimeError(f"parameter {why}")
     if us:
         sys.setswitchinterval(us / 1e6)
 

@@ -1,11 +1,11 @@
 """The parameters of each python model, typed: one dataclass per model that `repo_config` writes into the model's
 `config.pbtxt` and the backend reads back (`ModelContext.params`).
 
-A field's name is the parameter's key and, for what a deployment sets, the `Deployment` field and the
-`python -m chattts_triton.repo_config` flag: `gpt_slots` is `--gpt-slots` and `Deployment.gpt_slots`; `of` copies
-those by name, so a new setting is one field here and one in `Deployment`. A field's default is what a repository
-configured before the parameter existed gets; a field without one must be in the config; `RENAMED` reads the keys
-such a repository used.
+A field's name is the parameter's key and, for what a deployment sets, the `Deployment` field (deployment.py) and
+its flag: `gpt_slots` is `--gpt-slots` and `Deployment.gpt_slots`; `of` copies those by name, so a new setting a
+model reads is one field here and one in `Deployment`. A field's default is what a repository configured before the
+parameter existed gets (where that is the deployment's default, it names the field's); a field without one must be
+in the config; `RENAMED` reads the keys such a repository used.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Mapping, Optional, TypeVar, get_type_hints
 
-from ..config import ADMIT_BATCH, ADMIT_WAIT_STEPS, GIL_SWITCH_INTERVAL_US, GPT, Arch
+from ..config import GPT, Arch
 from ..model.chunks import stream_schedule
-
-AUTO = "auto"  # a parameter sized when the model loads (from the GPU's memory)
+from .deployment import AUTO, Deployment
 
 P = TypeVar("P", bound="Params")
 
@@ -107,9 +106,9 @@ class EngineParams(Params):
     gpt_compile: bool = False  # the decode step through torch.compile (GPU instances)
     gpt_compile_prefill: bool = False  # ... and the prefills
     gpt_overlap: bool = True  # GPU engines: the host's bookkeeping of a step overlaps the next step
-    gpt_admit_batch: int = ADMIT_BATCH
-    gpt_admit_wait_steps: int = ADMIT_WAIT_STEPS
-    gil_switch_interval_us: int = GIL_SWITCH_INTERVAL_US
+    gpt_admit_batch: int = Deployment.gpt_admit_batch
+    gpt_admit_wait_steps: int = Deployment.gpt_admit_wait_steps
+    gil_switch_interval_us: int = Deployment.gil_switch_interval_us
 
     @property
     def slots(self) -> Optional[int]:  # None: sized from the GPU's memory
