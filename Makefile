@@ -110,4 +110,4 @@ client-wheel: setup ## the client alone (chattts-triton-client, import chattts_c
 	@ls $(BUILD)/dist/chattts_triton_client-*.whl
 
 clean: ## remove build outputs (keeps .venv)
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) packaging/client/build packaging/client/src
