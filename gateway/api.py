@@ -24,7 +24,17 @@ import re
 from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from chattts_triton.config import ENSEMBLE, LIMITS, SAMPLE_RATE, InferCodeParams
 from chattts_triton.model import mix as voice_mix
@@ -122,6 +132,24 @@ class SpeechRequest(ChatTTSOptions):
     stream: Optional[bool] = None  # audio as it is made (default: the gateway's --stream-default; flac: whole)
     split: bool = True  # long input in pieces (sentences); false sends it as one piece (≤ 2000 characters)
     _ssml: Optional[ssml.Document] = PrivateAttr(None)  # `input` as SSML, when it is
+    _ref: bool = PrivateAttr(False)  # the voice came as vLLM-Omni's top-level `ref_audio` / `ref_text`
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ref_audio(cls, data: Any, info: ValidationInfo) -> Any:
+        """vLLM-Omni's `ref_audio` / `ref_text` (top level) are the voice `{"audio", "transcript"}`, in place of the
+        `voice` OpenAI's clients must send; with a voice of reference audio too they are refused."""
+        if isinstance(data, dict) and ("ref_audio" in data or "ref_text" in data):
+            data = dict(data)
+            audio, text = data.pop("ref_audio", None), data.pop("ref_text", None)
+            if isinstance(data.get("voice"), dict) and "audio" in data["voice"]:
+                raise ValueError("give 'voice' with 'audio' or 'ref_audio', not both")
+            if audio is None:
+                raise ValueError("'ref_text' goes with 'ref_audio', the recording it transcribes")
+            data["voice"] = {"audio": audio, **({"transcript": text} if text is not None else {})}
+            if isinstance(info.context, dict):
+                info.context["ref"] = True
+        return data
 
 
 class CaptionedRequest(SpeechRequest):
@@ -153,6 +181,17 @@ def invalid(message: str, param: Optional[str], code: Optional[str] = None) -> A
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+REF_FIELDS = {"voice.audio": "ref_audio", "voice.transcript": "ref_text"}
+
+
+def _as_ref(e: "APIError") -> "APIError":
+    """An error about the voice audio named as the fields a vLLM-Omni client sent."""
+    if e.param in REF_FIELDS:
+        e.message = e.message.replace(f"'{e.param}'", f"'{REF_FIELDS[e.param]}'")
+        e.param = REF_FIELDS[e.param]
+    return e
+
+
 def _describe(err: Dict[str, Any]) -> Tuple[str, Optional[str]]:
     loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
     # a Union's branch name ("str", "VoiceRef") is no field of the body
@@ -174,13 +213,26 @@ def _describe(err: Dict[str, Any]) -> Tuple[str, Optional[str]]:
 def parse(body: bytes, model: type = SpeechRequest, max_body_bytes: Optional[int] = None) -> SpeechRequest:
     """The request (a `model`), or APIError(400) naming the first field at fault. `max_body_bytes`: the body limit
     beside a voice's reference audio (a body with it may be larger by the audio's base64, up to MAX_VOICE_AUDIO_BASE64)."""
+    context: Dict[str, Any] = {}
     try:
-        req = model.model_validate_json(body)
+        req = model.model_validate_json(body, context=context)
     except ValidationError as e:
-        message, param = _describe(e.errors(include_url=False)[0])
-        raise invalid(message, param) from None
+        err = e.errors(include_url=False)[0]
+        if err.get("type") == "value_error" and "ref_audio" in str(err.get("msg")):
+            raise invalid(f"{err['msg'].removeprefix('Value error, ')}", "ref_audio") from None
+        message, param = _describe(err)
+        error = invalid(message, param)
+        raise (_as_ref(error) if context.get("ref") else error) from None
+    req._ref = bool(context.get("ref"))
+    try:
+        return _checked(req, max_body_bytes, len(body))
+    except APIError as e:
+        raise (_as_ref(e) if req._ref else e) from None
+
+
+def _checked(req: SpeechRequest, max_body_bytes: Optional[int], body_bytes: int) -> SpeechRequest:
     audio = len(req.voice.audio) if isinstance(req.voice, VoiceAudio) else 0  # room for it, for nothing else
-    if max_body_bytes is not None and len(body) > max_body_bytes + audio:
+    if max_body_bytes is not None and body_bytes > max_body_bytes + audio:
         raise invalid(f"the request body is larger than {max_body_bytes} bytes ('input' may have at most "
                       f"{MAX_INPUT_CHARS} characters)", "input", "string_above_max_length")
     check_model(req.model)
@@ -238,6 +290,9 @@ def voice_name(req: SpeechRequest) -> Optional[str]:
 def check_voice_audio(voice: VoiceAudio) -> None:
     """What can be said of a request's voice audio without decoding it: its size, its MIME type, its transcript."""
     text = voice.audio
+    if re.match(r"^[a-z][a-z0-9+.-]*://", text[:16], re.IGNORECASE):
+        raise invalid("'voice.audio' is a URL: this server fetches nothing; send the file as base64 or a data: URL",
+                      "voice.audio", "invalid_voice_audio")
     if len(text) > MAX_VOICE_AUDIO_BASE64:
         raise invalid(f"'voice.audio' is larger than {MAX_VOICE_AUDIO_BYTES} bytes (base64: {len(text)} characters)",
                       "voice.audio", "voice_audio_too_large")
@@ -314,7 +369,10 @@ async def speech_job(req: SpeechRequest) -> Job:
     """The request's pieces with the options each is sent with: its text split (`split_text`), or its SSML's
     segments, each split, spoken in the segment's voice at its rate, with the silence its breaks ask for."""
     options = contract_options(req)
-    options.update(await voice_options(req))
+    try:
+        options.update(await voice_options(req))
+    except APIError as e:
+        raise (_as_ref(e) if req._ref else e) from None
     seed = {"seed": req.seed} if req.seed is not None else {}
     if req._ssml is None:
         pieces = split_text(req.input) if req.split else [req.input]

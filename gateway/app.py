@@ -279,9 +279,10 @@ class Gateway:
             elif seen > DRAIN_BYTES:
                 break
         if seen > limit:
-            if b'"audio"' in data:  # the voice's reference audio is what is too large
-                raise api.invalid(f"the request body is larger than {limit} bytes: 'voice.audio' may be at most "
-                                  f"{api.MAX_VOICE_AUDIO_BYTES} bytes", "voice.audio", "voice_audio_too_large")
+            for field, key in (("voice.audio", b'"audio"'), ("ref_audio", b'"ref_audio"')):
+                if key in data:  # the voice's reference audio is what is too large
+                    raise api.invalid(f"the request body is larger than {limit} bytes: '{field}' may be at most "
+                                      f"{api.MAX_VOICE_AUDIO_BYTES} bytes", field, "voice_audio_too_large")
             raise api.invalid(f"the request body is larger than {self.settings.max_body_bytes} bytes ('input' may "
                               f"have at most {api.MAX_INPUT_CHARS} characters)", "input", "string_above_max_length")
         return bytes(data)

@@ -905,3 +905,28 @@ def test_the_body_limit_makes_room_for_voice_audio_only():
         status, _, body = s.request("/v1/audio/speech", {**OK, "voice": {"audio": "bm9pc2Uh" * 1000, "transcript": "x"}})
         assert status == 400 and error_of(body)["param"] == "voice.audio"
         assert s.request("/health")[0] == 200
+
+
+def test_vllm_omnis_ref_audio_and_ref_text_are_the_voice_and_its_errors_name_them():
+    b64 = wav_base64(1.0, 16000)
+    req = parse(ref_audio="data:audio/wav;base64," + b64, ref_text="参考音频")  # `voice` ("alloy") gives way
+    assert isinstance(req.voice, api.VoiceAudio) and req.voice.transcript == "参考音频"
+    job = asyncio.run(api.speech_job(req))
+    assert job.options["speaker_text"] == "参考音频" and job.options["speaker_audio"].size == SAMPLE_RATE
+    for fields, param, words in [
+        ({"ref_audio": b64}, "ref_text", "'ref_text' is a required property"),
+        ({"ref_text": "hi"}, "ref_audio", "'ref_text' goes with 'ref_audio'"),
+        ({"ref_audio": b64, "ref_text": "hi", "voice": {"audio": b64, "transcript": "hi"}}, "ref_audio", "not both"),
+        ({"ref_audio": 5, "ref_text": "hi"}, "ref_audio", "valid string"),
+        ({"ref_audio": b64, "ref_text": " "}, "ref_text", "'ref_text' is empty"),
+        ({"ref_audio": "https://example.com/ref.wav", "ref_text": "hi"}, "ref_audio", "fetches nothing"),
+    ]:
+        with pytest.raises(api.APIError) as e:
+            parse(**fields)
+        assert e.value.param == param and words in e.value.message, (fields, e.value.message)
+    with pytest.raises(api.APIError) as e:
+        asyncio.run(api.speech_job(parse(ref_audio=wav_base64(0.05), ref_text="hi")))
+    assert e.value.param == "ref_audio" and "'ref_audio' is too short" in e.value.message
+    with Served(Settings(stream_default=False, max_body_bytes=1 << 16)) as s:
+        status, _, body = s.request("/v1/audio/speech", {**OK, "ref_audio": "A" * (20 << 20), "ref_text": "x"})
+        assert status == 400 and error_of(body)["param"] == "ref_audio"

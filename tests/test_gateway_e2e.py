@@ -503,6 +503,9 @@ def test_a_voice_of_reference_audio_is_the_stored_kind_of_voice(oai, grpc, serve
                     voice_from_first=False, **FIXED)
     assert np.array_equal(got, to_int16(by_sample)) and np.array_equal(by_sample, by_audio)
     assert np.array_equal(as_url, got)
+    as_ref = pcm(oai.audio.speech.create(model="chattts", voice="alloy", input="Hello world.", response_format="pcm",
+                                         extra_body={**body, "ref_audio": voice["audio"], "ref_text": "参考音频"}))
+    assert np.array_equal(as_ref, got)  # vLLM-Omni's fields
     plain = call("Hello world.", seed=9, prompt="[speed_5]", voice_from_first=False, **FIXED)
     assert not np.array_equal(to_int16(plain), got)  # the reference reached the GPT's prompt
 
@@ -521,6 +524,7 @@ def _png_base64() -> str:
     ({"audio": base64.b64encode(tone_wav(20.0, 8000)).decode(), "transcript": "x"}, "voice.audio", "longer than 15 s"),
     ({"audio": base64.b64encode(tone_wav(0.05)).decode(), "transcript": "x"}, "voice.audio", "too short"),
     ({"audio": base64.b64encode(tone_wav(1.0)).decode(), "transcript": ""}, "voice.transcript", "empty"),
+    ({"audio": "https://127.0.0.1:1/ref.wav", "transcript": "x"}, "voice.audio", "fetches nothing"),
     ("2222*-0.3+nova*0.7", "voice", "weight '-0.3'"),
     ("2222*nan+nova", "voice", "weight 'nan'"),
     ("2222*NaN+nova(1)", "voice", "weight 'NaN'"),
