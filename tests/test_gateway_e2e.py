@@ -501,7 +501,8 @@ def test_a_voice_of_reference_audio_is_the_stored_kind_of_voice(oai, grpc, serve
                      voice_from_first=False, **FIXED)
     by_audio = call("Hello world.", speaker_audio=wav, speaker_text="参考音频", seed=9, prompt="[speed_5]",
                     voice_from_first=False, **FIXED)
-    assert np.array_equal(got, to_int16(by_sample)) and np.array_equal(by_sample, by_audio)
+    assert np.array_equal(by_sample, by_audio), "the server's codes of SPEAKER_AUDIO are not the voices CLI's"
+    assert np.array_equal(got, to_int16(by_audio)), "the gateway's voice audio is not SPEAKER_AUDIO of the same file"
     assert np.array_equal(as_url, got)
     as_ref = pcm(oai.audio.speech.create(model="chattts", voice="alloy", input="Hello world.", response_format="pcm",
                                          extra_body={**body, "ref_audio": voice["audio"], "ref_text": "参考音频"}))
