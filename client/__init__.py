@@ -1,13 +1,14 @@
 """Client of the `chattts` Triton ensemble (and its streaming twin `chattts_stream`, through
 `stream()`): `ChatTTSClient` / `AsyncChatTTSClient` (one server), `BalancedChatTTSClient` /
-`AsyncBalancedChatTTSClient` (several, with failover), WAV helpers, and the command line
-(`python -m client --help`)."""
+`AsyncBalancedChatTTSClient` (several, with failover), the options of a request (`SynthesisOptions`), WAV helpers,
+and the command line (`python -m client --help`)."""
 
 from .audio import WavError, WavStreamWriter, load_reference_audio, read_wav, save_wav
 from .balancer import AsyncBalancedChatTTSClient, BalancedChatTTSClient
 from .client import AsyncChatTTSClient, ChatTTSClient, split_sentences
 from .contract import MODEL, SAMPLE_RATE, STREAM_MODEL, build_inputs
 from .errors import ChatTTSError, ChatTTSInputError, ChatTTSUnavailableError
+from .options import SynthesisOptions
 
 __all__ = [
     "AsyncBalancedChatTTSClient",
@@ -20,6 +21,7 @@ __all__ = [
     "MODEL",
     "SAMPLE_RATE",
     "STREAM_MODEL",
+    "SynthesisOptions",
     "WavError",
     "WavStreamWriter",
     "build_inputs",

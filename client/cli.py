@@ -30,6 +30,7 @@ from .client import (
 )
 from .contract import MODEL, OPTION_INPUTS, SAMPLE_RATE, STREAM_MODEL, input_datatype
 from .errors import ChatTTSError, ChatTTSInputError
+from .options import OPTION_FIELDS, SynthesisOptions
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 SPEAKER_AUDIO_KEYWORD = "speaker_audio"  # a WAV path on the command line, samples in the request
@@ -41,20 +42,24 @@ def _flag(keyword: str) -> str:
 
 
 def _add_contract_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("synthesis options (contract inputs; omitted = server default)")
-    for keyword, name in OPTION_INPUTS.items():
+    group = parser.add_argument_group("synthesis options (SynthesisOptions fields, contract inputs; omitted = server default)")
+    server_defaults = SynthesisOptions.server_defaults()
+    for keyword in OPTION_FIELDS:
+        name = OPTION_INPUTS[keyword]
         datatype = input_datatype(name)
+        default = server_defaults[keyword]
+        about = name if default is None else f"{name} (server default {default!r})"
         if keyword == SPEAKER_AUDIO_KEYWORD:
             group.add_argument(_flag(keyword), metavar="WAV", help=f"{name}: reference voice, {SAMPLE_RATE} Hz WAV")
         elif datatype == "BOOL":
-            group.add_argument(_flag(keyword), action=argparse.BooleanOptionalAction, default=None, help=name)
+            group.add_argument(_flag(keyword), action=argparse.BooleanOptionalAction, default=None, help=about)
         elif datatype == "BYTES":
             extra = " (or @FILE to read it from a file)" if keyword in AT_FILE_KEYWORDS else ""
-            group.add_argument(_flag(keyword), metavar="STR", help=f"{name}{extra}")
+            group.add_argument(_flag(keyword), metavar="STR", help=f"{about}{extra}")
         elif datatype.startswith(("INT", "UINT")):
-            group.add_argument(_flag(keyword), type=int, metavar="N", help=name)
+            group.add_argument(_flag(keyword), type=int, metavar="N", help=about)
         elif datatype.startswith("FP"):
-            group.add_argument(_flag(keyword), type=float, metavar="X", help=name)
+            group.add_argument(_flag(keyword), type=float, metavar="X", help=about)
         else:  # a contract change this CLI does not understand yet
             raise NotImplementedError(f"no command-line flag for {name} ({datatype})")
 
@@ -121,7 +126,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def _options(p: argparse.ArgumentParser, args: argparse.Namespace) -> Dict[str, Any]:
-    options = {k: getattr(args, k) for k in OPTION_INPUTS if getattr(args, k) is not None}
+    """The flags' option values (files read); `SynthesisOptions.of` checks them."""
+    options = {k: getattr(args, k) for k in OPTION_FIELDS if getattr(args, k) is not None}
     try:
         if SPEAKER_AUDIO_KEYWORD in options:
             options[SPEAKER_AUDIO_KEYWORD] = load_reference_audio(options[SPEAKER_AUDIO_KEYWORD])
@@ -154,8 +160,8 @@ def _spoken_printer(args, out):
 def _run_text(client: ChatTTSClient, args, options, out) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
     start = time.perf_counter()
-    audio = client.synthesize(text, split=args.split, voice_from_first=args.voice_from_first,
-                              on_spoken_text=_spoken_printer(args, out), **options)
+    audio = client.synthesize(text, options, split=args.split, voice_from_first=args.voice_from_first,
+                              on_spoken_text=_spoken_printer(args, out))
     path = save_wav(args.output, audio, fmt=args.format)
     if not args.quiet:
         print(f"wrote {path}: {audio.size / SAMPLE_RATE:.2f} s of audio in {time.perf_counter() - start:.2f} s", file=out)
@@ -166,8 +172,8 @@ def _run_stream(client: ChatTTSClient, args, options, out) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
     start = time.perf_counter()
     stream = client.stream(
-        text, split=args.split, voice_from_first=args.voice_from_first, chunk_timeout_s=args.chunk_timeout,
-        on_spoken_text=_spoken_printer(args, out), **options
+        text, options, split=args.split, voice_from_first=args.voice_from_first, chunk_timeout_s=args.chunk_timeout,
+        on_spoken_text=_spoken_printer(args, out),
     )
     progress = not args.quiet and sys.stderr.isatty()
     first = None
@@ -224,7 +230,7 @@ def _run_file(client: ChatTTSClient, args, options, numbered, out) -> int:
 
     texts = [text for _, text in numbered]
     try:
-        client.synthesize_batch(texts, return_exceptions=True, on_result=on_result, **options)
+        client.synthesize_batch(texts, options, return_exceptions=True, on_result=on_result)
     finally:
         bar.close()
     for line in sorted(failures):
@@ -257,6 +263,7 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
         p.error(str(e))
     try:
         with client:
+            options = SynthesisOptions.of(options)  # a bad value: INVALID_ARGUMENT, as the server would say
             if numbered is not None:
                 return _run_file(client, args, options, numbered, out)
             if args.stream:

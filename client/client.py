@@ -1,7 +1,9 @@
 """Python client of the `chattts` Triton ensemble: sync (`ChatTTSClient`) and asyncio
 (`AsyncChatTTSClient`), over gRPC or HTTP.
 
-- Every contract input is a keyword of `synthesize` (None = server default, input not sent).
+- Every contract input is a field of `SynthesisOptions` (client/options.py; None = server default, input not
+  sent), which `synthesize`, `synthesize_batch` and `stream` take, sync and async; keywords of the same names
+  override its fields.
 - Long text is split into pieces that fit (`split_sentences`: sentence ends, then clauses when a sentence is
   too long to be spoken whole, very short sentences joined; chattts_triton.model.split); the pieces go out as
   concurrent requests (so Triton's dynamic batcher can batch them) and are joined in order.
@@ -45,11 +47,9 @@ import numpy as np
 
 from .contract import (
     MODEL,
-    OPTION_INPUTS,
     STREAM_MODEL,
     audio_from_result,
     build_inputs,
-    check_options,
     chunk_from_json,
     chunk_from_result,
     requested_outputs,
@@ -59,6 +59,7 @@ from .contract import (
     to_json_inputs,
 )
 from .errors import INTERNAL, ChatTTSError, ChatTTSInputError, ChatTTSUnavailableError, stream_error, to_chattts_error
+from .options import SynthesisOptions, takes_options
 
 PROTOCOLS = ("grpc", "http")
 DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
@@ -132,33 +133,39 @@ class _RetryPolicy:
         return None
 
 
-def _voice_reference_needed(sentences: Sequence[str], options: Mapping[str, Any], voice_from_first: bool) -> bool:
+def _voice_reference_needed(sentences: Sequence[str], options: SynthesisOptions, voice_from_first: bool) -> bool:
     # upstream's condition is `spk_smp is None`; SPEAKER_AUDIO and SPEAKER_SAMPLE both provide it. A named
     # VOICE is the same speaker for every sentence already (and may hold a reference sample itself)
     return (
         voice_from_first
         and len(sentences) > 1
-        and options.get("speaker_audio") is None
-        and options.get("speaker_sample") is None
-        and options.get("voice") is None
+        and options.speaker_audio is None
+        and options.speaker_sample is None
+        and options.voice is None
     )
 
 
-def _with_voice_reference(options: Mapping[str, Any], reference: np.ndarray, reference_text: str) -> Dict[str, Any]:
+def _with_voice_reference(options: SynthesisOptions, reference: np.ndarray, reference_text: str) -> SynthesisOptions:
     # upstream: params_infer_code.spk_smp = sample_audio_speaker(wav[0]); txt_smp = text[0]
-    return {**options, "speaker_audio": reference, "speaker_text": reference_text}
+    return options.replace(speaker_audio=reference, speaker_text=reference_text)
 
 
-def _prepare(text: str, options: Mapping[str, Any], split: bool) -> List[str]:
-    check_options(options)
+def _prepare(text: str, options: SynthesisOptions, split: bool) -> List[str]:
     if not isinstance(text, str):
         raise ChatTTSInputError(f"text must be a str, got {type(text).__name__}")
     sentences = split_sentences(text) if split else [text]
     if not sentences or not any(s.strip() for s in sentences):
         raise ChatTTSInputError("text is empty")
-    for sentence in sentences:  # reject bad options before anything is sent
-        build_inputs(sentence, options)
+    for sentence in sentences:  # reject bad text before anything is sent
+        options.to_inputs(sentence)
     return sentences
+
+
+def _prepare_batch(texts: Sequence[str], options: SynthesisOptions) -> List[str]:
+    texts = list(texts)
+    for t in texts:  # every text checked before anything is sent
+        options.to_inputs(t)
+    return texts
 
 
 def _spoken(results: Sequence[Any], on_spoken_text: Optional[OnSpokenText]) -> List[np.ndarray]:
@@ -834,9 +841,10 @@ class ChatTTSClient(_ClientBase):
                 self._sleep(self.retry_policy.delay(attempt))
                 attempt += 1
 
-    def infer_one(self, text: str, options: Optional[Mapping[str, Any]] = None, spoken_text: bool = False):
+    def infer_one(self, text: str, options: Union[SynthesisOptions, Mapping[str, Any], None] = None,
+                  spoken_text: bool = False):
         """One request, one utterance (no sentence splitting), with retries: its audio, or (audio, the text the
-        server voiced) with `spoken_text`."""
+        server voiced) with `spoken_text`. `options`: a SynthesisOptions or a mapping of its field names."""
         arrays = build_inputs(text, options)
         kw = {"spoken_text": True} if spoken_text else {}
         return self._call(lambda: self._transport.infer(arrays, **kw))
@@ -850,7 +858,7 @@ class ChatTTSClient(_ClientBase):
     def _infer_many(
         self,
         texts: Sequence[str],
-        options: Mapping[str, Any],
+        options: SynthesisOptions,
         return_exceptions: bool = False,
         on_result: Optional[OnResult] = None,
         spoken_text: bool = False,
@@ -881,40 +889,22 @@ class ChatTTSClient(_ClientBase):
                 future.cancel()  # only those not started yet; a failure should not keep the pool busy
         return results
 
+    @takes_options
     def synthesize(
         self,
         text: str,
+        options: Optional[SynthesisOptions] = None,
         *,
-        speaker: Optional[str] = None,
-        seed: Optional[int] = None,
-        temperature: Optional[float] = None,
-        top_p: Optional[float] = None,
-        top_k: Optional[int] = None,
-        repetition_penalty: Optional[float] = None,
-        max_new_tokens: Optional[int] = None,
-        min_new_tokens: Optional[int] = None,
-        prompt: Optional[str] = None,
-        refine_text: Optional[bool] = None,
-        refine_prompt: Optional[str] = None,
-        refine_temperature: Optional[float] = None,
-        refine_top_p: Optional[float] = None,
-        refine_top_k: Optional[int] = None,
-        refine_repetition_penalty: Optional[float] = None,
-        refine_max_new_tokens: Optional[int] = None,
-        use_decoder: Optional[bool] = None,
-        normalize_text: Optional[bool] = None,
-        speaker_audio: Optional[np.ndarray] = None,
-        speaker_text: Optional[str] = None,
-        speaker_sample: Optional[str] = None,
-        voice: Optional[str] = None,
         split: bool = True,
         voice_from_first: bool = True,
         on_spoken_text: Optional[OnSpokenText] = None,
+        **overrides: Any,
     ) -> np.ndarray:
         """Speech for `text` as float32 mono samples at 24 kHz.
 
-        Keywords are the ensemble's optional inputs (see chattts_triton.config.ENSEMBLE_INPUTS);
-        None leaves an input to the server default. `speaker` is an upstream speaker-embedding string;
+        `options` (`SynthesisOptions`) holds the ensemble's optional inputs; keywords of its field names override
+        its fields (or are the options alone: `synthesize(text, seed=7, temperature=0.3)`); an unknown keyword is a
+        TypeError. None leaves an input to the server default. `speaker` is an upstream speaker-embedding string;
         a reference voice is either `speaker_audio` (24 kHz mono samples) or `speaker_sample` (upstream
         `sample_audio_speaker` string), with `speaker_text` its transcript.
         `split`: split into pieces that fit (`split_sentences`) and synthesise them as one concurrent batch.
@@ -922,7 +912,7 @@ class ChatTTSClient(_ClientBase):
         the voice reference of all sentences (one extra request before the batch).
         `on_spoken_text(text)`: called with the text the server voices for each piece, in order (SPOKEN_TEXT).
         """
-        options = {k: v for k, v in locals().items() if k in OPTION_INPUTS}
+        options = SynthesisOptions.of(options, **overrides)
         sentences = _prepare(text, options, split)
         if _voice_reference_needed(sentences, options, voice_from_first):
             reference = self.infer_one(sentences[0], options)
@@ -930,63 +920,44 @@ class ChatTTSClient(_ClientBase):
         return _join(_spoken(self._infer_many(sentences, options, spoken_text=on_spoken_text is not None),
                              on_spoken_text))
 
+    @takes_options
     def synthesize_batch(
         self,
         texts: Sequence[str],
+        options: Optional[SynthesisOptions] = None,
         *,
         return_exceptions: bool = False,
         on_result: Optional[OnResult] = None,
-        **options: Any,
+        **overrides: Any,
     ) -> List[Union[np.ndarray, ChatTTSError]]:
         """One utterance per text (not split, like upstream `infer(list)`), sent concurrently.
 
-        Takes the same option keywords as `synthesize`. Results are in input order; with
+        Takes the same `options` and option keywords as `synthesize`. Results are in input order; with
         `return_exceptions` failed items are their ChatTTSError instead of raising the first one.
         `on_result(index, audio_or_error)` is called as each item finishes (e.g. a progress bar).
         """
-        check_options(options)
-        texts = list(texts)
-        for t in texts:
-            build_inputs(t, options)
+        options = SynthesisOptions.of(options, **overrides)
+        texts = _prepare_batch(texts, options)
         if not texts:
             return []
         return self._infer_many(texts, options, return_exceptions=return_exceptions, on_result=on_result)
 
+    @takes_options
     def stream(
         self,
         text: str,
+        options: Optional[SynthesisOptions] = None,
         *,
-        speaker: Optional[str] = None,
-        seed: Optional[int] = None,
-        temperature: Optional[float] = None,
-        top_p: Optional[float] = None,
-        top_k: Optional[int] = None,
-        repetition_penalty: Optional[float] = None,
-        max_new_tokens: Optional[int] = None,
-        min_new_tokens: Optional[int] = None,
-        prompt: Optional[str] = None,
-        refine_text: Optional[bool] = None,
-        refine_prompt: Optional[str] = None,
-        refine_temperature: Optional[float] = None,
-        refine_top_p: Optional[float] = None,
-        refine_top_k: Optional[int] = None,
-        refine_repetition_penalty: Optional[float] = None,
-        refine_max_new_tokens: Optional[int] = None,
-        use_decoder: Optional[bool] = None,
-        normalize_text: Optional[bool] = None,
-        speaker_audio: Optional[np.ndarray] = None,
-        speaker_text: Optional[str] = None,
-        speaker_sample: Optional[str] = None,
-        voice: Optional[str] = None,
         split: bool = True,
         voice_from_first: bool = True,
         chunk_timeout_s: Optional[float] = None,
         on_spoken_text: Optional[OnSpokenText] = None,
+        **overrides: Any,
     ) -> Iterator[np.ndarray]:
         """Speech for `text` as float32 chunks (24 kHz mono) while the server generates it, from the
         decoupled `stream_model`; the chunks joined equal `synthesize(text, ...)` for one sentence.
 
-        Same keywords as `synthesize`. Sentences are streamed one after the other; with
+        Same `options` and keywords as `synthesize`. Sentences are streamed one after the other; with
         `voice_from_first` (and no reference given) sentence 1 is streamed as it comes and its audio
         is the voice reference of the rest (`synthesize` sends sentence 1 again with that reference).
         Errors raise `ChatTTSError` from the iterator, also mid-stream. UNAVAILABLE is retried like
@@ -995,7 +966,7 @@ class ChatTTSClient(_ClientBase):
         closing the iterator, cancels the request on the server. `on_spoken_text(text)` is called with the
         text the server voices for each piece, as that piece's first chunk arrives.
         """
-        options = {k: v for k, v in locals().items() if k in OPTION_INPUTS}
+        options = SynthesisOptions.of(options, **overrides)
         sentences = _prepare(text, options, split)  # checked now, not at the first next()
         return self._stream(sentences, options, voice_from_first, self._chunk_timeout(chunk_timeout_s), on_spoken_text)
 
@@ -1004,7 +975,7 @@ class ChatTTSClient(_ClientBase):
         need_reference = _voice_reference_needed(sentences, options, voice_from_first)
         for sentence in sentences:
             pieces: List[np.ndarray] = []
-            arrays = build_inputs(sentence, options)
+            arrays = options.to_inputs(sentence)
             with contextlib.closing(self._stream_one(arrays, timeout_s, on_spoken_text)) as chunks:
                 for chunk in chunks:
                     if need_reference:
@@ -1124,7 +1095,8 @@ class AsyncChatTTSClient(_ClientBase):
                 await self._sleep(self.retry_policy.delay(attempt))
                 attempt += 1
 
-    async def infer_one(self, text: str, options: Optional[Mapping[str, Any]] = None, spoken_text: bool = False):
+    async def infer_one(self, text: str, options: Union[SynthesisOptions, Mapping[str, Any], None] = None,
+                        spoken_text: bool = False):
         """See `ChatTTSClient.infer_one`."""
         arrays = build_inputs(text, options)
         kw = {"spoken_text": True} if spoken_text else {}
@@ -1152,38 +1124,19 @@ class AsyncChatTTSClient(_ClientBase):
             for task in tasks:
                 task.cancel()
 
+    @takes_options
     async def synthesize(
         self,
         text: str,
+        options: Optional[SynthesisOptions] = None,
         *,
-        speaker: Optional[str] = None,
-        seed: Optional[int] = None,
-        temperature: Optional[float] = None,
-        top_p: Optional[float] = None,
-        top_k: Optional[int] = None,
-        repetition_penalty: Optional[float] = None,
-        max_new_tokens: Optional[int] = None,
-        min_new_tokens: Optional[int] = None,
-        prompt: Optional[str] = None,
-        refine_text: Optional[bool] = None,
-        refine_prompt: Optional[str] = None,
-        refine_temperature: Optional[float] = None,
-        refine_top_p: Optional[float] = None,
-        refine_top_k: Optional[int] = None,
-        refine_repetition_penalty: Optional[float] = None,
-        refine_max_new_tokens: Optional[int] = None,
-        use_decoder: Optional[bool] = None,
-        normalize_text: Optional[bool] = None,
-        speaker_audio: Optional[np.ndarray] = None,
-        speaker_text: Optional[str] = None,
-        speaker_sample: Optional[str] = None,
-        voice: Optional[str] = None,
         split: bool = True,
         voice_from_first: bool = True,
         on_spoken_text: Optional[OnSpokenText] = None,
+        **overrides: Any,
     ) -> np.ndarray:
         """See `ChatTTSClient.synthesize`."""
-        options = {k: v for k, v in locals().items() if k in OPTION_INPUTS}
+        options = SynthesisOptions.of(options, **overrides)
         sentences = _prepare(text, options, split)
         if _voice_reference_needed(sentences, options, voice_from_first):
             reference = await self.infer_one(sentences[0], options)
@@ -1191,58 +1144,39 @@ class AsyncChatTTSClient(_ClientBase):
         results = await self._infer_many(sentences, options, spoken_text=on_spoken_text is not None)
         return _join(_spoken(results, on_spoken_text))
 
+    @takes_options
     async def synthesize_batch(
         self,
         texts: Sequence[str],
+        options: Optional[SynthesisOptions] = None,
         *,
         return_exceptions: bool = False,
         on_result: Optional[OnResult] = None,
-        **options: Any,
+        **overrides: Any,
     ) -> List[Union[np.ndarray, ChatTTSError]]:
         """See `ChatTTSClient.synthesize_batch`."""
-        check_options(options)
-        texts = list(texts)
-        for t in texts:
-            build_inputs(t, options)
+        options = SynthesisOptions.of(options, **overrides)
+        texts = _prepare_batch(texts, options)
         if not texts:
             return []
         return await self._infer_many(texts, options, return_exceptions, on_result)
 
+    @takes_options
     def stream(
         self,
         text: str,
+        options: Optional[SynthesisOptions] = None,
         *,
-        speaker: Optional[str] = None,
-        seed: Optional[int] = None,
-        temperature: Optional[float] = None,
-        top_p: Optional[float] = None,
-        top_k: Optional[int] = None,
-        repetition_penalty: Optional[float] = None,
-        max_new_tokens: Optional[int] = None,
-        min_new_tokens: Optional[int] = None,
-        prompt: Optional[str] = None,
-        refine_text: Optional[bool] = None,
-        refine_prompt: Optional[str] = None,
-        refine_temperature: Optional[float] = None,
-        refine_top_p: Optional[float] = None,
-        refine_top_k: Optional[int] = None,
-        refine_repetition_penalty: Optional[float] = None,
-        refine_max_new_tokens: Optional[int] = None,
-        use_decoder: Optional[bool] = None,
-        normalize_text: Optional[bool] = None,
-        speaker_audio: Optional[np.ndarray] = None,
-        speaker_text: Optional[str] = None,
-        speaker_sample: Optional[str] = None,
-        voice: Optional[str] = None,
         split: bool = True,
         voice_from_first: bool = True,
         chunk_timeout_s: Optional[float] = None,
         on_spoken_text: Optional[OnSpokenText] = None,
+        **overrides: Any,
     ) -> AsyncIterator[np.ndarray]:
         """See `ChatTTSClient.stream`: `async for chunk in client.stream(...)`. Breaking out of the loop
         cancels the request once the generator is collected; `contextlib.aclosing(client.stream(...))`
         (or cancelling the task) cancels it at once."""
-        options = {k: v for k, v in locals().items() if k in OPTION_INPUTS}
+        options = SynthesisOptions.of(options, **overrides)
         sentences = _prepare(text, options, split)
         return self._stream(sentences, options, voice_from_first, self._chunk_timeout(chunk_timeout_s), on_spoken_text)
 
@@ -1251,7 +1185,7 @@ class AsyncChatTTSClient(_ClientBase):
         need_reference = _voice_reference_needed(sentences, options, voice_from_first)
         for sentence in sentences:
             pieces: List[np.ndarray] = []
-            arrays = build_inputs(sentence, options)
+            arrays = options.to_inputs(sentence)
             async with contextlib.aclosing(self._stream_one(arrays, timeout_s, on_spoken_text)) as chunks:
                 async for chunk in chunks:
                     if need_reference:

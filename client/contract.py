@@ -113,20 +113,12 @@ def check_options(options: Mapping[str, Any]) -> None:
         raise TypeError(f"unknown option(s) {unknown}; valid: {sorted(OPTION_INPUTS)}")
 
 
-def build_inputs(text: str, options: Optional[Mapping[str, Any]] = None) -> Dict[str, np.ndarray]:
-    """Contract input name -> array for one utterance; options left at None are omitted."""
-    options = options or {}
-    check_options(options)
-    if not isinstance(text, str):
-        raise ChatTTSInputError(f"text must be a str, got {type(text).__name__}")
-    if not text.strip():
-        raise ChatTTSInputError("text is empty")
-    arrays = {TEXT_INPUT: encode_input(TEXT_INPUT, text)}
-    for keyword, value in options.items():
-        if value is not None:
-            name = OPTION_INPUTS[keyword]
-            arrays[name] = encode_input(name, value)
-    return arrays
+def build_inputs(text: str, options: Any = None) -> Dict[str, np.ndarray]:
+    """Contract input name -> array for one utterance; options left at None are omitted. `options`: a
+    `client.options.SynthesisOptions`, a mapping of its field names, or None (its `to_inputs`, the one encoding)."""
+    from .options import SynthesisOptions  # builds on this module
+
+    return SynthesisOptions.of(options).to_inputs(text)
 
 
 def to_infer_inputs(module, arrays: Mapping[str, np.ndarray]) -> List[Any]:

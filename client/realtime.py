@@ -41,6 +41,7 @@ from chattts_triton.model.split import DEFAULT_MIN_FRAMES, estimate_frames, spli
 
 from .contract import check_options
 from .errors import INTERNAL, ChatTTSError, ChatTTSInputError
+from .options import SynthesisOptions
 
 SEED_LIMIT = 2**63  # SEED is INT64: the schedule wraps below this
 # A piece's budget: a sentence estimated longer is cut at clauses. Well under the splitter's default so that a long
@@ -211,11 +212,14 @@ class SpeechSession:
     """Text deltas in, ordered speech events out (see the module docstring). Methods are called from one event loop;
     `events()` has one consumer."""
 
-    def __init__(self, client: Any, options: Optional[Mapping[str, Any]] = None, seed: Optional[int] = None, *,
+    def __init__(self, client: Any, options: Union[SynthesisOptions, Mapping[str, Any], None] = None,
+                 seed: Optional[int] = None, *,
                  max_frames: int = DEFAULT_PIECE_FRAMES, min_frames: int = DEFAULT_MIN_FRAMES,
                  pause_s: float = DEFAULT_PAUSE_S, piece_concurrency: int = DEFAULT_PIECE_CONCURRENCY,
                  idle_flush_s: Optional[float] = DEFAULT_IDLE_FLUSH_S, chunk_timeout_s: Optional[float] = None,
                  retry_s: float = DEFAULT_RETRY_S):
+        if isinstance(options, SynthesisOptions):
+            options = options.to_dict()
         options = {k: v for k, v in (options or {}).items() if v is not None}
         check_options(options)
         if "seed" in options:
