@@ -3,7 +3,10 @@
 A service gets a batch of `Call`s; each carries its request's inputs (numpy arrays, BYTES as object
 arrays, shaped with the leading batch dimension of 1) and a `reply` to call exactly once with a dict of
 outputs or an exception (`chattts_triton.triton.backend` adapts this to the python backend; tests drive
-the services directly). The decoders here turn an input into a value or an `InputError` naming it.
+the services directly). The decoders here turn an input into a value or an `InputError` naming it: a wrong shape,
+a value out of bounds or not finite, text that is not UTF-8, and a value of the wrong kind (text or a float where
+an integer is read, anything but a boolean where a boolean is) — Triton checks the dtypes of requests it
+receives, not those of the dicts the ensemble, BLS and tests hand the services (`tests/test_inputs.py`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,17 @@ def _one(inputs: Dict[str, Any], name: str):
     return arr.reshape(-1)[0]
 
 
+def _wrong_kind(name: str, v, want: str) -> InputError:
+    return InputError(f"{name} must be {want}, got {type(v).__name__} {v!r:.40}")
+
+
+def _integer(v, name: str) -> int:
+    """An integer input's value; a float, a boolean or text is the wrong kind, named."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise _wrong_kind(name, v, "an integer")
+    return int(v)
+
+
 def get_str(inputs, name: str, default: Optional[str] = None) -> Optional[str]:
     v = _one(inputs, name)
     if v is None:
@@ -54,6 +68,8 @@ def get_str(inputs, name: str, default: Optional[str] = None) -> Optional[str]:
             return bytes(v).decode("utf-8")
         except UnicodeDecodeError as e:
             raise InputError(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    if not isinstance(v, str):
+        raise _wrong_kind(name, v, "text (BYTES)")
     return str(v)
 
 
@@ -61,7 +77,12 @@ def get_float(inputs, name: str, default: float, lo: float, hi: float, lo_open: 
     v = _one(inputs, name)
     if v is None:
         return default
-    f = float(v)
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise _wrong_kind(name, v, "a number")
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond any float
+        f = math.inf
     if not math.isfinite(f) or f > hi or f < lo or (lo_open and f <= lo):
         bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise InputError(f"{name} must be a finite number in {bound}, got {f}")
@@ -72,7 +93,7 @@ def get_int(inputs, name: str, default: int, lo: int, hi: int) -> int:
     v = _one(inputs, name)
     if v is None:
         return default
-    i = int(v)
+    i = _integer(v, name)
     if i < lo or i > hi:
         raise InputError(f"{name} must be in [{lo}, {hi}], got {i}")
     return i
@@ -80,7 +101,11 @@ def get_int(inputs, name: str, default: int, lo: int, hi: int) -> int:
 
 def get_bool(inputs, name: str, default: bool) -> bool:
     v = _one(inputs, name)
-    return default if v is None else bool(v)
+    if v is None:
+        return default
+    if not isinstance(v, (bool, np.bool_)):  # bool(b"false") would be True
+        raise _wrong_kind(name, v, "a boolean")
+    return bool(v)
 
 
 def named(name: str, fn, *args):
@@ -94,7 +119,12 @@ def named(name: str, fn, *args):
 
 def get_seed(inputs) -> int:
     v = _one(inputs, "SEED")
-    return secrets.randbits(63) if v is None else int(v)
+    if v is None:
+        return secrets.randbits(63)
+    seed = _integer(v, "SEED")
+    if not -(1 << 63) <= seed < (1 << 63):  # the engine keeps seeds in int64
+        raise InputError(f"SEED must be a 64-bit integer, got {seed}")
+    return seed
 
 
 def sampling_params(inputs, defaults, max_new_limit: int = LIMITS.max_new_tokens) -> SamplingParams:
