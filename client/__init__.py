@@ -6,9 +6,8 @@ and the command line (`python -m client --help`)."""
 from .audio import WavError, WavStreamWriter, load_reference_audio, read_wav, save_wav
 from .balancer import AsyncBalancedChatTTSClient, BalancedChatTTSClient
 from .client import AsyncChatTTSClient, ChatTTSClient, split_sentences
-from .contract import MODEL, SAMPLE_RATE, STREAM_MODEL, build_inputs
+from .contract import MODEL, SAMPLE_RATE, STREAM_MODEL, SynthesisOptions, build_inputs
 from .errors import ChatTTSError, ChatTTSInputError, ChatTTSUnavailableError
-from .options import SynthesisOptions
 
 __all__ = [
     "AsyncBalancedChatTTSClient",

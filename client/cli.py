@@ -28,9 +28,8 @@ from .client import (
     PROTOCOLS,
     ChatTTSClient,
 )
-from .contract import MODEL, OPTION_INPUTS, SAMPLE_RATE, STREAM_MODEL, input_datatype
+from .contract import MODEL, OPTION_FIELDS, OPTION_INPUTS, SAMPLE_RATE, STREAM_MODEL, SynthesisOptions, input_datatype
 from .errors import ChatTTSError, ChatTTSInputError
-from .options import OPTION_FIELDS, SynthesisOptions
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 SPEAKER_AUDIO_KEYWORD = "speaker_audio"  # a WAV path on the command line, samples in the request

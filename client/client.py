@@ -1,7 +1,7 @@
 """Python client of the `chattts` Triton ensemble: sync (`ChatTTSClient`) and asyncio
 (`AsyncChatTTSClient`), over gRPC or HTTP.
 
-- Every contract input is a field of `SynthesisOptions` (client/options.py; None = server default, input not
+- Every contract input is a field of `SynthesisOptions` (client/contract.py; None = server default, input not
   sent), which `synthesize`, `synthesize_batch` and `stream` take, sync and async; keywords of the same names
   override its fields.
 - Long text is split into pieces that fit (`split_sentences`: sentence ends, then clauses when a sentence is
@@ -48,6 +48,7 @@ import numpy as np
 from .contract import (
     MODEL,
     STREAM_MODEL,
+    SynthesisOptions,
     audio_from_result,
     build_inputs,
     chunk_from_json,
@@ -55,11 +56,11 @@ from .contract import (
     requested_outputs,
     spoken_text_from_json,
     spoken_text_from_result,
+    takes_options,
     to_infer_inputs,
     to_json_inputs,
 )
 from .errors import INTERNAL, ChatTTSError, ChatTTSInputError, ChatTTSUnavailableError, stream_error, to_chattts_error
-from .options import SynthesisOptions, takes_options
 
 PROTOCOLS = ("grpc", "http")
 DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}

@@ -39,9 +39,8 @@ import numpy as np
 from chattts_triton.config import SAMPLE_RATE
 from chattts_triton.model.split import DEFAULT_MIN_FRAMES, estimate_frames, split_spans
 
-from .contract import check_options
+from .contract import SynthesisOptions, check_options
 from .errors import INTERNAL, ChatTTSError, ChatTTSInputError
-from .options import SynthesisOptions
 
 SEED_LIMIT = 2**63  # SEED is INT64: the schedule wraps below this
 # A piece's budget: a sentence estimated longer is cut at clauses. Well under the splitter's default so that a long

@@ -1,4 +1,4 @@
-"""`SynthesisOptions` (client/options.py): one options type for every client method; no Triton needed.
+"""`SynthesisOptions` (client/contract.py): one options type for every client method; no Triton needed.
 
 What reaches a request is read from recording transports (the clients' `transport` / `transports` seams), for the
 sync and async clients, whole, batched and streamed, and the balancers over them.
@@ -23,8 +23,7 @@ from client import (
     SynthesisOptions,
     cli,
 )
-from client.contract import OPTION_INPUTS, build_inputs, encode_input, input_datatype
-from client.options import OPTION_FIELDS, takes_options
+from client.contract import OPTION_FIELDS, OPTION_INPUTS, build_inputs, encode_input, input_datatype, takes_options
 
 TEXT = "Hello there."
 
