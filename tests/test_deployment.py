@@ -19,9 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {f.name: f for f in dataclasses.fields(Deployment)}
 
 
-def _export_parser() -> argparse.ArgumentParser:
-    import export.__main__ as ex
-
+def _parser_of(main) -> argparse.ArgumentParser:
+    """The parser `main([])` builds, taken at its parse_args (which then ends the call)."""
     captured = {}
 
     def parse(self, argv=None, namespace=None):
@@ -32,29 +31,22 @@ def _export_parser() -> argparse.ArgumentParser:
     argparse.ArgumentParser.parse_args = parse
     try:
         with pytest.raises(SystemExit):
-            ex.main([])
+            main([])
     finally:
         argparse.ArgumentParser.parse_args = orig
     return captured["ap"]
+
+
+def _export_parser() -> argparse.ArgumentParser:
+    import export.__main__ as ex
+
+    return _parser_of(ex.main)
 
 
 def _bench_parser() -> argparse.ArgumentParser:
     import bench.run as br
 
-    captured = {}
-
-    def parse(self, argv=None, namespace=None):
-        captured["ap"] = self
-        raise SystemExit(0)
-
-    orig = argparse.ArgumentParser.parse_args
-    argparse.ArgumentParser.parse_args = parse
-    try:
-        with pytest.raises(SystemExit):
-            br.main([])
-    finally:
-        argparse.ArgumentParser.parse_args = orig
-    return captured["ap"]
+    return _parser_of(br.main)
 
 
 def _flags(ap: argparse.ArgumentParser) -> dict:
