@@ -115,14 +115,14 @@ class Gateway:
         import subprocess
         import urllib.request
 
-        from chattts_triton.launcher.tritonserver import _set_parent_death_signal, free_port
+        from chattts_triton.launcher.tritonserver import free_port, set_parent_death_signal
 
         self.port = free_port()
         cmd = [sys.executable, "-m", "gateway", "--grpc-url", grpc_url, "--port", str(self.port), "--log-level", "warning",
                *(["--repo", str(repo)] if repo else []), *args]
         self.out = open(log_file, "wb")
         # SIGTERM when this process dies, as the server gets: no gateway left behind by an interrupted bench
-        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, preexec_fn=_set_parent_death_signal)
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, preexec_fn=set_parent_death_signal)
         deadline = time.monotonic() + 120
         while True:
             try:

@@ -32,7 +32,7 @@ def full_assets() -> Path:
     return _assets("full")
 
 
-def _export(assets: Path, out: Path, **deployment) -> Path:
+def export_repo(assets: Path, out: Path, **deployment) -> Path:
     from chattts_triton.triton.repo_config import Deployment
     from export.__main__ import export_repository
 
@@ -41,12 +41,12 @@ def _export(assets: Path, out: Path, **deployment) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_repo(tiny_assets, tmp_path_factory) -> Path:
-    return _export(tiny_assets, tmp_path_factory.mktemp("repo") / "tiny")
+    return export_repo(tiny_assets, tmp_path_factory.mktemp("repo") / "tiny")
 
 
 @pytest.fixture(scope="session")
 def full_repo(full_assets, tmp_path_factory) -> Path:
-    return _export(full_assets, tmp_path_factory.mktemp("repo") / "full", gpt_slots=4)
+    return export_repo(full_assets, tmp_path_factory.mktemp("repo") / "full", gpt_slots=4)
 
 
 def _serve(repo: Path, tmp_path_factory):

@@ -64,7 +64,7 @@ def make_engine(model, arch, **kw):
     return Engine(model, hidden=arch.gpt.hidden, num_vq=arch.num_vq, **kw)
 
 
-class _Rec:
+class Rec:
     """One request of a scenario: what its on_tokens and on_done received."""
 
     def __init__(self, spec):
@@ -114,7 +114,7 @@ def drive(eng, specs, join=None, limit=2000):
     while True:
         for i, spec in enumerate(specs):
             if recs[i] is None and join[i] <= it:
-                recs[i] = _Rec(spec)
+                recs[i] = Rec(spec)
                 eng.submit(recs[i].req)
         if all(r is not None and r.result is not None for r in recs):
             return recs
@@ -212,7 +212,7 @@ def load_gpt_like(model, arch, dtype, fused=True):
     return m.eval()
 
 
-def _graphs_compiled() -> int:
+def graphs_compiled() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]

@@ -67,9 +67,9 @@ def http_status(url: str, path: str, method: str = "GET", body: Optional[bytes] 
 
 def private_server(tiny_assets: Path, tmp: Path, extra_args=(), exit_timeout_s: int = 30, **deployment) -> TritonServer:
     """A not-yet-started server on its own copy of the tiny repository (for destructive tests)."""
-    from tests.conftest import _export
+    from tests.conftest import export_repo
 
-    repo = _export(tiny_assets, tmp / "repo", **deployment)
+    repo = export_repo(tiny_assets, tmp / "repo", **deployment)
     return TritonServer(repo, log_file=tmp / "tritonserver.log", exit_timeout_s=exit_timeout_s,
                         startup_timeout_s=600, extra_args=list(extra_args))
 

@@ -406,9 +406,9 @@ def e2e_request(i: int):
 
 @pytest.mark.e2e
 def test_two_servers_one_stopped_mid_run_no_request_lost(tiny_repo, tmp_path):
-    from chattts_triton.launcher.tritonserver import LOCALHOST, TritonServer, _free_ports
+    from chattts_triton.launcher.tritonserver import LOCALHOST, TritonServer, free_ports
 
-    ports = _free_ports(6, LOCALHOST)  # distinct ports for both servers, so they can start at once
+    ports = free_ports(6, LOCALHOST)  # distinct ports for both servers, so they can start at once
     servers = [
         TritonServer(tiny_repo, http_port=ports[3 * k], grpc_port=ports[3 * k + 1], metrics_port=ports[3 * k + 2],
                      log_file=tmp_path / f"tritonserver-{k}.log", startup_timeout_s=300)

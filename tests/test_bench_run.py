@@ -22,9 +22,9 @@ def test_bench_serves_the_default_export_through_the_launcher(tiny_assets, tmp_p
     from bench.run import bench_served, to_markdown
     from chattts_triton.config import SAMPLE_RATE, samples_for_codes
     from loadtest.lengths import Lengths
-    from tests.conftest import _export
+    from tests.conftest import export_repo
 
-    repo = _export(tiny_assets, tmp_path / "repo")  # the defaults, as `python -m export` writes them
+    repo = export_repo(tiny_assets, tmp_path / "repo")  # the defaults, as `python -m export` writes them
     saved = []
     lengths = Lengths(4, 12)
     out = bench_served(repo, tokens=lengths, max_concurrency=2, step_s=2.0, burst_from_idle=True, perf_levels=[1],

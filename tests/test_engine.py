@@ -13,12 +13,12 @@ from chattts_triton.config import KV_PAGE_TOKENS
 from chattts_triton.model.gpt import load_gpt
 from chattts_triton.runtime.engine import Engine, EngineError, GenRequest, SamplingParams
 from tests.engine_util import (
-    _graphs_compiled,
-    _Rec,
+    Rec,
     assert_pool_whole,
     assert_served_without_a_new_decode_graph,
     check_same_as_alone,
     drive,
+    graphs_compiled,
     greedy,
     instrument,
     load_gpt_like,
@@ -307,7 +307,7 @@ def test_a_request_cancelled_while_suspended_ends_cancelled_and_frees_nothing_tw
     g = torch.Generator().manual_seed(5)
     specs = [dict(ids=torch.randint(0, 21000, (8,), generator=g), params=SamplingParams(0.3, 0.7, 20, 1.05, 40, 40, seed=i))
              for i in range(3)]  # 3 × 48 positions (3 pages) in a pool of 4 pages: two start, one is suspended
-    recs = [_Rec(spec) for spec in specs]
+    recs = [Rec(spec) for spec in specs]
     for r in recs:
         eng.submit(r.req)
     for _ in range(200):
@@ -387,7 +387,7 @@ def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compi
         compiled_prefill = eng.graph_prefill
         eng.graph_prefill = lambda *a: prefills.append(a[0].shape[:2]) or compiled_prefill(*a)
     eng.warm_up(text_eos_id=21140, freeze=False)
-    warm = _graphs_compiled()
+    warm = graphs_compiled()
     assert warm >= 2  # code batch 1, batch ≥ 2 (dynamic); text mode runs the plain step
     assert (eng.graph_prefill is not None) == prefill  # it compiled: no fallback to the plain prefill
     warm_prefills = len(prefills)
@@ -395,7 +395,7 @@ def test_compiled_step_equals_the_plain_step_and_warm_up_leaves_nothing_to_compi
     # and the common prefill buckets (here up to 16 slots): graphs before any client
     assert {("prefill", k, t) for k in (1, 2, 4, 8, 16) for t in (16, 32, 64, 128)} <= set(eng.graphs.graphs)
     got = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2, 5])
-    assert _graphs_compiled() == warm, (warm, _graphs_compiled())
+    assert graphs_compiled() == warm, (warm, graphs_compiled())
     assert (eng.graph_prefill is not None) == prefill
     assert (len(prefills) > warm_prefills) == prefill  # the scenario's prefills ran it too
     check_same_as_alone(expected, got)
@@ -551,9 +551,9 @@ def test_frozen_compiled_step_runs_an_unwarmed_bucket_plainly_instead_of_compili
     eng.compile_step(backend="aot_eager", dynamic=case == "text_mode")
     eng.warm_up(text_eos_id=None, freeze=case != "text_mode")  # code only
     assert eng.compiled_frozen == (case != "text_mode")
-    warm = _graphs_compiled()
+    warm = graphs_compiled()
     got = drive(eng, spec)
-    assert _graphs_compiled() == warm
+    assert graphs_compiled() == warm
     check_same_as_alone(expected, got)
 
 

@@ -238,14 +238,14 @@ FIXED = {"max_new_tokens": TOKENS, "min_new_tokens": TOKENS}
 
 @pytest.fixture(scope="module")
 def gateway_url(served_tiny, tmp_path_factory):
-    from chattts_triton.launcher.tritonserver import _set_parent_death_signal, free_port
+    from chattts_triton.launcher.tritonserver import free_port, set_parent_death_signal
 
     port = free_port()
     log = tmp_path_factory.mktemp("gateway-ws") / "gateway.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port", str(port),
                                  "--workers", "1"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                preexec_fn=_set_parent_death_signal)
+                                preexec_fn=set_parent_death_signal)
     deadline = time.monotonic() + 120
     while True:
         try:

@@ -342,9 +342,9 @@ class ServeCLI:
     """`python -m chattts_triton.serve` as a child process (the production entry point)."""
 
     def __init__(self, repo, tmp, *args, env=None, exit_timeout=60):
-        from chattts_triton.launcher.tritonserver import _free_ports
+        from chattts_triton.launcher.tritonserver import free_ports
 
-        self.http, self.grpc, self.metrics = _free_ports(3, LOCALHOST)
+        self.http, self.grpc, self.metrics = free_ports(3, LOCALHOST)
         self.log = tmp / "server.log"
         self.out = []
         self.proc = subprocess.Popen(
@@ -380,9 +380,9 @@ def _group_stub_regions(pgid):
 
 
 def test_sigterm_under_load_drains_then_exits_zero_without_leaking_shm(tiny_assets, tmp_path):
-    from tests.conftest import _export
+    from tests.conftest import export_repo
 
-    repo = _export(tiny_assets, tmp_path / "repo", gpt_slots=2)
+    repo = export_repo(tiny_assets, tmp_path / "repo", gpt_slots=2)
     cli = ServeCLI(repo, tmp_path)
     try:
         regions = _group_stub_regions(cli.server_pid)
@@ -473,9 +473,9 @@ def test_plain_triton_does_not_restart_a_killed_stub(tiny_assets, tmp_path):
 
 
 def test_serve_exits_when_a_stub_dies_so_the_supervisor_restarts_it(tiny_assets, tmp_path):
-    from tests.conftest import _export
+    from tests.conftest import export_repo
 
-    repo = _export(tiny_assets, tmp_path / "repo", gpt_slots=2)
+    repo = export_repo(tiny_assets, tmp_path / "repo", gpt_slots=2)
     cli = ServeCLI(repo, tmp_path)
     try:
         class _S:
@@ -553,9 +553,9 @@ def test_serve_cli_restricts_admin_apis_behind_a_key(tiny_repo, tmp_path):
     log = tmp_path / "server.log"
     env = {**os.environ, "CHATTTS_ADMIN_KEY_FILE": str(key_file)}
     env.pop("CHATTTS_ADMIN_KEY", None)
-    from chattts_triton.launcher.tritonserver import _free_ports
+    from chattts_triton.launcher.tritonserver import free_ports
 
-    ports = [str(p) for p in _free_ports(3, LOCALHOST)]
+    ports = [str(p) for p in free_ports(3, LOCALHOST)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "chattts_triton.serve", "--repo", str(tiny_repo), "--http-port", ports[0],
          "--grpc-port", ports[1], "--metrics-port", ports[2], "--log-file", str(log), "--restrict-apis"],

@@ -19,11 +19,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.soak]
 
 
 def test_soak_at_70_percent_of_saturation(tiny_assets, tmp_path):
-    from tests.conftest import _export
+    from tests.conftest import export_repo
 
     duration = float(os.environ.get("CHATTTS_SOAK_SECONDS", "1800"))
     out = os.environ.get("CHATTTS_SOAK_OUT")
-    repo = _export(tiny_assets, tmp_path / "repo", gpt_slots=4)
+    repo = export_repo(tiny_assets, tmp_path / "repo", gpt_slots=4)
     with Launched(repo, tmp_path / "server.log") as server:  # the launcher, as the container runs it
         r = soak(server.grpc_url, server.server_pid, duration, load_fraction=0.7, frames=60,
                  calibrate_s=min(30.0, duration / 6), sample_s=10.0, concurrency=8)

@@ -26,7 +26,7 @@ from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice
 
 from chattts_triton.config import BUILTIN_VOICE_SEEDS, SAMPLE_RATE, samples_for_codes
-from chattts_triton.launcher.tritonserver import _set_parent_death_signal, free_port
+from chattts_triton.launcher.tritonserver import free_port, set_parent_death_signal
 from client.errors import ChatTTSError
 from gateway.audio import SAMPLE_RATES, out_length, resample, to_int16
 from gateway.wyoming import MAX_EVENT_BYTES, Settings, WyomingServer, build_parser, settings_from_args
@@ -482,7 +482,7 @@ def wyoming_process(served_tiny, log: Path, *flags: str):
             [sys.executable, "-m", "gateway.wyoming", "--grpc-url", served_tiny.grpc_url, "--port", str(port),
              "--repo", str(served_tiny.model_repository), "--seed", str(SEED), "--idle-flush-s", "0",
              "--option", f"max_new_tokens={TOKENS}", "--option", f"min_new_tokens={TOKENS}", *flags],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_set_parent_death_signal)
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=set_parent_death_signal)
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -296,11 +296,11 @@ class Launched:
 
     def __init__(self, repo: Path, log_file: Path, args: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
                  ready_timeout_s: float = 900.0, exit_timeout: int = 60, supervise: bool = True):
-        from .tritonserver import _free_ports
+        from .tritonserver import free_ports
 
         self.repo, self.log_file, self.args, self.env = Path(repo), Path(log_file), list(args), env
         self.ready_timeout_s, self.exit_timeout, self.supervise = ready_timeout_s, exit_timeout, supervise
-        self.http_port, self.grpc_port, self.metrics_port = _free_ports(3, LOCALHOST)
+        self.http_port, self.grpc_port, self.metrics_port = free_ports(3, LOCALHOST)
         self.proc: Optional[subprocess.Popen] = None
         self.server_pid: Optional[int] = None
         self.output: List[str] = []  # the launcher's own lines (the server log goes to log_file)

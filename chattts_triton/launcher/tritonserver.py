@@ -342,7 +342,7 @@ def free_port(host: str = LOCALHOST) -> int:
         return s.getsockname()[1]
 
 
-def _free_ports(n: int, host: str) -> List[int]:
+def free_ports(n: int, host: str) -> List[int]:
     ports: List[int] = []
     while len(ports) < n:
         p = free_port(host)
@@ -356,13 +356,16 @@ def model_names(model_repository: Path) -> List[str]:
     return sorted(p.name for p in Path(model_repository).iterdir() if (p / "config.pbtxt").is_file())
 
 
-def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
+def set_parent_death_signal() -> None:  # runs in the child between fork and exec
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001  best effort: not every libc has prctl
         pass
+
+
+_set_parent_death_signal = set_parent_death_signal  # the old name, for tests/test_gateway_e2e.py until its change lands
 
 
 def processes_in_group(pgid: int) -> List[int]:
@@ -543,7 +546,7 @@ class TritonServer:
     def _launch(self) -> None:
         fixed = self._fixed_ports
         if any(p is None for p in fixed):
-            picked = iter(_free_ports(3, self.host))
+            picked = iter(free_ports(3, self.host))
             self.http_port, self.grpc_port, self.metrics_port = (p if p is not None else next(picked) for p in fixed)
         self._close_log()
         self._log_handle = open(self.log_path, "wb") if self.log_path is not None else None
@@ -555,7 +558,7 @@ class TritonServer:
             env=self.env,
             cwd=str(self.model_repository),
             start_new_session=True,  # own process group: stop() can reap stubs too
-            preexec_fn=_set_parent_death_signal,
+            preexec_fn=set_parent_death_signal,
         )
         _LIVE_SERVERS.add(self)
 

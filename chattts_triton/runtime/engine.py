@@ -56,8 +56,8 @@ from .graphs import (  # noqa: F401  re-exported: callers import the buckets and
     bucket_sizes,
 )
 from .kv import KvPages
-from .request import EngineError, GenRequest, GenResult, SamplingParams, _Slot  # noqa: F401  re-exported
-from .runner import Runner, _check_model, paged_interface  # noqa: F401  re-exported
+from .request import EngineError, GenRequest, GenResult, SamplingParams, Slot  # noqa: F401  re-exported
+from .runner import Runner, check_model, paged_interface  # noqa: F401  re-exported
 from .scheduler import Admission, Scheduler
 from .stats import EngineStats
 from .warmup import WarmUp
@@ -130,7 +130,7 @@ class Engine(Runner, KvPages, WarmUp):
         overlap: each decode step is launched before the previous one's EOS flags are read back, so that
         the host's bookkeeping runs while the GPU steps (`_decode_step`); None: on CUDA (a CPU's ops are
         synchronous: nothing to overlap, the logic is the same). May be changed between steps."""
-        _check_model(model)
+        check_model(model)
         self.model = model
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # the engine thread needs the index
@@ -165,12 +165,12 @@ class Engine(Runner, KvPages, WarmUp):
         self._live = 0
         s = max_slots
         # host mirrors, indexed by slot: the step needs no Python loop over the batch for these
-        self.rows: List[_Slot] = []
+        self.rows: List[Slot] = []
         self.h_n = np.zeros(s, dtype=np.int64)
         self.h_plen = np.zeros(s, dtype=np.int64)
         self.h_max = np.zeros(s, dtype=np.int64)
         self.h_text = np.zeros(s, dtype=bool)
-        self.streaming: Set[_Slot] = set()
+        self.streaming: Set[Slot] = set()
         # stream chunks copied to the host, each with the event after its copy (CUDA), delivered after the next sync
         self._pending: List[tuple] = []
         self.cv = threading.Condition()
@@ -393,7 +393,7 @@ class Engine(Runner, KvPages, WarmUp):
         """Admitted requests take the next slots b0..b0+k-1: one prefill over that slot range."""
         b0, k = len(self.rows), len(reqs)
         for i, req in enumerate(reqs):
-            slot = _Slot(self, req, b0 + i, self._seq)
+            slot = Slot(self, req, b0 + i, self._seq)
             self._seq += 1
             self._grant(b0 + i, self.scheduler.pages_for(req.prompt_len))
             self.rows.append(slot)
@@ -627,7 +627,7 @@ class Engine(Runner, KvPages, WarmUp):
             reasons = ["cancelled" if cancelled[j] else "eos" if hit[j] else "max_tokens" for j in done]
             self._finish_rows([(lo + int(j), r) for j, r in zip(done, reasons)])
 
-    def _emit(self, slot_id: int, slot: _Slot) -> tuple:
+    def _emit(self, slot_id: int, slot: Slot) -> tuple:
         """The slot's tokens since its last chunk, copies queued; on_tokens gets them after the next host sync
         (the step's own), so streaming adds no sync of its own."""
         a, b = slot.emitted, int(self.h_n[slot_id])

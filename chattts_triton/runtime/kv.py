@@ -12,7 +12,7 @@ from typing import List, Optional, Set
 import numpy as np
 import torch
 
-from .request import _Slot
+from .request import Slot
 from .scheduler import Suspended
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class KvPages:
         self.counters.preemptions += len(records)
         log.debug("suspended %d requests for want of KV pages (%d free)", len(records), len(self.free_pages))
 
-    def _resume(self, slot: _Slot) -> None:
+    def _resume(self, slot: Slot) -> None:
         """A suspended request into the next slot, exactly as it was."""
         k_saved, v_saved, toks, hids, params, (n, plen, max_new, text, k) = slot.saved
         i = len(self.rows)

@@ -1,5 +1,5 @@
 """What the GPT engine takes and gives: a generation request (`GenRequest` with its `SamplingParams`), its result
-(`GenResult`), the engine's error, and a running request's slot (`_Slot`). Re-exported by engine.py, where callers
+(`GenResult`), the engine's error, and a running request's slot (`Slot`). Re-exported by engine.py, where callers
 import them from."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class EngineError(RuntimeError):
     pass
 
 
-class _Slot:
+class Slot:
     __slots__ = ("req", "idx", "attempt", "emitted", "seq", "saved", "_eng")
 
     def __init__(self, eng: "Engine", req: GenRequest, idx: int, seq: int):

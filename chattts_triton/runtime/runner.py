@@ -35,7 +35,7 @@ def paged_interface(model) -> bool:
     return "tables" in names
 
 
-def _check_model(model) -> None:
+def check_model(model) -> None:
     if not paged_interface(model):
         raise EngineError("the GPT model was exported before the paged KV cache: re-export it (python -m export), "
                           "or run the eager module built from its weights (gpt.eager_from_script)")
