@@ -42,7 +42,7 @@ from chattts_triton.model import ssml
 from chattts_triton.model.ssml import SPEED_TOKEN, SPEED_UPPER_BOUNDS, speed_token
 
 from .audio import FORMATS, check
-from .synth import Job, split_text
+from .synth import Job, speakable, split_text
 
 # `model` values taken: this server's model, and OpenAI's speech model names (clients hard-code them)
 MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
@@ -118,6 +118,15 @@ class ChatTTSOptions(BaseModel):
     use_decoder: Optional[bool] = None
 
 
+# A dialogue (`input_format: "dialogue"`): `input` is a script of lines `LABEL: text`, `voices` maps each label to a
+# voice; each line is spoken in its voice, the lines joined with `line_pause_ms` of silence (docs/gateway.md#dialogue).
+MAX_DIALOGUE_LINES = 64
+MAX_DIALOGUE_SPEAKERS = 16
+MAX_LABEL_CHARS = 64
+DIALOGUE_PAUSE_MS = 400  # between the lines of a dialogue: a turn's pause, longer than --pause-ms between pieces
+MAX_LINE_PAUSE_MS = 5000
+_DIALOGUE_LINE = re.compile(r"^\s*([^:：\s][^:：]*?)\s*[:：](.*)$")  # the label ends at the first colon (or ：)
+
 ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm", "ulaw", "alaw", "wav_ulaw", "wav_alaw"]
 
 
@@ -131,7 +140,13 @@ class SpeechRequest(ChatTTSOptions):
     # --- gateway switches
     stream: Optional[bool] = None  # audio as it is made (default: the gateway's --stream-default; flac: whole)
     split: bool = True  # long input in pieces (sentences); false sends it as one piece (≤ 2000 characters)
+    input_format: Literal["text", "dialogue"] = "text"  # dialogue: `input` is lines `LABEL: text`, voiced by `voices`
+    voices: Optional[Dict[str, str]] = None  # a dialogue's speaker label -> voice (a name, seed number or mix)
+    line_pause_ms: int = Field(DIALOGUE_PAUSE_MS, ge=0, le=MAX_LINE_PAUSE_MS)  # silence between a dialogue's lines
+    # each later piece conditioned on the first piece's audio (upstream's spk_smp path), where it speaks in that voice
+    condition_on_first_piece: bool = False
     _ssml: Optional[ssml.Document] = PrivateAttr(None)  # `input` as SSML, when it is
+    _dialogue: Optional[List[Tuple[str, str]]] = PrivateAttr(None)  # (voice, text) of each line of a dialogue
     _ref: bool = PrivateAttr(False)  # the voice came as vLLM-Omni's top-level `ref_audio` / `ref_text`
 
     @model_validator(mode="before")
@@ -241,7 +256,11 @@ def _checked(req: SpeechRequest, max_body_bytes: Optional[int], body_bytes: int)
     if len(req.input) > MAX_INPUT_CHARS:
         raise invalid(f"'input' has {len(req.input)} characters, more than the limit of {MAX_INPUT_CHARS}", "input",
                       "string_above_max_length")
-    if ssml.is_ssml(req.input):
+    if req.input_format == "dialogue":
+        req._dialogue = parse_dialogue(req.input, req.voices)
+    elif req.voices is not None:
+        raise invalid("'voices' goes with \"input_format\": \"dialogue\"", "voices")
+    elif ssml.is_ssml(req.input):
         try:
             req._ssml = ssml.parse(req.input)
         except ssml.SSMLError as e:
@@ -250,6 +269,51 @@ def _checked(req: SpeechRequest, max_body_bytes: Optional[int], body_bytes: int)
         raise invalid(f"with split false 'input' must be at most {LIMITS.max_text_chars} characters", "input")
     check_options(req, req.model_fields_set)
     return req
+
+
+def parse_dialogue(text: str, voices: Optional[Dict[str, str]]) -> List[Tuple[str, str]]:
+    """(voice, text) of each line of a dialogue script (`LABEL: text` lines, blank lines skipped; a label is a key of
+    `voices`), or APIError(400) naming `voices` or `input` (with the line's number)."""
+    if not voices:
+        raise invalid("\"input_format\": \"dialogue\" needs 'voices', the voice of each speaker label "
+                      "({\"A\": \"alloy\", \"B\": \"nova\"})", "voices")
+    if len(voices) > MAX_DIALOGUE_SPEAKERS:
+        raise invalid(f"'voices' has {len(voices)} speakers, more than {MAX_DIALOGUE_SPEAKERS}", "voices")
+    labels: Dict[str, str] = {}
+    for label, voice in voices.items():
+        name = label.strip()
+        if not name or len(name) > MAX_LABEL_CHARS or re.search(r"[:：\n\r]", name):
+            raise invalid(f"'voices': a speaker label is 1-{MAX_LABEL_CHARS} characters without ':' or a line break, got "
+                          f"{label[:80]!r}", "voices")
+        if not voice.strip():
+            raise invalid(f"'voices.{name}' is empty", "voices")
+        if voice_mix.is_mix(voice):
+            try:
+                voice_mix.parse(voice)
+            except voice_mix.MixError as e:
+                raise invalid(f"'voices.{name}': {e}", "voices", "invalid_voice_mix") from None
+        labels[name] = voice.strip()
+    lines: List[Tuple[str, str]] = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        shown = raw.strip() if len(raw.strip()) <= 60 else raw.strip()[:57] + "..."
+        m = _DIALOGUE_LINE.match(raw)
+        if m is None:
+            raise invalid(f"'input' line {n} ({shown!r}) has no speaker label: each line of a dialogue is 'LABEL: text'",
+                          "input", "invalid_dialogue")
+        label, said = m.group(1).strip(), m.group(2).strip()
+        if label not in labels:
+            raise invalid(f"'input' line {n}: speaker {label[:80]!r} is not in 'voices' (known: "
+                          f"{', '.join(sorted(labels))})", "input", "unknown_speaker")
+        if not speakable(said):
+            raise invalid(f"'input' line {n} ({shown!r}) has nothing to speak", "input", "empty_line")
+        if len(lines) == MAX_DIALOGUE_LINES:
+            raise invalid(f"the dialogue in 'input' has more than {MAX_DIALOGUE_LINES} lines", "input", "too_many_lines")
+        lines.append((labels[label], said))
+    if not lines:
+        raise invalid("'input' has no dialogue line", "input")
+    return lines
 
 
 def check_model(model: str) -> None:
@@ -369,11 +433,15 @@ async def speech_job(req: SpeechRequest) -> Job:
     """The request's pieces with the options each is sent with: its text split (`split_text`), or its SSML's
     segments, each split, spoken in the segment's voice at its rate, with the silence its breaks ask for."""
     options = contract_options(req)
+    seed: Dict[str, Any] = {"seed": req.seed} if req.seed is not None else {}
+    if req.condition_on_first_piece:
+        seed["condition_on_first"] = True
+    if req._dialogue is not None:  # every line in its own voice: the request's `voice` is not spoken
+        return _dialogue_job(req, options, seed)
     try:
         options.update(await voice_options(req))
     except APIError as e:
         raise (_as_ref(e) if req._ref else e) from None
-    seed = {"seed": req.seed} if req.seed is not None else {}
     if req._ssml is None:
         pieces = split_text(req.input) if req.split else [req.input]
         if not pieces:
@@ -408,6 +476,24 @@ async def speech_job(req: SpeechRequest) -> Job:
     if not pieces:
         raise invalid("'input' has nothing to speak", "input")
     return Job(pieces, options, piece_extras=extras, gaps_ms=gaps + [after or 0], **seed)
+
+
+def _dialogue_job(req: SpeechRequest, options: Dict[str, Any], job_fields: Dict[str, Any]) -> Job:
+    """A dialogue's pieces: each line split as plain text (or whole with split false), spoken in its label's voice as
+    an SSML <voice> segment is; `line_pause_ms` of silence between lines, the usual pause between a line's pieces."""
+    pieces: List[str] = []
+    extras: List[Dict[str, Any]] = []
+    gaps: List[Optional[int]] = []
+    for n, (voice, said) in enumerate(req._dialogue or ()):
+        if not req.split and len(said) > LIMITS.max_text_chars:
+            raise invalid(f"with split false each line of the dialogue must be at most {LIMITS.max_text_chars} "
+                          f"characters (its line {n + 1} has {len(said)})", "input")
+        extra = {"voice": voice, "speaker_audio": None, "speaker_text": None}
+        for i, text in enumerate(split_text(said) if req.split else [said]):
+            gaps.append(0 if not pieces else req.line_pause_ms if i == 0 else None)
+            pieces.append(text)
+            extras.append(extra)
+    return Job(pieces, options, piece_extras=extras, gaps_ms=gaps + [0], **job_fields)
 
 
 def _render(doc: ssml.Document) -> ssml.Speech:

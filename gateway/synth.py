@@ -41,16 +41,16 @@ def split_text(text: str) -> List[str]:
     pieces: List[str] = []
     for sentence in split_sentences(text):
         for piece in _fit(sentence.strip(), LIMITS.max_text_chars):
-            if pieces and not _speakable(piece):
+            if pieces and not speakable(piece):
                 pieces[-1] = f"{pieces[-1]} {piece}"
-            elif pieces and not _speakable(pieces[-1]):
+            elif pieces and not speakable(pieces[-1]):
                 pieces[-1] = f"{pieces[-1]} {piece}"
             else:
                 pieces.append(piece)
     return [p for p in pieces if p.strip()]
 
 
-def _speakable(text: str) -> bool:
+def speakable(text: str) -> bool:
     return any(unicodedata.category(c)[0] in "LN" for c in text)
 
 
@@ -98,10 +98,41 @@ class Job:
     seed: int = field(default_factory=lambda: secrets.randbits(62))
     piece_extras: Optional[List[Dict[str, Any]]] = None
     gaps_ms: Optional[List[Optional[int]]] = None
+    # `condition_on_first_piece`: the pieces after the first wait for its audio, which becomes their reference audio
+    # (SPEAKER_AUDIO, its SPOKEN_TEXT the SPEAKER_TEXT: upstream's spk_smp / txt_smp) where they speak in its voice
+    condition_on_first: bool = False
+    reference: Optional[Tuple[np.ndarray, str]] = None  # (audio, spoken text) of the first piece, once made
 
-    def piece_options(self, i: int) -> Dict[str, Any]:
+    def _options(self, i: int) -> Dict[str, Any]:
         extra = self.piece_extras[i] if self.piece_extras else {}
-        return {**self.options, **extra, "seed": (self.seed + i) % SEED_LIMIT}
+        return {**self.options, **extra}
+
+    @property
+    def conditions(self) -> bool:
+        """Whether the pieces after the first wait for its audio (the option is on and some piece can use it)."""
+        return self.condition_on_first and any(self._conditionable(i) for i in range(1, len(self.pieces)))
+
+    def _conditionable(self, i: int) -> bool:
+        """Piece i speaks in the first piece's voice, and neither carries reference audio of its own."""
+        first, this = self._options(0), self._options(i)
+        return (first.get("speaker_audio") is None and this.get("speaker_audio") is None
+                and first.get("voice") == this.get("voice") and first.get("speaker") == this.get("speaker"))
+
+    def conditioned(self, i: int) -> bool:
+        """Piece i is sent with the first piece's audio as its reference."""
+        return i > 0 and self.reference is not None and self._conditionable(i)
+
+    def piece_options(self, i: int, condition: bool = True) -> Dict[str, Any]:
+        options = {**self._options(i), "seed": (self.seed + i) % SEED_LIMIT}
+        if condition and self.conditioned(i):
+            options["speaker_audio"], options["speaker_text"] = self.reference
+        return options
+
+    def set_reference(self, audio: np.ndarray, spoken: Optional[str]) -> None:
+        """The first piece's audio as the later pieces' reference, when it is within SPEAKER_AUDIO's bounds (2048
+        samples to the reference-audio limit; a longer first piece conditions nothing)."""
+        if 2048 <= audio.size <= LIMITS.max_reference_audio_seconds * SAMPLE_RATE:
+            self.reference = (np.ascontiguousarray(audio, np.float32), spoken or self.pieces[0])
 
 
 @dataclass
@@ -119,6 +150,7 @@ class Segment:
 Part = Union[np.ndarray, Segment]  # what `parts` yields: audio, or the end of a piece whose audio came before
 # the contract options that decide what chattts_preprocess says of a text (the rest is sampling)
 PREFLIGHT_OPTIONS = ("voice", "prompt", "normalize_text")
+HOLDS_REFERENCE = "holds a reference sample"  # the server's refusal of SPEAKER_AUDIO beside such a VOICE
 
 
 class Synthesizer:
@@ -158,9 +190,16 @@ class Synthesizer:
 
     # --- the calls to Triton (a stand-in overrides these) ------------------------------------------
     async def _infer(self, job: Job, i: int, spoken_text: bool = False):
-        """Piece i's audio, or (audio, SPOKEN_TEXT) when asked."""
+        """Piece i's audio, or (audio, SPOKEN_TEXT) when asked. A piece conditioned on the first one whose voice holds
+        reference audio of its own (a stored voice of a recording: the server takes one reference) is sent as it is."""
         try:
-            return await self.client.infer_one(job.pieces[i], job.piece_options(i), spoken_text=spoken_text)
+            try:
+                return await self.client.infer_one(job.pieces[i], job.piece_options(i), spoken_text=spoken_text)
+            except ChatTTSError as e:
+                if not (job.conditioned(i) and e.status == "INVALID_ARGUMENT" and HOLDS_REFERENCE in e.message):
+                    raise
+            return await self.client.infer_one(job.pieces[i], job.piece_options(i, condition=False),
+                                               spoken_text=spoken_text)
         except ChatTTSError as e:
             raise synthesis_error(e) from None
 
@@ -242,6 +281,9 @@ class Synthesizer:
         sentence), joined in order with a pause between pieces."""
         if len(job.pieces) == 1 and job.gaps_ms is None:  # most requests: awaited in place, no task and gather
             return await self._infer(job, 0)
+        if job.conditions:
+            audios = [a for a, _ in await self._conditioned(job)]
+            return self.join(audios, job)
         tasks = self._start(job, 0)
         try:
             audios = await asyncio.gather(*tasks)
@@ -250,14 +292,28 @@ class Synthesizer:
                 t.cancel()
         return self.join(audios, job)
 
-    async def synthesize_segments(self, job: Job) -> Tuple[np.ndarray, List[Segment]]:
-        """The whole audio and each piece's segment in it, with the text the server read."""
-        tasks = self._start(job, 0, spoken_text=True)
+    async def _conditioned(self, job: Job) -> List[Tuple[np.ndarray, Optional[str]]]:
+        """(audio, SPOKEN_TEXT) of every piece: the first alone, then the others at once, conditioned on it."""
+        audio, spoken = await self._infer(job, 0, spoken_text=True)
+        job.set_reference(audio, spoken)
+        tasks = self._start(job, 1, spoken_text=True)
         try:
-            results = await asyncio.gather(*tasks)
+            return [(audio, spoken)] + list(await asyncio.gather(*tasks))
         finally:
             for t in tasks:
                 t.cancel()
+
+    async def synthesize_segments(self, job: Job) -> Tuple[np.ndarray, List[Segment]]:
+        """The whole audio and each piece's segment in it, with the text the server read."""
+        if job.conditions:
+            results = await self._conditioned(job)
+        else:
+            tasks = self._start(job, 0, spoken_text=True)
+            try:
+                results = await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
         segments, offset = [], 0
         for i, (audio, spoken) in enumerate(results):
             offset += self.gap(job, i).size
@@ -285,28 +341,37 @@ class Synthesizer:
         piece has been heard). An error raises SynthesisError from the iterator; before the first chunk nothing has
         been sent. `spoken_text`: the segments carry what the server read."""
         rest: List["asyncio.Task"] = []
+        conditions = job.conditions  # the others wait for the whole first piece: it is their reference
         try:
             told: List[str] = []
             lead = self.gap(job, 0)  # an SSML break before any text: sent once the first chunk came
             offset, started = 0, False
-            async with contextlib.aclosing(self._stream_first(job, told.append if spoken_text else None)) as chunks:
+            first: List[np.ndarray] = []
+            on_spoken = told.append if spoken_text or conditions else None
+            async with contextlib.aclosing(self._stream_first(job, on_spoken)) as chunks:
                 try:
                     async for chunk in chunks:
                         if not started:
-                            rest, started = self._start(job, 1, spoken_text), True
+                            if not conditions:
+                                rest = self._start(job, 1, spoken_text)
+                            started = True
                             if lead.size:
                                 yield lead
                                 offset = lead.size
+                        if conditions:
+                            first.append(chunk)
                         offset += chunk.size
                         yield chunk
                 except ChatTTSError as e:
                     raise synthesis_error(e) from None
-            if not started:
+            if conditions:
+                job.set_reference(np.concatenate(first) if first else np.zeros(0, np.float32), told[0] if told else None)
+            if not started or conditions:
                 rest = self._start(job, 1, spoken_text)
-                if lead.size:
-                    yield lead
-                    offset = lead.size
-            yield Segment(0, job.pieces[0], lead.size, offset, told[0] if told else None)
+            if not started and lead.size:
+                yield lead
+                offset = lead.size
+            yield Segment(0, job.pieces[0], lead.size, offset, told[0] if told and spoken_text else None)
             for i, task in enumerate(rest, 1):
                 gap = self.gap(job, i)
                 if gap.size:

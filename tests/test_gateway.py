@@ -930,3 +930,166 @@ def test_vllm_omnis_ref_audio_and_ref_text_are_the_voice_and_its_errors_name_the
     with Served(Settings(stream_default=False, max_body_bytes=1 << 16)) as s:
         status, _, body = s.request("/v1/audio/speech", {**OK, "ref_audio": "A" * (20 << 20), "ref_text": "x"})
         assert status == 400 and error_of(body)["param"] == "ref_audio"
+
+
+# --- dialogue (docs/gateway.md#dialogue) ------------------------------------------------------------------
+DIALOGUE = {**OK, "input_format": "dialogue", "voices": {"A": "2222", "B": "nova*0.5+alloy*0.5"},
+            "input": f"A: {S1} {S2}\n\nB: Hi there.\n  A：好的：10:30见。"}
+
+
+def dialogue_job(**fields) -> Job:
+    return asyncio.run(api.speech_job(api.parse(json.dumps({**DIALOGUE, **fields}).encode())))
+
+
+def test_a_dialogue_speaks_each_line_in_its_voice_with_the_line_pause_between_lines():
+    job = dialogue_job(seed=5)
+    assert job.pieces == [S1, S2, "Hi there.", "好的：10:30见。"]  # a line's own colons are its text
+    options = [job.piece_options(i) for i in range(len(job.pieces))]
+    assert [o["voice"] for o in options] == ["2222", "2222", "nova*0.5+alloy*0.5", "2222"]
+    assert [o["seed"] for o in options] == [5, 6, 7, 8] and all(o["prompt"] == "[speed_5]" for o in options)
+    assert job.gaps_ms == [0, None, api.DIALOGUE_PAUSE_MS, api.DIALOGUE_PAUSE_MS, 0]  # a line's pieces: the usual pause
+    assert dialogue_job(line_pause_ms=0).gaps_ms == [0, None, 0, 0, 0]
+    assert dialogue_job(split=False).pieces == [f"{S1} {S2}", "Hi there.", "好的：10:30见。"]
+    # the request's voice is not spoken, a voice of reference audio neither (nor decoded)
+    job = dialogue_job(voice={"audio": "AAAA", "transcript": "x"})
+    assert all(job.piece_options(i)["speaker_audio"] is None for i in range(4))
+    # a plain text with colons is never a dialogue
+    assert asyncio.run(api.speech_job(parse(input="A: hello there.\nB: and you."))).piece_extras is None
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"voices": None}, "voices", "needs 'voices'"),
+    ({"voices": {}}, "voices", "needs 'voices'"),
+    ({"voices": {"A": 5}}, "voices", "valid string"),
+    ({"voices": ["alloy"]}, "voices", "should be an object"),
+    ({"voices": {"A": " ", "B": "x"}}, "voices", "'voices.A' is empty"),
+    ({"voices": {"A:B": "alloy"}}, "voices", "speaker label is 1-64 characters"),
+    ({"voices": {" ": "alloy"}}, "voices", "speaker label is 1-64 characters"),
+    ({"voices": {"x" * 65: "alloy"}}, "voices", "speaker label is 1-64 characters"),
+    ({"voices": {f"S{i}": "alloy" for i in range(17)}}, "voices", "17 speakers, more than 16"),
+    ({"voices": {"A": "a++b", "B": "x"}}, "voices", "'voices.A': term 2"),
+    ({"input": "A: Hello.\nHow are you?"}, "input", "line 2 ('How are you?') has no speaker label"),
+    ({"input": "A: Hello.\nC: Who?"}, "input", "speaker 'C' is not in 'voices' (known: A, B)"),
+    ({"input": "a: Hello."}, "input", "speaker 'a' is not in 'voices'"),
+    ({"input": "A: Hello.\nB:"}, "input", "line 2 ('B:') has nothing to speak"),
+    ({"input": "A: ...\nB: Hi."}, "input", "line 1 ('A: ...') has nothing to speak"),
+    ({"input": "\n".join(["A: Hi."] * 65)}, "input", "more than 64 lines"),
+    ({"input": "\n \n"}, "input", "'input' is empty"),
+    ({"input": "<speak>A: hi</speak>"}, "input", "speaker '<speak>A' is not in 'voices'"),  # no SSML here
+    ({"line_pause_ms": -1}, "line_pause_ms", "greater than or equal to 0"),
+    ({"line_pause_ms": 5001}, "line_pause_ms", "less than or equal to 5000"),
+    ({"line_pause_ms": "400"}, "line_pause_ms", "valid integer"),
+    ({"input_format": "script"}, "input_format", "'text' or 'dialogue'"),
+    ({"input_format": "text"}, "voices", "'voices' goes with \"input_format\": \"dialogue\""),
+])
+def test_a_bad_dialogue_is_a_400_naming_the_field(fields, param, words):
+    with pytest.raises(api.APIError) as e:
+        api.parse(json.dumps({**DIALOGUE, **fields}).encode())
+    assert e.value.status == 400 and e.value.param == param and words in e.value.message, e.value.message
+
+
+def test_a_dialogue_line_over_the_limit_with_split_false_is_a_400_naming_input():
+    with pytest.raises(api.APIError) as e:
+        dialogue_job(input="A: Hi.\nB: " + "word " * 450, split=False)
+    assert e.value.param == "input" and "each line of the dialogue must be at most 2000" in e.value.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_dialogue_is_one_audio_whole_and_streamed_with_each_lines_segment(stream):
+    import base64
+
+    with Served(Settings(stream_default=stream)) as s:
+        s.synth.pause = np.zeros(SAMPLE_RATE // 10, np.float32)  # --pause-ms 100, between a line's pieces
+        status, headers, body = s.request("/v1/audio/speech", {**DIALOGUE, "response_format": "pcm", "line_pause_ms": 300})
+        assert status == 200 and headers["X-ChatTTS-Pieces"] == "4"
+        piece, pause, line = SAMPLE_RATE // 2, SAMPLE_RATE // 10, int(0.3 * SAMPLE_RATE)
+        audio = np.frombuffer(body, "<i2")
+        assert audio.size == 4 * piece + pause + 2 * line
+        starts = [0, piece + pause, 2 * piece + pause + line, 3 * piece + pause + 2 * line]
+        for a, b in zip(starts, starts[1:]):
+            assert audio[a:a + piece].any() and not audio[a + piece:b].any()
+        s.synth.calls.clear()
+        status, _, body = s.request("/v1/audio/speech", {**DIALOGUE, "response_format": "pcm", "stream_format": "sse"})
+        events = [json.loads(x[6:]) for x in body.decode().split("\n\n") if x.startswith("data: ")]
+        assert status == 200 and [e["text"] for e in events if e["type"] == "speech.segment"] == dialogue_job().pieces
+        assert sum(len(base64.b64decode(e["audio"])) for e in events if e["type"] == "speech.audio.delta") == \
+            2 * (4 * piece + pause + 2 * api.DIALOGUE_PAUSE_MS * SAMPLE_RATE // 1000)
+        assert s.synth.calls[:3] == ["check 1", "check 2", "check 3"]  # every line checked before a stream starts
+        status, _, body = s.request("/v1/audio/speech", {**DIALOGUE, "input": f"A: Fine.\nB: Bad {BAD} line here."})
+        assert status == 400 and error_of(body)["param"] == "input" and BAD in error_of(body)["message"]
+
+
+# --- one speaker across pieces; conditioning on the first piece -------------------------------------------
+@pytest.mark.parametrize("voice", ["alloy", "2222", "2222*0.7+nova*0.3", {"id": "nova"}])
+def test_every_piece_of_a_long_input_speaks_in_the_requests_voice(voice):
+    """Only the seed differs between pieces: the speaker (a seed voice too) is the request's, fixed once for it. A
+    request without a voice is refused (OpenAI's body requires one); a realtime session without one speaks in its seed's
+    voice for every piece (tests/test_gateway_realtime.py)."""
+    job = asyncio.run(api.speech_job(parse(input=f"{S1} {S2} {S3}", voice=voice)))
+    options = [job.piece_options(i) for i in range(3)]
+    assert len({json.dumps({k: v for k, v in o.items() if k != "seed"}, sort_keys=True) for o in options}) == 1
+    assert options[0]["voice"] == (voice["id"] if isinstance(voice, dict) else voice)
+    assert not job.condition_on_first and all("speaker_audio" not in o for o in options)  # off by default
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_condition_on_first_piece_sends_the_first_pieces_audio_as_the_later_pieces_reference(stream):
+    with Served(Settings(stream_default=stream)) as s:
+        text = f"{S1} {S2} {S3}"
+        assert s.request("/v1/audio/speech", {**OK, "input": text, "response_format": "pcm"})[0] == 200
+        job = s.synth.jobs[-1]
+        assert job.reference is None and all("speaker_audio" not in job.piece_options(i) for i in range(3))
+        status, _, body = s.request("/v1/audio/speech", {**OK, "input": text, "response_format": "pcm",
+                                                         "condition_on_first_piece": True})
+        job = s.synth.jobs[-1]
+        assert status == 200 and job.condition_on_first and len(body) == 2 * 3 * (SAMPLE_RATE // 2)
+        audio, spoken_first = job.reference
+        assert np.array_equal(to_int16(audio), np.frombuffer(body, "<i2")[:SAMPLE_RATE // 2])  # the first piece's audio
+        assert spoken_first == spoken(S1)  # its SPOKEN_TEXT is the reference's transcript
+        for i in (1, 2):
+            o = job.piece_options(i)
+            assert o["speaker_audio"] is audio and o["speaker_text"] == spoken(S1) and o["voice"] == "alloy"
+        assert "speaker_audio" not in job.piece_options(0)
+        if stream:  # the others wait for the whole first piece
+            assert s.synth.calls[-3:] == ["chunk", "infer 1", "infer 2"]
+        else:
+            assert s.synth.calls[-3:] == ["infer 0", "infer 1", "infer 2"]
+
+
+def test_condition_on_first_piece_only_where_a_piece_speaks_in_the_first_pieces_voice():
+    job = dialogue_job(condition_on_first_piece=True)
+    assert job.conditions
+    job.set_reference(tone(1.0), "first")
+    assert [job.conditioned(i) for i in range(4)] == [False, True, False, True]  # B's line keeps its own voice
+    job = asyncio.run(api.speech_job(parse(input=f"{S1} {S2}", voice={"audio": wav_base64(), "transcript": "x"},
+                                           condition_on_first_piece=True)))
+    assert not job.conditions  # a voice of reference audio is already every piece's reference
+    job = Job([S1, S2], {"voice": "alloy"}, condition_on_first=True)
+    job.set_reference(tone(15.5), "too long")
+    assert job.reference is None and not job.conditioned(1)  # past SPEAKER_AUDIO's 15 s: nothing conditioned
+    job.set_reference(tone(0.05), "too short")
+    assert job.reference is None
+
+
+def test_a_conditioned_piece_in_a_voice_of_a_recording_is_sent_as_it_is():
+    """A stored voice with reference audio refuses a second reference: the piece goes again without it."""
+    sent: List[Dict[str, Any]] = []
+
+    class Client:
+        async def infer_one(self, text, options, spoken_text=False):
+            sent.append(options)
+            if options.get("speaker_audio") is not None:
+                raise ChatTTSError("INVALID_ARGUMENT", "in ensemble 'chattts', VOICE 'reader' holds a reference sample: "
+                                   "give VOICE or SPEAKER_AUDIO, not both")
+            return (tone(0.5), text) if spoken_text else tone(0.5)
+
+    synth = Synthesizer("127.0.0.1:1")
+    synth._client = Client()
+    job = Job([S1, S2], {"voice": "reader"}, seed=1, condition_on_first=True)
+    audio = asyncio.run(synth.synthesize(job))
+    assert audio.size == SAMPLE_RATE + synth.pause.size
+    assert [o.get("speaker_audio") is not None for o in sent] == [False, True, False]
+    sent.clear()
+    with pytest.raises(SynthesisError) as e:  # without the option that refusal is no one's to undo
+        asyncio.run(synth.synthesize(Job([S1, S2], {"voice": "reader", "speaker_audio": tone(1.0)}, seed=1)))
+    assert e.value.status == "INVALID_ARGUMENT" and e.value.field == "VOICE" and len(sent) == 2
