@@ -522,4 +522,6 @@ def field_of(input_name: Optional[str], req: Optional[SpeechRequest] = None) -> 
         return None
     if input_name == "PROMPT" and req is not None and req.prompt is not None:
         return "prompt"
+    if input_name == "VOICE" and req is not None and getattr(req, "_dialogue", None) is not None:
+        return "voices"  # a dialogue's voices are its speakers'
     return FIELD_OF_INPUT.get(input_name, input_name.lower())

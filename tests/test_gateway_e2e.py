@@ -540,3 +540,77 @@ def test_hostile_voices_get_openai_400s_naming_the_field(oai, voice, param, word
         oai.audio.speech.create(model="chattts", voice="alloy", input="Hello.", response_format="pcm",
                                 extra_body={**FIXED, "stream": stream, "voice": voice})
     assert e.value.body["param"] == param and words in e.value.body["message"], e.value.body
+
+
+# --- dialogue; conditioning on the first piece (docs/gateway.md#dialogue, #one-speaker-across-pieces) -------------
+SCRIPT = "A: The first line.\nB: 第二句台词。\nA: And the last one."
+LINES = [("2222", "The first line."), ("nova*0.5+alloy*0.5", "第二句台词。"), ("2222", "And the last one.")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_dialogue_is_each_line_in_its_voice_with_the_line_pause(oai, grpc, stream):
+    body = {**FIXED, "seed": 20, "stream": stream, "input_format": "dialogue", "line_pause_ms": 300,
+            "voices": {"A": "2222", "B": "nova*0.5+alloy*0.5"}}
+    with oai.audio.speech.with_streaming_response.create(model="chattts", voice="alloy", input=SCRIPT,
+                                                          response_format="pcm", extra_body=body) as r:
+        assert r.headers["x-chattts-pieces"] == "3"
+        audio = np.frombuffer(r.read(), "<i2")
+    gap = int(0.3 * SAMPLE_RATE)
+    assert audio.size == 3 * N + 2 * gap
+    for i, (voice, line) in enumerate(LINES):
+        got = audio[i * (N + gap): i * (N + gap) + N]
+        if i == 0 and stream:
+            expected = np.concatenate(list(grpc.stream(line, voice=voice, seed=20, prompt="[speed_5]", **FIXED)))
+        else:
+            expected = grpc.synthesize(line, voice=voice, seed=20 + i, prompt="[speed_5]", **FIXED)
+        assert np.abs(got.astype(np.int32) - to_int16(expected)).max() <= 1, i  # ≤ 1 LSB: batched pieces' rounding
+        if i:
+            assert not audio[i * (N + gap) - gap: i * (N + gap)].any()
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"voices": {"A": "2222"}}, "input", "speaker 'B' is not in 'voices' (known: A)"),
+    ({"input": "A: Hello.\nB:"}, "input", "line 2 ('B:') has nothing to speak"),
+    ({"input": "\n".join(["A: Hi."] * 65)}, "input", "more than 64 lines"),
+    ({"input": "A: Hello.\nno label here"}, "input", "has no speaker label"),
+    ({"input_format": "text"}, "voices", "'voices' goes with"),
+    ({"voices": None}, "voices", "needs 'voices'"),
+    ({"voices": {"A": "2222", "B": "a*-1+b"}}, "voices", "weight '-1'"),
+    ({"voices": {"A": "2222", "B": "nobody"}}, "voices", "'nobody' is not a voice of this server"),  # the server's
+    ({"line_pause_ms": 60_000}, "line_pause_ms", "less than or equal to 5000"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_hostile_dialogues_get_openai_400s_naming_the_field(oai, fields, param, words, stream):
+    import openai
+
+    body = {**FIXED, "stream": stream, "input_format": "dialogue", "voices": {"A": "2222", "B": "nova"}, **fields}
+    text = body.pop("input", SCRIPT)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.audio.speech.create(model="chattts", voice="alloy", input=text, response_format="pcm", extra_body=body)
+    assert e.value.body["param"] == param and words in e.value.body["message"], e.value.body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_condition_on_first_piece_reaches_the_gpt_as_the_first_pieces_audio(oai, grpc, stream):
+    """With `condition_on_first_piece` the second piece is the gRPC call with the first piece's audio as SPEAKER_AUDIO
+    and its SPOKEN_TEXT as SPEAKER_TEXT (upstream's spk_smp / txt_smp: the server encodes it with its DVAE encoder);
+    without it, the plain call with the voice alone."""
+    text, pieces = "The first sentence. Then a second one.", ["The first sentence.", "Then a second one."]
+    body = {**FIXED, "seed": 30, "stream": stream}
+    got = {on: pcm(oai.audio.speech.create(model="chattts", voice="echo", input=text, response_format="pcm",
+                                           extra_body={**body, "condition_on_first_piece": on})) for on in (False, True)}
+    assert got[True].size == got[False].size == 2 * N + PAUSE
+    assert np.array_equal(got[True][:N], got[False][:N])  # the first piece is the same either way
+    told: list = []
+    if stream:
+        first = np.concatenate(list(grpc.stream(pieces[0], voice="echo", seed=30, prompt="[speed_5]",
+                                                on_spoken_text=told.append, **FIXED)))
+    else:
+        first = grpc.synthesize(pieces[0], voice="echo", seed=30, prompt="[speed_5]", split=False,
+                                on_spoken_text=told.append, **FIXED)
+    conditioned = grpc.synthesize(pieces[1], voice="echo", seed=31, prompt="[speed_5]", split=False,
+                                  speaker_audio=first, speaker_text=told[0], **FIXED)
+    plain = grpc.synthesize(pieces[1], voice="echo", seed=31, prompt="[speed_5]", split=False, **FIXED)
+    assert np.abs(got[True][N + PAUSE:].astype(np.int32) - to_int16(conditioned)).max() <= 1
+    assert np.abs(got[False][N + PAUSE:].astype(np.int32) - to_int16(plain)).max() <= 1
+    assert not np.array_equal(to_int16(conditioned), to_int16(plain))  # the reference changed the GPT's prompt
