@@ -4,7 +4,9 @@
 `stream_format`, `instructions`) and, as optional extras, the ChatTTS sampling inputs under their contract
 names in lower case (`seed`, `temperature`, `top_p`, ...), and the output's `sample_rate`. Fields of newer API
 versions that this gateway does not know are ignored, as OpenAI's own clients send them. An `input` that starts with
-`<speak` is SSML (chattts_triton.model.ssml, docs/ssml.md): checked here, its segments are the request's pieces.
+`<speak` is SSML (chattts_triton.model.ssml, docs/ssml.md): checked here, its segments are the request's pieces. With
+`input_format: "dialogue"` the input is a script of `LABEL: text` lines, each spoken in the voice `voices` gives its
+label (`parse_dialogue`), `line_pause_ms` apart; never guessed from a text with colons.
 `POST /v1/audio/speech/captioned` takes the same body and `subtitle_format`.
 
 `voice` is a voice name or seed number, `{"id": ...}`, a mix (`"2222*0.7+nova*0.3"`, resolved by the server:

@@ -5,7 +5,8 @@ the first piece from `chattts_stream` chunk by chunk, the others made by `chattt
 Every piece gets the same voice and the request's seed schedule: piece i is sent with SEED = seed + i, so
 a request with a seed is reproducible and a one-piece request equals the same call over gRPC. An SSML request's
 pieces may each have their own voice and speed (`Job.piece_extras`) and silence of their own around them
-(`Job.gaps_ms`, from its breaks).
+(`Job.gaps_ms`, from its breaks); a dialogue's lines likewise. With `Job.condition_on_first` the later pieces in the
+first piece's voice wait for its audio and are sent with it as their reference audio (upstream's spk_smp).
 
 What the text decides (an unknown control token, a piece with nothing left to say) is checked for the pieces
 after the first by `chattts_preprocess` alone (`preflight`), while the first piece's first chunk is made: a
