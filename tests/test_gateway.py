@@ -1093,3 +1093,13 @@ def test_a_conditioned_piece_in_a_voice_of_a_recording_is_sent_as_it_is():
     with pytest.raises(SynthesisError) as e:  # without the option that refusal is no one's to undo
         asyncio.run(synth.synthesize(Job([S1, S2], {"voice": "reader", "speaker_audio": tone(1.0)}, seed=1)))
     assert e.value.status == "INVALID_ARGUMENT" and e.value.field == "VOICE" and len(sent) == 2
+
+
+def test_a_captioned_dialogue_places_each_line_after_its_pause():
+    with Served(Settings()) as s:
+        status, _, body = s.request("/v1/audio/speech/captioned", {**DIALOGUE, "response_format": "pcm",
+                                                                   "line_pause_ms": 250})
+    reply, piece, line = json.loads(body), SAMPLE_RATE // 2, SAMPLE_RATE // 4
+    assert status == 200 and reply["samples"] == 4 * piece + 2 * line  # the stand-in's pause between pieces: none
+    assert [(g["text"], g["start_sample"]) for g in reply["segments"]] == [
+        (S1, 0), (S2, piece), ("Hi there.", 2 * piece + line), ("好的：10:30见。", 3 * piece + 2 * line)]
