@@ -287,9 +287,9 @@ def server_smi_mib(server, procs: Dict[str, dict]) -> Dict[str, float]:
 
 
 def memory_snapshot(server, label: str) -> dict:
-    from loadtest.sweep import _fetch_gpu_memory
+    from loadtest.sweep import fetch_gpu_memory
 
-    total = _fetch_gpu_memory(server.metrics_url)
+    total = fetch_gpu_memory(server.metrics_url)
     procs = gpu_processes(server)
     ours = server_smi_mib(server, procs)
     snap = {"when": label, "gpu_memory_mib": None if total is None else round(total / 2**20), "processes": procs,

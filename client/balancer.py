@@ -31,14 +31,14 @@ from .client import (
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT_S,
     MAX_BACKOFF_S,
+    AioGrpcTransport,
+    AioHttpTransport,
     AsyncChatTTSClient,
     ChatTTSClient,
-    _AioGrpcTransport,
-    _AioHttpTransport,
-    _check_protocol,
-    _check_url,
-    _GrpcTransport,
-    _HttpTransport,
+    GrpcTransport,
+    HttpTransport,
+    check_protocol,
+    check_url,
 )
 from .contract import MODEL, STREAM_MODEL
 from .errors import ChatTTSError, ChatTTSUnavailableError, to_chattts_error
@@ -55,7 +55,7 @@ def parse_urls(urls: Union[str, Sequence[str]]) -> List[str]:
     if not items:
         raise ValueError("urls must name at least one HOST:PORT")
     for url in items:
-        _check_url(url)
+        check_url(url)
     if len(set(items)) != len(items):
         raise ValueError(f"urls must be distinct, got {items}")
     return items
@@ -370,12 +370,12 @@ class BalancedChatTTSClient(ChatTTSClient):
         clock: Callable[[], float] = time.monotonic,
     ):
         self.urls = parse_urls(urls)
-        _check_protocol(protocol)
+        check_protocol(protocol)
         if not model:
             raise ValueError("model must be a non-empty name")
         if not timeout_s or timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        cls = _GrpcTransport if protocol == "grpc" else _HttpTransport
+        cls = GrpcTransport if protocol == "grpc" else HttpTransport
         pool = _make_pool(self.urls, transports, lambda u: cls(u, model, float(timeout_s)), cooldown_s, clock)
         super().__init__(
             ",".join(self.urls), protocol, model, timeout_s, retries, backoff_s,
@@ -548,7 +548,7 @@ class AsyncBalancedChatTTSClient(AsyncChatTTSClient):
         clock: Callable[[], float] = time.monotonic,
     ):
         self.urls = parse_urls(urls)
-        _check_protocol(protocol)
+        check_protocol(protocol)
         super().__init__(
             ",".join(self.urls), protocol, model, timeout_s, retries, backoff_s,
             max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, stream_model=stream_model, sleep=sleep,
@@ -560,7 +560,7 @@ class AsyncBalancedChatTTSClient(AsyncChatTTSClient):
             self._transport = self._balanced(transports, cooldown_s, clock)
 
     def _balanced(self, transports, cooldown_s, clock) -> _AsyncBalancedTransport:
-        cls = _AioGrpcTransport if self.protocol == "grpc" else _AioHttpTransport
+        cls = AioGrpcTransport if self.protocol == "grpc" else AioHttpTransport
         factory = lambda u: cls(u, self.model, self.timeout_s, self.max_concurrency)  # noqa: E731
         pool = _make_pool(self.urls, transports, factory, cooldown_s, clock)
         return _AsyncBalancedTransport(pool, self.protocol, self.model)

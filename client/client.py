@@ -90,13 +90,13 @@ def split_sentences(text: str, max_frames: Optional[int] = None) -> List[str]:
     return split_for_synthesis(text, DEFAULT_MAX_FRAMES if max_frames is None else max_frames)
 
 
-def _check_protocol(protocol: str) -> str:
+def check_protocol(protocol: str) -> str:
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     return protocol
 
 
-def _check_url(url: str) -> str:
+def check_url(url: str) -> str:
     if not isinstance(url, str) or not url or "://" in url:
         raise ValueError(f"url must be HOST:PORT without a scheme, got {url!r}")
     return url
@@ -196,7 +196,7 @@ Chunk = Tuple[np.ndarray, bool]  # (audio samples, last response of the request)
 _NO_AUDIO = np.zeros(0, np.float32)
 
 
-class _SSEParser:
+class SSEParser:
     """Server-sent events: feed bytes as they arrive, get the `data` of each complete event."""
 
     def __init__(self):
@@ -298,7 +298,7 @@ class _GrpcStreamSession:
     start_stream allows one stream per client and leaves a thread blocked after each cancel). A reader
     thread queues the responses, so each wait has the chunk timeout; cancel() ends the call."""
 
-    def __init__(self, transport: "_GrpcTransport", model: str, timeout_s: float, spoken_text: bool = False):
+    def __init__(self, transport: "GrpcTransport", model: str, timeout_s: float, spoken_text: bool = False):
         self._transport, self._model, self._timeout_s = transport, model, timeout_s
         self._events: "queue.Queue" = queue.Queue()
         self._call = None
@@ -360,7 +360,7 @@ class _HttpStreamSession:
         self.spoken_text: Optional[str] = None  # SPOKEN_TEXT, once an event carried it (generate_stream sends all outputs)
         self._resp = None
         self._body: Optional[Iterator[bytes]] = None
-        self._parser = _SSEParser()
+        self._parser = SSEParser()
         self._pending: "collections.deque[bytes]" = collections.deque()
 
     def _translate(self, exc: Exception) -> Exception:
@@ -467,12 +467,12 @@ class _AioGrpcStreamSession:
 
 
 class _AioHttpStreamSession:
-    def __init__(self, transport: "_AioHttpTransport", model: str, timeout_s: float):
+    def __init__(self, transport: "AioHttpTransport", model: str, timeout_s: float):
         self._transport, self._model, self._timeout_s = transport, model, timeout_s
         self._resp = None
         self._eof = False
         self.spoken_text: Optional[str] = None
-        self._parser = _SSEParser()
+        self._parser = SSEParser()
         self._pending: "collections.deque[bytes]" = collections.deque()
 
     async def send(self, arrays: Mapping[str, np.ndarray]) -> None:
@@ -539,7 +539,7 @@ def _spoken_kw(on_spoken_text: Optional[OnSpokenText]) -> Dict[str, bool]:
     transports written before it take none)."""
     return {"spoken_text": True} if on_spoken_text is not None else {}
 
-class _GrpcTransport:
+class GrpcTransport:
     def __init__(self, url: str, model: str, timeout_s: float):
         import tritonclient.grpc as module
 
@@ -569,7 +569,7 @@ class _GrpcTransport:
         self._client.close()
 
 
-class _HttpTransport:
+class HttpTransport:
     """tritonclient.http clients are not thread-safe: one per thread."""
 
     def __init__(self, url: str, model: str, timeout_s: float):
@@ -631,7 +631,7 @@ class _HttpTransport:
                 pass
 
 
-class _AioGrpcTransport:
+class AioGrpcTransport:
     """`channels` > 1: that many gRPC channels, each on its own connection (a local subchannel pool), calls
     spread over them in turn: one HTTP/2 connection carries every call of a channel."""
 
@@ -679,7 +679,7 @@ class _AioGrpcTransport:
             await client.close()
 
 
-class _AioHttpTransport:
+class AioHttpTransport:
     def __init__(self, url: str, model: str, timeout_s: float, max_concurrency: int):
         import tritonclient.http as module
         import tritonclient.http.aio as aio
@@ -726,8 +726,8 @@ class _ClientBase:
     def __init__(
         self, url, protocol, model, timeout_s, retries, backoff_s, max_backoff_s, max_concurrency, stream_model=STREAM_MODEL
     ):
-        self.protocol = _check_protocol(protocol)
-        self.url = _check_url(url if url is not None else DEFAULT_URLS[protocol])
+        self.protocol = check_protocol(protocol)
+        self.url = check_url(url if url is not None else DEFAULT_URLS[protocol])
         if not model or not stream_model:
             raise ValueError("model and stream_model must be non-empty names")
         self.stream_model = stream_model
@@ -789,7 +789,7 @@ class ChatTTSClient(_ClientBase):
             url, protocol, model, timeout_s, retries, backoff_s, max_backoff_s, max_concurrency, stream_model
         )
         if transport is None:
-            cls = _GrpcTransport if self.protocol == "grpc" else _HttpTransport
+            cls = GrpcTransport if self.protocol == "grpc" else HttpTransport
             transport = cls(self.url, self.model, self.timeout_s)
         self._transport = transport
         self._sleep = sleep
@@ -1048,10 +1048,10 @@ class AsyncChatTTSClient(_ClientBase):
     def _get_transport(self):
         if self._transport is None:
             if self.protocol == "grpc":
-                self._transport = _AioGrpcTransport(self.url, self.model, self.timeout_s, self.max_concurrency,
+                self._transport = AioGrpcTransport(self.url, self.model, self.timeout_s, self.max_concurrency,
                                                     self._channels)
             else:
-                self._transport = _AioHttpTransport(self.url, self.model, self.timeout_s, self.max_concurrency)
+                self._transport = AioHttpTransport(self.url, self.model, self.timeout_s, self.max_concurrency)
         return self._transport
 
     async def close(self) -> None:

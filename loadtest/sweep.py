@@ -305,7 +305,7 @@ def fetch_metrics(metrics_url: Optional[str]) -> str:
         return ""
 
 
-def _fetch_gpu_memory(metrics_url: Optional[str]) -> Optional[float]:
+def fetch_gpu_memory(metrics_url: Optional[str]) -> Optional[float]:
     return parse_gpu_memory_bytes(fetch_metrics(metrics_url))
 
 

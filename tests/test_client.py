@@ -109,7 +109,7 @@ class FakeModel:
         return self.audio_for(text, extra)
 
 
-class _GrpcServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+class GrpcServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, model: FakeModel):
         self.model = model
 
@@ -133,7 +133,7 @@ class _GrpcServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
 
-def _http_handler(model: FakeModel):
+def fake_http_handler(model: FakeModel):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # tritonclient keeps connections alive
 
@@ -191,10 +191,10 @@ class FakeServers:
     def __init__(self, model=None, servicer=None, http_handler=None):
         self.model = model if model is not None else FakeModel()
         self.grpc = grpc.server(concurrent.futures.ThreadPoolExecutor(16))
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server((servicer or _GrpcServicer)(self.model), self.grpc)
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server((servicer or GrpcServicer)(self.model), self.grpc)
         self.grpc_url = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
         self.grpc.start()
-        self.http = _QuietHTTPServer(("127.0.0.1", 0), (http_handler or _http_handler)(self.model))
+        self.http = _QuietHTTPServer(("127.0.0.1", 0), (http_handler or fake_http_handler)(self.model))
         self.http_url = f"127.0.0.1:{self.http.server_address[1]}"
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 

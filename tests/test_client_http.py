@@ -19,7 +19,7 @@ from typing import List, Optional
 import pytest
 
 from client import AsyncChatTTSClient, ChatTTSClient
-from tests.test_client import FakeModel, FakeServers, _http_handler
+from tests.test_client import FakeModel, FakeServers, fake_http_handler
 
 N = 8  # requests in flight at once
 COMPRESS_S = 0.25  # the stand-in's time to compress one answer, one answer at a time (as Triton's thread)
@@ -40,7 +40,7 @@ class TritonLikeServers(FakeServers):
         accepted = self.accepted
 
         def handler(model: FakeModel):
-            base = _http_handler(model)
+            base = fake_http_handler(model)
 
             class Handler(base):
                 def do_POST(self):

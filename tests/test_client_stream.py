@@ -32,7 +32,7 @@ from chattts_triton import config as C
 from chattts_triton.triton.backend import STATS_PERIOD_S
 from client import AsyncChatTTSClient, BalancedChatTTSClient, ChatTTSClient, ChatTTSError, ChatTTSInputError, cli, read_wav
 from client.audio import WavStreamWriter, save_wav
-from client.client import _SSEParser, split_sentences
+from client.client import SSEParser, split_sentences
 from client.contract import STREAM_MODEL, build_inputs, input_datatype, to_json_inputs
 from client.errors import stream_error_status
 from tests.test_client import (
@@ -40,10 +40,10 @@ from tests.test_client import (
     AsyncSleeps,
     FakeModel,
     FakeServers,
+    GrpcServicer,
     Sleeps,
-    _GrpcServicer,
-    _http_handler,
     decode_tensor,
+    fake_http_handler,
     free_port,
     sample_value,
 )
@@ -341,13 +341,13 @@ def test_async_task_cancel_cancels_the_request():
 def test_sse_parser_handles_any_split_crlf_comments_and_a_last_event_without_blank_line():
     body = b': hello\r\ndata: {"a": 1}\r\n\r\ndata:{"b":\ndata: 2}\n\nevent: x\ndata: {"c": 3}'
     for step in (1, 2, 3, 7, len(body)):
-        p, events = _SSEParser(), []
+        p, events = SSEParser(), []
         for i in range(0, len(body), step):
             events += p.feed(body[i : i + step])
         events += p.close()
         assert [json.loads(e) for e in events] == [{"a": 1}, {"b": 2}, {"c": 3}], step
     long = b"data: " + json.dumps({"AUDIO": list(range(100000))}).encode() + b"\n\n"
-    p = _SSEParser()
+    p = SSEParser()
     events = [e for i in range(0, len(long), 997) for e in p.feed(long[i : i + 997])]
     assert len(events) == 1 and len(json.loads(events[0])["AUDIO"]) == 100000
 
@@ -445,7 +445,7 @@ class FakeStreamModel(FakeModel):
         self.cancel_event.set()
 
 
-class _StreamServicer(_GrpcServicer):
+class _StreamServicer(GrpcServicer):
     def ModelReady(self, request, context):
         return service_pb2.ModelReadyResponse(ready=request.name in ("chattts", STREAM_MODEL))
 
@@ -499,7 +499,7 @@ def _json_input(name, value):
 
 
 def _stream_http_handler(model: FakeStreamModel):
-    class Handler(_http_handler(model)):
+    class Handler(fake_http_handler(model)):
         def do_GET(self):
             if self.path == f"/v2/models/{STREAM_MODEL}/ready":
                 return self._reply(200, b"")

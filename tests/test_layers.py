@@ -179,14 +179,7 @@ def test_the_client_imports_without_torch():
 CONCURRENT = "owned by a concurrent change; to be made public next"
 WHITE_BOX = "a white-box test of that module's own internals"
 PRIVATE_IMPORTS_ALLOWED = {
-    **{("client/balancer.py", f"client.client.{name}"): CONCURRENT for name in (
-        "_AioGrpcTransport", "_AioHttpTransport", "_GrpcTransport", "_HttpTransport", "_check_protocol", "_check_url")},
-    ("bench/run.py", "loadtest.sweep._fetch_gpu_memory"): CONCURRENT,
     ("tests/test_gateway_e2e.py", "chattts_triton.launcher.tritonserver._set_parent_death_signal"): CONCURRENT,
-    ("tests/test_client_http.py", "tests.test_client._http_handler"): CONCURRENT,
-    ("tests/test_client_stream.py", "tests.test_client._http_handler"): CONCURRENT,
-    ("tests/test_client_stream.py", "tests.test_client._GrpcServicer"): CONCURRENT,
-    ("tests/test_client_stream.py", "client.client._SSEParser"): CONCURRENT,
     ("tests/test_split.py", "chattts_triton.model.split._NUMBER"): WHITE_BOX,
     ("tests/test_split.py", "chattts_triton.model.split._TOKEN"): WHITE_BOX,
     ("tests/test_streaming.py", "chattts_triton.runtime.streaming._Stream"): WHITE_BOX,
