@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from chattts_triton.config import SAMPLE_RATE, samples_for_codes
-from chattts_triton.launcher.tritonserver import _set_parent_death_signal, free_port
+from chattts_triton.launcher.tritonserver import free_port, set_parent_death_signal
 from client import ChatTTSClient
 from gateway.audio import FORMATS, SAMPLE_RATES, check, decode, encode, out_length, to_int16
 
@@ -44,7 +44,7 @@ def gateway(served_tiny, tmp_path_factory):
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port", str(port),
                                  "--repo", str(served_tiny.model_repository)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                preexec_fn=_set_parent_death_signal)  # no gateway outlives an interrupted run
+                                preexec_fn=set_parent_death_signal)  # no gateway outlives an interrupted run
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while not _healthy(url):
@@ -357,7 +357,7 @@ def test_two_worker_processes_share_the_port_and_their_metrics(served_tiny, tmp_
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port", str(port),
                                  "--workers", "2"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                preexec_fn=_set_parent_death_signal)
+                                preexec_fn=set_parent_death_signal)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -397,7 +397,7 @@ def test_sigterm_lets_the_requests_in_flight_finish(served_tiny, tmp_path):
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")}
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port", str(port)],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_set_parent_death_signal)
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=set_parent_death_signal)
     url, long = f"http://127.0.0.1:{port}", 400  # frames: long enough to be in flight when the signal comes
     try:
         deadline = time.monotonic() + 180

@@ -176,10 +176,8 @@ def test_the_client_imports_without_torch():
 
 # No module imports another's private names (`from x import _y`, x a module of the project): a name shared across
 # modules is public. The exceptions, each with its reason (importing file, "module._name"):
-CONCURRENT = "owned by a concurrent change; to be made public next"
 WHITE_BOX = "a white-box test of that module's own internals"
 PRIVATE_IMPORTS_ALLOWED = {
-    ("tests/test_gateway_e2e.py", "chattts_triton.launcher.tritonserver._set_parent_death_signal"): CONCURRENT,
     ("tests/test_split.py", "chattts_triton.model.split._NUMBER"): WHITE_BOX,
     ("tests/test_split.py", "chattts_triton.model.split._TOKEN"): WHITE_BOX,
     ("tests/test_streaming.py", "chattts_triton.runtime.streaming._Stream"): WHITE_BOX,

@@ -365,9 +365,6 @@ def set_parent_death_signal() -> None:  # runs in the child between fork and exe
         pass
 
 
-_set_parent_death_signal = set_parent_death_signal  # the old name, for tests/test_gateway_e2e.py until its change lands
-
-
 def processes_in_group(pgid: int) -> List[int]:
     """Live (non-zombie) pids whose process group is `pgid` (Linux /proc)."""
     pids = []
