@@ -469,7 +469,7 @@ def create_app(settings: Settings, synthesizer: Optional[Synthesizer] = None) ->
         await gw.synth.close()
         gw.metrics.close()
 
-    app = FastAPI(title="chattts-triton speech gateway", version="0.1.0", lifespan=lifespan, docs_url=None,
+    app = FastAPI(title="chattts-triton speech gateway", version="0.2.0", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.state.gateway = gw
 

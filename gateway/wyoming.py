@@ -65,7 +65,7 @@ def _version() -> str:
     try:
         return version("chattts_triton")
     except PackageNotFoundError:
-        return "0.1.0"
+        return "0.2.0"
 
 
 @dataclass
