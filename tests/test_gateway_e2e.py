@@ -192,6 +192,18 @@ def _whole_and_streamed(fmt: str):
     return whole + streamed
 
 
+def same_audio(got: np.ndarray, ref: np.ndarray, fmt: str) -> bool:
+    """`got` decodes the audio `ref` was encoded from. Two calls' float audio may differ in its last bits (a batch
+    shared with another request): lossless formats then differ by at most one 16-bit step, and a lossy encoder's
+    choices can flip, which leaves the same audio well within 0.7 of the reference's norm (measured up to 0.37 for
+    Opus at 24 kHz on noise-like audio) while another utterance is ~1.4 from it."""
+    if got.shape != ref.shape:
+        return False
+    if fmt in ("wav", "flac"):
+        return float(np.abs(got.astype(np.float64) - ref).max()) <= 1.0 / 32768 + 1e-9
+    return np.array_equal(got, ref) or float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-12)) < 0.7
+
+
 @pytest.mark.parametrize("rate", SAMPLE_RATES)
 def test_every_rate_and_codec_is_the_audio_of_the_same_call_at_that_rate(gateway, grpc, rate):
     """Each format at `rate`, whole and (some) streamed, decoded back: as long as the 24 kHz audio of the same
@@ -218,7 +230,7 @@ def test_every_rate_and_codec_is_the_audio_of_the_same_call_at_that_rate(gateway
             if fmt_ in ("pcm", "ulaw", "alaw"):  # raw: the very bytes of the same audio
                 assert data == encode(fmt_, expected, rate), (fmt_, stream)
             elif not stream:
-                assert np.array_equal(got, decode(encode(fmt_, expected, rate), fmt_, rate)), fmt_
+                assert same_audio(got, decode(encode(fmt_, expected, rate), fmt_, rate), fmt_), fmt_
             tried += 1
     assert tried >= 12
     status, _, data = post(gateway, "/v1/audio/speech", {"model": "chattts", "input": text, "voice": "alloy",
@@ -600,7 +612,7 @@ def test_condition_on_first_piece_reaches_the_gpt_as_the_first_pieces_audio(oai,
     got = {on: pcm(oai.audio.speech.create(model="chattts", voice="echo", input=text, response_format="pcm",
                                            extra_body={**body, "condition_on_first_piece": on})) for on in (False, True)}
     assert got[True].size == got[False].size == 2 * N + PAUSE
-    assert np.array_equal(got[True][:N], got[False][:N])  # the first piece is the same either way
+    assert np.abs(got[True][:N].astype(np.int32) - got[False][:N]).max() <= 1  # the first piece is the same either way
     told: list = []
     if stream:
         first = np.concatenate(list(grpc.stream(pieces[0], voice="echo", seed=30, prompt="[speed_5]",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import random
 import re
-import time
 
 import pytest
 
@@ -149,20 +148,6 @@ def test_the_grammars_read_only_the_windows_around_numbers():
     fed.clear()
     spoken("我有3个苹果，价格是12.5元，增长了45%。", "zh")
     assert fed == ["有3个", "是12.5元", "了45%。"]
-
-
-def test_normalising_an_issue_sentence_takes_under_4_ms_on_a_loaded_machine():
-    """A coarse guard (2 ms is the target, measured by bench/probes/text_norm.py; CI may share its two cores with more):
-    p50 of 30 runs of each issue sentence through the server's whole text path."""
-    normalizer = Normalizer(spoken=sp.default())
-    for text in ("我有3个苹果，价格是12.5元，增长了45%。", "Meet me at 10:30 on 2026-12-02, it costs $12.50."):
-        normalizer(text)
-        times = []
-        for _ in range(30):
-            t0 = time.perf_counter()
-            normalizer(text)
-            times.append(time.perf_counter() - t0)
-        assert sorted(times)[len(times) // 2] < 4e-3, text  # 2 ms measured on an idle core (docs)
 
 
 def test_digit_dense_text_goes_to_the_grammars_in_bounded_windows():
