@@ -694,8 +694,8 @@ def test_the_gil_probe_reads_the_wait_another_python_thread_causes(tiny, monkeyp
     import chattts_triton.runtime.engine as engine_mod
 
     arch, _, _, ours = tiny
-    specs = [dict(ids=torch.arange(1, 9), params=greedy(80, 80, seed=0))]
-    monkeypatch.setattr(engine_mod, "GIL_PROBE_EVERY", 8)  # 10 samples in 80 steps
+    specs = [dict(ids=torch.arange(1, 9), params=greedy(20, 20, seed=0))]
+    monkeypatch.setattr(engine_mod, "GIL_PROBE_EVERY", 2)  # 10 samples in 20 steps (each contended step costs seconds)
 
     def mean_wait_ms(spin: bool) -> float:
         eng = make_engine(ours, arch, start=False)
@@ -718,7 +718,7 @@ def test_the_gil_probe_reads_the_wait_another_python_thread_causes(tiny, monkeyp
             if spin:
                 t.join()
         s = eng.stats()
-        assert s["engine_gil_wait_samples"] == 10  # steps 0, 8, .. 72 of 79
+        assert s["engine_gil_wait_samples"] == 10  # steps 0, 2, .. 18 of 19
         return 1000 * s["engine_gil_wait_seconds"] / s["engine_gil_wait_samples"]
 
     alone, contended = mean_wait_ms(False), mean_wait_ms(True)

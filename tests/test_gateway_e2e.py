@@ -192,6 +192,17 @@ def _whole_and_streamed(fmt: str):
     return whole + streamed
 
 
+def same_raw(got: bytes, ref: bytes, fmt: str) -> bool:
+    """Raw pcm / G.711 of the same audio: equal, or off by one step of the format (16-bit samples for pcm, one code
+    for G.711) in at most one sample in a thousand, where the server's float audio differed in its last bits."""
+    if len(got) != len(ref):
+        return False
+    dtype = np.int16 if fmt == "pcm" else np.uint8
+    a, b = np.frombuffer(got, dtype).astype(np.int32), np.frombuffer(ref, dtype).astype(np.int32)
+    diff = np.abs(a - b)
+    return int(diff.max(initial=0)) <= 1 and np.count_nonzero(diff) <= max(1, a.size // 1000)
+
+
 def same_audio(got: np.ndarray, ref: np.ndarray, fmt: str) -> bool:
     """`got` decodes the audio `ref` was encoded from. Two calls' float audio may differ in its last bits (a batch
     shared with another request): lossless formats then differ by at most one 16-bit step, and a lossy encoder's
@@ -227,8 +238,8 @@ def test_every_rate_and_codec_is_the_audio_of_the_same_call_at_that_rate(gateway
             n = out_length(expected.size, rate)
             exact = fmt_ != "aac" and not (stream and fmt_ == "mp3")  # ADTS and MP3 streams carry no length
             assert (got.size == n) if exact else (0 <= got.size - n <= 2 * 1152), (fmt_, stream, got.size, n)
-            if fmt_ in ("pcm", "ulaw", "alaw"):  # raw: the very bytes of the same audio
-                assert data == encode(fmt_, expected, rate), (fmt_, stream)
+            if fmt_ in ("pcm", "ulaw", "alaw"):  # raw: the bytes of the same audio (a last-bit flip at most)
+                assert same_raw(data, encode(fmt_, expected, rate), fmt_), (fmt_, stream)
             elif not stream:
                 assert same_audio(got, decode(encode(fmt_, expected, rate), fmt_, rate), fmt_), fmt_
             tried += 1
