@@ -200,6 +200,9 @@ GPT = "chattts_gpt"
 VOCODER = "chattts_vocoder"
 MANIFEST = "manifest.json"  # beside the model folders: the architecture, tokens and deployment it was exported with
 VOICES = "voices.json"  # the voice registry (runtime/voices.py), shared by every model and replica that reads the repository
+# the voice store's URL in place of the deployment's `voice_store` setting, where set (runtime/stores.py): a URL with a
+# password then stays out of the configs
+VOICE_STORE_ENV = "CHATTTS_VOICE_STORE"
 LEXICON = "lexicon.json"  # the pronunciation lexicon (runtime/lexicon.py), read as the voice registry is
 
 # --- what the launcher and the models tell each other ------------------------------------------

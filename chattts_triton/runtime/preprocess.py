@@ -19,6 +19,7 @@ from ..config import (
     NORMALIZE_TEXT_DEFAULT,
     NUM_VQ,
     REFINE_TEXT_DEFAULT,
+    VOICE_STORE_ENV,
     Arch,
     InferCodeParams,
     RefineTextParams,
@@ -30,7 +31,8 @@ from ..model.text import InputError
 from .artifacts import Artifact, check_reference_audio, reference_codes
 from .inputs import Call, Outputs, Overloaded, get_bool, get_str, named, refine_params
 from .lexicon import LexiconRegistry
-from .voices import Voice, VoiceRegistry
+from .stores import env_or, shown_url
+from .voices import Voice, VoiceRegistry, open_voice_store
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +42,11 @@ class PreprocessService:
 
     def __init__(self, version_dir: Path, arch: Arch, device: torch.device, artifact_format: str,
                  refine: Optional[Callable[[np.ndarray, Dict[str, Any]], np.ndarray]] = None, workers: int = 4,
-                 max_pending: int = 0):
+                 max_pending: int = 0, voice_store: str = ""):
         """max_pending: requests held (being prepared) at most, beyond which one is answered "server busy"
-        at once (0: no bound); the configuration gives what the GPT engines admit together."""
+        at once (0: no bound); the configuration gives what the GPT engines admit together. voice_store: where the
+        named voices are kept (runtime/stores.py; env CHATTTS_VOICE_STORE in its place where set; empty: the
+        repository's voices.json)."""
         self.arch = arch
         self.max_pending = max_pending
         self.pending = 0
@@ -60,8 +64,12 @@ class PreprocessService:
         # CUDA with the JIT fuser on (seen with torch 2.11), and it is not on the hot path.
         self.encoder_path = (Path(version_dir) / "dvae_encode", artifact_format, torch.device("cpu"))
         self._encoder: Optional[Artifact] = None
-        # named voices: REPO/voices.json beside the model folders (version_dir is REPO/MODEL/1)
-        self.voices = VoiceRegistry(Path(version_dir).parent.parent, arch.gpt.hidden)
+        # named voices: the store the setting names, by default REPO/voices.json beside the model folders (version_dir
+        # is REPO/MODEL/1)
+        repo = Path(version_dir).parent.parent
+        store = open_voice_store(env_or(voice_store, VOICE_STORE_ENV), repo)
+        log.info("named voices from %s", shown_url(store.url))
+        self.voices = VoiceRegistry(store, arch.gpt.hidden)
         # the pronunciation lexicon: REPO/lexicon.json, re-read when it changes as voices.json is
         self.lexicon = LexiconRegistry(Path(version_dir).parent.parent)
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="chattts-pre")

@@ -16,8 +16,12 @@ held to the speaker distribution, and can be stored as a voice of its own (`add 
     python -m chattts_triton.voices --repo REPO add NAME --mix "2222*0.7+nova*0.3"
     python -m chattts_triton.voices --repo REPO remove NAME
 
-Edits are atomic (written aside, renamed over voices.json, under a lock on the repository folder); a
-running server picks them up at its next request that names a voice (the file's identity is checked each time).
+Where the voices are kept is one URL, the setting `voice_store` (runtime/stores.py; docs/voices.md): empty, the
+repository's voices.json; `sqlite:///PATH` a database on this machine; `redis://…` or `postgresql://…` a server every
+replica shares (the CLI takes it as --voice-store, the gateway too, which also adds voices over HTTP:
+gateway/voices_http.py). Edits are atomic (voices.json: written aside, renamed over it, under a lock on its folder; a
+server: one transaction); a running server sees them at its next request that names a voice (a file's identity is
+checked each time, a server's generation counter at most every stores.POLL_S seconds).
 """
 
 from __future__ import annotations
@@ -33,15 +37,30 @@ import re
 import sys
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Hashable, Iterator, List, Optional, Tuple, Union
+from urllib.parse import urlsplit
 
-from ..config import BUILTIN_VOICE_SEEDS, LIMITS, MANIFEST, PREPROCESS, SAMPLE_RATE, VOICES
+from ..config import BUILTIN_VOICE_SEEDS, LIMITS, MANIFEST, PREPROCESS, SAMPLE_RATE, VOICE_STORE_ENV, VOICES
 from ..model import mix as voice_mix
 from ..model import speaker as spk
 from ..model.text import InputError, validate_text
+from .stores import (
+    MAX_DOCS,
+    Docs,
+    DocumentStore,
+    Exists,
+    Full,
+    StoreError,
+    StoreUnavailable,
+    encode_doc,
+    env_or,
+    open_server_store,
+    shown_url,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +72,12 @@ SEED_RE = re.compile(r"^\d{1,20}$")
 LISTED_IN_ERRORS = 40  # an unknown voice's error lists at most this many names
 
 
-class VoiceFileError(RuntimeError):
+NAMESPACE = "voices"  # the voices' namespace in a shared store
+FIELDS = frozenset({"speaker", "sample", "text", "seed", "builtin", "description", "mix"})  # of a stored voice
+MAX_DESCRIPTION_CHARS = 200
+
+
+class VoiceFileError(StoreError):
     """voices.json cannot be read or holds something that is not a voice: a server-side fault."""
 
 
@@ -86,6 +110,13 @@ class Voice:
         parts = (["speaker string"] if self.speaker else []) + (["reference audio"] if self.sample else [])
         return " + ".join(parts)
 
+    def materialized(self, hidden: int) -> "Voice":
+        """The voice with its speaker made: a voice stored as its seed alone (a built-in one in a shared store, or one
+        added over HTTP) gets the speaker the seed gives for this hidden size."""
+        if self.seed is None or self.speaker is not None or self.sample is not None:
+            return self
+        return seed_voice(self.name, self.seed, hidden, self.builtin, self.description)
+
     def check(self, hidden: int) -> None:
         """Raises InputError (a SpeakerError) if this voice cannot serve a model of this hidden size."""
         if self.speaker is None and self.sample is None:
@@ -110,7 +141,7 @@ def check_name(name: str) -> str:
 def _voice_from_json(name: str, d) -> Voice:
     if not isinstance(d, dict):
         raise VoiceFileError(f"voice {name!r} is not an object")
-    unknown = set(d) - {"speaker", "sample", "text", "seed", "builtin", "description", "mix"}
+    unknown = set(d) - FIELDS
     if unknown:
         raise VoiceFileError(f"voice {name!r} has unknown fields {sorted(unknown)}")
     for k in ("speaker", "sample", "text", "description", "mix"):
@@ -181,27 +212,37 @@ def carried_over(old: Path, hidden: int) -> Tuple[Dict[str, Voice], List[str]]:
     return voices, notes
 
 
-def read_voices(path: Path) -> Dict[str, Voice]:
+def _registry_docs(text: str, path) -> Docs:
+    """The voices of a voices.json's text (name -> its JSON object), its format and names checked."""
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+        doc = json.loads(text)
+    except ValueError as e:
         raise VoiceFileError(f"{path} cannot be read: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("voices"), dict):
         raise VoiceFileError(f"{path} is not a voice registry of format {FORMAT} ({{\"format\": {FORMAT}, \"voices\": {{...}}}})")
-    voices = {}
-    for name, d in doc["voices"].items():
+    for name in doc["voices"]:
         try:
             check_name(name)
         except InputError as e:
             raise VoiceFileError(f"{path}: {e}") from None
-        voices[name] = _voice_from_json(name, d)
-    return voices
+    return doc["voices"]
+
+
+def read_voices(path: Path) -> Dict[str, Voice]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise VoiceFileError(f"{path} cannot be read: {e}") from None
+    return {name: _voice_from_json(name, d) for name, d in _registry_docs(text, path).items()}
 
 
 def write_voices(path: Path, voices: Dict[str, Voice]) -> None:
     """Atomically: a reader sees the old file or the new one, never half of one."""
-    path = Path(path)
-    doc = {"format": FORMAT, "voices": {n: voices[n].to_json() for n in sorted(voices)}}
+    _write_docs(Path(path), {n: voices[n].to_json() for n in voices})
+
+
+def _write_docs(path: Path, docs: Docs) -> None:
+    doc = {"format": FORMAT, "voices": {n: docs[n] for n in sorted(docs)}}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -231,54 +272,195 @@ def editing(repo: Path, hidden: int) -> Iterator[Dict[str, Voice]]:
         os.close(fd)  # releases the lock
 
 
-class VoiceRegistry:
-    """Resolves VOICE for a model of hidden size `hidden` from `repo`'s voices.json (re-read when the file
-    changes; the built-in voices when there is none)."""
+def initial_docs() -> Docs:
+    """What a store never written holds: the built-in voices, each stored as its seed (`Voice.materialized`)."""
+    return {name: {"seed": seed, "builtin": True} for name, seed in BUILTIN_VOICE_SEEDS.items()}
 
-    def __init__(self, repo: Path, hidden: int):
-        self.path = Path(repo) / VOICES
-        self.hidden = hidden
-        self._lock = threading.Lock()
-        self._key: Optional[Tuple] = ("unread",)
-        self._voices: Dict[str, Voice] = {}
-        self._error: Optional[VoiceFileError] = None
-        self._broken: Dict[str, str] = {}
-        self._mixes: "OrderedDict[str, Voice]" = OrderedDict()  # mix expression -> its voice, for this file version
 
-    def _identity(self) -> Optional[Tuple]:
+class FileVoiceStore(DocumentStore):
+    """A voices.json (the repository's, or `file:///PATH`): its identity (a stat) is its generation; a write is the
+    file written aside and renamed over it, under a lock on its folder (the one `editing` takes)."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"file://{Path(path).absolute()}", NAMESPACE, initial_docs)
+        self.path = Path(path)
+
+    def generation(self) -> Hashable:
         try:
             st = os.stat(self.path)  # follows a configured view's symlink to the file it names
         except FileNotFoundError:
             return None
         return st.st_ino, st.st_dev, st.st_mtime_ns, st.st_size
 
+    def snapshot(self) -> Tuple[Hashable, Docs]:
+        try:
+            with open(self.path, "rb") as f:  # the identity of the file read, not of one renamed over it since
+                st = os.fstat(f.fileno())
+                data = f.read()
+        except FileNotFoundError:
+            return None, self.initial()
+        except OSError as e:
+            raise VoiceFileError(f"{self.path} cannot be read: {e}") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise VoiceFileError(f"{self.path} cannot be read: {e}") from None
+        return (st.st_ino, st.st_dev, st.st_mtime_ns, st.st_size), _registry_docs(text, self.path)
+
+    @contextlib.contextmanager
+    def _editing(self) -> Iterator[Docs]:
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            docs = dict(self.snapshot()[1])
+            yield docs
+            _write_docs(self.path, docs)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def put(self, name: str, doc: dict, replace: bool = False) -> None:
+        encode_doc(name, doc)  # within the size bound
+        with self._editing() as docs:
+            if name in docs and not replace:
+                raise Exists(f"{name!r} exists")
+            if name not in docs and len(docs) >= MAX_DOCS:
+                raise Full(f"the store holds {len(docs)} entries, the most it may ({MAX_DOCS})")
+            docs[name] = doc
+
+    def delete(self, name: str) -> bool:
+        with self._editing() as docs:
+            if docs.pop(name, None) is None:
+                raise _Unchanged()
+        return True
+
+
+class _Unchanged(Exception):
+    """Leaves a file store's edit without writing."""
+
+
+def _delete(store: DocumentStore, name: str) -> bool:
+    try:
+        return store.delete(name)
+    except _Unchanged:
+        return False
+
+
+def open_voice_store(url: str = "", repo: Optional[Path] = None) -> DocumentStore:
+    """The store `url` names (runtime/stores.py); empty: `repo`'s voices.json."""
+    url = (url or "").strip()
+    if not url:
+        if repo is None:
+            raise StoreError("no voice store: give voice_store a URL, or the model repository")
+        return FileVoiceStore(Path(repo) / VOICES)
+    if urlsplit(url).scheme.lower() == "file":
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost") or not parts.path.endswith(".json"):
+            raise StoreError(f"voice_store {url!r}: a file store is file:///ABSOLUTE/PATH.json")
+        return FileVoiceStore(Path(parts.path))
+    return open_server_store(url, NAMESPACE, initial_docs)
+
+
+def store_url(repo: Optional[Path] = None, given: Optional[str] = None) -> str:
+    """The voice store a command uses: `given` (its --voice-store), else env CHATTTS_VOICE_STORE, else the
+    repository's own setting (its manifest's deployment), else empty (the repository's voices.json)."""
+    if given:
+        return given.strip()
+    configured = ""
+    if repo is not None and (Path(repo) / MANIFEST).is_file():
+        try:
+            man = json.loads((Path(repo) / MANIFEST).read_text(encoding="utf-8"))
+            configured = str(man.get("deployment", {}).get("voice_store") or "")
+        except (OSError, ValueError, AttributeError):
+            configured = ""
+    return env_or(configured, VOICE_STORE_ENV)
+
+
+def voices_of(docs: Docs) -> Tuple[Dict[str, Voice], Dict[str, str]]:
+    """(voices, why each unreadable one is) of a store's documents, as stored (a seed voice may hold its seed alone)."""
+    voices, broken = {}, {}
+    for name, d in docs.items():
+        try:
+            check_name(name)
+            voices[name] = _voice_from_json(name, d)
+        except (InputError, VoiceFileError) as e:
+            broken[name] = str(e)
+    return voices, broken
+
+
+_UNREAD = object()
+
+
+class VoiceRegistry:
+    """Resolves VOICE for a model of hidden size `hidden` from a voice store (or `repo`'s voices.json; the built-in
+    voices when it has none), read again when its generation changes; a store that cannot be reached keeps the
+    voices last read (logged)."""
+
+    def __init__(self, source: Union[Path, DocumentStore], hidden: int):
+        self.store = source if isinstance(source, DocumentStore) else FileVoiceStore(Path(source) / VOICES)
+        self.hidden = hidden
+        self._lock = threading.Lock()
+        self._key: Hashable = _UNREAD
+        self._polled = -float("inf")
+        self._voices: Dict[str, Voice] = {}
+        self._error: Optional[StoreError] = None
+        self._broken: Dict[str, str] = {}
+        self._mixes: "OrderedDict[str, Voice]" = OrderedDict()  # mix expression -> its voice, for this version
+
     def voices(self) -> Dict[str, Voice]:
         return self._load()[0]
 
+    def _build(self, docs: Docs) -> Tuple[Dict[str, Voice], Dict[str, str]]:
+        voices, broken = voices_of(docs)
+        for name, voice in list(voices.items()):
+            try:
+                voices[name] = voice = voice.materialized(self.hidden)
+                voice.check(self.hidden)
+            except InputError as e:
+                broken[name] = str(e)
+        if broken:
+            log.error("voice store %s: unusable voices %s", shown_url(self.store.url), broken)
+        return voices, broken
+
     def _load(self) -> Tuple[Dict[str, Voice], Dict[str, str]]:
-        """(voices, why each unusable one is) of the current file, checked once per version of it."""
-        key = self._identity()
+        """(voices, why each unusable one is) of the store now, checked once per generation of it."""
+        now = time.monotonic()
         with self._lock:
-            if key != self._key:
-                self._error = None
+            if self._key is not _UNREAD and now - self._polled < self.store.poll_s:
+                return self._current()
+        try:
+            key = self.store.generation()
+            with self._lock:
+                changed = key != self._key
+            if changed:
                 try:
-                    self._voices = read_voices(self.path) if key is not None else builtin_voices(self.hidden)
-                except VoiceFileError as e:
+                    key, docs = self.store.snapshot()
+                except StoreUnavailable:
+                    raise
+                except StoreError as e:
                     log.error("voice registry: %s", e)
-                    self._voices, self._error = {}, e
-                self._broken = {}
-                self._mixes.clear()
-                for name, voice in self._voices.items():
-                    try:
-                        voice.check(self.hidden)
-                    except InputError as e:
-                        self._broken[name] = str(e)
-                if self._broken:
-                    log.error("voice registry %s: unusable voices %s", self.path, self._broken)
-                self._key = key
-            if self._error is not None:
-                raise self._error
-            return self._voices, self._broken
+                    with self._lock:
+                        self._voices, self._broken, self._error, self._key = {}, {}, e, key
+                        self._mixes.clear()
+                    raise
+                voices, broken = self._build(docs)
+                with self._lock:
+                    self._voices, self._broken, self._error, self._key = voices, broken, None, key
+                    self._mixes.clear()
+        except StoreUnavailable as e:
+            with self._lock:
+                if self._key is _UNREAD or self._error is not None:
+                    raise
+                log.warning("voice store unavailable, serving the voices read last: %s", e)
+                self._polled = now
+                return self._current()
+        with self._lock:
+            self._polled = now
+            return self._current()
+
+    def _current(self) -> Tuple[Dict[str, Voice], Dict[str, str]]:
+        if self._error is not None:
+            raise self._error
+        return self._voices, self._broken
 
     def resolve(self, name: str) -> Voice:
         """The voice VOICE names (a mix expression: the mix of the voices it names, `mix_voice`); InputError
@@ -432,6 +614,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m chattts_triton.voices",
                                  description="List, add and remove the named voices of a model repository (REPO/voices.json).")
     ap.add_argument("--repo", type=Path, required=True, help="an exported model repository")
+    ap.add_argument("--voice-store", metavar="URL", default=None,
+                    help=f"the voice store (sqlite:///PATH, redis://..., postgresql://...; docs/voices.md); default: env "
+                         f"{VOICE_STORE_ENV}, else the repository's voice_store setting, else REPO/{VOICES}")
     sub = ap.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="the voices and what each is made of")
     ls.add_argument("--json", action="store_true", help="voices.json's content")
@@ -455,9 +640,11 @@ def main(argv=None) -> int:
     repo = a.repo
     hidden = _hidden(repo)
     try:
+        store = open_voice_store(store_url(repo, a.voice_store), repo)
         if a.command == "list":
-            path = repo / VOICES
-            voices = read_voices(path) if path.exists() else builtin_voices(hidden)
+            voices, broken = voices_of(store.snapshot()[1])
+            for name, why in sorted(broken.items()):
+                print(f"error: {why}", file=sys.stderr)
             if a.json:
                 print(json.dumps({n: voices[n].to_json() for n in sorted(voices)}, indent=2, ensure_ascii=False))
             for name in ([] if a.json else sorted(voices)):
@@ -475,23 +662,22 @@ def main(argv=None) -> int:
             elif a.speaker is not None:
                 voice = Voice(a.name, speaker=_text_arg(a.speaker), description=a.description)
             elif a.mix is not None:
-                mixed = mix_voice(a.mix, VoiceRegistry(repo, hidden).resolve, hidden, a.name)
+                mixed = mix_voice(a.mix, VoiceRegistry(store, hidden).resolve, hidden, a.name)
                 voice = Voice(a.name, speaker=mixed.speaker, mix=mixed.mix, description=a.description)
             else:
                 sample = _text_arg(a.sample) if a.sample is not None else encode_reference(repo, read_reference_audio(a.audio))
                 voice = Voice(a.name, sample=sample, text=text, description=a.description)
             voice.check(hidden)
-            with editing(repo, hidden) as voices:
-                if a.name in voices and not a.force:
-                    raise InputError(f"voice {a.name!r} exists ({voices[a.name].source}); --force replaces it")
-                voices[a.name] = voice
+            try:
+                store.put(a.name, voice.to_json(), replace=a.force)
+            except Exists:
+                raise InputError(f"voice {a.name!r} exists; --force replaces it") from None
             print(f"added {a.name}: {voice.source}")
         else:
-            with editing(repo, hidden) as voices:
-                if voices.pop(a.name, None) is None:
-                    raise InputError(f"no voice {a.name!r} (known: {', '.join(sorted(voices)) or 'none'})")
+            if not _delete(store, a.name):
+                raise InputError(f"no voice {a.name!r} (known: {', '.join(sorted(store.snapshot()[1])) or 'none'})")
             print(f"removed {a.name}")
-    except (InputError, VoiceFileError, OSError) as e:
+    except (InputError, StoreError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -386,7 +386,7 @@ def preprocess_service(ctx: ModelContext):
         return ctx.bls(p.gpt_model, refine_request(ids, params), ["CODES"])["CODES"][0, :, 0]
 
     return PreprocessService(ctx.version_dir, ctx.arch, device_for(ctx.instance_kind, ctx.device_id), p.artifact_format,
-                             refine=refine, max_pending=p.max_pending)
+                             refine=refine, max_pending=p.max_pending, voice_store=p.voice_store)
 
 
 def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None, params: Optional[EngineParams] = None):
@@ -460,6 +460,7 @@ def stream_service(ctx: ModelContext):
         pre = PreprocessService(
             ctx.repo_dir / PREPROCESS / "1", ctx.arch, device, p.artifact_format,
             refine=lambda ids, params: gpt.call(refine_request(ids, params))["CODES"][0, :, 0],
+            voice_store=p.voice_store,
         )
         check_dtype_supported(device, p.dtype)
         # the stream's codec windows come in a few sizes: always CUDA graphs of them (its memory is within the engine's cap)

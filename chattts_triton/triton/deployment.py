@@ -162,6 +162,12 @@ class Deployment:
              "streams' chunks (one more codec call per step that starts a stream; its tail latency was worse: "
              "opt-in)")
 
+    voice_store: str = setting(
+        "",
+        help="where the named voices are kept, one URL every replica and gateway shares: empty: the repository's "
+             "voices.json; sqlite:///PATH; redis://HOST:PORT/DB; postgresql://USER@HOST/DB (env CHATTTS_VOICE_STORE, "
+             "where set, in its place; docs/voices.md)")
+
     @classmethod
     def from_manifest(cls, man: dict) -> "Deployment":
         """The deployment a repository was exported or configured with; one exported before the early

@@ -74,8 +74,9 @@ class Params:
                 if f.default is dataclasses.MISSING:
                     raise RuntimeError(f"model {model}: parameter {f.name!r} missing from config.pbtxt")
                 continue
-            try:
-                values[f.name] = _parse(kinds[f.name], entry["string_value"])
+            try:  # an empty string is no field of the protobuf's text or JSON: a str parameter's "" is an entry without it
+                text = entry.get("string_value", "") if kinds[f.name] is str else entry["string_value"]
+                values[f.name] = _parse(kinds[f.name], text)
             except (KeyError, ValueError) as e:
                 raise RuntimeError(f"model {model}: parameter {f.name!r} is invalid: {entry}") from e
         return cls(**values)
@@ -90,6 +91,7 @@ class PreprocessParams(Params):
     # requests held (being prepared) at most, beyond which one is answered "server busy" at once (0: no bound): what
     # the GPT engines admit together, so that it never queues work they would refuse
     max_pending: int = 0
+    voice_store: str = Deployment.voice_store  # where the named voices are kept (runtime/stores.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +167,7 @@ class StreamParams(EngineParams):
     stream_fade_frames: int = 0  # frames cross-faded at each seam (model/chunks.py)
     stream_codec_stream: bool = False  # the codec on a CUDA stream of its own, beside the engine's steps
     stream_first_chunks_first: bool = False  # new streams' first chunks in a codec call of their own, first
+    voice_store: str = Deployment.voice_store  # where the named voices are kept, as chattts_preprocess reads them
 
     slots = property(lambda self: self.stream_slots)
     cache_tokens = property(lambda self: self.stream_cache_tokens)
