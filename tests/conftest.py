@@ -117,3 +117,124 @@ def _switch_interval_restored():
     interval = sys.getswitchinterval()
     yield
     sys.setswitchinterval(interval)
+
+
+# --- shared voice stores (chattts_triton/runtime/stores.py): real servers from the system's packages ----------------
+def _wait_until(ready, proc, log: Path, what: str, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert proc.poll() is None, f"{what} exited: {log.read_text(errors='replace')[-2000:]}"
+        assert time.monotonic() < deadline, f"{what} not ready in {timeout_s:g} s: {log.read_text(errors='replace')[-2000:]}"
+        time.sleep(0.1)
+
+
+def _stop(proc, timeout_s: float = 30.0) -> None:
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A redis-server of this test run on a free port, nothing saved to disk (.ci/run installs Debian's)."""
+    import shutil
+    import subprocess
+
+    from chattts_triton.launcher.tritonserver import free_port, set_parent_death_signal
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (Debian's redis-server package: .ci/run installs it)")
+    import redis
+
+    folder = tmp_path_factory.mktemp("redis")
+    port = free_port()
+    log = folder / "redis.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                 "--dir", str(folder)], stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=set_parent_death_signal)
+    client = redis.Redis(port=port, socket_connect_timeout=1)
+
+    def ready() -> bool:
+        try:
+            return bool(client.ping())
+        except redis.ConnectionError:
+            return False
+
+    try:
+        _wait_until(ready, proc, log, "redis-server")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        client.close()
+        _stop(proc)
+
+
+def _postgres_bin(name: str):
+    """A PostgreSQL server program: on PATH, else Debian's versioned folder (the package puts none on PATH)."""
+    import glob
+    import shutil
+
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), key=lambda p: int(p.split("/")[4]))
+    return candidates[-1] if candidates else None
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """A PostgreSQL server of this test run on a free port (initdb into a fresh folder, trust on loopback). PostgreSQL
+    refuses to run as root: as root (CI) the cluster belongs to `nobody` and is started through setpriv."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    from chattts_triton.launcher.tritonserver import free_port, set_parent_death_signal
+
+    initdb, postgres = _postgres_bin("initdb"), _postgres_bin("postgres")
+    if initdb is None or postgres is None:
+        pytest.skip("PostgreSQL's server is not installed (Debian's postgresql package: .ci/run installs it)")
+    import psycopg
+
+    folder = Path(tempfile.mkdtemp(prefix="chattts-pg-"))  # not under pytest's 0700 root folder: `nobody` works here
+    as_user: list = []
+    if os.geteuid() == 0:
+        import pwd
+
+        user = pwd.getpwnam("nobody")
+        os.chown(folder, user.pw_uid, user.pw_gid)
+        as_user = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups"]
+    data, log = folder / "data", folder / "postgres.log"
+    port = free_port()
+    try:
+        subprocess.run(as_user + [initdb, "-D", str(data), "-U", "chattts", "--auth=trust", "-E", "UTF8", "--no-sync"],
+                       check=True, capture_output=True, env={**os.environ, "LC_ALL": "C"})
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(as_user + [postgres, "-D", str(data), "-p", str(port), "-k", str(folder),
+                                               "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
+                                    stdout=out, stderr=subprocess.STDOUT, preexec_fn=set_parent_death_signal)
+        url = f"postgresql://chattts@127.0.0.1:{port}/postgres"
+
+        def ready() -> bool:
+            try:
+                psycopg.connect(url, connect_timeout=1).close()
+                return True
+            except psycopg.OperationalError:
+                return False
+
+        try:
+            _wait_until(ready, proc, log, "postgres")
+            yield url
+        finally:
+            _stop(proc)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -122,7 +122,8 @@ class DocumentStore:
         return {n: encode_doc(n, d) for n, d in self.initial().items()}
 
 
-def _check_room(name: str, exists: bool, count: int, replace: bool) -> None:
+def check_room(name: str, exists: bool, count: int, replace: bool) -> None:
+    """Exists or Full where a write of `name` may not be made."""
     if exists and not replace:
         raise Exists(f"{name!r} exists")
     if not exists and count >= MAX_DOCS:
@@ -224,7 +225,7 @@ class SQLiteStore(DocumentStore):
             exists = conn.execute("SELECT 1 FROM chattts_documents WHERE namespace = ? AND name = ?",
                                   (self.namespace, name)).fetchone() is not None
             count = conn.execute("SELECT count(*) FROM chattts_documents WHERE namespace = ?", (self.namespace,)).fetchone()[0]
-            _check_room(name, exists, count, replace)
+            check_room(name, exists, count, replace)
             conn.execute("INSERT INTO chattts_documents VALUES (?, ?, ?) ON CONFLICT (namespace, name) "
                          "DO UPDATE SET doc = excluded.doc", (self.namespace, name, text))
             return True
@@ -422,7 +423,7 @@ class PostgresStore(DocumentStore):
                                   (self.namespace, name)).fetchone() is not None
             count = conn.execute("SELECT count(*) FROM chattts_documents WHERE namespace = %s",
                                  (self.namespace,)).fetchone()[0]
-            _check_room(name, exists, count, replace)
+            check_room(name, exists, count, replace)
             conn.execute("INSERT INTO chattts_documents VALUES (%s, %s, %s) ON CONFLICT (namespace, name) "
                          "DO UPDATE SET doc = excluded.doc", (self.namespace, name, text))
             return True

@@ -49,13 +49,12 @@ from ..model import mix as voice_mix
 from ..model import speaker as spk
 from ..model.text import InputError, validate_text
 from .stores import (
-    MAX_DOCS,
     Docs,
     DocumentStore,
     Exists,
-    Full,
     StoreError,
     StoreUnavailable,
+    check_room,
     encode_doc,
     env_or,
     open_server_store,
@@ -321,10 +320,7 @@ class FileVoiceStore(DocumentStore):
     def put(self, name: str, doc: dict, replace: bool = False) -> None:
         encode_doc(name, doc)  # within the size bound
         with self._editing() as docs:
-            if name in docs and not replace:
-                raise Exists(f"{name!r} exists")
-            if name not in docs and len(docs) >= MAX_DOCS:
-                raise Full(f"the store holds {len(docs)} entries, the most it may ({MAX_DOCS})")
+            check_room(name, name in docs, len(docs), replace)
             docs[name] = doc
 
     def delete(self, name: str) -> bool:
