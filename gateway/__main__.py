@@ -10,7 +10,6 @@ per line) or CHATTTS_GATEWAY_API_KEYS=KEY1,KEY2 (never logged). --workers N: N p
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import shutil
@@ -19,19 +18,13 @@ import tempfile
 from pathlib import Path
 from typing import List
 
+from chattts_triton.config import VOICE_STORE_ENV
+
 from .app import DEFAULT_WORKERS, Settings
+from .voices_http import ADMIN_KEY_ENV, is_loopback
 
 KEYS_ENV = "CHATTTS_GATEWAY_API_KEYS"
 log = logging.getLogger("chattts_gateway")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-url", default=d.grpc_url, help="Triton's gRPC HOST:PORT (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--repo", type=Path, help="the served model repository, for GET /v1/audio/voices (its voices.json)")
+    p.add_argument("--repo", type=Path, help="the served model repository: its voice store setting (else its voices.json) "
+                                             "for /v1/audio/voices, and its model's speaker size")
+    p.add_argument("--voice-store", metavar="URL", default=None,
+                   help=f"the voice store /v1/audio/voices reads and writes, the one the server reads (sqlite:///PATH, "
+                        f"redis://HOST:PORT/DB, postgresql://USER@HOST/DB; docs/voices.md); default: env "
+                        f"{VOICE_STORE_ENV}, else --repo's setting, else --repo's voices.json")
+    p.add_argument("--admin-key", default=None, metavar="KEY",
+                   help=f"the key writes to the voice store need ('Authorization: Bearer KEY'); default: env "
+                        f"{ADMIN_KEY_ENV}; without one, writes are taken only on a loopback --host")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY", help="accept 'Authorization: Bearer KEY'")
     p.add_argument("--api-key-file", type=Path, help="API keys, one per line")
     p.add_argument("--require-api-key", action="store_true", help="refuse to start on a non-loopback host without a key")
@@ -93,9 +94,25 @@ def main(argv=None) -> int:
                     "(set --api-key / %s, or --require-api-key to refuse this)", a.host, KEYS_ENV)
     if a.repo is not None and not (a.repo / "manifest.json").is_file():
         p.error(f"--repo {a.repo}: no manifest.json, not an exported model repository")
+    from chattts_triton.runtime.stores import StoreError, shown_url
+    from chattts_triton.runtime.voices import open_voice_store, store_url
+
+    voice_store = store_url(a.repo, a.voice_store)
+    if voice_store or a.repo is not None:
+        try:  # a URL that names no store fails here, not at the first request
+            store = open_voice_store(voice_store, a.repo)
+        except StoreError as e:
+            p.error(f"--voice-store: {e}")
+        log.info("voice store: %s", shown_url(store.url))
+        store.close()
+    admin_key = (a.admin_key if a.admin_key is not None else os.environ.get(ADMIN_KEY_ENV, "")).strip()
+    if not admin_key and not is_loopback(a.host):
+        log.warning("no admin key on %s: POST and DELETE /v1/audio/voices answer 403 (set --admin-key / %s)", a.host,
+                    ADMIN_KEY_ENV)
     settings = Settings(grpc_url=a.grpc_url, repo=a.repo, api_keys=tuple(keys), timeout_s=a.timeout,
                         channels=a.channels, max_concurrency=a.max_concurrency, piece_concurrency=a.piece_concurrency,
-                        pause_ms=a.pause_ms, stream_default=a.stream_default)
+                        pause_ms=a.pause_ms, stream_default=a.stream_default, voice_store=voice_store,
+                        admin_key=admin_key, host=a.host)
 
     import uvicorn
 

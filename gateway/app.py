@@ -2,7 +2,7 @@
 
     POST /v1/audio/speech    OpenAI's body → audio (mp3, opus, aac, flac, wav, pcm, G.711), whole or streamed, or SSE
     POST /v1/audio/speech/captioned   the same body → JSON: the whole audio (base64) and each piece's timings
-    GET  /v1/audio/voices    the voices VOICE can name (the repository's registry, chattts_triton.voices)
+    GET, POST /v1/audio/voices, GET, DELETE /v1/audio/voices/{id}   the voice store (voices_http.py)
     GET  /v1/audio/models, /v1/models, /v1/models/{id}
     GET  /health             200 when Triton and both models are ready, else 503
     GET  /metrics            Prometheus
@@ -28,16 +28,16 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional, Tuple, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from chattts_triton.config import BUILTIN_VOICE_SEEDS, SAMPLE_RATE
+from chattts_triton.config import SAMPLE_RATE
 
-from . import api, captions, realtime
+from . import api, captions, realtime, voices_http
 from .audio import CONTENT_TYPES, FORMATS, StreamEncoder, encode, needs_pyav, out_length, pyav_available
 from .metrics import Metrics
 from .synth import Job, Part, Segment, SynthesisError, Synthesizer, split_text
@@ -68,6 +68,9 @@ class Settings:
     pause_ms: int = 200  # silence between the pieces of a long input
     stream_default: bool = True  # `stream` when a request does not say
     max_body_bytes: int = 1 << 20  # a body of OpenAI's longest input is < 50 KB; a larger one is refused
+    voice_store: str = ""  # where the voices are kept (voices_http.py; empty: env, the repository's setting, its file)
+    admin_key: str = ""  # writes to the voice store need it; empty: taken on a loopback `host` only
+    host: str = "127.0.0.1"  # the address the gateway listens on
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -430,21 +433,6 @@ class Gateway:
                                   headers={**headers, "Cache-Control": "no-store"})
 
     # --- the rest ----------------------------------------------------------------------------------
-    def voices(self) -> List[Dict[str, object]]:
-        if self.settings.repo is None:
-            return [{"id": n, "name": n, "source": f"seed {s}", "builtin": True} for n, s in sorted(BUILTIN_VOICE_SEEDS.items())]
-        from chattts_triton.config import VOICES
-        from chattts_triton.runtime.voices import VoiceFileError, builtin_voices, read_voices
-
-        path = self.settings.repo / VOICES
-        try:  # the built-ins where the repository has no registry (the server serves those then)
-            voices = read_voices(path) if path.exists() else builtin_voices(1)
-        except VoiceFileError as e:
-            raise api.APIError(500, str(e), "server_error", None, "voice_registry_unreadable") from None
-        return [{"id": n, "name": n, "source": v.source, "builtin": v.builtin, **({"description": v.description}
-                                                                                   if v.description else {})}
-                for n, v in sorted(voices.items())]
-
     async def health(self) -> Tuple[int, Dict[str, object]]:
         ready = await self.synth.ready()
         ok = all(ready.values())
@@ -468,6 +456,7 @@ def create_app(settings: Settings, synthesizer: Optional[Synthesizer] = None) ->
         yield
         await gw.synth.close()
         gw.metrics.close()
+        voices.close()
 
     app = FastAPI(title="chattts-triton speech gateway", version="0.2.0", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
@@ -494,11 +483,6 @@ def create_app(settings: Settings, synthesizer: Optional[Synthesizer] = None) ->
     @app.post("/v1/audio/speech/captioned")
     async def captioned(request: Request):
         return await gw.speech(request, captioned=True)
-
-    @app.get("/v1/audio/voices")
-    async def voices(request: Request):
-        gw.authenticate(request)
-        return {"voices": gw.voices()}
 
     def model_card(name: str) -> Dict[str, object]:
         return {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
@@ -534,6 +518,7 @@ def create_app(settings: Settings, synthesizer: Optional[Synthesizer] = None) ->
         return HTMLResponse(gw.playground)
 
     realtime.install(app, gw)  # WS /v1/audio/speech/stream
+    voices = voices_http.install(app, gw)  # the voice store: /v1/audio/voices
     return app
 
 

@@ -69,9 +69,9 @@ def test_every_write_raises_the_generation_and_a_refused_one_changes_nothing(pai
     b.put("one", {"seed": 3}, replace=True)  # a full store still takes a replacement
     assert a.generation() != before[0] and a.get("one") == {"seed": 3}
     after = a.generation()
-    assert V._delete(b, "nope") is False and a.generation() == after
-    assert V._delete(b, "one") is True and a.get("one") is None and a.generation() != after
-    V._delete(a, "alloy")  # a built-in goes like any other voice, and stays gone
+    assert V.delete_voice(b, "nope") is False and a.generation() == after
+    assert V.delete_voice(b, "one") is True and a.get("one") is None and a.generation() != after
+    V.delete_voice(a, "alloy")  # a built-in goes like any other voice, and stays gone
     assert "alloy" not in b.snapshot()[1] and "nova" in b.snapshot()[1]
 
 
@@ -112,7 +112,7 @@ def test_the_registry_over_a_store_resolves_a_write_of_another_process_at_its_ne
     mixed = reg.resolve("narrator*0.5+alloy*0.5")
     a.put("narrator", {"seed": 7}, replace=True)
     assert reg.resolve("narrator").seed == 7 and reg.resolve("narrator*0.5+alloy*0.5").speaker != mixed.speaker
-    V._delete(a, "narrator")
+    V.delete_voice(a, "narrator")
     with pytest.raises(InputError, match="'narrator' is not a voice"):
         reg.resolve("narrator")
 

@@ -334,7 +334,8 @@ class _Unchanged(Exception):
     """Leaves a file store's edit without writing."""
 
 
-def _delete(store: DocumentStore, name: str) -> bool:
+def delete_voice(store: DocumentStore, name: str) -> bool:
+    """Removes a voice from a store; False where it held none."""
     try:
         return store.delete(name)
     except _Unchanged:
@@ -670,7 +671,7 @@ def main(argv=None) -> int:
                 raise InputError(f"voice {a.name!r} exists; --force replaces it") from None
             print(f"added {a.name}: {voice.source}")
         else:
-            if not _delete(store, a.name):
+            if not delete_voice(store, a.name):
                 raise InputError(f"no voice {a.name!r} (known: {', '.join(sorted(store.snapshot()[1])) or 'none'})")
             print(f"removed {a.name}")
     except (InputError, StoreError, OSError) as e:
