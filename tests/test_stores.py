@@ -48,6 +48,9 @@ def pair(request, tmp_path):
 def test_a_store_never_written_serves_the_builtins_and_a_write_keeps_them(pair):
     a, b = pair
     assert a.generation() is None and b.snapshot() == (None, V.initial_docs())
+    with pytest.raises(S.Exists):  # the built-ins are there before the first write
+        a.put("alloy", {"seed": 1})
+    assert V.delete_voice(a, "nope") is False and b.generation() is None  # a refused write writes nothing
     a.put("narrator", {"seed": 42})
     generation, docs = b.snapshot()
     assert generation is not None and generation == b.generation() == a.generation()

@@ -213,7 +213,7 @@ class SQLiteStore(DocumentStore):
                 except BaseException:
                     conn.execute("ROLLBACK")
                     raise
-                conn.execute("COMMIT")
+                conn.execute("COMMIT" if changed else "ROLLBACK")  # nothing to delete: the store as it was
                 return changed
             except sqlite3.Error as e:
                 raise StoreError(f"{self.path}: {e}") from None
@@ -244,23 +244,30 @@ class SQLiteStore(DocumentStore):
 
 
 # --- Redis -----------------------------------------------------------------------------------------
-# KEYS: the documents' hash, the generation; ARGV: name, doc (or none: delete), replace, MAX_DOCS, then the initial
-# documents as name, doc pairs. A store never written gets its initial documents and generation 0 first. Returns
-# the new generation, or -1 (exists), -2 (full), -3 (nothing to delete). A script runs alone: one transaction.
+# KEYS: the documents' hash, the generation; ARGV: name, doc (empty: delete), replace, MAX_DOCS, then the initial
+# documents as name, doc pairs. A store never written gets its initial documents and generation 0 before its first
+# change; a refused write changes nothing. Returns the new generation, or -1 (exists), -2 (full), -3 (nothing to
+# delete). A script runs alone: one transaction.
 _REDIS_WRITE = """
-if redis.call('EXISTS', KEYS[2]) == 0 then
+local unseeded = redis.call('EXISTS', KEYS[2]) == 0
+local exists = redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1
+local count = redis.call('HLEN', KEYS[1])
+if unseeded then
+  count = (#ARGV - 4) / 2
+  for i = 5, #ARGV, 2 do if ARGV[i] == ARGV[1] then exists = true end end
+end
+if ARGV[2] == '' and not exists then return -3 end
+if ARGV[2] ~= '' and exists and ARGV[3] == '0' then return -1 end
+if ARGV[2] ~= '' and (not exists) and count >= tonumber(ARGV[4]) then return -2 end
+if unseeded then
   for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
   redis.call('SET', KEYS[2], 0)
 end
-local exists = redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1
 if ARGV[2] == '' then
-  if not exists then return -3 end
   redis.call('HDEL', KEYS[1], ARGV[1])
-  return redis.call('INCR', KEYS[2])
+else
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 end
-if exists and ARGV[3] == '0' then return -1 end
-if (not exists) and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[4]) then return -2 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return redis.call('INCR', KEYS[2])
 """
 
@@ -405,10 +412,11 @@ class PostgresStore(DocumentStore):
                         cur.executemany("INSERT INTO chattts_documents VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
                                         [(self.namespace, n, d) for n, d in self._seed().items()])
                 changed = change(conn)
-                if changed:
-                    conn.execute("UPDATE chattts_generations SET generation = generation + 1 WHERE namespace = %s",
-                                 (self.namespace,))
-                return changed
+                if not changed:  # nothing to delete: the store as it was
+                    raise psycopg.Rollback()
+                conn.execute("UPDATE chattts_generations SET generation = generation + 1 WHERE namespace = %s",
+                             (self.namespace,))
+            return changed
 
         result = self._run(run)
         if result is None:
