@@ -9,7 +9,9 @@ Paths, each a closed loop of N requests in flight (no think time), every request
 - `perf_analyzer`: bench.perf over HTTP (`-i http`), its own windows and stability check: the reference;
 - `asyncio`: `AsyncChatTTSClient(protocol="http")`, N tasks in one event loop;
 - `sync`: `ChatTTSClient(protocol="http")`, N threads;
-- `locust`: `python -m loadtest.run --protocol http` (TritonHttpUser), N users;
+- `locust`: `python -m loadtest.run --protocol http` (TritonHttpUser), N users on gevent, in one process or
+  --locust-processes workers (Locust's --processes); its p50/p99 are Locust's current percentiles at the window's
+  end (its last 10 s) and its utt/s its request counts over the window, from its stats history;
 - `tritonclient-aio`: tritonclient.http.aio as it comes (aiohttp's default headers): the control that shows
   what the asyncio client did before it asked for uncompressed answers;
 - `grpc`: `AsyncChatTTSClient(protocol="grpc")`, N tasks: the same load over gRPC, for comparison.
@@ -188,17 +190,27 @@ def run_sync(server: Server, n: int, tokens: int, text: str, warmup: float, seco
     return {**summarize(spans, t0, t1), **server_view(server, before, after, t1 - t0)}
 
 
+def _ms(cell: Optional[str]) -> Optional[float]:
+    try:
+        return float(cell)
+    except (TypeError, ValueError):  # "N/A": no request in Locust's percentile window
+        return None
+
+
 def locust_window(history_csv: Path, t0: float, t1: float) -> Dict[str, Any]:
-    """Requests/s between the wall times t0 and t1 from Locust's stats history (its Aggregated rows)."""
+    """Requests/s between the wall times t0 and t1 from Locust's stats history (its Aggregated rows), and p50/p99
+    from the last row inside: with --csv-full-history, Locust's current percentiles, over its last
+    CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW (10) seconds, so inside a window of 10 s or more."""
     rows = []
     with open(history_csv, newline="") as f:
         for r in csv.DictReader(f):
             if r.get("Name") == "Aggregated" and t0 <= float(r["Timestamp"]) <= t1:
-                rows.append((float(r["Timestamp"]), int(r["Total Request Count"]), int(r["Total Failure Count"])))
+                rows.append((float(r["Timestamp"]), int(r["Total Request Count"]), int(r["Total Failure Count"]), r))
     if len(rows) < 2 or rows[-1][0] <= rows[0][0]:
         raise RuntimeError(f"{history_csv}: fewer than two stats rows between {t0:.0f} and {t1:.0f}")
-    (a, na, fa), (b, nb, fb) = rows[0], rows[-1]
-    return {"throughput_utt_s": ((nb - na) - (fb - fa)) / (b - a), "errors": fb - fa, "requests": nb - na}
+    (a, na, fa, _), (b, nb, fb, last) = rows[0], rows[-1]
+    return {"throughput_utt_s": ((nb - na) - (fb - fa)) / (b - a), "latency_p50_ms": _ms(last.get("50%")),
+            "latency_p99_ms": _ms(last.get("99%")), "errors": fb - fa, "requests": nb - na}
 
 
 def run_locust(server: Server, n: int, tokens: int, text: str, warmup: float, seconds: float, out: Path,
@@ -223,8 +235,6 @@ def run_locust(server: Server, n: int, tokens: int, text: str, warmup: float, se
             if proc.poll() is None:
                 proc.kill()
     row = locust_window(out / "stats_stats_history.csv", w0 + t0, w0 + t1)
-    summary = json.loads((out / "tts_stats.json").read_text()) if (out / "tts_stats.json").is_file() else {}
-    row.update(latency_p50_ms=summary.get("latency_p50_ms"), latency_p99_ms=summary.get("latency_p99_ms"))  # whole run
     return {**row, **server_view(server, before, after, t1 - t0)}
 
 

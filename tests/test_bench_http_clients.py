@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 
@@ -22,18 +23,24 @@ def test_summarize_counts_the_window_only():
 def _history(path, rows):
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["Timestamp", "User Count", "Type", "Name", "Total Request Count", "Total Failure Count"])
+        w.writerow(["Timestamp", "User Count", "Type", "Name", "50%", "99%", "Total Request Count", "Total Failure Count"])
         w.writerows(rows)
 
 
 def test_locust_window_takes_the_aggregated_rows_inside(tmp_path):
     p = tmp_path / "h.csv"
-    _history(p, [[100, 4, "", "Aggregated", 10, 0], [101, 4, "http", "chattts short", 99, 9],
-                 [102, 4, "", "Aggregated", 30, 1], [106, 4, "", "Aggregated", 110, 3], [120, 4, "", "Aggregated", 500, 3]])
+    _history(p, [[100, 4, "", "Aggregated", "N/A", "N/A", 10, 0], [101, 4, "http", "chattts short", 1, 2, 99, 9],
+                 [102, 4, "", "Aggregated", 40, 90, 30, 1], [106, 4, "", "Aggregated", 45, 95, 110, 3],
+                 [120, 4, "", "Aggregated", 70, 99, 500, 3]])
     got = hc.locust_window(p, 101.5, 110)
-    assert got == {"throughput_utt_s": pytest.approx((80 - 2) / 4), "errors": 2, "requests": 80}
+    assert got == {"throughput_utt_s": pytest.approx((80 - 2) / 4), "errors": 2, "requests": 80,
+                   "latency_p50_ms": 45.0, "latency_p99_ms": 95.0}  # the last row's: Locust's current percentiles
+    assert hc.locust_window(p, 99, 103)["latency_p50_ms"] == 40.0
+    _history(p, [[100, 4, "", "Aggregated", "N/A", "N/A", 0, 0], [101, 4, "", "Aggregated", "N/A", "N/A", 0, 0]])
+    assert hc.locust_window(p, 100, 101) == {"throughput_utt_s": 0.0, "errors": 0, "requests": 0,
+                                             "latency_p50_ms": None, "latency_p99_ms": None}
     with pytest.raises(RuntimeError, match="fewer than two"):
-        hc.locust_window(p, 107, 110)
+        hc.locust_window(p, 101, 110)
 
 
 def test_ratios_and_marks_against_perf_analyzer():
@@ -72,22 +79,49 @@ def test_standin_has_the_ensembles_inputs_and_outputs(tmp_path):
         standin.write_repo(tmp_path / "x", default_frames=0)
 
 
+@pytest.fixture(scope="module")
+def standin_server(tmp_path_factory):
+    from chattts_triton.launcher.tritonserver import TritonServer
+
+    tmp = tmp_path_factory.mktemp("standin")
+    with TritonServer(standin.write_repo(tmp / "r"), log_file=tmp / "log") as server:
+        yield server
+
+
 @pytest.mark.e2e
-def test_standin_serves_the_forced_length_to_our_clients(tmp_path):
+def test_standin_serves_the_forced_length_to_our_clients(standin_server):
     import asyncio
 
-    from chattts_triton.launcher.tritonserver import TritonServer
     from client import AsyncChatTTSClient, ChatTTSClient
 
-    with TritonServer(standin.write_repo(tmp_path / "r"), log_file=tmp_path / "log") as server:
-        with ChatTTSClient(server.grpc_url, retries=0) as c:
-            audio = c.infer_one("你好。", {"max_new_tokens": 12, "min_new_tokens": 12})
-            spoken = c.infer_one("你好。", spoken_text=True)[1]
+    server = standin_server
+    with ChatTTSClient(server.grpc_url, retries=0) as c:
+        audio = c.infer_one("你好。", {"max_new_tokens": 12, "min_new_tokens": 12})
+        spoken = c.infer_one("你好。", spoken_text=True)[1]
 
-        async def over_http():
-            async with AsyncChatTTSClient(server.http_url, protocol="http", retries=0) as c:
-                return await c.infer_one("你好。")
+    async def over_http():
+        async with AsyncChatTTSClient(server.http_url, protocol="http", retries=0) as c:
+            return await c.infer_one("你好。")
 
-        default = asyncio.run(over_http())
+    default = asyncio.run(over_http())
     assert audio.size == C.samples_for_codes(12) and default.size == C.samples_for_codes(standin.DEFAULT_FRAMES)
     assert spoken == "你好。" and 0 < abs(default).max() < 1
+
+
+@pytest.mark.e2e
+def test_locust_row_from_worker_processes(standin_server, tmp_path):
+    """The locust path as the GPU stage runs it (Locust's --processes: a master and its workers), into the report:
+    its requests, latencies and the server's view of the window, all from a real run."""
+    server = standin_server
+    argv = ["--url", server.http_url, "--metrics-url", f"{server.host}:{server.metrics_port}", "--paths", "locust",
+            "--concurrency", "4", "--tokens", "8", "--warmup", "1", "--seconds", "3", "--pause", "0",
+            "--locust-processes", "2", "--out", str(tmp_path)]
+    assert hc.main(argv) == 0
+    (row,) = json.loads((tmp_path / "http-clients.json").read_text())["rows"]
+    assert row["path"] == "locust" and row["concurrency"] == 4 and row["errors"] == 0
+    assert row["requests"] > 0 and row["throughput_utt_s"] > 0
+    assert 0 < row["latency_p50_ms"] <= row["latency_p99_ms"]
+    assert row["model_batch"] >= 1  # the server saw the window's requests
+    log = (tmp_path / "locust-c4" / "locust.log").read_text()
+    assert "--processes 2" in log
+    assert "| 4 | locust |" in (tmp_path / "http-clients.md").read_text()

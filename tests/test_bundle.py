@@ -80,23 +80,25 @@ def test_bundle_install_script_is_complete_bash(tmp_path):
 
 def test_install_script_installs_what_the_host_lacks_or_has_older(tmp_path):
     """install.sh on stand-in tars with this interpreter as the host: the always-wheels go in; of the if-missing
-    ones, a module the host lacks and one it has older go in, one it has newer stays the host's."""
+    ones, a module the host lacks and one it has older go in, one it has newer stays the host's; the last check imports
+    `alone` each in a fresh process."""
     import typing_extensions  # noqa: F401  the host's (this environment's) copy: older than 99.0
 
     out = tmp_path / "bundle"
     (out / "w").mkdir(parents=True)
     always = _wheel(out / "w", "gwalways", "1.0", {"gwalways/__init__.py": ""})
+    alone = _wheel(out / "w", "gwalone", "1.0", {"gwalone/__init__.py": "import sys\nassert 'ssl' not in sys.modules\n"})
     missing = _wheel(out / "w", "gwmissing", "1.0", {"gwmissing/__init__.py": ""})
     older = _wheel(out / "w", "typing_extensions", "99.0", {"typing_extensions.py": "NEWER = True\n"})
     newer = _wheel(out / "w", "click", "0.1", {"click/__init__.py": "OLDER = True\n"})
-    bundle.write_wheels_tar_xz([always], "wheels", out / "wheels.tar.xz")
+    bundle.write_wheels_tar_xz([always, alone], "wheels", out / "wheels.tar.xz")
     bundle.write_wheels_tar_xz([missing, older, newer], "wheels-if-missing", out / "wheels-if-missing.tar.xz")
     for name in ("tritonserver", "perf-analyzer"):  # stand-ins: the server's check only warns
         with tarfile.open(out / f"{name}.tar.xz", "w:xz"):
             pass
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
     script = bundle.write_install_sh(out, python, {"gwmissing": missing, "typing_extensions": older, "click": newer},
-                                     imports=("gwalways", "gwmissing"))
+                                     imports=("gwalways", "gwmissing", "ssl"), alone=("gwalone", "gwnothere"))
     site = tmp_path / "site"
     env = {**os.environ, "PYTHON": sys.executable, "SITE": str(site), "STUB_SITE": str(tmp_path / "stub"),
            "TRITON_DIR": str(tmp_path / "triton")}
@@ -111,6 +113,8 @@ def test_install_script_installs_what_the_host_lacks_or_has_older(tmp_path):
     assert re.search(r"typing_extensions: the host has typing_extensions [\d.]+, older than 99\.0, installing", log)
     assert re.search(r"click: the host's click [\d.]+ is used", log)
     assert "ok      gwalways" in log and "ok      gwmissing" in log
+    # imported in a fresh process, as Locust must be (its gevent patching fails once ssl is imported)
+    assert "ok      gwalone" in log and "MISSING gwnothere: ModuleNotFoundError: No module named 'gwnothere'" in log
 
 
 def test_elf_reader_finds_the_servers_bundled_libraries():
@@ -119,3 +123,43 @@ def test_elf_reader_finds_the_servers_bundled_libraries():
     assert any(n.startswith("libtritonserver-") for n in needed) and "libc.so.6" in needed
     libs = bundle.needed_bundled_libs([root / "bin" / "tritonserver"], root.parent.parent / "nvidia_pytriton.libs")
     assert not any(n.startswith("libpython3") for n in libs)  # only the 3.13 stub needs that one
+
+
+def test_locust_group_carries_what_locust_needs_beside_the_hosts_own():
+    """Every distribution Locust needs on Linux (its requirements, and theirs, as this environment's metadata says) is
+    in the locust or http group or named in LOCUST_NOT_CARRIED; install.sh imports Locust where the group travels."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731
+    carried = {norm(n) for g in ("locust", "http") for n, _, _ in bundle.IF_MISSING_GROUPS[g]}
+    not_carried = {norm(n) for n in bundle.LOCUST_NOT_CARRIED}
+    assert "locust" in bundle.DEFAULT_GROUPS and bundle.GROUP_NEEDS["locust"] == ("http",)
+    assert not carried & not_carried
+    env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+           "platform_system": "Linux", "implementation_name": "cpython", "extra": ""}
+    todo, seen, gaps = ["locust"], set(), []
+    while todo:
+        name = todo.pop()
+        if name in seen or name in not_carried:
+            continue
+        seen.add(name)
+        if name not in carried:
+            gaps.append(name)
+            continue
+        for text in metadata.distribution(name).requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate(env):
+                todo.append(norm(req.name))
+    assert not gaps, f"Locust needs {gaps}: carry them in the locust group or say why not in LOCUST_NOT_CARRIED"
+    locust_modules = {module for _, _, module in bundle.IF_MISSING_GROUPS["locust"]}
+    assert {m.split(".")[0] for m in bundle.LOCUST_IMPORTS} <= locust_modules
+
+
+def test_leaving_http_out_leaves_locust_out_and_says_so():
+    said = []
+    assert bundle.select_groups(list(bundle.DEFAULT_GROUPS), {"http"}, said.append) == ["gateway"]
+    assert said == ["note: leaving the locust group out too: it needs http"]
+    assert bundle.select_groups([*bundle.DEFAULT_GROUPS, "grpc", "http"], {"gateway"}, said.append) == ["http", "locust", "grpc"]
+    assert len(said) == 1

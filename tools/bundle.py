@@ -17,9 +17,11 @@ OUT_DIR then holds:
                             `python -m gateway` and `python -m bench.gateway` need for wav and pcm:
                             FastAPI, uvicorn with httptools, soundfile, prometheus-client, aiohttp
                             and their dependencies, 8.7 MB; not PyAV, 36 MB: no mp3/opus/aac, no
-                            wav stream): 9.2 MB in the tar. --with grpc (grpcio, 7.4 MB) and --with
-                            tokenizers (tokenizers and safetensors, which transformers already
-                            requires: 3.9 MB) on request; --without GROUP leaves a default one out
+                            wav stream) and "locust" (Locust and Flask, pyzmq, ... for loadtest.run and
+                            bench.http_clients' locust path, 3.6 MB; it needs "http"): 11.8 MB in the
+                            tar. --with grpc (grpcio, 7.4 MB) and --with tokenizers (tokenizers and
+                            safetensors, which transformers already requires: 3.9 MB) on request;
+                            --without GROUP leaves a default one out (--without http also locust)
     stub-numpy.tar.xz       numpy 1.26.4 as an installed site folder (tests removed; xz halves the
                             wheel's 18 MB), unpacked only if the host's numpy is 2.x, into a folder
                             that only the python-backend stub sees (Triton 2.51's stub silently
@@ -135,13 +137,39 @@ IF_MISSING_GROUPS: Dict[str, Tuple[Tuple[str, str, str], ...]] = {
         ("propcache", "0.5.4", "propcache"),
         ("yarl", "1.25.1", "yarl"),
     ),
+    # Locust (loadtest.run, bench.http_clients' locust path) on top of "http"'s gevent stack: 3.6 MB of wheels,
+    # 2.6 MB in the tar beside the others. Not carried (LOCUST_NOT_CARRIED): what the host's image has and what Locust
+    # imports only where we never run it
+    "locust": (
+        ("locust", "2.47.0", "locust"),
+        ("flask", "3.1.3", "flask"),  # its web UI and report.html, imported in headless runs too
+        ("flask-cors", "6.0.5", "flask_cors"),
+        ("flask-login", "0.6.3", "flask_login"),
+        ("werkzeug", "3.1.9", "werkzeug"),  # the host has one; Flask 3.1 needs >= 3.1
+        ("blinker", "1.9.0", "blinker"),
+        ("itsdangerous", "2.2.0", "itsdangerous"),
+        ("click", "8.5.1", "click"),  # also in "gateway": one wheel
+        ("configargparse", "1.9.0", "configargparse"),
+        ("pyzmq", "27.3.0", "zmq"),  # --processes: the master and its workers talk over ZeroMQ
+        ("msgpack", "1.2.4", "msgpack"),
+        ("psutil", "7.2.2", "psutil"),
+        ("requests", "2.34.2", "requests"),  # Locust needs >= 2.33.1, newer than the host may have
+    ),
     "grpc": (("grpcio", "1.85.3", "grpc"),),  # 7.4 MB
     "tokenizers": (("tokenizers", "0.23.3", "tokenizers"), ("safetensors", "0.8.0", "safetensors")),  # 3.9 MB
 }
-DEFAULT_GROUPS = ("http", "gateway")
+DEFAULT_GROUPS = ("http", "gateway", "locust")
+# a group -> the groups it cannot work without (Locust runs on gevent)
+GROUP_NEEDS: Dict[str, Tuple[str, ...]] = {"locust": ("http",)}
+# What Locust requires (its own requirements and its group's, on Linux) that the "locust" group does not carry: the
+# host's image has them (torch brings jinja2 and markupsafe, requests urllib3, certifi and charset-normalizer, and
+# pytest is there), or only modules we never import need them (python-socketio and -engineio: locust.contrib.socketio;
+# pytest: Locust's pytest plugin). idna and typing-extensions travel in "gateway".
+LOCUST_NOT_CARRIED = ("jinja2", "markupsafe", "urllib3", "certifi", "charset-normalizer", "idna", "typing-extensions",
+                      "pytest", "python-socketio", "python-engineio")
 STUB_NUMPY = ("numpy", "1.26.4")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-SIZE_BUDGET_MB = 56  # with the ≈ 5-MB tree, inside the device tool's 64-MiB carry (53.4 MB by default)
+SIZE_BUDGET_MB = 60  # with the ≈ 5-MB tree, inside the device tool's 64-MiB (67.1-MB) carry
 # Modules install.sh imports to prove the host can run server, client and upstream benchmarks.
 HOST_IMPORTS = (
     "torch", "numpy", "tokenizers", "safetensors", "pybase16384", "onnxruntime",
@@ -149,6 +177,10 @@ HOST_IMPORTS = (
 )
 # ... and the speech gateway with bench.gateway's load generator, where the bundle carries the "gateway" group
 GATEWAY_IMPORTS = ("fastapi", "uvicorn", "httptools", "websockets", "soxr", "soundfile", "prometheus_client", "aiohttp")
+# ... and Locust's command line, which imports all of its group (pyzmq and msgpack for --processes, Flask), where the
+# bundle carries the "locust" group: in a process of its own (importing locust patches the standard library with gevent,
+# which fails once ssl is imported, as the check above has)
+LOCUST_IMPORTS = ("locust.main",)
 
 
 # --- wheels ------------------------------------------------------------------------------------
@@ -400,7 +432,7 @@ tar -xJf "$HERE/perf-analyzer.tar.xz" -C "$TRITON_DIR"
 
 echo "== import check"
 PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'EOF' || true
-import importlib
+import importlib, subprocess, sys
 for name in @HOST_IMPORTS@:
     try:
         importlib.import_module(name)
@@ -408,6 +440,12 @@ for name in @HOST_IMPORTS@:
     except Exception as e:  # report every gap at once, with the root cause
         cause = e.__cause__ or e
         print("   MISSING " + name + ": " + type(cause).__name__ + ": " + str(cause)[:200])
+for name in @ALONE_IMPORTS@:  # each in a fresh process: Locust's gevent patching fails once ssl is imported
+    run = subprocess.run([sys.executable, "-c", "import " + name], capture_output=True, text=True)
+    if run.returncode == 0:
+        print("   ok      " + name)
+    else:
+        print("   MISSING " + name + ": " + (run.stderr.strip().splitlines() or ["exit %d" % run.returncode])[-1][:200])
 EOF
 
 cat <<EOF
@@ -458,9 +496,9 @@ def write_site_tar_xz(wheel: Path, out: Path, drop_tests: bool = True) -> Path:
 
 
 def write_install_sh(out_dir: Path, python: str, if_missing_wheels: Dict[str, Path],
-                     imports: Sequence[str] = HOST_IMPORTS) -> Path:
+                     imports: Sequence[str] = HOST_IMPORTS, alone: Sequence[str] = ()) -> Path:
     """install.sh for Python `python`; `if_missing_wheels`: import name → its wheel in wheels-if-missing/;
-    `imports`: what its last check imports."""
+    `imports`: what its last check imports, in one process; `alone`: then each in a process of its own."""
     major, minor = python.split(".")
     specs = " ".join(f"{w.name}:{module}" for module, w in if_missing_wheels.items())
     text = (
@@ -470,6 +508,7 @@ def write_install_sh(out_dir: Path, python: str, if_missing_wheels: Dict[str, Pa
         .replace("@IF_MISSING@", specs)
         .replace("@NUMPY@", STUB_NUMPY[1])
         .replace("@HOST_IMPORTS@", repr(tuple(imports)))
+        .replace("@ALONE_IMPORTS@", repr(tuple(alone)))
     )
     path = out_dir / "install.sh"
     path.write_text(text)
@@ -529,7 +568,7 @@ def build_bundle(
             shutil.copy2(f, tree / f.name)
         write_tar_xz(Path(tmp), out_dir / "perf-analyzer.tar.xz")
     imports = HOST_IMPORTS + (GATEWAY_IMPORTS if "gateway" in groups else ())
-    write_install_sh(out_dir, python, if_missing, imports)
+    write_install_sh(out_dir, python, if_missing, imports, alone=LOCUST_IMPORTS if "locust" in groups else ())
     files = sorted(p for p in out_dir.rglob("*") if p.is_file() and p.name != "MANIFEST.txt")
     sizes = {str(p.relative_to(out_dir)): p.stat().st_size for p in files}
     with open(out_dir / "MANIFEST.txt", "w") as f:
@@ -539,6 +578,17 @@ def build_bundle(
         for size, sha, name in inside:
             f.write(f"{size:>12}  {sha}  {name}\n")
     return sizes
+
+
+def select_groups(asked: Sequence[str], left_out: Set[str], log=lambda msg: print(msg, file=sys.stderr)) -> List[str]:
+    """The groups asked for less those left out, and less any that needs one left out (GROUP_NEEDS), saying so."""
+    groups = [g for g in dict.fromkeys(asked) if g not in left_out]
+    for group in list(groups):
+        lacking = [g for g in GROUP_NEEDS.get(group, ()) if g not in groups]
+        if lacking:  # e.g. --without http: Locust cannot run without gevent
+            log(f"note: leaving the {group} group out too: it needs {', '.join(lacking)}")
+            groups.remove(group)
+    return groups
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -553,8 +603,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help=f"leave a default group out ({', '.join(DEFAULT_GROUPS)})")
     p.add_argument("--without-http", action="store_true", help="the same as --without http")
     args = p.parse_args(argv)
-    left_out = set(args.without) | ({"http"} if args.without_http else set())
-    groups = [g for g in dict.fromkeys(args.groups) if g not in left_out]
+    groups = select_groups(args.groups, set(args.without) | ({"http"} if args.without_http else set()))
     sizes = build_bundle(args.out_dir, args.python, groups=groups)
     for name, size in sizes.items():
         print(f"{size / 1e6:9.2f} MB  {name}")

@@ -87,10 +87,11 @@ for stage in "$@"; do
         ${REALTIME_ARGS:-} 2>&1 | tee "$OUT/realtime.log" ;;
     httpclients)  # our HTTP clients (asyncio, sync, Locust) beside perf_analyzer over HTTP at 64 and 256, with
       # tritonclient.http.aio as it comes and gRPC for comparison (bench/http_clients.py; HTTPCLIENTS_ARGS), on the
-      # default export through the launcher; ≈ 100 s to ready + ≈ 8 min measured: run it detached
+      # default export through the launcher; ≈ 100 s to ready + ≈ 8 min measured: run it detached. Locust's users
+      # in 4 worker processes (the bundle's locust group), so that no one gevent loop decodes every answer
       export_repo build/bench-repo
       python3 -m bench.http_clients --repo build/bench-repo --out "$OUT/http-clients" --concurrency 64,256 --tokens 150 \
-        --paths perf_analyzer,asyncio,sync,locust,tritonclient-aio,grpc --seconds 20 --warmup 10 \
+        --paths perf_analyzer,asyncio,sync,locust,tritonclient-aio,grpc --seconds 20 --warmup 10 --locust-processes 4 \
         --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(nproc) CPU cores" \
         ${HTTPCLIENTS_ARGS:-} 2>&1 | tee "$OUT/http_clients.log"
       cp "$OUT"/http-clients/http-clients.{json,md} "$OUT"/ 2>/dev/null ;;
