@@ -19,6 +19,7 @@ cool-down (its probe succeeds) while the others take the load.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Set, Union
@@ -31,17 +32,13 @@ from .client import (
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT_S,
     MAX_BACKOFF_S,
-    AioGrpcTransport,
-    AioHttpTransport,
     AsyncChatTTSClient,
     ChatTTSClient,
-    GrpcTransport,
-    HttpTransport,
-    check_protocol,
     check_url,
 )
 from .contract import MODEL, STREAM_MODEL
 from .errors import ChatTTSError, ChatTTSUnavailableError, to_chattts_error
+from .transport import Steps, run_async, run_sync
 
 DEFAULT_COOLDOWN_S = 2.0  # a down endpoint is not probed again sooner than this
 
@@ -175,61 +172,61 @@ def _all_down(pool: EndpointPool, last: Optional[ChatTTSError]) -> ChatTTSUnavai
     return ChatTTSUnavailableError(f"all {len(pool.endpoints)} endpoint(s) down ({urls}){detail}")
 
 
-# --- sync ---------------------------------------------------------------------------------------
-class _BalancedTransport:
+# --- selection and failover, as steps (client/transport.py) that each face runs with its driver ---------------------
+class _Balanced:
+    """The endpoints' transports as one transport. A face gives `_run` and `_start_due_probes` (threads or tasks)."""
+
+    _run: Callable[[Steps], Any]
+
     def __init__(self, pool: EndpointPool, protocol: str, model: str):
         self.pool, self._protocol, self._model = pool, protocol, model
-        self._probe_threads: List[threading.Thread] = []
-        self._threads_lock = threading.Lock()
 
-    def _where(self, ep: Endpoint) -> str:
-        return _where(self._protocol, ep.url, self._model)
+    def _where(self, ep: Endpoint, model: Optional[str] = None) -> str:
+        return _where(self._protocol, ep.url, model or self._model)
 
-    def _probe(self, ep: Endpoint) -> bool:
+    def _start_due_probes(self) -> None:
+        raise NotImplementedError
+
+    def _probe(self, ep: Endpoint) -> Steps:
         try:
-            ready = bool(ep.transport.is_ready())
+            ready = bool((yield ep.transport.is_ready))
         except Exception:  # noqa: BLE001  any failure of a probe: not ready
             ready = False
         self.pool.probe_done(ep, ready)
         return ready
 
-    def _start_due_probes(self) -> None:
-        for ep in self.pool.due_probes():
-            thread = threading.Thread(target=self._probe, args=(ep,), name=f"chattts-probe-{ep.url}", daemon=True)
-            with self._threads_lock:
-                self._probe_threads = [t for t in self._probe_threads if t.is_alive()] + [thread]
-            thread.start()
-
-    def wait_for_probes(self, timeout_s: Optional[float] = None) -> None:
-        with self._threads_lock:
-            threads = list(self._probe_threads)
-        for thread in threads:
-            thread.join(timeout_s)
-
-    def _revive(self, exclude: Set[Endpoint]) -> Optional[Endpoint]:
+    def _revive(self, exclude: Set[Endpoint]) -> Steps:
         """All down: probe them here (this request has nothing else to do); the first ready one, claimed."""
         claimed = self.pool.claim_for_probe(exclude)
         for k, ep in enumerate(claimed):
-            if self._probe(ep):
+            if (yield from self._probe(ep)):
                 self.pool.claim(ep)
                 self.pool.unclaim(claimed[k + 1 :])
                 return ep
         return None
 
+    def _acquire(self, tried: Set[Endpoint], last: Optional[ChatTTSError]) -> Steps:
+        """The endpoint for the next attempt, counted as busy; UNAVAILABLE when none is up or revives."""
+        self._start_due_probes()
+        ep = self.pool.acquire(tried) or (yield from self._revive(tried))
+        if ep is None:
+            raise _all_down(self.pool, last)
+        return ep
+
     def infer(self, arrays: Mapping[str, np.ndarray], **kw):
+        return self._run(self._infer(arrays, kw))
+
+    def _infer(self, arrays: Mapping[str, np.ndarray], kw: Dict[str, Any]) -> Steps:
         tried: Set[Endpoint] = set()
         last: Optional[ChatTTSError] = None
         while True:
-            self._start_due_probes()
-            ep = self.pool.acquire(tried) or self._revive(tried)
-            if ep is None:
-                raise _all_down(self.pool, last)
+            ep = yield from self._acquire(tried, last)
             ok = False
             try:
-                audio = ep.transport.infer(arrays, **kw)
+                audio = yield functools.partial(ep.transport.infer, arrays, **kw)
                 ok = True
                 return audio
-            except Exception as exc:
+            except Exception as exc:  # CancelledError is a BaseException: not a failover
                 err = to_chattts_error(exc, self._where(ep))
                 if not err.retryable:
                     raise err from exc
@@ -242,33 +239,27 @@ class _BalancedTransport:
     def open_stream(self, model: str, chunk_timeout_s: float, **kw) -> "_BalancedStreamSession":
         return _BalancedStreamSession(self, model, chunk_timeout_s, **kw)
 
-    def is_ready(self) -> bool:
-        """Probe every endpoint now (updating up/down); True if any is ready."""
-        return any([self._probe(ep) for ep in self.pool.endpoints])
+    def statistics(self, model: str):
+        return self._run(self._statistics(model))
 
-    def statistics(self, model: str) -> dict:
+    def _statistics(self, model: str) -> Steps:
         stats: Dict[str, Any] = {}
         last: Optional[ChatTTSError] = None
         for ep in self.pool.endpoints:
             try:
-                stats[ep.url] = ep.transport.statistics(model)
+                stats[ep.url] = yield functools.partial(ep.transport.statistics, model)
             except Exception as exc:  # noqa: BLE001  any failure: the next server's statistics
                 last = to_chattts_error(exc, self._where(ep))
         if not stats:
             raise _all_down(self.pool, last)
         return stats
 
-    def close(self) -> None:
-        self.wait_for_probes(timeout_s=1.0)
-        for ep in self.pool.endpoints:
-            ep.transport.close()
-
 
 class _BalancedStreamSession:
     """A stream request on the least busy endpoint. UNAVAILABLE or a connection failure before the
     first audio marks the endpoint down and sends the request to another one, like `infer`."""
 
-    def __init__(self, transport: _BalancedTransport, model: str, chunk_timeout_s: float, **kw):
+    def __init__(self, transport: _Balanced, model: str, chunk_timeout_s: float, **kw):
         self._t, self._model, self._timeout_s = transport, model, chunk_timeout_s
         self._kw = kw  # open_stream keywords (spoken_text) for each endpoint's session
         self.spoken_text: Optional[str] = None
@@ -279,32 +270,25 @@ class _BalancedStreamSession:
         self._session: Any = None
         self._audio = False  # audio came back: no failover any more
 
-    def _where(self, ep: Endpoint) -> str:
-        return _where(self._t._protocol, ep.url, self._model)
-
-    def _open(self) -> None:
-        self._t._start_due_probes()
-        ep = self._t.pool.acquire(self._tried) or self._t._revive(self._tried)
-        if ep is None:
-            raise _all_down(self._t.pool, self._last)
-        self._ep = ep
+    def _open(self) -> Steps:
+        self._ep = yield from self._t._acquire(self._tried, self._last)
         try:
-            self._session = ep.transport.open_stream(self._model, self._timeout_s, **self._kw)
-            self._session.send(self._arrays)
+            self._session = self._ep.transport.open_stream(self._model, self._timeout_s, **self._kw)
+            yield functools.partial(self._session.send, self._arrays)
         except Exception as exc:  # noqa: BLE001  any failure before the first chunk: the next server
-            self._failed(exc)
+            yield from self._failed(exc)
 
-    def _failed(self, exc: Exception) -> None:
+    def _failed(self, exc: Exception) -> Steps:
         """Raise, or fail over to the next endpoint (which may raise in turn)."""
         ep = self._ep
-        err = to_chattts_error(exc, self._where(ep))
+        err = to_chattts_error(exc, self._t._where(ep, self._model))
         self._release(cancel=True)
         if not err.retryable or self._audio:
             raise err from exc
         self._t.pool.mark_down(ep, err)
         self._tried.add(ep)
         self._last = err
-        self._open()
+        yield from self._open()
 
     def _release(self, cancel: bool) -> None:
         ep, session, self._ep, self._session = self._ep, self._session, None, None
@@ -315,35 +299,135 @@ class _BalancedStreamSession:
             if ep is not None:
                 self._t.pool.release(ep, not cancel)
 
-    def send(self, arrays: Mapping[str, np.ndarray]) -> None:
+    def send(self, arrays: Mapping[str, np.ndarray]):
         self._arrays = arrays
-        self._open()
+        return self._t._run(self._open())
 
     def receive(self):
+        return self._t._run(self._receive())
+
+    def _receive(self) -> Steps:
         while True:
             try:
-                chunk, final = self._session.receive()
+                chunk, final = yield self._session.receive
             except Exception as exc:  # noqa: BLE001  any failure: _failed decides whether another server gets it
-                self._failed(exc)
+                yield from self._failed(exc)
                 continue
             self._audio = self._audio or chunk.size > 0
             self.spoken_text = self.spoken_text or getattr(self._session, "spoken_text", None)
             return chunk, final
 
-    def close(self, cancel: bool) -> None:
+    def close(self, cancel: bool) -> None:  # synchronous in both faces, as the sessions' is
         self._release(cancel)
 
 
-def _make_pool(urls, transports, factory, cooldown_s, clock) -> EndpointPool:
-    if transports is None:
-        transports = [factory(url) for url in urls]
-    transports = list(transports)
-    if len(transports) != len(urls):
-        raise ValueError(f"got {len(transports)} transports for {len(urls)} urls")
-    return EndpointPool([Endpoint(u, t) for u, t in zip(urls, transports)], cooldown_s, clock)
+class _BalancedTransport(_Balanced):
+    _run = staticmethod(run_sync)
+
+    def __init__(self, pool: EndpointPool, protocol: str, model: str):
+        super().__init__(pool, protocol, model)
+        self._probe_threads: List[threading.Thread] = []
+        self._threads_lock = threading.Lock()
+
+    def _start_due_probes(self) -> None:
+        for ep in self.pool.due_probes():
+            thread = threading.Thread(target=run_sync, args=(self._probe(ep),), name=f"chattts-probe-{ep.url}",
+                                      daemon=True)
+            with self._threads_lock:
+                self._probe_threads = [t for t in self._probe_threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def wait_for_probes(self, timeout_s: Optional[float] = None) -> None:
+        with self._threads_lock:
+            threads = list(self._probe_threads)
+        for thread in threads:
+            thread.join(timeout_s)
+
+    def is_ready(self) -> bool:
+        """Probe every endpoint now (updating up/down); True if any is ready."""
+        return any([run_sync(self._probe(ep)) for ep in self.pool.endpoints])
+
+    def close(self) -> None:
+        self.wait_for_probes(timeout_s=1.0)
+        for ep in self.pool.endpoints:
+            ep.transport.close()
 
 
-class BalancedChatTTSClient(ChatTTSClient):
+class _AsyncBalancedTransport(_Balanced):
+    _run = staticmethod(run_async)
+
+    def __init__(self, pool: EndpointPool, protocol: str, model: str):
+        super().__init__(pool, protocol, model)
+        self._probe_tasks: Set[asyncio.Task] = set()
+
+    def _start_due_probes(self) -> None:
+        for ep in self.pool.due_probes():
+            task = asyncio.ensure_future(run_async(self._probe(ep)))
+            self._probe_tasks.add(task)
+            task.add_done_callback(self._probe_tasks.discard)
+
+    async def wait_for_probes(self) -> None:
+        if self._probe_tasks:
+            await asyncio.gather(*list(self._probe_tasks), return_exceptions=True)
+
+    async def is_ready(self) -> bool:
+        results = await asyncio.gather(*[run_async(self._probe(ep)) for ep in self.pool.endpoints])
+        return any(results)
+
+    async def close(self) -> None:
+        for task in list(self._probe_tasks):
+            task.cancel()
+        await asyncio.gather(*list(self._probe_tasks), return_exceptions=True)
+        for ep in self.pool.endpoints:
+            await ep.transport.close()
+
+
+# --- the clients -----------------------------------------------------------------------------------------------------
+class _BalancedClient:
+    """What the sync and async balanced clients add to their client: the endpoints, made into one transport by
+    `_new_transport` (the sync face's at once, the async face's on first use, inside the running loop, unless
+    `transports` are given). `inference_statistics()` answers {url: Triton statistics} for every endpoint that
+    answered (UNAVAILABLE if none did)."""
+
+    _BALANCED: type  # _BalancedTransport or _AsyncBalancedTransport
+    urls: List[str]
+    protocol: str
+    model: str
+    _endpoint_transport: Callable[[str], Any]  # the client's: a tritonclient transport to one url
+
+    def _endpoints(self, urls, cooldown_s: float, transports, clock) -> str:
+        """Keeps what `_new_transport` needs; the urls as the client's `url`."""
+        self.urls = parse_urls(urls)
+        if cooldown_s < 0:
+            raise ValueError(f"cooldown_s must be >= 0, got {cooldown_s!r}")
+        self._cooldown_s, self._transports, self._clock = cooldown_s, transports, clock
+        return ",".join(self.urls)
+
+    def _new_transport(self) -> _Balanced:
+        transports = self._transports
+        if transports is None:
+            transports = [self._endpoint_transport(url) for url in self.urls]
+        transports = list(transports)
+        if len(transports) != len(self.urls):
+            raise ValueError(f"got {len(transports)} transports for {len(self.urls)} urls")
+        endpoints = [Endpoint(u, t) for u, t in zip(self.urls, transports, strict=True)]
+        pool = EndpointPool(endpoints, self._cooldown_s, self._clock)
+        return self._BALANCED(pool, self.protocol, self.model)
+
+    def endpoint_stats(self) -> List[Dict[str, Any]]:
+        """Per endpoint, in `urls` order: url, up, outstanding, served, failures, last_error."""
+        return self._get_transport().pool.stats()
+
+    def wait_for_probes(self, *args):
+        """Join the background probes started so far (tests; close() does it too): `timeout_s` (sync), awaitable
+        (async)."""
+        return self._get_transport().wait_for_probes(*args)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.urls!r}, protocol={self.protocol!r}, model={self.model!r})"
+
+
+class BalancedChatTTSClient(_BalancedClient, ChatTTSClient):
     """`ChatTTSClient` over several servers: least-outstanding-requests balancing with failover.
 
     `urls`: a list of HOST:PORT or one comma-separated string. Thread-safe. `retries` / `backoff_s`
@@ -351,6 +435,8 @@ class BalancedChatTTSClient(ChatTTSClient):
     `transports` (one per url, objects with infer / is_ready / statistics / close) and `clock`
     replace tritonclient and time.monotonic, for tests.
     """
+
+    _BALANCED = _BalancedTransport
 
     def __init__(
         self,
@@ -369,166 +455,16 @@ class BalancedChatTTSClient(ChatTTSClient):
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.urls = parse_urls(urls)
-        check_protocol(protocol)
-        if not model:
-            raise ValueError("model must be a non-empty name")
-        if not timeout_s or timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        cls = GrpcTransport if protocol == "grpc" else HttpTransport
-        pool = _make_pool(self.urls, transports, lambda u: cls(u, model, float(timeout_s)), cooldown_s, clock)
         super().__init__(
-            ",".join(self.urls), protocol, model, timeout_s, retries, backoff_s,
-            max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, stream_model=stream_model,
-            transport=_BalancedTransport(pool, protocol, model), sleep=sleep,
+            self._endpoints(urls, cooldown_s, transports, clock), protocol, model, timeout_s, retries, backoff_s,
+            max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, stream_model=stream_model, sleep=sleep,
         )  # fmt: skip
 
-    def endpoint_stats(self) -> List[Dict[str, Any]]:
-        """Per endpoint, in `urls` order: url, up, outstanding, served, failures, last_error."""
-        return self._transport.pool.stats()
 
-    def inference_statistics(self, model: str = "") -> dict:
-        """{url: Triton statistics} for every endpoint that answered (UNAVAILABLE if none did)."""
-        return self._call(lambda: self._transport.statistics(model))
-
-    def wait_for_probes(self, timeout_s: Optional[float] = None) -> None:
-        """Join the background probes started so far (tests; close() does it too)."""
-        self._transport.wait_for_probes(timeout_s)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.urls!r}, protocol={self.protocol!r}, model={self.model!r})"
-
-
-# --- asyncio ------------------------------------------------------------------------------------
-class _AsyncBalancedTransport:
-    def __init__(self, pool: EndpointPool, protocol: str, model: str):
-        self.pool, self._protocol, self._model = pool, protocol, model
-        self._probe_tasks: Set[asyncio.Task] = set()
-
-    def _where(self, ep: Endpoint) -> str:
-        return _where(self._protocol, ep.url, self._model)
-
-    async def _probe(self, ep: Endpoint) -> bool:
-        try:
-            ready = bool(await ep.transport.is_ready())
-        except Exception:  # noqa: BLE001  any failure of a probe: not ready
-            ready = False
-        self.pool.probe_done(ep, ready)
-        return ready
-
-    def _start_due_probes(self) -> None:
-        for ep in self.pool.due_probes():
-            task = asyncio.ensure_future(self._probe(ep))
-            self._probe_tasks.add(task)
-            task.add_done_callback(self._probe_tasks.discard)
-
-    async def wait_for_probes(self) -> None:
-        if self._probe_tasks:
-            await asyncio.gather(*list(self._probe_tasks), return_exceptions=True)
-
-    async def _revive(self, exclude: Set[Endpoint]) -> Optional[Endpoint]:
-        claimed = self.pool.claim_for_probe(exclude)
-        for k, ep in enumerate(claimed):
-            if await self._probe(ep):
-                self.pool.claim(ep)
-                self.pool.unclaim(claimed[k + 1 :])
-                return ep
-        return None
-
-    async def infer(self, arrays: Mapping[str, np.ndarray], **kw):
-        tried: Set[Endpoint] = set()
-        last: Optional[ChatTTSError] = None
-        while True:
-            self._start_due_probes()
-            ep = self.pool.acquire(tried) or await self._revive(tried)
-            if ep is None:
-                raise _all_down(self.pool, last)
-            ok = False
-            try:
-                audio = await ep.transport.infer(arrays, **kw)
-                ok = True
-                return audio
-            except Exception as exc:  # CancelledError is a BaseException: not a failover
-                err = to_chattts_error(exc, self._where(ep))
-                if not err.retryable:
-                    raise err from exc
-                self.pool.mark_down(ep, err)
-                tried.add(ep)
-                last = err
-            finally:
-                self.pool.release(ep, ok)
-
-    def open_stream(self, model: str, chunk_timeout_s: float, **kw) -> "_AsyncBalancedStreamSession":
-        return _AsyncBalancedStreamSession(self, model, chunk_timeout_s, **kw)
-
-    async def is_ready(self) -> bool:
-        results = await asyncio.gather(*[self._probe(ep) for ep in self.pool.endpoints])
-        return any(results)
-
-    async def statistics(self, model: str) -> dict:
-        stats: Dict[str, Any] = {}
-        last: Optional[ChatTTSError] = None
-        for ep in self.pool.endpoints:
-            try:
-                stats[ep.url] = await ep.transport.statistics(model)
-            except Exception as exc:  # noqa: BLE001  any failure: the next server's statistics
-                last = to_chattts_error(exc, self._where(ep))
-        if not stats:
-            raise _all_down(self.pool, last)
-        return stats
-
-    async def close(self) -> None:
-        for task in list(self._probe_tasks):
-            task.cancel()
-        await asyncio.gather(*list(self._probe_tasks), return_exceptions=True)
-        for ep in self.pool.endpoints:
-            await ep.transport.close()
-
-
-class _AsyncBalancedStreamSession(_BalancedStreamSession):
-    """asyncio twin of `_BalancedStreamSession` (close() stays synchronous, as the sessions' is)."""
-
-    async def _open(self) -> None:
-        self._t._start_due_probes()
-        ep = self._t.pool.acquire(self._tried) or await self._t._revive(self._tried)
-        if ep is None:
-            raise _all_down(self._t.pool, self._last)
-        self._ep = ep
-        try:
-            self._session = ep.transport.open_stream(self._model, self._timeout_s, **self._kw)
-            await self._session.send(self._arrays)
-        except Exception as exc:  # noqa: BLE001  any failure before the first chunk: the next server
-            await self._failed(exc)
-
-    async def _failed(self, exc: Exception) -> None:
-        ep = self._ep
-        err = to_chattts_error(exc, self._where(ep))
-        self._release(cancel=True)
-        if not err.retryable or self._audio:
-            raise err from exc
-        self._t.pool.mark_down(ep, err)
-        self._tried.add(ep)
-        self._last = err
-        await self._open()
-
-    async def send(self, arrays: Mapping[str, np.ndarray]) -> None:
-        self._arrays = arrays
-        await self._open()
-
-    async def receive(self):
-        while True:
-            try:
-                chunk, final = await self._session.receive()
-            except Exception as exc:  # noqa: BLE001  any failure: _failed decides whether another server gets it
-                await self._failed(exc)
-                continue
-            self._audio = self._audio or chunk.size > 0
-            self.spoken_text = self.spoken_text or getattr(self._session, "spoken_text", None)
-            return chunk, final
-
-
-class AsyncBalancedChatTTSClient(AsyncChatTTSClient):
+class AsyncBalancedChatTTSClient(_BalancedClient, AsyncChatTTSClient):
     """asyncio twin of `BalancedChatTTSClient`; create and use it inside one event loop."""
+
+    _BALANCED = _AsyncBalancedTransport
 
     def __init__(
         self,
@@ -547,38 +483,9 @@ class AsyncBalancedChatTTSClient(AsyncChatTTSClient):
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.urls = parse_urls(urls)
-        check_protocol(protocol)
         super().__init__(
-            ",".join(self.urls), protocol, model, timeout_s, retries, backoff_s,
+            self._endpoints(urls, cooldown_s, transports, clock), protocol, model, timeout_s, retries, backoff_s,
             max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, stream_model=stream_model, sleep=sleep,
         )  # fmt: skip
-        if cooldown_s < 0:
-            raise ValueError(f"cooldown_s must be >= 0, got {cooldown_s!r}")
-        self._cooldown_s, self._clock = cooldown_s, clock
         if transports is not None:  # else created on first use, inside the running loop
-            self._transport = self._balanced(transports, cooldown_s, clock)
-
-    def _balanced(self, transports, cooldown_s, clock) -> _AsyncBalancedTransport:
-        cls = AioGrpcTransport if self.protocol == "grpc" else AioHttpTransport
-        factory = lambda u: cls(u, self.model, self.timeout_s, self.max_concurrency)  # noqa: E731
-        pool = _make_pool(self.urls, transports, factory, cooldown_s, clock)
-        return _AsyncBalancedTransport(pool, self.protocol, self.model)
-
-    def _get_transport(self):
-        if self._transport is None:
-            self._transport = self._balanced(None, self._cooldown_s, self._clock)
-        return self._transport
-
-    def endpoint_stats(self) -> List[Dict[str, Any]]:
-        return self._get_transport().pool.stats()
-
-    async def inference_statistics(self, model: str = "") -> dict:
-        """{url: Triton statistics} for every endpoint that answered."""
-        return await self._call(lambda: self._get_transport().statistics(model))
-
-    async def wait_for_probes(self) -> None:
-        await self._get_transport().wait_for_probes()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.urls!r}, protocol={self.protocol!r}, model={self.model!r})"
+            self._transport = self._new_transport()

@@ -180,11 +180,16 @@ class SynthesisOptions:
             value = getattr(self, name)
             if value is None:
                 continue
-            arr = encode_input(OPTION_INPUTS[name], value)
+            input_name = OPTION_INPUTS[name]
+            if list(C.ENSEMBLE_INPUTS[input_name][1]) == [-1]:
+                # samples: kept as checked (1-D float32; the very array given when it is one), sent as a [1, N] view
+                samples = _vector(input_name, input_datatype(input_name), value)
+                object.__setattr__(self, name, samples)
+                arr = np.ascontiguousarray(samples[None, :])
+            else:
+                arr = encode_input(input_name, value)
             arr.flags.writeable = False
-            arrays[OPTION_INPUTS[name]] = arr
-            if list(C.ENSEMBLE_INPUTS[OPTION_INPUTS[name]][1]) == [-1]:  # samples: keep them as checked (1-D float32)
-                object.__setattr__(self, name, arr[0])
+            arrays[input_name] = arr
         object.__setattr__(self, "_arrays", arrays)
 
     # --- making one ---------------------------------------------------------------------------------------------
@@ -223,6 +228,35 @@ class SynthesisOptions:
         if not text.strip():
             raise ChatTTSInputError("text is empty")
         return {TEXT_INPUT: encode_input(TEXT_INPUT, text), **self._arrays}
+
+    # --- read as the mapping of the fields it sends (the clients' keywords): `opts["top_p"]` is `opts.top_p` (None:
+    # not sent), `"top_p" in opts` says whether it is sent; keys(), items(), len() and `**opts` are the fields sent
+    def __getitem__(self, name: str) -> Any:
+        if name not in OPTION_INPUTS:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self[name] if name in OPTION_INPUTS else None
+        return default if value is None else value
+
+    def __contains__(self, name: object) -> bool:
+        return name in OPTION_INPUTS and getattr(self, name) is not None
+
+    def keys(self) -> List[str]:
+        return [name for name in OPTION_FIELDS if getattr(self, name) is not None]
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def items(self) -> List[Tuple[str, Any]]:
+        return list(self.to_dict().items())
+
+    def values(self) -> List[Any]:
+        return list(self.to_dict().values())
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SynthesisOptions):

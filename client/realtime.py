@@ -32,14 +32,14 @@ import secrets
 import time
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Union
+from typing import Any, AsyncIterator, List, Mapping, Optional, Union
 
 import numpy as np
 
 from chattts_triton.config import SAMPLE_RATE
 from chattts_triton.model.split import DEFAULT_MIN_FRAMES, estimate_frames, split_spans
 
-from .contract import SynthesisOptions, check_options
+from .contract import SynthesisOptions
 from .errors import INTERNAL, ChatTTSError, ChatTTSInputError
 
 SEED_LIMIT = 2**63  # SEED is INT64: the schedule wraps below this
@@ -217,10 +217,7 @@ class SpeechSession:
                  pause_s: float = DEFAULT_PAUSE_S, piece_concurrency: int = DEFAULT_PIECE_CONCURRENCY,
                  idle_flush_s: Optional[float] = DEFAULT_IDLE_FLUSH_S, chunk_timeout_s: Optional[float] = None,
                  retry_s: float = DEFAULT_RETRY_S):
-        if isinstance(options, SynthesisOptions):
-            options = options.to_dict()
-        options = {k: v for k, v in (options or {}).items() if v is not None}
-        check_options(options)
+        options = SynthesisOptions.of(options)  # an unknown name: TypeError; a bad value: ChatTTSInputError naming it
         if "seed" in options:
             raise ChatTTSInputError("give the session's seed as `seed`: piece n is sent with seed + n")
         if seed is not None and not (isinstance(seed, int) and 0 <= seed < SEED_LIMIT):
@@ -230,8 +227,8 @@ class SpeechSession:
         self.client = client
         self.seed = secrets.randbits(62) if seed is None else seed
         if not any(k in options for k in SPEAKER_OPTIONS):  # one voice for every piece: the seed's speaker
-            options["voice"] = str(self.seed)
-        self.options: Dict[str, Any] = options
+            options = options.replace(voice=str(self.seed))
+        self.options: SynthesisOptions = options
         self.chunker = TextChunker(max_frames, min_frames)
         self.pause = np.zeros(int(round(pause_s * SAMPLE_RATE)), np.float32)
         self.idle_flush_s = idle_flush_s
@@ -339,7 +336,7 @@ class SpeechSession:
     async def _synthesize(self, piece: _Piece) -> None:
         try:
             async with self._gate:
-                options = {**self.options, "seed": (self.seed + piece.index) % SEED_LIMIT}
+                options = self.options.replace(seed=(self.seed + piece.index) % SEED_LIMIT)
                 deadline, wait = time.monotonic() + self.retry_s, RETRY_BACKOFF_S[0]
                 while True:
                     sent = False

@@ -35,6 +35,7 @@ from pydantic import (
     Tag,
     ValidationError,
     ValidationInfo,
+    create_model,
     model_validator,
 )
 
@@ -42,6 +43,7 @@ from chattts_triton.config import ENSEMBLE, LIMITS, SAMPLE_RATE, InferCodeParams
 from chattts_triton.model import mix as voice_mix
 from chattts_triton.model import ssml
 from chattts_triton.model.ssml import SPEED_TOKEN, SPEED_UPPER_BOUNDS, speed_token
+from client.contract import OPTION_FIELDS, OPTION_INPUTS, input_datatype
 
 from .audio import FORMATS, check
 from .synth import Job, speakable, split_text
@@ -98,26 +100,48 @@ Voice = Annotated[Union[Annotated[str, Tag("voice-name")], Annotated[VoiceRef, T
                                                      "or {\"audio\": ..., \"transcript\": ...}")]
 
 
-class ChatTTSOptions(BaseModel):
-    """What a speech request and a realtime session (gateway.realtime) share: OpenAI's `speed`, the output rate, and
-    the ChatTTS inputs under their contract names in lower case (omitted: the server's default)."""
+# The ChatTTS inputs a body takes: every field of `SynthesisOptions` under its name (the contract input in lower case),
+# but the voice's, which `voice` gives (a name, a mix, or reference audio). Each is typed by its contract input, so a
+# field added to SynthesisOptions is a body field with nothing written here; these bounds answer a 400 before the
+# server is asked (beyond them the server's INVALID_ARGUMENT names the field), the REFINE_* sampling inputs checked as
+# the code's are (runtime/inputs.py: refine_params).
+VOICE_FIELDS = ("voice", "speaker", "speaker_audio", "speaker_text", "speaker_sample")
+BODY_OPTIONS = tuple(f for f in OPTION_FIELDS if f not in VOICE_FIELDS)
+BODY_BOUNDS: Dict[str, Dict[str, Any]] = {
+    "seed": {"ge": 0, "le": 2**63 - 1},  # the seed schedule counts up from it
+    "temperature": {"gt": 0, "le": 100},
+    "top_p": {"gt": 0, "le": 1},
+    "top_k": {"ge": 1, "le": 2**30},
+    "repetition_penalty": {"gt": 0, "le": 100},
+    "max_new_tokens": {"ge": 1, "le": LIMITS.max_new_tokens},
+    "min_new_tokens": {"ge": 0, "le": LIMITS.max_new_tokens},
+    "prompt": {"max_length": 256},
+}
 
-    # strict: "1.5" is not a speed and 1 is not a string (wrong types get a 400 naming the field)
-    model_config = ConfigDict(strict=True, extra="ignore")
 
-    speed: float = Field(1.0, ge=0.25, le=4.0)
-    sample_rate: int = SAMPLE_RATE  # of the audio sent (the model's resampled): one of audio.SAMPLE_RATES
-    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
-    temperature: Optional[float] = Field(None, gt=0, le=100)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=1, le=2**30)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=100)
-    max_new_tokens: Optional[int] = Field(None, ge=1, le=LIMITS.max_new_tokens)
-    min_new_tokens: Optional[int] = Field(None, ge=0, le=LIMITS.max_new_tokens)
-    prompt: Optional[str] = Field(None, max_length=256)
-    refine_text: Optional[bool] = None
-    normalize_text: Optional[bool] = None
-    use_decoder: Optional[bool] = None
+def _body_field(name: str) -> Tuple[Any, Any]:
+    """The body field of SynthesisOptions field `name`: optional, of its contract input's type (strict), bounded."""
+    from tritonclient.utils import triton_to_np_dtype
+
+    datatype = input_datatype(OPTION_INPUTS[name])
+    if datatype.startswith(("INT", "UINT")):
+        info = np.iinfo(triton_to_np_dtype(datatype))
+        kind, bounds = int, {"ge": int(info.min), "le": int(info.max)}
+    else:
+        kind, bounds = {"BYTES": (str, {}), "BOOL": (bool, {}), "FP32": (float, {"allow_inf_nan": False})}[datatype]
+    bounds.update(BODY_BOUNDS.get(name.removeprefix("refine_"), {}))
+    return Optional[kind], Field(None, **bounds)
+
+
+# strict: "1.5" is not a speed and 1 is not a string (wrong types get a 400 naming the field)
+ChatTTSOptions = create_model(
+    "ChatTTSOptions", __config__=ConfigDict(strict=True, extra="ignore"), __module__=__name__,
+    __doc__="What a speech request and a realtime session (gateway.realtime) share: OpenAI's `speed`, the output "
+            "rate (`sample_rate`, of the audio sent: one of audio.SAMPLE_RATES), and the ChatTTS inputs (`BODY_OPTIONS`;"
+            " omitted: the server's default).",
+    speed=(float, Field(1.0, ge=0.25, le=4.0)), sample_rate=(int, SAMPLE_RATE),
+    **{name: _body_field(name) for name in BODY_OPTIONS},
+)  # fmt: skip
 
 
 # A dialogue (`input_format: "dialogue"`): `input` is a script of lines `LABEL: text`, `voices` maps each label to a
@@ -177,8 +201,6 @@ class CaptionedRequest(SpeechRequest):
 
 
 assert set(ResponseFormat.__args__) == set(FORMATS)
-EXTRAS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "min_new_tokens",
-          "refine_text", "normalize_text", "use_decoder")
 
 
 class APIError(Exception):
@@ -417,17 +439,15 @@ async def voice_options(req: SpeechRequest) -> Dict[str, Any]:
 
 
 def contract_options(req: SpeechRequest) -> Dict[str, Any]:
-    """Contract options (client keywords) every piece of the request gets; SEED comes from the schedule."""
+    """The SynthesisOptions fields (by name) every piece of the request gets: the body's ChatTTS inputs, `speed` as
+    the prompt's speed token, the voice's name; SEED comes from the schedule, a voice of reference audio from
+    `voice_options`."""
+    options: Dict[str, Any] = {name: getattr(req, name) for name in BODY_OPTIONS
+                               if name != "seed" and getattr(req, name) is not None}
     prompt = req.prompt if req.prompt is not None else ""
-    if not SPEED_TOKEN.search(prompt):
-        prompt = speed_token(req.speed) + prompt
-    options: Dict[str, Any] = {"prompt": prompt}
+    options["prompt"] = prompt if SPEED_TOKEN.search(prompt) else speed_token(req.speed) + prompt
     if voice_name(req) is not None:  # a realtime session may leave it out: the session's seed names the speaker
         options["voice"] = voice_name(req)
-    for name in EXTRAS:
-        value = getattr(req, name)
-        if value is not None:
-            options[name] = value
     return options
 
 

@@ -31,6 +31,7 @@ from pydantic import Field, ValidationError
 
 from chattts_triton.config import LIMITS
 from chattts_triton.model.split import DEFAULT_MIN_FRAMES
+from client.contract import SynthesisOptions
 from client.errors import ChatTTSError
 from client.realtime import (
     DEFAULT_IDLE_FLUSH_S,
@@ -232,7 +233,7 @@ class Connection:
     # --- the session ------------------------------------------------------------------------------------------------
     def _new_session(self) -> SpeechSession:
         s = self.settings
-        options = api.contract_options(s)
+        options = SynthesisOptions.of(api.contract_options(s))
         pause_ms = self.gw.settings.pause_ms if s.pause_ms is None else s.pause_ms
         session = SpeechSession(self.gw.synth.client, options, s.seed, max_frames=s.max_piece_frames,
                                 min_frames=min(s.min_piece_frames, s.max_piece_frames), pause_s=pause_ms / 1000,

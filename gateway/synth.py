@@ -27,7 +27,7 @@ import numpy as np
 
 from chattts_triton.config import ENSEMBLE_INPUTS, LIMITS, PREPROCESS, SAMPLE_RATE
 from client.client import AsyncChatTTSClient, split_sentences
-from client.contract import MODEL, STREAM_MODEL, build_inputs, spoken_text_from_result, to_infer_inputs
+from client.contract import MODEL, STREAM_MODEL, SynthesisOptions, spoken_text_from_result, to_infer_inputs
 from client.errors import ChatTTSError, to_chattts_error
 
 SEED_LIMIT = 2**63  # SEED is INT64: the schedule wraps below this
@@ -89,13 +89,14 @@ def synthesis_error(err: ChatTTSError) -> SynthesisError:
 
 @dataclass
 class Job:
-    """One speech request: its pieces and the contract options every piece shares (lower-case keywords of
-    `client.contract.OPTION_INPUTS`, without `seed`). `piece_extras[i]`: options of piece i that differ (an SSML
-    segment's voice and prompt); `gaps_ms` (len(pieces) + 1): the silence before each piece and after the last, None
-    for the synthesizer's pause between pieces (None: that pause between pieces, nothing before or after)."""
+    """One speech request: its pieces and the `SynthesisOptions` every piece shares (a mapping of its field names is
+    made into one; its seed is the schedule's, `seed`). `piece_extras[i]`: the fields of piece i that differ (an SSML
+    segment's voice and prompt; None resets one); `gaps_ms` (len(pieces) + 1): the silence before each piece and after
+    the last, None for the synthesizer's pause between pieces (None: that pause between pieces, nothing before or
+    after). `piece_options(i)` is what piece i is sent with."""
 
     pieces: List[str]
-    options: Dict[str, Any]
+    options: SynthesisOptions
     seed: int = field(default_factory=lambda: secrets.randbits(62))
     piece_extras: Optional[List[Dict[str, Any]]] = None
     gaps_ms: Optional[List[Optional[int]]] = None
@@ -104,9 +105,14 @@ class Job:
     condition_on_first: bool = False
     reference: Optional[Tuple[np.ndarray, str]] = None  # (audio, spoken text) of the first piece, once made
 
+    def __post_init__(self) -> None:
+        self.options = SynthesisOptions.of(self.options)  # a bad value: ChatTTSInputError naming the field
+
+    def _extra(self, i: int) -> Dict[str, Any]:
+        return self.piece_extras[i] if self.piece_extras else {}
+
     def _options(self, i: int) -> Dict[str, Any]:
-        extra = self.piece_extras[i] if self.piece_extras else {}
-        return {**self.options, **extra}
+        return {**self.options, **self._extra(i)}
 
     @property
     def conditions(self) -> bool:
@@ -123,11 +129,13 @@ class Job:
         """Piece i is sent with the first piece's audio as its reference."""
         return i > 0 and self.reference is not None and self._conditionable(i)
 
-    def piece_options(self, i: int, condition: bool = True) -> Dict[str, Any]:
-        options = {**self._options(i), "seed": (self.seed + i) % SEED_LIMIT}
+    def piece_options(self, i: int, condition: bool = True) -> SynthesisOptions:
+        """The options piece i is sent with: the job's, its extras, its seed, and the first piece's audio as its
+        reference when it is conditioned on it."""
+        changes = {**self._extra(i), "seed": (self.seed + i) % SEED_LIMIT}
         if condition and self.conditioned(i):
-            options["speaker_audio"], options["speaker_text"] = self.reference
-        return options
+            changes["speaker_audio"], changes["speaker_text"] = self.reference
+        return self.options.replace(**changes)
 
     def set_reference(self, audio: np.ndarray, spoken: Optional[str]) -> None:
         """The first piece's audio as the later pieces' reference, when it is within SPEAKER_AUDIO's bounds (2048
@@ -207,8 +215,8 @@ class Synthesizer:
     def _stream_first(self, job: Job, on_spoken_text: Optional[Callable[[str], None]]) -> AsyncIterator[np.ndarray]:
         """Piece 0's chunks from the stream model."""
         try:
-            return self.client.stream(job.pieces[0], split=False, voice_from_first=False, on_spoken_text=on_spoken_text,
-                                      **job.piece_options(0))
+            return self.client.stream(job.pieces[0], job.piece_options(0), split=False, voice_from_first=False,
+                                      on_spoken_text=on_spoken_text)
         except ChatTTSError as e:  # refused before anything was sent
             raise synthesis_error(e) from None
 
@@ -221,8 +229,8 @@ class Synthesizer:
         if self._preprocess is None:  # inside the running loop: aio channels belong to it
             self._preprocess = aio.InferenceServerClient(self.url)
         piece = job.piece_options(i)
-        options = {k: piece[k] for k in PREFLIGHT_OPTIONS if piece.get(k) is not None}
-        arrays = build_inputs(job.pieces[i], {**options, "refine_text": False})
+        options = SynthesisOptions(**{k: piece[k] for k in PREFLIGHT_OPTIONS}, refine_text=False)
+        arrays = options.to_inputs(job.pieces[i])
         try:
             result = await self._preprocess.infer(self.preprocess_model, to_infer_inputs(module, arrays),
                                                   outputs=[module.InferRequestedOutput("SPOKEN_TEXT")],

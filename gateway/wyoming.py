@@ -30,7 +30,7 @@ from wyoming.server import AsyncEventHandler, AsyncTcpServer
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
 from chattts_triton.config import BUILTIN_VOICE_SEEDS, SAMPLE_RATE, VOICES
-from client.contract import OPTION_INPUTS, build_inputs, input_datatype
+from client.contract import OPTION_INPUTS, SynthesisOptions, input_datatype
 from client.errors import ChatTTSError
 from client.realtime import (
     DEFAULT_IDLE_FLUSH_S,
@@ -201,9 +201,9 @@ class _Turn:
     def __init__(self, handler: "WyomingHandler", voice: str):
         s = handler.settings
         self.handler = handler
-        self.session = SpeechSession(handler.client, {**s.options, "voice": voice}, seed=s.seed, pause_s=s.pause_s,
-                                     piece_concurrency=s.piece_concurrency, idle_flush_s=s.idle_flush_s,
-                                     chunk_timeout_s=s.timeout_s)
+        self.session = SpeechSession(handler.client, SynthesisOptions.of(s.options, voice=voice), seed=s.seed,
+                                     pause_s=s.pause_s, piece_concurrency=s.piece_concurrency,
+                                     idle_flush_s=s.idle_flush_s, chunk_timeout_s=s.timeout_s)
         self.pcm = _Pcm(s.sample_rate, s.samples_per_chunk)
         self.chars = 0
         self.errors: List[ChatTTSError] = []
@@ -494,7 +494,7 @@ def settings_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> Set
         p.error(f"--repo {a.repo}: no manifest.json, not an exported model repository")
     options = {"prompt": "[speed_5]", **dict(a.option)}
     try:
-        build_inputs("x", options)  # every value of the contract's type
+        SynthesisOptions.of(options)  # every value of the contract's type
     except (ChatTTSError, TypeError) as e:
         p.error(f"--option: {e}")
     return Settings(grpc_url=a.grpc_url, repo=a.repo, voice=a.voice, sample_rate=a.sample_rate, seed=a.seed,

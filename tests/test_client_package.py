@@ -45,7 +45,8 @@ def test_the_staged_package_imports_neither_the_server_nor_torch(tmp_path):
     package = setup["stage"](ROOT, tmp_path)
     names = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py"))
     assert names == ["__init__.py", "__main__.py", "_shared/__init__.py", "_shared/config.py", "_shared/split.py",
-                     "audio.py", "balancer.py", "cli.py", "client.py", "contract.py", "errors.py", "realtime.py"]
+                     "audio.py", "balancer.py", "cli.py", "client.py", "contract.py", "errors.py", "realtime.py",
+                     "transport.py"]
     for path in package.rglob("*.py"):
         for _, name in setup["absolute_imports"](path.read_text(encoding="utf-8")):
             assert name in sys.stdlib_module_names or name in {"numpy", "tritonclient", "grpc", "urllib3", "aiohttp",
