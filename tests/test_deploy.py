@@ -596,6 +596,8 @@ SCENARIOS = {
     },
     "wyoming-cpu": {"wyoming": {"enabled": True, "extraArgs": ["--voice", "nova"]}, "gpu": {"count": 0}},
     "fixed-replicas": {"autoscaling": {"enabled": False}, "replicaCount": 3, "monitoring": {"serviceMonitor": {"enabled": False}}},
+    "shared-voice-store": {"voiceStore": {"urlSecret": "voice-store"}, "gateway": {"adminKeySecret": "voices-admin"},
+                           "server": {"adminKeySecret": "triton-admin"}},
 }
 
 
@@ -692,6 +694,24 @@ def test_speech_gateway_keys_and_switch():
     assert [c["name"] for c in dep["spec"]["template"]["spec"]["containers"]] == ["tritonserver"]
     assert {p["name"] for p in _one(docs, "Service")["spec"]["ports"]} == set(PORTS)
     assert [e["port"] for e in _one(docs, "ServiceMonitor")["spec"]["endpoints"]] == ["metrics"]
+
+
+def test_the_voice_store_reaches_the_models_and_the_gateway_and_writes_need_the_admin_key():
+    """voiceStore names one store for Triton's models and the gateway of every pod (CHATTTS_VOICE_STORE, from a Secret
+    where the URL holds a password); gateway.adminKeySecret is the key POST/DELETE /v1/audio/voices need."""
+    dep = _one(render({"voiceStore": {"url": "redis://voices-redis:6379/0"}}), "Deployment")
+    for name in ("tritonserver", "gateway"):
+        assert _env(_container(dep, name)) == {"CHATTTS_VOICE_STORE": "redis://voices-redis:6379/0"}, name
+    docs = render(SCENARIOS["shared-voice-store"])
+    dep = _one(docs, "Deployment")
+    server, gw = _container(dep), _container(dep, "gateway")
+    secret = {"secretKeyRef": {"name": "voice-store", "key": "url"}}
+    assert {e["name"]: e["valueFrom"] for e in server["env"]} == {
+        "CHATTTS_ADMIN_KEY": {"secretKeyRef": {"name": "triton-admin", "key": "admin-key"}}, "CHATTTS_VOICE_STORE": secret}
+    assert {e["name"]: e["valueFrom"] for e in gw["env"]} == {
+        "CHATTTS_ADMIN_KEY": {"secretKeyRef": {"name": "voices-admin", "key": "admin-key"}}, "CHATTTS_VOICE_STORE": secret}
+    with pytest.raises(Exception, match="voiceStore"):  # the schema: a URL of a known store or nothing
+        render({"voiceStore": {"url": "mysql://h/db"}})
 
 
 def test_wyoming_server_runs_beside_the_server_in_each_pod_when_switched_on():

@@ -94,3 +94,18 @@ composing models spent queued over the time they spent computing, as in NVIDIA's
   {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* CHATTTS_VOICE_STORE for Triton's models and the gateway: voiceStore's Secret, else its URL, else nothing (the
+repository's voices.json). */}}
+{{- define "chattts-triton.voiceStoreEnv" -}}
+{{- if .Values.voiceStore.urlSecret }}
+- name: CHATTTS_VOICE_STORE
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.voiceStore.urlSecret }}
+      key: url
+{{- else if .Values.voiceStore.url }}
+- name: CHATTTS_VOICE_STORE
+  value: {{ .Values.voiceStore.url | quote }}
+{{- end }}
+{{- end }}
