@@ -130,6 +130,7 @@ def assert_counts_agree(eng):
     for the rows it ran, wherever compaction has moved them since."""
     import numpy as np
 
+    assert eng._first is None, "an admission's first tokens left unread past its iteration"
     b = len(eng.rows)
     lag = eng.n_dev[:b].cpu().numpy() - eng.h_n[:b]
     want = np.zeros(b, dtype=np.int64)

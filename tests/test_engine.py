@@ -788,3 +788,92 @@ def test_a_graph_whose_timing_events_fail_to_capture_is_captured_without_them(mo
     tried.clear()
     untimed = cache._graph("other", lambda: None, lambda: torch.zeros(1))
     assert tried == [None] and untimed.events is None  # untimed graphs never ask for events
+
+
+def test_first_token_redraws_drawn_at_once_equal_drawing_them_one_after_another(tiny):
+    """ensure_non_empty on the device (`sample_first`): every attempt is drawn at once, and each row keeps what
+    drawing attempt after attempt (`sample_core` with the attempt counter set) keeps — the first draw that does
+    not end the row, or the last attempt's; a row without ensure_non_empty keeps its first draw, EOS or not.
+    Each row's EOS is set to its own first draw, so attempt 0 always ends it; a near-greedy row ends every
+    attempt (all 16 tried, it ends); text rows too."""
+    from chattts_triton.runtime.engine import MAX_EMPTY_RETRIES
+    from chattts_triton.runtime.row_params import RowParams
+
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, max_slots=8, start=False)
+    specs = [  # (mode, temperature, ensure_non_empty)
+        ("code", 1.0, True), ("code", 1.0, True), ("code", 1e-5, True), ("code", 1.0, False),
+        ("text", 1.0, True), ("text", 1e-5, True),
+    ]
+    k = len(specs)
+    reqs = [GenRequest(text_ids=torch.arange(1, 6), on_done=None, mode=m, eos_id=625 if m == "code" else 21140,
+                       params=SamplingParams(t, None, None, 1.0, 20, 0, seed=100 + i, ensure_non_empty=e))
+            for i, (m, t, e) in enumerate(specs)]
+    torch.manual_seed(0)
+    h = torch.randn(k, arch.gpt.hidden)
+
+    def fresh():
+        eng.row_params.narrow(0, k).copy_(RowParams.of(reqs))
+        eng.tokens.zero_()
+
+    def rows_of(mode):
+        return torch.tensor([i for i, s in enumerate(specs) if s[0] == mode])
+
+    with torch.inference_mode():
+        fresh()  # each row's EOS := its attempt-0 draw (code rows: codebook 0)
+        for mode in ("code", "text"):
+            st = rows_of(mode)
+            tok, _ = eng.sample_core(st, eng.row_params.select(st), h[st], mode)
+            eng.row_params.eos[st] = tok[:, 0]
+        for r, e in zip(reqs, eng.row_params.eos[:k].tolist()):
+            r.eos_id = e
+        expected = {}
+        for mode in ("code", "text"):
+            st = rows_of(mode)
+            for i in st.tolist():
+                tries = MAX_EMPTY_RETRIES if specs[i][2] else 1
+                for a in range(tries):
+                    fresh()
+                    p = eng.row_params.select(st[st == i])
+                    p.attempt.fill_(a)
+                    tok, hit = eng.sample_core(st[st == i], p, h[i : i + 1], mode)
+                    if not hit[0]:
+                        break
+                expected[i] = (a, bool(hit[0]), eng.tokens[i, 0].clone())
+        fresh()
+        got_hit = {}
+        for mode in ("code", "text"):
+            st = rows_of(mode)
+            ensure = torch.tensor([specs[i][2] for i in st.tolist()])
+            got = eng.sample_first(st, eng.row_params.select(st), h[st], mode, ensure, MAX_EMPTY_RETRIES)
+            got_hit.update(zip(st.tolist(), got.tolist()))
+    assert expected[0][0] >= 1 and expected[1][0] >= 1  # attempt 0 ended them: redrawn
+    assert expected[2][:2] == (MAX_EMPTY_RETRIES - 1, True)  # near-greedy: every attempt ends it
+    assert expected[3][:2] == (0, True)  # no ensure_non_empty: its first draw, an EOS
+    for i, (a, hit, tok) in expected.items():
+        assert got_hit[i] == hit, i
+        assert int(eng.row_params.attempt[i]) == a, i
+        assert int(eng.row_params.n[i]) == (0 if hit else 1), i
+        assert torch.equal(eng.tokens[i, 0], tok), i
+
+
+@OVERLAP
+def test_a_request_whose_every_first_draw_ends_it_ends_at_once_and_its_batchmates_as_alone(tiny, overlap):
+    """Its EOS set to its greedy first token: all redraws end it too, so it ends with no tokens (reason eos), with
+    overlap read back one step late, while requests admitted with it run as they would alone."""
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, start=False, overlap=overlap)
+    ids = torch.arange(3, 20)
+    probe = drive(eng, [dict(ids=ids, params=greedy(5, 0))])[0].result
+    specs = [dict(ids=torch.arange(40, 60), params=greedy(30, 10, seed=3)),
+             dict(ids=ids, params=greedy(5, 0), eos=int(probe.tokens[0, 0])),
+             dict(ids=torch.arange(7, 30), params=greedy(25, 0, seed=4), every=4)]
+    alone = [drive(eng, [s])[0] for s in specs]
+    together = drive(eng, specs)
+    assert together[1].result.finish_reason == "eos" and together[1].result.steps == 0
+    for a, b in zip(alone, together):
+        assert a.result.finish_reason == b.result.finish_reason
+        assert (a.result.tokens is None) == (b.result.tokens is None)
+        if a.result.tokens is not None and a.result.tokens.numel():
+            assert torch.equal(a.result.tokens, b.result.tokens)
+        assert [c.tolist() for c in a.chunks] == [c.tolist() for c in b.chunks]

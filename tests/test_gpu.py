@@ -186,18 +186,26 @@ def test_to_host_copies_through_pinned_memory():
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_decode_step_syncs_the_host_once(full_assets, overlap):
-    """Steady state with graphs, streaming consumers and a request finishing (compaction): exactly
-    one synchronizing CUDA call per decode step, with or without overlap (with it, the call waits for the
-    step before the one just launched)."""
+    """Steady state with graphs, streaming consumers, a request finishing (compaction) and one admitted: exactly
+    one synchronizing CUDA call per decode step and one for the admission's first tokens without overlap; with
+    it, none: each step's flags are waited for after the next step's launch (the step before it), and the
+    admission's first tokens' flags after the launch of the step that runs them too."""
     arch = infer_arch(full_assets)
     model = torch.jit.script(load_gpt(full_assets, arch).cuda())
     eng = _engine(model, arch, True, slots=8, start=False, overlap=overlap)
     got = []
     for i in range(6):
-        n = 25 if i == 0 else 60  # slot 0 finishes at the 24th step: the last slot moves into it
+        n = 28 if i == 0 else 60  # slot 0 finishes inside the counted steps: the last slot moves into it
         eng.submit(GenRequest(torch.randint(0, 21000, (20,)), SamplingParams(0.3, 0.7, 20, 1.05, n, n, seed=i), got.append,
                               on_tokens=(lambda t, h: None) if i % 2 else None, stream_every=1 + i))
     for _ in range(20):  # admission, graph capture
+        eng._run_once(block=False)
+
+    def admit_one(seed):
+        eng.submit(GenRequest(torch.randint(0, 21000, (20,)), SamplingParams(0.3, 0.7, 20, 1.05, 60, 60, seed=seed), got.append))
+
+    admit_one(10)  # captures the one-prompt prefill's graph (a capture synchronises) before the count
+    while eng.pending:
         eng._run_once(block=False)
     torch.cuda.synchronize()
     eng._results = queue.SimpleQueue()  # finished results wait for a consumer thread, as when started
@@ -213,17 +221,18 @@ def test_decode_step_syncs_the_host_once(full_assets, overlap):
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
+            admit_one(11)
             for _ in range(10):
                 eng._run_once(block=False)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     (req, res), = [eng._results.get_nowait() for _ in range(eng._results.qsize())]
     eng._call(req, res)  # what the results thread does: wait for the result's copies, then deliver
-    assert len(got) == 1 and eng.active == 5
-    assert got[0].tokens.device.type == "cpu" and got[0].tokens.is_pinned() and got[0].tokens.shape == (25, 4)
+    assert len(got) == 1 and eng.active == 7 and not eng.pending
+    assert got[0].tokens.device.type == "cpu" and got[0].tokens.is_pinned() and got[0].tokens.shape == (28, 4)
     syncs = [x for x in w if "called a synchronizing" in str(x.message)]  # not the "prototype feature" notice
     # without overlap the flags are read with a synchronizing copy; with it, from pinned memory after its event
-    assert (len(syncs), len(landed)) == ((0, 10) if overlap else (10, 0)), [str(x.message) for x in syncs]
+    assert (len(syncs), len(landed)) == ((0, 11) if overlap else (11, 0)), [str(x.message) for x in syncs]
     eng.stop(drain=False)
 
 

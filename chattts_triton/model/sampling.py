@@ -104,14 +104,17 @@ def process_logits(
 
 
 def draw(probs: Tensor, u: Tensor) -> Tensor:
-    """Inverse-CDF draw of one token per row from probabilities [R, V] with uniforms [R]."""
+    """Inverse-CDF draw of one token per row from probabilities [R, V] with uniforms [R] (or, several draws of
+    each row from the same probabilities, [R, A] → tokens [R, A])."""
+    many = u.dim() == 2
     cdf = probs.cumsum(dim=-1)
-    target = u.unsqueeze(1) * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    target = (u if many else u.unsqueeze(1)) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True)
     # u * total can round up to the total: never past the last token of positive probability
     v = probs.shape[1]
     last = v - 1 - torch.argmax(probs.flip(-1).gt(0).to(torch.uint8), dim=-1)
-    return torch.minimum(idx, last)
+    idx = torch.minimum(idx, last.unsqueeze(1))
+    return idx if many else idx.squeeze(1)
 
 
 def sample(logits: Tensor, u: Tensor) -> Tensor:

@@ -73,7 +73,8 @@ GIL_PROBE_EVERY = 64
 
 
 class _Flight:
-    """A decode step launched, its bookkeeping still to do (`Engine._land`)."""
+    """A decode step launched (or an admission's first tokens drawn: step -1), its bookkeeping still to do
+    (`Engine._land`)."""
 
     __slots__ = ("step", "b", "hit", "events", "inner", "slot_of", "host", "ready", "launch_seconds")
 
@@ -137,6 +138,8 @@ class Engine(Runner, KvPages, WarmUp):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
         self._flight: Optional[_Flight] = None  # overlap: the step launched and not yet read back
+        self._first: Optional[_Flight] = None  # overlap: the first tokens of an admission, not yet read back
+        self._first_buf: Optional[Tensor] = None  # overlap on CUDA: the pinned buffer their flags go to
         self._flag_bufs: List[Tensor] = []  # overlap on CUDA: two pinned buffers the steps' flags alternate in
         self.decode_kernel = False  # the model's decode steps read each row's own keys (attn_len unused)
         if isinstance(model, torch.jit.ScriptModule) or not hasattr(model, "decode_kernel"):
@@ -415,45 +418,53 @@ class Engine(Runner, KvPages, WarmUp):
 
 
     def _first_step(self, b0: int, k: int, h: Tensor) -> None:
-        """Sample each new request's first token; upstream ensure_non_empty: an EOS there is redrawn."""
-        hit = np.zeros(k, dtype=bool)
-        todo = list(range(k))
-        while True:
-            hit[todo] = self._sample_first(b0, todo, h)
-            redraw = []
-            for i in todo:
-                slot = self.rows[b0 + i]
-                if hit[i] and slot.req.params.ensure_non_empty and slot.attempt + 1 < MAX_EMPTY_RETRIES:
-                    slot.attempt += 1
-                    redraw.append(i)
-            if not redraw:
-                break
-            idx = self._h2d(torch.tensor(redraw, dtype=torch.int64) + b0)
-            self.row_params.attempt.index_add_(0, idx, torch.ones_like(idx))
-            todo = redraw
-        self._deliver()
-        self._advance(b0, b0 + k, hit)
-
-    def _sample_first(self, b0: int, rows: List[int], h: Tensor) -> np.ndarray:
-        """First-token draw of the new rows `rows` (indices into h), per mode; one host sync."""
-        order: List[int] = []
-        hits: List[Tensor] = []
-        for mode in ("code", "text"):
-            sel = [i for i in rows if (self.h_text[b0 + i]) == (mode == "text")]
-            if not sel:
+        """Sample each new request's first token (upstream ensure_non_empty: an EOS there is redrawn, on the
+        device: `sample_first`). Without overlap its flags are read back here, the prefill's one host sync; with
+        overlap they are read with the next decode step's (`_land_first`), which is launched first and runs the
+        new rows too: admission adds no host sync and the GPU runs the prefill, then the step, without a wait."""
+        hit = torch.empty(k, dtype=torch.bool, device=self.device)
+        modes = self.h_text[b0 : b0 + k]
+        redraw = [r.req.params.ensure_non_empty for r in self.rows[b0 : b0 + k]]
+        for mode, sel in (("code", ~modes), ("text", modes)):
+            if not sel.any():
                 continue
-            r = self._h2d(torch.tensor(sel, dtype=torch.int64))
-            st = r + b0
+            if sel.all():  # the usual case: one mode for all, no index lists to copy
+                st = torch.arange(b0, b0 + k, device=self.device)
+                rows, hm = None, h
+            else:
+                rows = self._h2d(torch.from_numpy(np.flatnonzero(sel)))
+                st, hm = rows + b0, h.index_select(0, rows)
             self.n_dev.index_fill_(0, st, 0)
-            _, hm = self.sample_core(st, self.row_params.select(st), h.index_select(0, r), mode)
-            order += sel
-            hits.append(hm)
-        got = self._host_sync(torch.cat(hits))  # the prefill's one host sync
-        out = np.zeros(len(rows), dtype=bool)
-        pos = {i: j for j, i in enumerate(rows)}
-        for i, v in zip(order, got):
-            out[pos[i]] = v
-        return out
+            want = self._h2d(torch.tensor([redraw[i] for i in np.flatnonzero(sel)], dtype=torch.bool))
+            got = self.sample_first(st, self.row_params.select(st), hm, mode, want, MAX_EMPTY_RETRIES)
+            if rows is None:
+                hit = got
+            else:
+                hit.index_copy_(0, rows, got)
+        f = _Flight(-1, k, hit, None, None, self.max_slots)
+        f.slot_of[b0 : b0 + k] = np.arange(k)
+        if not self.overlap:
+            self._deliver()  # the chunks of the step before (it ended at the last host sync)
+            self._advance(b0, b0 + k, self._host_sync(hit))
+            return
+        assert self._first is None, "two admissions' first tokens unread"
+        if self.device.type == "cuda":
+            if self._first_buf is None:  # its own buffer: the decode steps' two alternate while this is unread
+                self._first_buf = torch.empty(self.max_slots, dtype=torch.bool, pin_memory=True)
+            self._first_buf[:k].copy_(hit, non_blocking=True)
+            f.ready = torch.cuda.Event()
+            f.ready.record()
+            f.host = self._first_buf.numpy()
+        else:
+            f.host = hit.numpy().copy()
+        self._first = f
+
+    def _land_first(self) -> None:
+        """The new rows' first tokens (overlap): their flags (copied right after the prefill, so the wait ends
+        before the decode step launched since) and their bookkeeping."""
+        f, self._first = self._first, None
+        if f is not None:
+            self._land(f)
 
     # -- decode ---------------------------------------------------------------------------------
     def _decode_step(self) -> None:
@@ -471,6 +482,7 @@ class Engine(Runner, KvPages, WarmUp):
         prev, self._flight = self._flight, launched
         if prev is not None:
             self._land(prev)
+        self._land_first()  # admitted after prev's launch, before this one's: read in that order
         if not self.rows:  # everyone it stepped has finished: nothing to read back
             self._flight = None
 
@@ -480,13 +492,19 @@ class Engine(Runner, KvPages, WarmUp):
         f, self._flight = self._flight, None
         if f is not None:
             self._land(f)
+        self._land_first()
 
     def _ahead(self, b: int) -> np.ndarray:
         """1 for each of the rows 0..b-1 that the step in flight runs: on the device it may be one token past
         the host's count."""
-        if self._flight is None:
-            return np.zeros(b, dtype=np.int64)
-        return (self._flight.slot_of[:b] >= 0).astype(np.int64)
+        ahead = np.zeros(b, dtype=np.int64)
+        for f in self._in_flight():
+            ahead |= f.slot_of[:b] >= 0
+        return ahead
+
+    def _in_flight(self) -> List["_Flight"]:
+        """The steps launched and not yet read back (overlap): a decode step, an admission's first tokens."""
+        return [f for f in (self._flight, self._first) if f is not None]
 
     def _launch(self) -> Optional["_Flight"]:
         """Enqueue one decode step of rows 0..B-1 (pages granted, tables synced first). With a step in flight
@@ -494,7 +512,7 @@ class Engine(Runner, KvPages, WarmUp):
         rows it runs. None: nothing launched (the rows all end with the step in flight, which was landed)."""
         b = len(self.rows)
         ahead = self._ahead(b)
-        if self._flight is not None:
+        if self._in_flight():
             # max_tokens: a row the step in flight takes to its last token is done either way; when all are,
             # read that step back instead of launching one that nothing would read
             done_either_way = ahead.astype(bool) & (self.h_n[:b] + 1 >= self.h_max[:b])
@@ -569,7 +587,8 @@ class Engine(Runner, KvPages, WarmUp):
             if f.ready is not None:
                 f.ready.synchronize()
             hit_host = f.host[: f.b].copy()
-        c.step_device_seconds += f.launch_seconds + time.perf_counter() - t0
+        if f.step >= 0:  # a decode step's (an admission's first tokens are the prefill's)
+            c.step_device_seconds += f.launch_seconds + time.perf_counter() - t0
         if f.events is not None:  # both events are done: they came before the flags
             c.step_gpu_seconds += f.events[0].elapsed_time(f.events[1]) / 1000
             c.step_gpu_samples += 1
@@ -582,7 +601,7 @@ class Engine(Runner, KvPages, WarmUp):
                 except Exception:
                     log.exception("reading a decode graph's own timing events failed; no more graph timings")
                     self._graph_timing_failed = True
-        if f.step % GIL_PROBE_EVERY == 0:
+        if f.step >= 0 and f.step % GIL_PROBE_EVERY == 0:
             t1 = time.perf_counter()
             time.sleep(0)  # lets the GIL go and takes it back: the wait a release costs now
             c.gil_wait_seconds += time.perf_counter() - t1
@@ -695,7 +714,7 @@ class Engine(Runner, KvPages, WarmUp):
 
     def _fail_all(self, error: BaseException) -> None:
         self._pending.clear()
-        self._flight = None
+        self._flight = self._first = None
         for i in range(len(self.rows)):
             self._release(i)
         rows, self.rows = self.rows, []

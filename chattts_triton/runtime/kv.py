@@ -83,7 +83,7 @@ class KvPages:
         """Take the rows `ids` out of the batch: their pages' keys and values, tokens, hidden states and
         sampling state to the host (queued before anything reuses the pages), their pages freed; back to
         the head of the queue (the scheduler's `requeue`)."""
-        assert self._flight is None, "suspending with a step in flight"
+        assert not self._in_flight(), "suspending with a step in flight"
         records = []
         for i in ids:
             slot = self.rows[i]
@@ -142,10 +142,10 @@ class KvPages:
                 slot = self.rows[s]
                 slot.idx = d
                 self.rows[d] = slot
-            if self._flight is not None:  # the step in flight's rows move with them
-                self._flight.slot_of[dst_h] = self._flight.slot_of[src_h]
-        if self._flight is not None:
-            self._flight.slot_of[keep:b] = -1
+            for f in self._in_flight():  # the rows of a step in flight move with them
+                f.slot_of[dst_h] = f.slot_of[src_h]
+        for f in self._in_flight():
+            f.slot_of[keep:b] = -1
         del self.rows[keep:]
         self._clear_free(keep, b)
 

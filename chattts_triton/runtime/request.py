@@ -84,13 +84,12 @@ class EngineError(RuntimeError):
 
 
 class Slot:
-    __slots__ = ("req", "idx", "attempt", "emitted", "seq", "saved", "_eng")
+    __slots__ = ("req", "idx", "emitted", "seq", "saved", "_eng")
 
     def __init__(self, eng: "Engine", req: GenRequest, idx: int, seq: int):
         self._eng = eng
         self.req = req
         self.idx = idx  # slot; changes when finished requests below it are compacted away
-        self.attempt = 0
         self.emitted = 0  # tokens handed to req.on_tokens
         self.seq = seq  # admission order: the newest running requests are suspended first
         self.saved: Optional[tuple] = None  # while suspended: its pages' keys/values and its slot state

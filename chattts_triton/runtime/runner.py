@@ -221,8 +221,9 @@ class Runner:
             hit.index_copy_(0, rows, hm)
         return hit
 
-    def sample_core(self, st: Tensor, p: Tensor, h: Tensor, mode: str, valid: Optional[Tensor] = None):
-        """Sample the next token of the rows in slots `st` (p: a copy of their `row_params`); record it."""
+    def _sampling_logits(self, st: Tensor, p: Tensor, h: Tensor, mode: str) -> Tuple[Tensor, int]:
+        """The processed logits [rows × q, vocabulary] of the rows in slots `st` (p: a copy of their `row_params`;
+        q: the code rows per request, 1 in text mode), everything upstream does before the draw."""
         b = st.shape[0]
         q = self.num_vq if mode == "code" else 1
         n = p.n
@@ -236,7 +237,6 @@ class Runner:
         w = REPETITION_WINDOW
         offs = (n.unsqueeze(1) - w + torch.arange(w, device=self.device)).clamp(min=0)  # [B, W]
         hist = self.tokens[st.unsqueeze(1), offs][..., :q].permute(0, 2, 1).reshape(b * q, w)
-        eos = p.eos
         logits = sampling.process_logits(
             logits,
             rep(p.temperature),
@@ -246,17 +246,49 @@ class Runner:
             hist,
             rep(n.clamp(max=w)),
             rep(n < p.min_new_tokens),
-            rep(eos),
+            rep(p.eos),
         )
-        row = torch.arange(q, device=self.device).repeat(b)
-        u = sampling.uniform(rep(p.seed), rep(n), row, rep(p.attempt))
-        tok = sampling.sample(logits, u).view(b, q)
-        hit = (tok == eos.unsqueeze(1)).any(1)
-        if q < self.num_vq:
-            tok = tok.expand(b, self.num_vq)
+        return logits, q
+
+    def _record(self, st: Tensor, n: Tensor, tok: Tensor, h: Tensor, keep: Tensor) -> None:
+        """The drawn tokens [rows, q] and hidden states at each row's position n; counts advance where `keep`."""
+        if tok.shape[1] < self.num_vq:
+            tok = tok.expand(tok.shape[0], self.num_vq)
         self.tokens[st, n] = tok
         self.hiddens[st, n] = h.to(self.hiddens.dtype)  # the compute dtype: exact, the model's output in it
-        keep = ~hit if valid is None else ~hit & valid
         self.n_dev.index_add_(0, st, keep.long())
+
+    def sample_core(self, st: Tensor, p: Tensor, h: Tensor, mode: str, valid: Optional[Tensor] = None):
+        """Sample the next token of the rows in slots `st` (p: a copy of their `row_params`); record it."""
+        b = st.shape[0]
+        logits, q = self._sampling_logits(st, p, h, mode)
+        row = torch.arange(q, device=self.device).repeat(b)
+        u = sampling.uniform(p.seed.repeat_interleave(q), p.n.repeat_interleave(q), row, p.attempt.repeat_interleave(q))
+        tok = sampling.sample(logits, u).view(b, q)
+        hit = (tok == p.eos.unsqueeze(1)).any(1)
+        self._record(st, p.n, tok, h, ~hit if valid is None else ~hit & valid)
         return tok, hit
 
+    def sample_first(self, st: Tensor, p: Tensor, h: Tensor, mode: str, redraw: Tensor, attempts: int) -> Tensor:
+        """The first token of freshly prefilled rows in slots `st` (count 0), with upstream's ensure_non_empty:
+        where `redraw` [rows] (bool) a draw that ends the row is drawn again, attempt after attempt, up to
+        `attempts` in all. All attempts are drawn at once from the same probabilities (a draw depends on its
+        attempt only through its uniform number), so no host sync decides a redraw; the row keeps the first
+        attempt that does not end it (or the last), and its later draws use that attempt, as one after the
+        other would. Returns the EOS flags [rows] on the device."""
+        b = st.shape[0]
+        logits, q = self._sampling_logits(st, p, h, mode)
+        a = torch.arange(attempts, device=self.device)
+        row = torch.arange(q, device=self.device).repeat(b).unsqueeze(1)
+        u = sampling.uniform(p.seed.repeat_interleave(q).unsqueeze(1), p.n.repeat_interleave(q).unsqueeze(1), row,
+                             p.attempt.repeat_interleave(q).unsqueeze(1) + a)  # [rows × q, attempts]
+        toks = sampling.draw(torch.softmax(logits, dim=-1), u).view(b, q, attempts)
+        hits = (toks == p.eos.view(b, 1, 1)).any(1)  # [rows, attempts]
+        allowed = torch.where(redraw, attempts, 1)  # attempts each row may use
+        ok = ~hits & (a < allowed.unsqueeze(1))
+        chosen = torch.where(ok.any(1), ok.to(torch.uint8).argmax(1), allowed - 1)
+        tok = toks.gather(2, chosen.view(b, 1, 1).expand(b, q, 1)).squeeze(2)
+        hit = hits.gather(1, chosen.unsqueeze(1)).squeeze(1)
+        self.row_params.attempt.index_add_(0, st, chosen)
+        self._record(st, p.n, tok, h, ~hit)
+        return hit
