@@ -18,7 +18,7 @@ OUT_DIR then holds:
                             FastAPI, uvicorn with httptools, soundfile, prometheus-client, aiohttp
                             and their dependencies, 8.7 MB; not PyAV, 36 MB: no mp3/opus/aac, no
                             wav stream) and "locust" (Locust and Flask, pyzmq, ... for loadtest.run and
-                            bench.http_clients' locust path, 3.6 MB; it needs "http"): 11.8 MB in the
+                            bench.http_clients' locust path, 3.6 MB; it needs "http"): 12.0 MB in the
                             tar. --with grpc (grpcio, 7.4 MB) and --with tokenizers (tokenizers and
                             safetensors, which transformers already requires: 3.9 MB) on request;
                             --without GROUP leaves a default one out (--without http also locust)
