@@ -22,7 +22,7 @@ import asyncio
 import functools
 import threading
 import time
-from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Set, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Union
 
 import numpy as np
 
@@ -390,18 +390,40 @@ class _BalancedClient:
     answered (UNAVAILABLE if none did)."""
 
     _BALANCED: type  # _BalancedTransport or _AsyncBalancedTransport
-    urls: List[str]
     protocol: str
     model: str
+    _transport: Any
     _endpoint_transport: Callable[[str], Any]  # the client's: a tritonclient transport to one url
 
-    def _endpoints(self, urls, cooldown_s: float, transports, clock) -> str:
-        """Keeps what `_new_transport` needs; the urls as the client's `url`."""
+    def __init__(
+        self,
+        urls: Union[str, Sequence[str]],
+        protocol: str = "grpc",
+        model: str = MODEL,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retries: int = DEFAULT_RETRIES,
+        backoff_s: float = DEFAULT_BACKOFF_S,
+        *,
+        max_backoff_s: float = MAX_BACKOFF_S,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        stream_model: str = STREAM_MODEL,
+        cooldown_s: float = DEFAULT_COOLDOWN_S,
+        transports: Optional[Sequence[Any]] = None,
+        sleep: Optional[Callable[[float], Any]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """`sleep`: None for the client's (time.sleep, asyncio.sleep)."""
         self.urls = parse_urls(urls)
         if cooldown_s < 0:
             raise ValueError(f"cooldown_s must be >= 0, got {cooldown_s!r}")
         self._cooldown_s, self._transports, self._clock = cooldown_s, transports, clock
-        return ",".join(self.urls)
+        face = {"sleep": sleep} if sleep is not None else {}
+        super().__init__(
+            ",".join(self.urls), protocol, model, timeout_s, retries, backoff_s, max_backoff_s=max_backoff_s,
+            max_concurrency=max_concurrency, stream_model=stream_model, **face,
+        )  # fmt: skip
+        if transports is not None and self._transport is None:  # else the async face's comes on first use
+            self._transport = self._new_transport()
 
     def _new_transport(self) -> _Balanced:
         transports = self._transports
@@ -438,54 +460,8 @@ class BalancedChatTTSClient(_BalancedClient, ChatTTSClient):
 
     _BALANCED = _BalancedTransport
 
-    def __init__(
-        self,
-        urls: Union[str, Sequence[str]],
-        protocol: str = "grpc",
-        model: str = MODEL,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        retries: int = DEFAULT_RETRIES,
-        backoff_s: float = DEFAULT_BACKOFF_S,
-        *,
-        max_backoff_s: float = MAX_BACKOFF_S,
-        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
-        stream_model: str = STREAM_MODEL,
-        cooldown_s: float = DEFAULT_COOLDOWN_S,
-        transports: Optional[Sequence[Any]] = None,
-        sleep: Callable[[float], None] = time.sleep,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        super().__init__(
-            self._endpoints(urls, cooldown_s, transports, clock), protocol, model, timeout_s, retries, backoff_s,
-            max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, stream_model=stream_model, sleep=sleep,
-        )  # fmt: skip
-
 
 class AsyncBalancedChatTTSClient(_BalancedClient, AsyncChatTTSClient):
     """asyncio twin of `BalancedChatTTSClient`; create and use it inside one event loop."""
 
     _BALANCED = _AsyncBalancedTransport
-
-    def __init__(
-        self,
-        urls: Union[str, Sequence[str]],
-        protocol: str = "grpc",
-        model: str = MODEL,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        retries: int = DEFAULT_RETRIES,
-        backoff_s: float = DEFAULT_BACKOFF_S,
-        *,
-        max_backoff_s: float = MAX_BACKOFF_S,
-        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
-        stream_model: str = STREAM_MODEL,
-        cooldown_s: float = DEFAULT_COOLDOWN_S,
-        transports: Optional[Sequence[Any]] = None,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        super().__init__(
-            self._endpoints(urls, cooldown_s, transports, clock), protocol, model, timeout_s, retries, backoff_s,
-            max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, stream_model=stream_model, sleep=sleep,
-        )  # fmt: skip
-        if transports is not None:  # else created on first use, inside the running loop
-            self._transport = self._new_transport()

@@ -362,9 +362,9 @@ class _AioGrpcStreamSession(_StreamSession):
 class _SSEStreamSession(_StreamSession):
     """POST .../generate_stream and read its server-sent events. Closing the response before its end closes the
     connection, which Triton takes as a cancellation. Generate_stream sends every output: SPOKEN_TEXT comes unasked.
-    A face gives the I/O: `_post(path, body)` -> response, `_read_all()` -> the body, `_read_some()` -> the next bytes
-    of the body (b"" at its end), `_status()`, `_content_type()`, `_drop()` (close the connection), `_release()`;
-    each raises TimeoutError (`no_chunk`) or ConnectionError for what its library raises."""
+    A face gives the I/O: `_post(path, body)` -> the response (its `headers` and `status` read here), `_read_all()` ->
+    the body, `_read_some()` -> the next bytes of the body (b"" at its end), `_drop()` (close the connection) and
+    `_release()`; each raises TimeoutError (`no_chunk`) or ConnectionError for what its library raises."""
 
     def __init__(self, model: str, timeout_s: float):
         super().__init__(model, timeout_s, spoken_text=False)
@@ -381,10 +381,10 @@ class _SSEStreamSession(_StreamSession):
 
         # returns once the first response (or error) is there: Triton sends the headers with it
         self._resp = yield functools.partial(self._post, generate_stream_path(self._model), json_body(arrays))
-        if not self._content_type().startswith("text/event-stream"):
+        if not self._resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             # an error as first response comes as HTTP 400 whatever its code: the event is what counts
             body = yield self._read_all
-            raise InferenceServerException(error_text(body), status=str(self._status()))
+            raise InferenceServerException(error_text(body), status=str(self._resp.status))
 
     def receive(self):
         return self._run(self._receive())
@@ -443,12 +443,6 @@ class _HttpStreamSession(_SSEStreamSession):
         except urllib3.exceptions.HTTPError as e:
             raise self._translate(e) from e
 
-    def _content_type(self) -> str:
-        return self._resp.headers.get("Content-Type", "")
-
-    def _status(self) -> int:
-        return self._resp.status
-
     def _read_all(self) -> bytes:
         import urllib3
 
@@ -492,12 +486,6 @@ class _AioHttpStreamSession(_SSEStreamSession):
             return await asyncio.wait_for(post, self._timeout_s)
         except asyncio.TimeoutError:
             raise no_chunk(self._timeout_s) from None
-
-    def _content_type(self) -> str:
-        return self._resp.headers.get("Content-Type", "")
-
-    def _status(self) -> int:
-        return self._resp.status
 
     async def _read_all(self) -> bytes:
         return await asyncio.wait_for(self._resp.read(), self._timeout_s)

@@ -84,6 +84,37 @@ def test_a_good_body_becomes_contract_options():
     assert parse(speed=1).speed == 1.0  # an integer is a number
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_synthesis_option_is_a_body_field_that_reaches_the_request_tensors(stream):
+    """A field added to SynthesisOptions is a body field that reaches Triton with nothing written in the gateway: each
+    field but the voice's (`voice` gives those) from a body, through its Job and the Synthesizer's client, into the
+    request's tensors, whole and streamed (a recording transport; no server)."""
+    from client import AsyncChatTTSClient
+    from client.contract import OPTION_FIELDS, OPTION_INPUTS, encode_input
+    from tests.test_client_options import EVERY, AsyncRecorder
+
+    assert sorted(api.BODY_OPTIONS + api.VOICE_FIELDS) == sorted(OPTION_FIELDS)
+    given = {f: EVERY[f] for f in api.BODY_OPTIONS}
+    job = asyncio.run(api.speech_job(parse(**given)))
+    recorder = AsyncRecorder()
+    synth = Synthesizer("127.0.0.1:1")
+
+    async def run():
+        synth._client = AsyncChatTTSClient("127.0.0.1:1", transport=recorder)
+        if stream:
+            return [part async for part in synth.stream(job)]
+        return await synth.synthesize(job)
+
+    asyncio.run(run())
+    expected = {OPTION_INPUTS[f]: encode_input(OPTION_INPUTS[f], v) for f, v in given.items()}
+    expected["PROMPT"] = encode_input("PROMPT", "[speed_5]" + given["prompt"])  # `speed` is the prompt's speed token
+    expected.update(TEXT=encode_input("TEXT", OK["input"]), VOICE=encode_input("VOICE", OK["voice"]))
+    [sent] = recorder.sent
+    assert set(sent) == set(expected)
+    for name, arr in expected.items():
+        assert sent[name].dtype == arr.dtype and np.array_equal(sent[name], arr), name
+
+
 def test_speed_table_is_monotone_and_follows_the_logarithm():
     assert api.speed_token(1.0) == "[speed_5]" and api.speed_token(0.25) == "[speed_0]" and api.speed_token(4.0) == "[speed_9]"
     speeds = np.geomspace(0.25, 4.0, 400)
