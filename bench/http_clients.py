@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import threading
@@ -213,15 +214,34 @@ def locust_window(history_csv: Path, t0: float, t1: float) -> Dict[str, Any]:
             "latency_p99_ms": _ms(last.get("99%")), "errors": fb - fa, "requests": nb - na}
 
 
+def _locust_started(history_csv: Path) -> bool:
+    """Whether Locust's stats history shows a request yet (its users start after the workers import and connect:
+    seconds on a small host, more with --processes)."""
+    try:
+        with open(history_csv, newline="") as f:
+            return any(r.get("Name") == "Aggregated" and int(r["Total Request Count"] or 0) > 0 for r in csv.DictReader(f))
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+LOCUST_START_S = 180.0  # Locust's start-up (imports, workers connecting, users spawned) before it counts as failed
+
+
 def run_locust(server: Server, n: int, tokens: int, text: str, warmup: float, seconds: float, out: Path,
                processes: int = 1) -> Dict[str, Any]:
+    """Locust runs until stopped: the warm-up counts from its first request (not from its start, which takes
+    seconds of imports and worker hand-shakes), the window follows, then Locust is interrupted (it writes its
+    history every second, so the window's rows are on disk)."""
     out.mkdir(parents=True, exist_ok=True)
     corpus = out / "corpus.txt"
     corpus.write_text(text + "\n", encoding="utf-8")
+    history = out / "stats_stats_history.csv"
+    history.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "loadtest.run", "--host", server.url, "--protocol", "http", "--users", str(n),
-           "--spawn-rate", str(n), "--duration", f"{int(warmup + seconds + 5)}s", "--model", server.model,
-           "--corpus", str(corpus), "--max-new-tokens", str(tokens), "--min-new-tokens", str(tokens), "--seed", "1",
-           "--out", str(out), "--", "--csv-full-history", "--loglevel", "WARNING"]
+           "--spawn-rate", str(n), "--duration", f"{int(LOCUST_START_S + warmup + seconds + 60)}s",
+           "--model", server.model, "--corpus", str(corpus), "--max-new-tokens", str(tokens),
+           "--min-new-tokens", str(tokens), "--seed", "1", "--out", str(out), "--", "--csv-full-history",
+           "--loglevel", "WARNING"]
     if processes > 1:
         cmd += ["--processes", str(processes)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -229,12 +249,23 @@ def run_locust(server: Server, n: int, tokens: int, text: str, warmup: float, se
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         try:
             w0 = time.time() - time.monotonic()  # monotonic -> wall, for Locust's timestamps
-            t0, t1, before, after = _window(server, warmup + 2, seconds)  # + its start-up
-            proc.wait(timeout=warmup + seconds + 120)
+            deadline = time.monotonic() + LOCUST_START_S
+            while not _locust_started(history):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"Locust made no request within {LOCUST_START_S:.0f} s "
+                                       f"(exit {proc.poll()}); see {out / 'locust.log'}")
+                time.sleep(0.2)
+            t0, t1, before, after = _window(server, warmup, seconds)
+            time.sleep(1.5)  # Locust's history row after the window's end (it writes one a second)
         finally:
             if proc.poll() is None:
-                proc.kill()
-    row = locust_window(out / "stats_stats_history.csv", w0 + t0, w0 + t1)
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    row = locust_window(history, w0 + t0, w0 + t1)
     return {**row, **server_view(server, before, after, t1 - t0)}
 
 
