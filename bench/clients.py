@@ -21,13 +21,14 @@ import asyncio
 import multiprocessing as mp
 import queue
 import time
-from typing import Any, Awaitable, Callable, Dict, List, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 Sync = Callable[[], None]
-Entry = Callable[..., Awaitable[Dict[str, Any]]]  # entry(*share, sync) -> raw results of one process
+Entry = Callable[..., Awaitable[dict[str, Any]]]  # entry(*share, sync) -> raw results of one process
 
 
-def shares(concurrency: int, procs: int) -> List[int]:
+def shares(concurrency: int, procs: int) -> list[int]:
     """`concurrency` clients split as evenly as possible over at most `procs` processes (none empty)."""
     if concurrency < 1 or procs < 1:
         raise ValueError(f"concurrency and processes must be at least 1 (got {concurrency}, {procs})")
@@ -35,9 +36,9 @@ def shares(concurrency: int, procs: int) -> List[int]:
     return [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
 
 
-def merge(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Each key over the processes: lists concatenated, numbers summed (times: the largest)."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for r in results:
         for k, v in r.items():
             if isinstance(v, list):
@@ -63,7 +64,7 @@ def _child(index: int, entry: Entry, share: tuple, go, abort, results, timeout_s
         results.put((index, "error", f"{type(e).__name__}: {e}"))
 
 
-def run(entry: Entry, process_shares: Sequence[tuple], before_window: Sync, timeout_s: float = 900.0) -> Dict[str, Any]:
+def run(entry: Entry, process_shares: Sequence[tuple], before_window: Sync, timeout_s: float = 900.0) -> dict[str, Any]:
     """`entry(*share, sync)` for each share, merged (`merge`). Each call warms up, calls `sync()`
     (in a thread), then runs its timed window; `before_window()` runs once, after every call's
     warm-up and before any window (the server's counters are read there). One share runs in this
@@ -96,10 +97,10 @@ def run(entry: Entry, process_shares: Sequence[tuple], before_window: Sync, time
                 c.join(5)
 
 
-def _collect(results, children, status: str, timeout_s: float) -> List[Any]:
+def _collect(results, children, status: str, timeout_s: float) -> list[Any]:
     """One `status` message per child, in the children's order; a child's error, its death before
     it reported, or silence past `timeout_s` raises."""
-    got: Dict[int, Any] = {}
+    got: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     while len(got) < len(children):
         try:

@@ -37,7 +37,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -51,11 +50,11 @@ def log(msg: str) -> None:
     print(f"[bench.gateway] {msg}", file=sys.stderr, flush=True)
 
 
-def pct(values: List[float], q: float) -> float:
+def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def pyav_missing() -> Optional[str]:
+def pyav_missing() -> str | None:
     """Why PyAV cannot be imported here (and so in the gateway this starts), or None."""
     try:
         import av  # noqa: F401
@@ -79,7 +78,7 @@ def decode(data: bytes, fmt: str, pyav: bool) -> np.ndarray:
     return soundfile.read(io.BytesIO(data), dtype="float32", **raw)[0]
 
 
-def closed_loop_rate(spans: List[tuple], concurrency: int, steady: float, stop: float) -> Dict[str, float]:
+def closed_loop_rate(spans: list[tuple], concurrency: int, steady: float, stop: float) -> dict[str, float]:
     """Requests/s of `concurrency` closed loops from their requests' (begun, ended) times: by Little's law,
     concurrency / mean latency of the requests begun in [steady, stop). Equal requests begun together finish
     together, in waves of up to `concurrency`, so a count of the completions in a window (`counted_rps`, kept
@@ -111,7 +110,7 @@ def cpu_seconds(pid: int) -> float:
 class Gateway:
     """`python -m gateway` on a free port until closed."""
 
-    def __init__(self, grpc_url: str, repo: Optional[Path], log_file: Path, args: List[str]):
+    def __init__(self, grpc_url: str, repo: Path | None, log_file: Path, args: list[str]):
         import subprocess
         import urllib.request
 
@@ -143,7 +142,7 @@ class Gateway:
         self.out.close()
 
 
-async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: bool = True) -> Dict[str, object]:
+async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: bool = True) -> dict[str, object]:
     """1-3 through `gateway` against direct gRPC, and 4 where `encoding`."""
     import aiohttp
 
@@ -163,7 +162,7 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: 
     no_pyav = pyav_missing()
     pyav = no_pyav is None
     first_byte_formats = [f for f in ("pcm", "mp3") if pyav or f in STREAM_WITHOUT_PYAV]
-    result: Dict[str, object] = {"pyav": {"available": pyav, "error": no_pyav}, "skipped": []}
+    result: dict[str, object] = {"pyav": {"available": pyav, "error": no_pyav}, "skipped": []}
     if not pyav:
         why = f"PyAV cannot be imported ({no_pyav}): FFmpeg makes these"
         result["skipped"] = [
@@ -236,10 +235,10 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: 
         log(f"concurrency 1, first byte: {rows}")
 
         # 3. concurrency C, closed loops, alternating phases
-        async def phase(call, seconds: float) -> Dict[str, float]:
+        async def phase(call, seconds: float) -> dict[str, float]:
             """Closed loops for `seconds`, each finishing the request it holds at the end; requests/s as
             `closed_loop_rate` gives them, the steady part beginning after a third of the phase."""
-            spans: List[tuple] = []
+            spans: list[tuple] = []
             errors, kinds = [0], {}
             t0 = time.monotonic()
             stop, steady = t0 + seconds, t0 + seconds / 3
@@ -314,7 +313,7 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: 
     return result
 
 
-def _variant_lines(v: dict, seconds: float, label: str) -> Tuple[List[str], str]:
+def _variant_lines(v: dict, seconds: float, label: str) -> tuple[list[str], str]:
     """The table's rows and the throughput paragraph of one gateway size."""
     c1, fb, tp = v["c1_wav"], v["c1_first_byte"], v["throughput"]
     rows = [f"| {label}concurrency 1, whole wav, p50 | {c1['direct_p50_ms']:.1f} ms | {c1['gateway_p50_ms']:.1f} ms | "

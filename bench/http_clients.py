@@ -36,8 +36,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 from bench import perf
 from client.client import AsyncChatTTSClient, ChatTTSClient
@@ -59,7 +60,7 @@ def log(msg: str) -> None:
 class Server:
     """What the paths need of the server: its HTTP url, metrics and statistics."""
 
-    def __init__(self, url: str, metrics_url: Optional[str], grpc_url: Optional[str] = None, model: str = MODEL):
+    def __init__(self, url: str, metrics_url: str | None, grpc_url: str | None = None, model: str = MODEL):
         self.url, self.metrics_url, self.grpc_url, self.model = url, metrics_url, grpc_url, model
 
     def metrics(self) -> str:
@@ -76,11 +77,11 @@ class Server:
             return c.inference_statistics()
 
 
-def options(tokens: int) -> Dict[str, Any]:
+def options(tokens: int) -> dict[str, Any]:
     return {"max_new_tokens": tokens, "min_new_tokens": tokens, "seed": 1}
 
 
-def summarize(spans: Sequence[tuple], t0: float, t1: float) -> Dict[str, Any]:
+def summarize(spans: Sequence[tuple], t0: float, t1: float) -> dict[str, Any]:
     """spans: (start, end, ok) of every request; the window's throughput, latency and errors."""
     inside = [s for s in spans if t0 <= s[1] < t1]
     ok = [(e - s) * 1000.0 for s, e, good in inside if good]
@@ -88,7 +89,7 @@ def summarize(spans: Sequence[tuple], t0: float, t1: float) -> Dict[str, Any]:
             "latency_p99_ms": percentile(ok, 99), "errors": len(inside) - len(ok), "requests": len(inside)}
 
 
-def server_view(server: Server, before: tuple, after: tuple, seconds: float) -> Dict[str, Any]:
+def server_view(server: Server, before: tuple, after: tuple, seconds: float) -> dict[str, Any]:
     """(metrics text, statistics) before and after -> what reached the engine and the model together."""
     eng = engine_window(parse_engine_counters(before[0]), parse_engine_counters(after[0]), seconds)
     stats = diff_model_statistics(before[1], after[1]) if before[1] and after[1] else {}
@@ -115,10 +116,10 @@ def _window(server: Server, warmup: float, seconds: float, still_running: Callab
 
 # --- the paths ---------------------------------------------------------------------------------
 def run_asyncio(server: Server, n: int, tokens: int, text: str, warmup: float, seconds: float,
-                as_shipped: bool = False, protocol: str = "http") -> Dict[str, Any]:
+                as_shipped: bool = False, protocol: str = "http") -> dict[str, Any]:
     """N tasks on one loop: our AsyncChatTTSClient (over `protocol`), or (as_shipped) tritonclient.http.aio with
     its defaults."""
-    spans: List[tuple] = []
+    spans: list[tuple] = []
 
     async def main():
         stop = asyncio.Event()
@@ -166,8 +167,8 @@ def run_asyncio(server: Server, n: int, tokens: int, text: str, warmup: float, s
     return {**summarize(spans, t0, t1), **server_view(server, before, after, t1 - t0)}
 
 
-def run_sync(server: Server, n: int, tokens: int, text: str, warmup: float, seconds: float) -> Dict[str, Any]:
-    spans: List[tuple] = []
+def run_sync(server: Server, n: int, tokens: int, text: str, warmup: float, seconds: float) -> dict[str, Any]:
+    spans: list[tuple] = []
     stop = threading.Event()
     with ChatTTSClient(server.url, protocol="http", model=server.model, retries=0, max_concurrency=n,
                        timeout_s=600.0) as c:
@@ -191,14 +192,14 @@ def run_sync(server: Server, n: int, tokens: int, text: str, warmup: float, seco
     return {**summarize(spans, t0, t1), **server_view(server, before, after, t1 - t0)}
 
 
-def _ms(cell: Optional[str]) -> Optional[float]:
+def _ms(cell: str | None) -> float | None:
     try:
         return float(cell)
     except (TypeError, ValueError):  # "N/A": no request in Locust's percentile window
         return None
 
 
-def locust_window(history_csv: Path, t0: float, t1: float) -> Dict[str, Any]:
+def locust_window(history_csv: Path, t0: float, t1: float) -> dict[str, Any]:
     """Requests/s between the wall times t0 and t1 from Locust's stats history (its Aggregated rows), and p50/p99
     from the last row inside: with --csv-full-history, Locust's current percentiles, over its last
     CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW (10) seconds, so inside a window of 10 s or more."""
@@ -228,7 +229,7 @@ LOCUST_START_S = 180.0  # Locust's start-up (imports, workers connecting, users 
 
 
 def run_locust(server: Server, n: int, tokens: int, text: str, warmup: float, seconds: float, out: Path,
-               processes: int = 1) -> Dict[str, Any]:
+               processes: int = 1) -> dict[str, Any]:
     """Locust runs until stopped: the warm-up counts from its first request (not from its start, which takes
     seconds of imports and worker hand-shakes), the window follows, then Locust is interrupted (it writes its
     history every second, so the window's rows are on disk)."""
@@ -270,7 +271,7 @@ def run_locust(server: Server, n: int, tokens: int, text: str, warmup: float, se
 
 
 def run_perf_analyzer(server: Server, n: int, tokens: int, out: Path, window_ms: int,
-                      binary: Optional[Path], stability: int) -> Dict[str, Any]:
+                      binary: Path | None, stability: int) -> dict[str, Any]:
     before, t0 = _snapshot(server), time.monotonic()
     row = perf.run(server.url, [n], tokens, out, window_ms=window_ms, binary=binary, log=log, stability=stability,
                    protocol="http")[0]
@@ -280,7 +281,7 @@ def run_perf_analyzer(server: Server, n: int, tokens: int, out: Path, window_ms:
 
 
 # --- the report --------------------------------------------------------------------------------
-def add_ratios(rows: List[dict]) -> None:
+def add_ratios(rows: list[dict]) -> None:
     """Each row's share of perf_analyzer's throughput at its concurrency (None without a reference)."""
     ref = {r["concurrency"]: r["throughput_utt_s"] for r in rows if r["path"] == "perf_analyzer"}
     for r in rows:
@@ -312,7 +313,7 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def measure(server: Server, paths: Sequence[str], levels: Sequence[int], a: argparse.Namespace) -> List[dict]:
+def measure(server: Server, paths: Sequence[str], levels: Sequence[int], a: argparse.Namespace) -> list[dict]:
     rows = []
     binary = perf.prepare() if "perf_analyzer" in paths else None
     for n in levels:
@@ -345,7 +346,7 @@ def measure(server: Server, paths: Sequence[str], levels: Sequence[int], a: argp
     return rows
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.http_clients", description=__doc__.split("\n\n")[0])
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server's HTTP HOST:PORT")

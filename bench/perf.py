@@ -27,7 +27,6 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Dict, List, Optional
 
 from chattts_triton.config import SAMPLE_RATE, samples_for_codes
 from loadtest.lengths import Lengths, lengths_arg
@@ -46,7 +45,7 @@ class PerfError(RuntimeError):
     pass
 
 
-def _run(cmd: List[str], **kw) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     r = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if r.returncode != 0:
         raise PerfError(f"{' '.join(cmd)} failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-800:]}")
@@ -113,13 +112,13 @@ def prepare(dest: Path = DEFAULT_DIR) -> Path:
     return binary
 
 
-def environment(binary: Path) -> Dict[str, str]:
+def environment(binary: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(binary.parent), env.get("LD_LIBRARY_PATH", "")) if p)
     return env
 
 
-def entry_frames(frames) -> List[int]:
+def entry_frames(frames) -> list[int]:
     """The lengths of the input file's entries: N, or up to ENTRIES spread evenly over A-B."""
     return Lengths.of(frames).spread(ENTRIES)
 
@@ -142,7 +141,7 @@ def write_input_data(path: Path, frames, text: str = TEXT, seed: int = 1) -> Pat
 
 
 def command(binary: Path, url: str, concurrency: int, input_data: Path, csv_path: Path, window_ms: int,
-            stability: int = 25, protocol: str = "grpc") -> List[str]:
+            stability: int = 25, protocol: str = "grpc") -> list[str]:
     return [str(binary), "-m", "chattts", "-i", protocol, "-u", url, "-b", "1", "--input-data", str(input_data),
             "--concurrency-range", str(concurrency), "--measurement-mode", "time_windows",
             "--measurement-interval", str(window_ms), "--stability-percentage", str(stability), "--max-trials", "6",
@@ -159,8 +158,8 @@ def parse_csv(path: Path) -> dict:
             "latency_p99_ms": ms("p99 latency"), "latency_avg_ms": ms("Avg latency")}
 
 
-def run(url: str, levels: List[int], frames, out: Path, window_ms: int = 5000, binary: Optional[Path] = None,
-        log=print, stability: int = 25, protocol: str = "grpc") -> List[dict]:
+def run(url: str, levels: list[int], frames, out: Path, window_ms: int = 5000, binary: Path | None = None,
+        log=print, stability: int = 25, protocol: str = "grpc") -> list[dict]:
     """One perf_analyzer run per level; stability: the spread (%) its last three windows must fall within.
     frames: N, or a Lengths / "A-B" (a mix: write_input_data)."""
     binary = binary or prepare()
@@ -182,7 +181,7 @@ def run(url: str, levels: List[int], frames, out: Path, window_ms: int = 5000, b
     return rows
 
 
-def to_markdown(rows: List[dict], frames, url: str) -> str:
+def to_markdown(rows: list[dict], frames, url: str) -> str:
     entries = entry_frames(frames)
     what = (f"{entries[0]} forced frames per request" if len(entries) == 1 else
             f"forced frames per request in turn from {len(entries)} lengths spread over {Lengths.of(frames)} "

@@ -35,8 +35,8 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -67,9 +67,9 @@ def pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")
 
 
-def llm_tokens(text: str) -> List[str]:
+def llm_tokens(text: str) -> list[str]:
     """`text` as an LLM streams it: a word (with its leading space) a token, CJK two and three characters a token."""
-    out: List[str] = []
+    out: list[str] = []
     for word in re.findall(r"\s*[^\s\u3000-\u9fff\uff00-\uffef]+|\s*[\u3000-\u9fff\uff00-\uffef]+", text):
         if re.search(r"[\u3000-\u9fff]", word):
             i, n = 0, 2
@@ -82,8 +82,8 @@ def llm_tokens(text: str) -> List[str]:
     return out
 
 
-def margins(frames: Sequence[Tuple[float, int]], piece_starts: Sequence[int], rate: int,
-            bytes_per_sample: int) -> List[float]:
+def margins(frames: Sequence[tuple[float, int]], piece_starts: Sequence[int], rate: int,
+            bytes_per_sample: int) -> list[float]:
     """For each piece after the first, the seconds by which its first audio byte came before the listener needed
     it (negative: a gap). `frames` are the turn's audio frames (arrival time, bytes) in order; `piece_starts` the
     sample offsets where the pieces after the first begin (the previous piece's segment.end end_sample: a pause
@@ -91,8 +91,8 @@ def margins(frames: Sequence[Tuple[float, int]], piece_starts: Sequence[int], ra
     return [need - came for need, came in piece_times(frames, piece_starts, rate, bytes_per_sample)]
 
 
-def piece_times(frames: Sequence[Tuple[float, int]], piece_starts: Sequence[int], rate: int,
-                bytes_per_sample: int) -> List[Tuple[float, float]]:
+def piece_times(frames: Sequence[tuple[float, int]], piece_starts: Sequence[int], rate: int,
+                bytes_per_sample: int) -> list[tuple[float, float]]:
     """For each piece after the first: (when the listener needs its first sample, when its first byte came)."""
     if not frames:
         return []
@@ -110,7 +110,7 @@ def piece_times(frames: Sequence[Tuple[float, int]], piece_starts: Sequence[int]
 
 
 def cut_times(tokens: Sequence[str], sent: Sequence[float], flushed: float, max_frames: int,
-              min_frames: int) -> List[float]:
+              min_frames: int) -> list[float]:
     """When the session could start each piece: the arrival of the token with which its chunker (the same
     client.realtime.TextChunker, the same budgets) gave the piece out, or of the flush for what was left."""
     from client.realtime import TextChunker
@@ -121,7 +121,7 @@ def cut_times(tokens: Sequence[str], sent: Sequence[float], flushed: float, max_
     return out + [flushed] * len(chunker.flush())
 
 
-def frame_margins(frames: Sequence[Tuple[float, int]], rate: int, bytes_per_sample: int) -> List[float]:
+def frame_margins(frames: Sequence[tuple[float, int]], rate: int, bytes_per_sample: int) -> list[float]:
     """As `margins`, for every audio frame after the first: a stall inside a piece shows here too."""
     if not frames:
         return []
@@ -133,11 +133,11 @@ def frame_margins(frames: Sequence[Tuple[float, int]], rate: int, bytes_per_samp
 
 
 # --- the server's metrics -------------------------------------------------------------------------------------------
-def scrape(url: str) -> Dict[str, float]:
+def scrape(url: str) -> dict[str, float]:
     """The stream model's series in Triton's metrics, summed over its instances."""
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or f'model="{STREAM_MODEL}"' not in line:
             continue
@@ -146,7 +146,7 @@ def scrape(url: str) -> Dict[str, float]:
     return out
 
 
-def busy(m: Dict[str, float]) -> float:
+def busy(m: dict[str, float]) -> float:
     return sum(m.get(k, 0.0) for k in ("chattts_inflight_requests", "chattts_engine_active", "chattts_engine_waiting",
                                        "chattts_streams"))
 
@@ -158,7 +158,7 @@ class Session:
     def __init__(self, url: str):
         self.url = url
 
-    async def open(self, settings: dict) -> "Session":
+    async def open(self, settings: dict) -> Session:
         import websockets
 
         self.ws = await websockets.connect(self.url, max_size=None)
@@ -175,7 +175,7 @@ class Session:
     async def send(self, **msg) -> None:
         await self.ws.send(json.dumps(msg, ensure_ascii=False))
 
-    async def turn(self, until: Tuple[str, ...] = ("turn.done", "turn.cancelled"), first_audio: Optional[asyncio.Event] = None):
+    async def turn(self, until: tuple[str, ...] = ("turn.done", "turn.cancelled"), first_audio: asyncio.Event | None = None):
         """(audio frames [(arrival, bytes)], events [(arrival, event)]) up to the turn's end."""
         frames, events = [], []
         while True:
@@ -195,11 +195,11 @@ class Session:
         await self.ws.close()
 
 
-def errors_in(events) -> List[dict]:
+def errors_in(events) -> list[dict]:
     return [ev for _, ev in events if ev.get("type") == "error"]
 
 
-async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Optional[str]) -> Dict[str, object]:
+async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: str | None) -> dict[str, object]:
     from client import AsyncChatTTSClient
     from gateway.api import contract_options
     from gateway.realtime import parse_settings
@@ -209,8 +209,8 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
     base = {"response_format": fmt, "sample_rate": rate, "min_piece_frames": 0, "idle_flush_ms": 0}
     fixed = {"max_new_tokens": a.frames, "min_new_tokens": a.frames}
     direct = AsyncChatTTSClient(grpc_url, retries=0)
-    result: Dict[str, object] = {"errors": []}
-    errors: List[str] = result["errors"]  # type: ignore[assignment]
+    result: dict[str, object] = {"errors": []}
+    errors: list[str] = result["errors"]  # type: ignore[assignment]
     try:
         # 1. first audio at 1 session, beside a direct stream's first chunk
         first_settings = {**base, "voice": "alloy", "seed": a.seed, **fixed}
@@ -405,7 +405,7 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: Op
     return result
 
 
-def _ms(x: Optional[float], fmt: str = ".1f") -> str:
+def _ms(x: float | None, fmt: str = ".1f") -> str:
     return "–" if x is None or x != x else f"{x:{fmt}} ms"
 
 

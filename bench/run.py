@@ -32,7 +32,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
 
 from chattts_triton.config import FIRST_CHUNK_BUCKETS_MS, SAMPLE_RATE, first_chunk_bucket, samples_for_codes
 from chattts_triton.triton.deployment import EXPORT, Deployment, add_flags, from_args
@@ -54,7 +53,7 @@ def device_name(device: str) -> str:
     return f"{platform.processor() or platform.machine()} ({__import__('os').cpu_count()} cores)"
 
 
-def bench_upstream(assets: Path, device: str, batches: List[int], tokens: int, repeats: int, compile: bool) -> List[dict]:
+def bench_upstream(assets: Path, device: str, batches: list[int], tokens: int, repeats: int, compile: bool) -> list[dict]:
     import ChatTTS
     import torch
 
@@ -94,7 +93,7 @@ def bench_upstream(assets: Path, device: str, batches: List[int], tokens: int, r
     return rows
 
 
-def _pct(values: List[float], q: float) -> Optional[float]:
+def _pct(values: list[float], q: float) -> float | None:
     import numpy as np
 
     return float(np.percentile(values, q)) * 1000 if values else None
@@ -109,7 +108,7 @@ STREAM_COUNTERS = ("stream_first_chunks", "stream_first_tokens_seconds", "stream
                    *(first_chunk_bucket(ms) for ms in FIRST_CHUNK_BUCKETS_MS))
 
 
-def bucket_percentile(counts: Dict[int, float], total: float, q: float) -> Optional[float]:
+def bucket_percentile(counts: dict[int, float], total: float, q: float) -> float | None:
     """The smallest bound (ms) within which at least q % of `total` events fell, from cumulative
     `counts` {bound ms: count}; inf past the last bound, None without events."""
     if total <= 0:
@@ -120,7 +119,7 @@ def bucket_percentile(counts: Dict[int, float], total: float, q: float) -> Optio
     return float("inf")
 
 
-def _finite(ms: Optional[float]) -> Optional[float]:
+def _finite(ms: float | None) -> float | None:
     return ms if ms is None or ms != float("inf") else None  # None also past the last bucket: see the counts
 
 
@@ -155,13 +154,13 @@ async def stream_clients(url: str, tokens, concurrency: int, seconds: float, see
     from client.client import AsyncChatTTSClient
 
     lengths = Lengths.of(tokens)
-    first: List[float] = []
-    gaps: List[float] = []
-    total: List[float] = []
-    samples: List[int] = []
+    first: list[float] = []
+    gaps: list[float] = []
+    total: list[float] = []
+    samples: list[int] = []
     mismatched = 0  # whole streams whose audio is not the forced length's
     errors = 0
-    messages: List[str] = []
+    messages: list[str] = []
     async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=600, max_concurrency=concurrency) as client:
         async def one(seed: int, record: bool, frames: int) -> None:
             nonlocal errors, mismatched
@@ -216,7 +215,7 @@ def bench_stream(url: str, tokens, concurrency: int, seconds: float, metrics_url
         time.sleep(2 * STATS_PERIOD_S)  # the gauges refresh this often: the last streams' counts land first
         counters.append(parse_counters(fetch_metrics(metrics_url), STREAM_COUNTERS, STREAM))
 
-    counters: List[dict] = []
+    counters: list[dict] = []
     split = clients.shares(concurrency, procs)
     bases = [sum(split[:i]) for i in range(len(split))]  # each process's first seed
     r = clients.run(stream_clients, [(url, tokens, n, seconds, b) for n, b in zip(split, bases)], read_counters)
@@ -238,13 +237,13 @@ def bench_stream(url: str, tokens, concurrency: int, seconds: float, metrics_url
     return row
 
 
-def allocator_rows(metrics_text: str) -> Dict[str, dict]:
+def allocator_rows(metrics_text: str) -> dict[str, dict]:
     """{model instance: MiB its process's allocator holds, and its peak} from the `chattts_gpu_memory_*` gauges."""
     from chattts_triton.config import STREAM
     from chattts_triton.triton.repo_config import MODELS
     from loadtest.sweep import parse_counters
 
-    rows: Dict[str, dict] = {}
+    rows: dict[str, dict] = {}
     for model in MODELS + (STREAM,):
         for inst, c in parse_counters(metrics_text, ("gpu_memory_reserved_bytes", "gpu_memory_peak_reserved_bytes"), model).items():
             rows[inst or model] = {"allocator_mib": round(c.get("gpu_memory_reserved_bytes", 0) / 2**20),
@@ -252,14 +251,14 @@ def allocator_rows(metrics_text: str) -> Dict[str, dict]:
     return rows
 
 
-def server_allocators_mib(metrics_text: str) -> Optional[int]:
+def server_allocators_mib(metrics_text: str) -> int | None:
     """What the server's own processes' allocators hold together, MiB (None without the gauges): the server's
     memory whoever else uses the GPU, where Triton's nv_gpu_memory_used_bytes is the whole GPU's."""
     rows = allocator_rows(metrics_text)
     return sum(r["allocator_mib"] for r in rows.values()) if rows else None
 
 
-def gpu_processes(server) -> Dict[str, dict]:
+def gpu_processes(server) -> dict[str, dict]:
     """GPU memory per model instance of the launched server, from what each process's allocator holds (its
     `chattts_gpu_memory_*` gauges; nvidia-smi's per-process list names host pids inside a container), and
     nvidia-smi's per-process figures (context included) as it lists them."""
@@ -276,7 +275,7 @@ def gpu_processes(server) -> Dict[str, dict]:
     return rows
 
 
-def server_smi_mib(server, procs: Dict[str, dict]) -> Dict[str, float]:
+def server_smi_mib(server, procs: dict[str, dict]) -> dict[str, float]:
     """{pid: MiB} of nvidia-smi's figures (CUDA contexts included) for the server's own processes
     (tritonserver and its stubs) in `procs` (gpu_processes): what a card must hold for this server alone."""
     from chattts_triton.launcher.tritonserver import python_stubs
@@ -352,7 +351,7 @@ def burst(url: str, n: int, tokens, seed0: int = 0) -> dict:
 
     got, wall = asyncio.run(run())
     ok = [t for e, t, _ in got if e is None]
-    errors: Dict[str, int] = {}
+    errors: dict[str, int] = {}
     for e, _, _ in got:
         if e is not None:
             errors[e] = errors.get(e, 0) + 1
@@ -372,7 +371,7 @@ def soak_cycles(server, tokens: int, concurrency: int, burst_n: int, until: floa
     sampled through each hold. Memory growth is measured over the second half of the cycles' samples."""
     import asyncio
 
-    cycles: List[dict] = []
+    cycles: list[dict] = []
     while time.monotonic() + idle_s + hold_s / 2 < until:
         time.sleep(idle_s)
         b = burst(server.grpc_url, burst_n, tokens, seed0=10_000 * (len(cycles) + 1))
@@ -398,11 +397,11 @@ async def hold(url: str, metrics_url: str, tokens, concurrency: int, seconds: fl
 
     lengths = Lengths.of(tokens)
     done = errors = audio = 0
-    samples: List[dict] = []
-    late: List[float] = []  # latencies (s) of the utterances finished in the second half: steady state
+    samples: list[dict] = []
+    late: list[float] = []  # latencies (s) of the utterances finished in the second half: steady state
     t_start = time.monotonic()
     stop = t_start + seconds
-    messages: Dict[str, int] = {}
+    messages: dict[str, int] = {}
     async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=600, max_concurrency=concurrency, retries=0) as client:
         async def worker(i: int) -> None:
             nonlocal done, errors, audio
@@ -443,10 +442,10 @@ async def hold(url: str, metrics_url: str, tokens, concurrency: int, seconds: fl
 MEMORY_SERIES = {"gpu_memory": "gpu_memory_mib", "server_allocators": "server_allocators_mib"}
 
 
-def memory_span(samples: List[tuple], half_from: float) -> Dict[str, Optional[float]]:
+def memory_span(samples: list[tuple], half_from: float) -> dict[str, float | None]:
     """Of (t_s, sample) pairs: each memory series' min, max and growth over the samples from `half_from` on
     (`gpu_memory`: Triton's gauge, the whole GPU; `server_allocators`: the server's own processes)."""
-    out: Dict[str, Optional[float]] = {}
+    out: dict[str, float | None] = {}
     for name, key in MEMORY_SERIES.items():
         values = [(t, s[key]) for t, s in samples if s.get(key) is not None]
         half = [v for t, v in values if t >= half_from]
@@ -457,10 +456,10 @@ def memory_span(samples: List[tuple], half_from: float) -> Dict[str, Optional[fl
 
 
 def bench_served(repo: Path, tokens, max_concurrency: int, step_s: float, start: int = 1,
-                 stream_concurrency: List[int] = (), stream_s: float = 15.0, hold_concurrency: int = 0,
+                 stream_concurrency: list[int] = (), stream_s: float = 15.0, hold_concurrency: int = 0,
                  hold_s: float = 0.0, mps: bool = False, stream_procs: int = STREAM_CLIENT_PROCS,
-                 burst_from_idle: bool = False, perf_levels: List[int] = (), soak_s: float = 0.0,
-                 out_dir: Optional[Path] = None, save=lambda out: None, perf_stability: int = 25) -> Dict[str, object]:
+                 burst_from_idle: bool = False, perf_levels: list[int] = (), soak_s: float = 0.0,
+                 out_dir: Path | None = None, save=lambda out: None, perf_stability: int = 25) -> dict[str, object]:
     """Everything against one server started by the launcher, in order; `save(out)` after each phase.
     `tokens`: N frames for every request, or a Lengths (each request its own, drawn per stream of requests)."""
     import asyncio
@@ -469,7 +468,7 @@ def bench_served(repo: Path, tokens, max_concurrency: int, step_s: float, start:
     from loadtest.sweep import SweepConfig, run_sweep
 
     tokens = Lengths.of(tokens)
-    out: Dict[str, object] = {}
+    out: dict[str, object] = {}
     args = ["--mps"] if mps else []
     server = Launched(repo, repo.parent / "bench-tritonserver.log", args=args, ready_timeout_s=900)
     t_start = time.monotonic()
@@ -534,7 +533,7 @@ def _prefills(row: dict) -> str:
     return f"{row['engine_prefill_ms']:.2f} ({row['engine_prefill_prompts']:.1f})"
 
 
-def _switch_interval(us: Optional[int]) -> str:
+def _switch_interval(us: int | None) -> str:
     if us is None:  # results from before the setting
         return ""
     return f", GIL switch interval {us} µs" if us else ", Python's GIL switch interval (5 ms)"
@@ -550,9 +549,9 @@ def _vocoder_graphs(on) -> str:
     return "" if on is None else (", vocoder from CUDA graphs" if on else ", eager vocoder")
 
 
-def _served_path(res: dict) -> List[str]:
+def _served_path(res: dict) -> list[str]:
     """How the server ran (the launcher), its memory, the bursts, perf_analyzer and the soak."""
-    out: List[str] = []
+    out: list[str] = []
     la = res.get("launcher")
     if la:
         out += [f"Served by `{la['command'].strip()}` (the container's command; ready {la['ready_s']} s after start), "
@@ -775,7 +774,7 @@ def main(argv=None) -> int:
     import torch
 
     dev = a.device if (a.device == "cpu" or torch.cuda.is_available()) else "cpu"
-    res: Dict = {"date": dt.date.today().isoformat(), "device": dev, "device_name": device_name(dev),
+    res: dict = {"date": dt.date.today().isoformat(), "device": dev, "device_name": device_name(dev),
                  "tokens": a.tokens.low if a.tokens.fixed else str(a.tokens), "tokens_seed": a.tokens.seed,
                  "lengths": a.tokens.to_json(), "dtype": a.dtype, "torch": torch.__version__, "command": " ".join(sys.argv)}
     a.out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Optional
 
 # --- audio -------------------------------------------------------------------------------------
 SAMPLE_RATE = 24000
@@ -111,7 +110,7 @@ class Arch:
         return dataclasses.asdict(self)
 
     @staticmethod
-    def from_json(d: dict) -> "Arch":
+    def from_json(d: dict) -> Arch:
         return Arch(
             gpt=GPTDims(**d["gpt"]),
             decoder=ConvNetDims(**d["decoder"]),
@@ -152,15 +151,15 @@ class RefineTextParams:
     max_new_token: int = 384
     min_new_token: int = 0
     ensure_non_empty: bool = True
-    manual_seed: Optional[int] = None
+    manual_seed: int | None = None
 
 
 @dataclass
 class InferCodeParams(RefineTextParams):
     prompt: str = "[speed_5]"
-    spk_emb: Optional[str] = None
-    spk_smp: Optional[str] = None
-    txt_smp: Optional[str] = None
+    spk_emb: str | None = None
+    spk_smp: str | None = None
+    txt_smp: str | None = None
     temperature: float = 0.3
     repetition_penalty: float = 1.05
     max_new_token: int = 2048

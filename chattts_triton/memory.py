@@ -14,7 +14,6 @@ arithmetic (no torch).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
 
 from .config import KV_PAGE_TOKENS, Arch
 
@@ -73,8 +72,8 @@ def _round_slots(n: int) -> int:
 
 
 def plan(budget_bytes: int, arch: Arch, dtype: str, max_context: int, max_new_tokens: int, vocoders: int = 1,
-         stream: bool = True, slots: Optional[Dict[str, Optional[int]]] = None,
-         cache_tokens: Optional[Dict[str, Optional[int]]] = None) -> Dict[str, EnginePlan]:
+         stream: bool = True, slots: dict[str, int | None] | None = None,
+         cache_tokens: dict[str, int | None] | None = None) -> dict[str, EnginePlan]:
     """The engines' plans on one GPU of `budget_bytes`. `slots` / `cache_tokens` pin a role's values (None:
     sized here). Raises MemoryPlanError when the budget cannot hold MIN_SLOTS slots of an engine."""
     slots, cache_tokens = dict(slots or {}), dict(cache_tokens or {})
@@ -89,7 +88,7 @@ def plan(budget_bytes: int, arch: Arch, dtype: str, max_context: int, max_new_to
     state = slot_state_bytes(arch, nbytes, max_new_tokens)
     full = -(-max_context // page) * page  # positions of one request at the full context, whole pages
     shares = {"gpt": GPT_SHARE if stream else 1.0, "stream": 1.0 - GPT_SHARE}
-    out: Dict[str, EnginePlan] = {}
+    out: dict[str, EnginePlan] = {}
     for role in roles:
         share = left * shares[role]
         n = slots.get(role)
@@ -110,7 +109,7 @@ def plan(budget_bytes: int, arch: Arch, dtype: str, max_context: int, max_new_to
     return out
 
 
-def budget(total_bytes: int, gpu_memory_gb: Optional[float] = None) -> int:
+def budget(total_bytes: int, gpu_memory_gb: float | None = None) -> int:
     """The bytes the deployment plans with on a card of `total_bytes`, or of `gpu_memory_gb` GiB (a card
     that small, or the part of a shared card this deployment may take)."""
     if gpu_memory_gb is not None:

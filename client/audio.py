@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import Optional, Tuple, Union
 
 import numpy as np
 
@@ -43,7 +42,7 @@ def _encode(audio: np.ndarray, fmt: str) -> bytes:
 _UNKNOWN_SIZE = 0xFFFFFFFF
 
 
-def _wav_header(fmt: str, sample_rate: int, data_bytes: Optional[int]) -> bytes:
+def _wav_header(fmt: str, sample_rate: int, data_bytes: int | None) -> bytes:
     """RIFF header up to the data chunk's size (same length whatever the size; None = not known yet).
     pcm16: the layout of stdlib `wave`. float32: non-PCM formats carry cbSize and a `fact` chunk."""
     if fmt not in FORMATS:
@@ -64,7 +63,7 @@ def _wav_header(fmt: str, sample_rate: int, data_bytes: Optional[int]) -> bytes:
 
 
 def save_wav(
-    path: Union[str, Path],
+    path: str | Path,
     audio: np.ndarray,
     sample_rate: int = SAMPLE_RATE,
     fmt: str = "pcm16",
@@ -84,7 +83,7 @@ class WavStreamWriter:
     as streaming writers use) until `close()` patches them; the result is the file `save_wav` writes
     for the same samples. `abort()` (and leaving a `with` block by an exception) deletes the file."""
 
-    def __init__(self, path: Union[str, Path], sample_rate: int = SAMPLE_RATE, fmt: str = "pcm16"):
+    def __init__(self, path: str | Path, sample_rate: int = SAMPLE_RATE, fmt: str = "pcm16"):
         header = _wav_header(fmt, sample_rate, None)  # checks fmt before creating anything
         self.path, self.sample_rate, self.fmt = Path(path), sample_rate, fmt
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +113,7 @@ class WavStreamWriter:
             self._file.close()
         self.path.unlink(missing_ok=True)
 
-    def __enter__(self) -> "WavStreamWriter":
+    def __enter__(self) -> WavStreamWriter:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -124,7 +123,7 @@ class WavStreamWriter:
             self.abort()
 
 
-def read_wav(path: Union[str, Path]) -> Tuple[np.ndarray, int]:
+def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
     """(samples as float32 — shape (n,) for mono, (n, channels) otherwise, sample rate)."""
     raw = Path(path).read_bytes()
     if len(raw) < 12 or raw[:4] != b"RIFF" or raw[8:12] != b"WAVE":
@@ -159,7 +158,7 @@ def read_wav(path: Union[str, Path]) -> Tuple[np.ndarray, int]:
     return (samples if channels == 1 else samples.reshape(frames, channels)), rate
 
 
-def load_reference_audio(path: Union[str, Path], sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+def load_reference_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     """Mono float32 speaker reference at the model rate (channels averaged; no resampling)."""
     samples, rate = read_wav(path)
     if rate != sample_rate:

@@ -22,7 +22,8 @@ import asyncio
 import functools
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ from .transport import Steps, run_async, run_sync
 DEFAULT_COOLDOWN_S = 2.0  # a down endpoint is not probed again sooner than this
 
 
-def parse_urls(urls: Union[str, Sequence[str]]) -> List[str]:
+def parse_urls(urls: str | Sequence[str]) -> list[str]:
     """'h1:8001,h2:8001' or ['h1:8001', 'h2:8001'] -> a list of distinct HOST:PORT strings."""
     if isinstance(urls, str):
         urls = urls.split(",")
@@ -70,9 +71,9 @@ class Endpoint:
         self.failures = 0  # times marked down
         self.retry_at = 0.0  # when a down endpoint may be probed
         self.probing = False
-        self.last_error: Optional[str] = None
+        self.last_error: str | None = None
 
-    def stats(self) -> Dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         return {
             "url": self.url,
             "up": self.up,
@@ -95,7 +96,7 @@ class EndpointPool:
         self._lock = threading.Lock()
         self._next = 0  # round-robin start among equally loaded endpoints
 
-    def acquire(self, exclude: Set[Endpoint] = frozenset()) -> Optional[Endpoint]:
+    def acquire(self, exclude: set[Endpoint] = frozenset()) -> Endpoint | None:
         """The up endpoint (not in `exclude`) with the fewest outstanding requests, now counted as busy."""
         with self._lock:
             n = len(self.endpoints)
@@ -127,7 +128,7 @@ class EndpointPool:
                 ep.failures += 1
                 ep.retry_at = self._clock() + self.cooldown_s
 
-    def due_probes(self) -> List[Endpoint]:
+    def due_probes(self) -> list[Endpoint]:
         """Down endpoints whose cool-down has passed, claimed so that only one probe runs for each."""
         with self._lock:
             now = self._clock()
@@ -136,7 +137,7 @@ class EndpointPool:
                 ep.probing = True
             return due
 
-    def claim_for_probe(self, exclude: Set[Endpoint]) -> List[Endpoint]:
+    def claim_for_probe(self, exclude: set[Endpoint]) -> list[Endpoint]:
         """Every down endpoint not in `exclude` and not being probed, ignoring the cool-down."""
         with self._lock:
             due = [ep for ep in self.endpoints if not ep.up and not ep.probing and ep not in exclude]
@@ -157,7 +158,7 @@ class EndpointPool:
             for ep in eps:
                 ep.probing = False
 
-    def stats(self) -> List[Dict[str, Any]]:
+    def stats(self) -> list[dict[str, Any]]:
         with self._lock:
             return [ep.stats() for ep in self.endpoints]
 
@@ -166,7 +167,7 @@ def _where(protocol: str, url: str, model: str) -> str:
     return f"{protocol}://{url} model '{model}'"
 
 
-def _all_down(pool: EndpointPool, last: Optional[ChatTTSError]) -> ChatTTSUnavailableError:
+def _all_down(pool: EndpointPool, last: ChatTTSError | None) -> ChatTTSUnavailableError:
     detail = f"; last error: {last}" if last is not None else ""
     urls = ", ".join(ep.url for ep in pool.endpoints)
     return ChatTTSUnavailableError(f"all {len(pool.endpoints)} endpoint(s) down ({urls}){detail}")
@@ -181,7 +182,7 @@ class _Balanced:
     def __init__(self, pool: EndpointPool, protocol: str, model: str):
         self.pool, self._protocol, self._model = pool, protocol, model
 
-    def _where(self, ep: Endpoint, model: Optional[str] = None) -> str:
+    def _where(self, ep: Endpoint, model: str | None = None) -> str:
         return _where(self._protocol, ep.url, model or self._model)
 
     def _start_due_probes(self) -> None:
@@ -195,7 +196,7 @@ class _Balanced:
         self.pool.probe_done(ep, ready)
         return ready
 
-    def _revive(self, exclude: Set[Endpoint]) -> Steps:
+    def _revive(self, exclude: set[Endpoint]) -> Steps:
         """All down: probe them here (this request has nothing else to do); the first ready one, claimed."""
         claimed = self.pool.claim_for_probe(exclude)
         for k, ep in enumerate(claimed):
@@ -205,7 +206,7 @@ class _Balanced:
                 return ep
         return None
 
-    def _acquire(self, tried: Set[Endpoint], last: Optional[ChatTTSError]) -> Steps:
+    def _acquire(self, tried: set[Endpoint], last: ChatTTSError | None) -> Steps:
         """The endpoint for the next attempt, counted as busy; UNAVAILABLE when none is up or revives."""
         self._start_due_probes()
         ep = self.pool.acquire(tried) or (yield from self._revive(tried))
@@ -216,9 +217,9 @@ class _Balanced:
     def infer(self, arrays: Mapping[str, np.ndarray], **kw):
         return self._run(self._infer(arrays, kw))
 
-    def _infer(self, arrays: Mapping[str, np.ndarray], kw: Dict[str, Any]) -> Steps:
-        tried: Set[Endpoint] = set()
-        last: Optional[ChatTTSError] = None
+    def _infer(self, arrays: Mapping[str, np.ndarray], kw: dict[str, Any]) -> Steps:
+        tried: set[Endpoint] = set()
+        last: ChatTTSError | None = None
         while True:
             ep = yield from self._acquire(tried, last)
             ok = False
@@ -236,15 +237,15 @@ class _Balanced:
             finally:
                 self.pool.release(ep, ok)
 
-    def open_stream(self, model: str, chunk_timeout_s: float, **kw) -> "_BalancedStreamSession":
+    def open_stream(self, model: str, chunk_timeout_s: float, **kw) -> _BalancedStreamSession:
         return _BalancedStreamSession(self, model, chunk_timeout_s, **kw)
 
     def statistics(self, model: str):
         return self._run(self._statistics(model))
 
     def _statistics(self, model: str) -> Steps:
-        stats: Dict[str, Any] = {}
-        last: Optional[ChatTTSError] = None
+        stats: dict[str, Any] = {}
+        last: ChatTTSError | None = None
         for ep in self.pool.endpoints:
             try:
                 stats[ep.url] = yield functools.partial(ep.transport.statistics, model)
@@ -262,11 +263,11 @@ class _BalancedStreamSession:
     def __init__(self, transport: _Balanced, model: str, chunk_timeout_s: float, **kw):
         self._t, self._model, self._timeout_s = transport, model, chunk_timeout_s
         self._kw = kw  # open_stream keywords (spoken_text) for each endpoint's session
-        self.spoken_text: Optional[str] = None
-        self._tried: Set[Endpoint] = set()
-        self._last: Optional[ChatTTSError] = None
-        self._arrays: Optional[Mapping[str, np.ndarray]] = None
-        self._ep: Optional[Endpoint] = None
+        self.spoken_text: str | None = None
+        self._tried: set[Endpoint] = set()
+        self._last: ChatTTSError | None = None
+        self._arrays: Mapping[str, np.ndarray] | None = None
+        self._ep: Endpoint | None = None
         self._session: Any = None
         self._audio = False  # audio came back: no failover any more
 
@@ -326,7 +327,7 @@ class _BalancedTransport(_Balanced):
 
     def __init__(self, pool: EndpointPool, protocol: str, model: str):
         super().__init__(pool, protocol, model)
-        self._probe_threads: List[threading.Thread] = []
+        self._probe_threads: list[threading.Thread] = []
         self._threads_lock = threading.Lock()
 
     def _start_due_probes(self) -> None:
@@ -337,7 +338,7 @@ class _BalancedTransport(_Balanced):
                 self._probe_threads = [t for t in self._probe_threads if t.is_alive()] + [thread]
             thread.start()
 
-    def wait_for_probes(self, timeout_s: Optional[float] = None) -> None:
+    def wait_for_probes(self, timeout_s: float | None = None) -> None:
         with self._threads_lock:
             threads = list(self._probe_threads)
         for thread in threads:
@@ -358,7 +359,7 @@ class _AsyncBalancedTransport(_Balanced):
 
     def __init__(self, pool: EndpointPool, protocol: str, model: str):
         super().__init__(pool, protocol, model)
-        self._probe_tasks: Set[asyncio.Task] = set()
+        self._probe_tasks: set[asyncio.Task] = set()
 
     def _start_due_probes(self) -> None:
         for ep in self.pool.due_probes():
@@ -397,7 +398,7 @@ class _BalancedClient:
 
     def __init__(
         self,
-        urls: Union[str, Sequence[str]],
+        urls: str | Sequence[str],
         protocol: str = "grpc",
         model: str = MODEL,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -408,8 +409,8 @@ class _BalancedClient:
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
         stream_model: str = STREAM_MODEL,
         cooldown_s: float = DEFAULT_COOLDOWN_S,
-        transports: Optional[Sequence[Any]] = None,
-        sleep: Optional[Callable[[float], Any]] = None,
+        transports: Sequence[Any] | None = None,
+        sleep: Callable[[float], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         """`sleep`: None for the client's (time.sleep, asyncio.sleep)."""
@@ -436,7 +437,7 @@ class _BalancedClient:
         pool = EndpointPool(endpoints, self._cooldown_s, self._clock)
         return self._BALANCED(pool, self.protocol, self.model)
 
-    def endpoint_stats(self) -> List[Dict[str, Any]]:
+    def endpoint_stats(self) -> list[dict[str, Any]]:
         """Per endpoint, in `urls` order: url, up, outstanding, served, failures, last_error."""
         return self._get_transport().pool.stats()
 

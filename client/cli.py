@@ -14,8 +14,9 @@ import argparse
 import contextlib
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from .audio import FORMATS, WavError, WavStreamWriter, load_reference_audio, save_wav
 from .balancer import BalancedChatTTSClient
@@ -124,7 +125,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--show-spoken-text goes with TEXT, not --file")
 
 
-def _options(p: argparse.ArgumentParser, args: argparse.Namespace) -> Dict[str, Any]:
+def _options(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
     """The flags' option values (files read); `SynthesisOptions.of` checks them."""
     options = {k: getattr(args, k) for k in OPTION_FIELDS if getattr(args, k) is not None}
     try:
@@ -138,7 +139,7 @@ def _options(p: argparse.ArgumentParser, args: argparse.Namespace) -> Dict[str, 
     return options
 
 
-def _read_lines(p: argparse.ArgumentParser, path: str) -> List[tuple]:
+def _read_lines(p: argparse.ArgumentParser, path: str) -> list[tuple]:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -216,7 +217,7 @@ def _run_file(client: ChatTTSClient, args, options, numbered, out) -> int:
         return EXIT_FAILED
     out_dir = Path(args.out_dir)
     width = max(4, len(str(numbered[-1][0])))
-    failures: List[str] = []
+    failures: list[str] = []
     bar = tqdm(total=len(numbered), unit="utt", disable=args.quiet, file=sys.stderr)
 
     def on_result(i: int, result) -> None:
@@ -239,7 +240,7 @@ def _run_file(client: ChatTTSClient, args, options, numbered, out) -> int:
     return EXIT_FAILED if failures else EXIT_OK
 
 
-def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
+def main(argv: Sequence[str] | None = None, out=None) -> int:
     out = out or sys.stdout
     p = build_parser()
     args = p.parse_args(argv)

@@ -24,7 +24,8 @@ import concurrent.futures
 import functools
 import threading
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -55,11 +56,11 @@ DEFAULT_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
 DEFAULT_MAX_CONCURRENCY = 16
 
-OnResult = Callable[[int, Union[np.ndarray, ChatTTSError]], None]
+OnResult = Callable[[int, np.ndarray | ChatTTSError], None]
 OnSpokenText = Callable[[str], None]
 
 
-def split_sentences(text: str, max_frames: Optional[int] = None) -> List[str]:
+def split_sentences(text: str, max_frames: int | None = None) -> list[str]:
     """`text` as the pieces `synthesize(split=True)` sends: cut at sentence ends, a sentence too long to be spoken
     whole cut at clauses, very short ones joined, none cut inside a number or control token; each estimated under
     `max_frames` code frames (default chattts_triton.model.split.DEFAULT_MAX_FRAMES, ≈ 21.8 s). Blank pieces dropped."""
@@ -92,7 +93,7 @@ class _RetryPolicy:
         """Seconds to wait before retry number `attempt` (0-based): backoff_s * 2**attempt, capped."""
         return min(self.backoff_s * (2**attempt), self.max_backoff_s)
 
-    def give_up(self, err: ChatTTSError, attempt: int) -> Optional[ChatTTSError]:
+    def give_up(self, err: ChatTTSError, attempt: int) -> ChatTTSError | None:
         """The error to raise now, or None to retry."""
         if not err.retryable:
             return err
@@ -118,7 +119,7 @@ def _with_voice_reference(options: SynthesisOptions, reference: np.ndarray, refe
     return options.replace(speaker_audio=reference, speaker_text=reference_text)
 
 
-def _prepare(text: str, options: SynthesisOptions, split: bool) -> List[str]:
+def _prepare(text: str, options: SynthesisOptions, split: bool) -> list[str]:
     if not isinstance(text, str):
         raise ChatTTSInputError(f"text must be a str, got {type(text).__name__}")
     sentences = split_sentences(text) if split else [text]
@@ -129,7 +130,7 @@ def _prepare(text: str, options: SynthesisOptions, split: bool) -> List[str]:
     return sentences
 
 
-def _spoken(results: Sequence[Any], on_spoken_text: Optional[OnSpokenText]) -> List[np.ndarray]:
+def _spoken(results: Sequence[Any], on_spoken_text: OnSpokenText | None) -> list[np.ndarray]:
     """The audio of `_infer_many`'s results; with `on_spoken_text` they are (audio, spoken text) pairs, each text
     handed to it in order."""
     if on_spoken_text is None:
@@ -139,7 +140,7 @@ def _spoken(results: Sequence[Any], on_spoken_text: Optional[OnSpokenText]) -> L
     return [audio for audio, _ in results]
 
 
-def _tell_spoken(session: Any, on_spoken_text: Optional[OnSpokenText]) -> bool:
+def _tell_spoken(session: Any, on_spoken_text: OnSpokenText | None) -> bool:
     """Hand a stream session's SPOKEN_TEXT to `on_spoken_text` once it has come; whether it was handed."""
     spoken = getattr(session, "spoken_text", None)
     if on_spoken_text is None or spoken is None:
@@ -152,7 +153,7 @@ def _join(pieces: Sequence[np.ndarray]) -> np.ndarray:
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces).astype(np.float32, copy=False)
 
 
-def _spoken_kw(wanted: bool) -> Dict[str, bool]:
+def _spoken_kw(wanted: bool) -> dict[str, bool]:
     """The keyword a transport's infer / open_stream gets when the caller wants the spoken text (none otherwise:
     transports written before it take none)."""
     return {"spoken_text": True} if wanted else {}
@@ -199,7 +200,7 @@ class _ClientBase:
     def _new_transport(self) -> Any:
         return self._endpoint_transport(self.url)
 
-    def _chunk_timeout(self, chunk_timeout_s: Optional[float]) -> float:
+    def _chunk_timeout(self, chunk_timeout_s: float | None) -> float:
         if chunk_timeout_s is None:
             return self.timeout_s
         if chunk_timeout_s <= 0:
@@ -210,7 +211,7 @@ class _ClientBase:
         return f"{type(self).__name__}({self.url!r}, protocol={self.protocol!r}, model={self.model!r})"
 
     # --- the steps --------------------------------------------------------------------------------------------------
-    def _ready(self, model: Optional[str] = None) -> Steps:
+    def _ready(self, model: str | None = None) -> Steps:
         try:
             transport = self._get_transport()
             return bool((yield functools.partial(transport.is_ready, model) if model else transport.is_ready))
@@ -245,8 +246,8 @@ class _ClientBase:
         arrays = build_inputs(text, options)
         return (yield from self._retrying(lambda: self._get_transport().infer(arrays, **_spoken_kw(spoken_text))))
 
-    def _synthesize(self, text: str, options: Any, overrides: Dict[str, Any], split: bool, voice_from_first: bool,
-                    on_spoken_text: Optional[OnSpokenText]) -> Steps:
+    def _synthesize(self, text: str, options: Any, overrides: dict[str, Any], split: bool, voice_from_first: bool,
+                    on_spoken_text: OnSpokenText | None) -> Steps:
         options = SynthesisOptions.of(options, **overrides)
         sentences = _prepare(text, options, split)
         if _voice_reference_needed(sentences, options, voice_from_first):
@@ -255,8 +256,8 @@ class _ClientBase:
         results = yield functools.partial(self._infer_many, sentences, options, spoken_text=on_spoken_text is not None)
         return _join(_spoken(results, on_spoken_text))
 
-    def _synthesize_batch(self, texts: Sequence[str], options: Any, overrides: Dict[str, Any], return_exceptions: bool,
-                          on_result: Optional[OnResult]) -> Steps:
+    def _synthesize_batch(self, texts: Sequence[str], options: Any, overrides: dict[str, Any], return_exceptions: bool,
+                          on_result: OnResult | None) -> Steps:
         options = SynthesisOptions.of(options, **overrides)
         texts = list(texts)
         for t in texts:  # every text checked before anything is sent
@@ -265,25 +266,25 @@ class _ClientBase:
             return []
         return (yield functools.partial(self._infer_many, texts, options, return_exceptions, on_result))
 
-    def _streamed(self, text: str, options: Any, overrides: Dict[str, Any], split: bool, voice_from_first: bool,
-                  chunk_timeout_s: Optional[float], on_spoken_text: Optional[OnSpokenText]) -> Steps:
+    def _streamed(self, text: str, options: Any, overrides: dict[str, Any], split: bool, voice_from_first: bool,
+                  chunk_timeout_s: float | None, on_spoken_text: OnSpokenText | None) -> Steps:
         """The steps of `stream`, its text and options checked now (not at the first chunk)."""
         options = SynthesisOptions.of(options, **overrides)
         sentences = _prepare(text, options, split)
         return self._stream(sentences, options, voice_from_first, self._chunk_timeout(chunk_timeout_s), on_spoken_text)
 
-    def _stream(self, sentences: List[str], options: SynthesisOptions, voice_from_first: bool, timeout_s: float,
-                on_spoken_text: Optional[OnSpokenText]) -> Steps:
+    def _stream(self, sentences: list[str], options: SynthesisOptions, voice_from_first: bool, timeout_s: float,
+                on_spoken_text: OnSpokenText | None) -> Steps:
         need_reference = _voice_reference_needed(sentences, options, voice_from_first)
         for sentence in sentences:
-            pieces: Optional[List[np.ndarray]] = [] if need_reference else None
+            pieces: list[np.ndarray] | None = [] if need_reference else None
             yield from self._stream_one(options.to_inputs(sentence), timeout_s, on_spoken_text, pieces)
             if need_reference:
                 options = _with_voice_reference(options, _join(pieces) if pieces else NO_AUDIO, sentence)
                 need_reference = False
 
-    def _stream_one(self, arrays: Mapping[str, np.ndarray], timeout_s: float, on_spoken_text: Optional[OnSpokenText],
-                    pieces: Optional[List[np.ndarray]]) -> Steps:
+    def _stream_one(self, arrays: Mapping[str, np.ndarray], timeout_s: float, on_spoken_text: OnSpokenText | None,
+                    pieces: list[np.ndarray] | None) -> Steps:
         """One request's non-empty chunks (each kept in `pieces` too, when given), with retries before the first one.
         Closed early (the caller stopped, or its task was cancelled), it cancels the request."""
         attempt, told = 0, on_spoken_text is None
@@ -319,7 +320,7 @@ class ChatTTSClient(_ClientBase):
 
     def __init__(
         self,
-        url: Optional[str] = None,
+        url: str | None = None,
         protocol: str = "grpc",
         model: str = MODEL,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -340,7 +341,7 @@ class ChatTTSClient(_ClientBase):
         )
         self._transport = transport if transport is not None else self._new_transport()
         self._sleep = sleep
-        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
     def _endpoint_transport(self, url: str) -> Any:
@@ -357,7 +358,7 @@ class ChatTTSClient(_ClientBase):
             pool.shutdown(wait=True, cancel_futures=True)
         self._transport.close()
 
-    def __enter__(self) -> "ChatTTSClient":
+    def __enter__(self) -> ChatTTSClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -375,7 +376,7 @@ class ChatTTSClient(_ClientBase):
         return run_sync(self._statistics(model))
 
     # --- inference -------------------------------------------------------------------------------
-    def infer_one(self, text: str, options: Union[SynthesisOptions, Mapping[str, Any], None] = None,
+    def infer_one(self, text: str, options: SynthesisOptions | Mapping[str, Any] | None = None,
                   spoken_text: bool = False):
         """One request, one utterance (no sentence splitting), with retries: its audio, or (audio, the text the
         server voiced) with `spoken_text`. `options`: a SynthesisOptions or a mapping of its field names."""
@@ -392,9 +393,9 @@ class ChatTTSClient(_ClientBase):
         texts: Sequence[str],
         options: SynthesisOptions,
         return_exceptions: bool = False,
-        on_result: Optional[OnResult] = None,
+        on_result: OnResult | None = None,
         spoken_text: bool = False,
-    ) -> List[Union[np.ndarray, ChatTTSError]]:
+    ) -> list[np.ndarray | ChatTTSError]:
         if len(texts) == 1 and on_result is None:
             try:
                 return [self.infer_one(texts[0], options, spoken_text)]
@@ -404,7 +405,7 @@ class ChatTTSClient(_ClientBase):
                 raise
         pool = self._executor()
         futures = {pool.submit(self.infer_one, t, options, spoken_text): i for i, t in enumerate(texts)}
-        results: List[Any] = [None] * len(texts)
+        results: list[Any] = [None] * len(texts)
         try:
             for future in concurrent.futures.as_completed(futures):
                 i = futures[future]
@@ -425,11 +426,11 @@ class ChatTTSClient(_ClientBase):
     def synthesize(
         self,
         text: str,
-        options: Optional[SynthesisOptions] = None,
+        options: SynthesisOptions | None = None,
         *,
         split: bool = True,
         voice_from_first: bool = True,
-        on_spoken_text: Optional[OnSpokenText] = None,
+        on_spoken_text: OnSpokenText | None = None,
         **overrides: Any,
     ) -> np.ndarray:
         """Speech for `text` as float32 mono samples at 24 kHz.
@@ -450,12 +451,12 @@ class ChatTTSClient(_ClientBase):
     def synthesize_batch(
         self,
         texts: Sequence[str],
-        options: Optional[SynthesisOptions] = None,
+        options: SynthesisOptions | None = None,
         *,
         return_exceptions: bool = False,
-        on_result: Optional[OnResult] = None,
+        on_result: OnResult | None = None,
         **overrides: Any,
-    ) -> List[Union[np.ndarray, ChatTTSError]]:
+    ) -> list[np.ndarray | ChatTTSError]:
         """One utterance per text (not split, like upstream `infer(list)`), sent concurrently.
 
         Takes the same `options` and option keywords as `synthesize`. Results are in input order; with
@@ -468,12 +469,12 @@ class ChatTTSClient(_ClientBase):
     def stream(
         self,
         text: str,
-        options: Optional[SynthesisOptions] = None,
+        options: SynthesisOptions | None = None,
         *,
         split: bool = True,
         voice_from_first: bool = True,
-        chunk_timeout_s: Optional[float] = None,
-        on_spoken_text: Optional[OnSpokenText] = None,
+        chunk_timeout_s: float | None = None,
+        on_spoken_text: OnSpokenText | None = None,
         **overrides: Any,
     ) -> Iterator[np.ndarray]:
         """Speech for `text` as float32 chunks (24 kHz mono) while the server generates it, from the
@@ -498,7 +499,7 @@ class AsyncChatTTSClient(_ClientBase):
 
     def __init__(
         self,
-        url: Optional[str] = None,
+        url: str | None = None,
         protocol: str = "grpc",
         model: str = MODEL,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -521,7 +522,7 @@ class AsyncChatTTSClient(_ClientBase):
             raise ValueError(f"channels must be >= 1, got {channels!r}")
         self._transport = transport  # created on first use: aio channels/sessions belong to a running loop
         self._sleep = sleep
-        self._semaphore: Optional[asyncio.Semaphore] = None
+        self._semaphore: asyncio.Semaphore | None = None
         self._channels = int(channels)
 
     def _endpoint_transport(self, url: str) -> Any:
@@ -539,13 +540,13 @@ class AsyncChatTTSClient(_ClientBase):
             await self._transport.close()
             self._transport = None
 
-    async def __aenter__(self) -> "AsyncChatTTSClient":
+    async def __aenter__(self) -> AsyncChatTTSClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def is_ready(self, model: Optional[str] = None) -> bool:
+    async def is_ready(self, model: str | None = None) -> bool:
         """The server and `model` (default: this client's; gRPC only for another) are ready."""
         return await run_async(self._ready(model))
 
@@ -555,7 +556,7 @@ class AsyncChatTTSClient(_ClientBase):
     async def inference_statistics(self, model: str = "") -> dict:
         return await run_async(self._statistics(model))
 
-    async def infer_one(self, text: str, options: Union[SynthesisOptions, Mapping[str, Any], None] = None,
+    async def infer_one(self, text: str, options: SynthesisOptions | Mapping[str, Any] | None = None,
                         spoken_text: bool = False):
         """See `ChatTTSClient.infer_one`."""
         if self._semaphore is None:
@@ -583,23 +584,23 @@ class AsyncChatTTSClient(_ClientBase):
                 task.cancel()
 
     @takes_options
-    async def synthesize(self, text: str, options: Optional[SynthesisOptions] = None, *, split: bool = True,
-                         voice_from_first: bool = True, on_spoken_text: Optional[OnSpokenText] = None,
+    async def synthesize(self, text: str, options: SynthesisOptions | None = None, *, split: bool = True,
+                         voice_from_first: bool = True, on_spoken_text: OnSpokenText | None = None,
                          **overrides: Any) -> np.ndarray:
         """See `ChatTTSClient.synthesize`."""
         return await run_async(self._synthesize(text, options, overrides, split, voice_from_first, on_spoken_text))
 
     @takes_options
-    async def synthesize_batch(self, texts: Sequence[str], options: Optional[SynthesisOptions] = None, *,
-                               return_exceptions: bool = False, on_result: Optional[OnResult] = None,
-                               **overrides: Any) -> List[Union[np.ndarray, ChatTTSError]]:
+    async def synthesize_batch(self, texts: Sequence[str], options: SynthesisOptions | None = None, *,
+                               return_exceptions: bool = False, on_result: OnResult | None = None,
+                               **overrides: Any) -> list[np.ndarray | ChatTTSError]:
         """See `ChatTTSClient.synthesize_batch`."""
         return await run_async(self._synthesize_batch(texts, options, overrides, return_exceptions, on_result))
 
     @takes_options
-    def stream(self, text: str, options: Optional[SynthesisOptions] = None, *, split: bool = True,
-               voice_from_first: bool = True, chunk_timeout_s: Optional[float] = None,
-               on_spoken_text: Optional[OnSpokenText] = None, **overrides: Any) -> AsyncIterator[np.ndarray]:
+    def stream(self, text: str, options: SynthesisOptions | None = None, *, split: bool = True,
+               voice_from_first: bool = True, chunk_timeout_s: float | None = None,
+               on_spoken_text: OnSpokenText | None = None, **overrides: Any) -> AsyncIterator[np.ndarray]:
         """See `ChatTTSClient.stream`: `async for chunk in client.stream(...)`. Breaking out of the loop
         cancels the request once the generator is collected; `contextlib.aclosing(client.stream(...))`
         (or cancelling the task) cancels it at once."""

@@ -26,7 +26,8 @@ import dataclasses
 import inspect
 import math
 import numbers
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar, Union
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -43,7 +44,7 @@ SAMPLE_RATE = C.SAMPLE_RATE
 
 REQUIRED_INPUTS = [name for name, (_, _, required) in C.ENSEMBLE_INPUTS.items() if required]
 # keyword -> contract input name, for every optional input
-OPTION_INPUTS: Dict[str, str] = {
+OPTION_INPUTS: dict[str, str] = {
     name.lower(): name for name, (_, _, required) in C.ENSEMBLE_INPUTS.items() if not required
 }
 
@@ -130,7 +131,7 @@ def check_options(options: Mapping[str, Any]) -> None:
         raise TypeError(f"unknown option(s) {unknown}; valid: {sorted(OPTION_INPUTS)}")
 
 
-def build_inputs(text: str, options: Any = None) -> Dict[str, np.ndarray]:
+def build_inputs(text: str, options: Any = None) -> dict[str, np.ndarray]:
     """Contract input name -> array for one utterance; options left at None are omitted. `options`: a
     `SynthesisOptions`, a mapping of its field names, or None (its `to_inputs`: the one encoding)."""
     return SynthesisOptions.of(options).to_inputs(text)
@@ -149,33 +150,33 @@ def _option(server_default: Any = None) -> Any:
 class SynthesisOptions:
     """The optional inputs of one synthesis request; None = not sent (the server's default). See the module doc."""
 
-    speaker: Optional[str] = _option()  # upstream speaker-embedding string (Chat.sample_random_speaker)
-    seed: Optional[int] = _option()  # sampling seed; the audio depends only on the inputs and the seed
-    temperature: Optional[float] = _option(_CODE.temperature)
-    top_p: Optional[float] = _option(_CODE.top_P)
-    top_k: Optional[int] = _option(_CODE.top_K)
-    repetition_penalty: Optional[float] = _option(_CODE.repetition_penalty)
-    max_new_tokens: Optional[int] = _option(min(_CODE.max_new_token, C.LIMITS.max_new_tokens))  # code frames
-    min_new_tokens: Optional[int] = _option(_CODE.min_new_token)
-    prompt: Optional[str] = _option(_CODE.prompt)  # control tokens, e.g. "[speed_3]"
-    refine_text: Optional[bool] = _option(C.REFINE_TEXT_DEFAULT)
-    refine_prompt: Optional[str] = _option(_REFINE.prompt)
-    refine_temperature: Optional[float] = _option(_REFINE.temperature)
-    refine_top_p: Optional[float] = _option(_REFINE.top_P)
-    refine_top_k: Optional[int] = _option(_REFINE.top_K)
-    refine_repetition_penalty: Optional[float] = _option(_REFINE.repetition_penalty)
-    refine_max_new_tokens: Optional[int] = _option(_REFINE.max_new_token)
-    use_decoder: Optional[bool] = _option(C.USE_DECODER_DEFAULT)
-    normalize_text: Optional[bool] = _option(C.NORMALIZE_TEXT_DEFAULT)
-    speaker_audio: Optional[np.ndarray] = _option()  # 24 kHz mono reference samples (upstream spk_smp)
-    speaker_text: Optional[str] = _option()  # the reference's transcript (txt_smp)
-    speaker_sample: Optional[str] = _option()  # spk_smp string, as Chat.sample_audio_speaker returns
-    voice: Optional[str] = _option()  # a voice of the server's registry, or a seed number
+    speaker: str | None = _option()  # upstream speaker-embedding string (Chat.sample_random_speaker)
+    seed: int | None = _option()  # sampling seed; the audio depends only on the inputs and the seed
+    temperature: float | None = _option(_CODE.temperature)
+    top_p: float | None = _option(_CODE.top_P)
+    top_k: int | None = _option(_CODE.top_K)
+    repetition_penalty: float | None = _option(_CODE.repetition_penalty)
+    max_new_tokens: int | None = _option(min(_CODE.max_new_token, C.LIMITS.max_new_tokens))  # code frames
+    min_new_tokens: int | None = _option(_CODE.min_new_token)
+    prompt: str | None = _option(_CODE.prompt)  # control tokens, e.g. "[speed_3]"
+    refine_text: bool | None = _option(C.REFINE_TEXT_DEFAULT)
+    refine_prompt: str | None = _option(_REFINE.prompt)
+    refine_temperature: float | None = _option(_REFINE.temperature)
+    refine_top_p: float | None = _option(_REFINE.top_P)
+    refine_top_k: int | None = _option(_REFINE.top_K)
+    refine_repetition_penalty: float | None = _option(_REFINE.repetition_penalty)
+    refine_max_new_tokens: int | None = _option(_REFINE.max_new_token)
+    use_decoder: bool | None = _option(C.USE_DECODER_DEFAULT)
+    normalize_text: bool | None = _option(C.NORMALIZE_TEXT_DEFAULT)
+    speaker_audio: np.ndarray | None = _option()  # 24 kHz mono reference samples (upstream spk_smp)
+    speaker_text: str | None = _option()  # the reference's transcript (txt_smp)
+    speaker_sample: str | None = _option()  # spk_smp string, as Chat.sample_audio_speaker returns
+    voice: str | None = _option()  # a voice of the server's registry, or a seed number
 
     def __post_init__(self) -> None:
         # the one check of every value: its contract input's encoding (an error names the field); the arrays are
         # kept, so each request reuses them
-        arrays: Dict[str, np.ndarray] = {}
+        arrays: dict[str, np.ndarray] = {}
         for name in OPTION_FIELDS:
             value = getattr(self, name)
             if value is None:
@@ -194,7 +195,7 @@ class SynthesisOptions:
 
     # --- making one ---------------------------------------------------------------------------------------------
     @classmethod
-    def of(cls, options: Union["SynthesisOptions", Mapping[str, Any], None] = None, **overrides: Any) -> "SynthesisOptions":
+    def of(cls, options: SynthesisOptions | Mapping[str, Any] | None = None, **overrides: Any) -> SynthesisOptions:
         """`options` (a SynthesisOptions, a mapping of field names, or None) with `overrides` of the same names on top.
         An unknown name is a TypeError that names it."""
         if isinstance(options, SynthesisOptions):
@@ -204,23 +205,23 @@ class SynthesisOptions:
         check_options(values)
         return cls(**values)
 
-    def replace(self, **changes: Any) -> "SynthesisOptions":
+    def replace(self, **changes: Any) -> SynthesisOptions:
         """A copy with `changes` (field names; None: back to the server's default)."""
         check_options(changes)
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def server_defaults(cls) -> Dict[str, Any]:
+    def server_defaults(cls) -> dict[str, Any]:
         """Field -> what the server uses when it is not sent (None: a random speaker / seed, no reference, ...),
         from chattts_triton.config (`max_new_tokens`: at most; a deployment may allow fewer)."""
         return {f.name: f.metadata["server_default"] for f in dataclasses.fields(cls)}
 
     # --- reading one --------------------------------------------------------------------------------------------
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The fields that are set (not None), by name: the keywords of the clients' methods."""
         return {name: getattr(self, name) for name in OPTION_FIELDS if getattr(self, name) is not None}
 
-    def to_inputs(self, text: str) -> Dict[str, np.ndarray]:
+    def to_inputs(self, text: str) -> dict[str, np.ndarray]:
         """The request's tensors for one utterance: contract input name -> array ([1, 1], SPEAKER_AUDIO [1, N]);
         fields left at None are not sent."""
         if not isinstance(text, str):
@@ -243,7 +244,7 @@ class SynthesisOptions:
     def __contains__(self, name: object) -> bool:
         return name in OPTION_INPUTS and getattr(self, name) is not None
 
-    def keys(self) -> List[str]:
+    def keys(self) -> list[str]:
         return [name for name in OPTION_FIELDS if getattr(self, name) is not None]
 
     def __iter__(self):
@@ -252,10 +253,10 @@ class SynthesisOptions:
     def __len__(self) -> int:
         return len(self.keys())
 
-    def items(self) -> List[Tuple[str, Any]]:
+    def items(self) -> list[tuple[str, Any]]:
         return list(self.to_dict().items())
 
-    def values(self) -> List[Any]:
+    def values(self) -> list[Any]:
         return list(self.to_dict().values())
 
     def __eq__(self, other: object) -> bool:
@@ -273,7 +274,7 @@ class SynthesisOptions:
         return f"{type(self).__name__}({', '.join(f'{k}={show(v)}' for k, v in self.to_dict().items())})"
 
 
-OPTION_FIELDS: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SynthesisOptions))
+OPTION_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SynthesisOptions))
 if set(OPTION_FIELDS) != set(OPTION_INPUTS):  # the contract (config.ENSEMBLE_INPUTS) and the fields must agree
     raise ImportError(f"SynthesisOptions fields {sorted(set(OPTION_FIELDS) ^ set(OPTION_INPUTS))} "
                       "do not match the contract")
@@ -300,7 +301,7 @@ def takes_options(method: F) -> F:
     return method
 
 
-def to_infer_inputs(module, arrays: Mapping[str, np.ndarray]) -> List[Any]:
+def to_infer_inputs(module, arrays: Mapping[str, np.ndarray]) -> list[Any]:
     """Wrap arrays as `module.InferInput`s (module: tritonclient.grpc or tritonclient.http)."""
     inputs = []
     for name, arr in arrays.items():
@@ -310,7 +311,7 @@ def to_infer_inputs(module, arrays: Mapping[str, np.ndarray]) -> List[Any]:
     return inputs
 
 
-def requested_outputs(module, spoken_text: bool = False) -> List[Any]:
+def requested_outputs(module, spoken_text: bool = False) -> list[Any]:
     """AUDIO, and SPOKEN_TEXT when asked for (a server exported before it refuses to be asked)."""
     names = [AUDIO_OUTPUT, SPOKEN_TEXT_OUTPUT] if spoken_text else [AUDIO_OUTPUT]
     return [module.InferRequestedOutput(n) for n in names]
@@ -329,13 +330,13 @@ def _text(value: Any) -> str:
     raise ChatTTSError(INTERNAL, f"{SPOKEN_TEXT_OUTPUT} is not text: {value!r:.200}")
 
 
-def spoken_text_from_result(result) -> Optional[str]:
+def spoken_text_from_result(result) -> str | None:
     """SPOKEN_TEXT of one response (gRPC or HTTP InferResult), None when it does not carry it."""
     value = result.as_numpy(SPOKEN_TEXT_OUTPUT)
     return None if value is None else _text(value)
 
 
-def spoken_text_from_json(event: Mapping[str, Any]) -> Optional[str]:
+def spoken_text_from_json(event: Mapping[str, Any]) -> str | None:
     """SPOKEN_TEXT of one generate_stream event (a string, or a one-item list), None when it has none."""
     return _text(event[SPOKEN_TEXT_OUTPUT]) if SPOKEN_TEXT_OUTPUT in event else None
 
@@ -358,7 +359,7 @@ def audio_from_result(result) -> np.ndarray:
 FINAL_PARAMETER = "triton_final_response"
 
 
-def chunk_from_result(result) -> Tuple[np.ndarray, bool]:
+def chunk_from_result(result) -> tuple[np.ndarray, bool]:
     """(AUDIO chunk, is the last response) of one gRPC stream response. An empty final response
     (no outputs) is a 0-sample last chunk."""
     params = result.get_response().parameters
@@ -371,9 +372,9 @@ def chunk_from_result(result) -> Tuple[np.ndarray, bool]:
     return _audio_row(audio), final
 
 
-def to_json_inputs(arrays: Mapping[str, np.ndarray]) -> Dict[str, Any]:
+def to_json_inputs(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """Body of an HTTP generate_stream request: name -> scalar ([1, 1] inputs) or list ([1, N])."""
-    body: Dict[str, Any] = {}
+    body: dict[str, Any] = {}
     for name, arr in arrays.items():
         if list(C.ENSEMBLE_INPUTS[name][1]) == [-1]:
             body[name] = arr.reshape(-1).tolist()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Optional
 
 # Canonical status names (gRPC's). Triton's HTTP server maps its error codes onto these HTTP codes.
 UNAVAILABLE = "UNAVAILABLE"
@@ -66,7 +65,7 @@ class ChatTTSUnavailableError(ChatTTSError):
         super().__init__(UNAVAILABLE, message)
 
 
-def normalize_status(raw: Optional[str]) -> str:
+def normalize_status(raw: str | None) -> str:
     """'StatusCode.INVALID_ARGUMENT' / '400' / None -> 'INVALID_ARGUMENT' / 'INVALID_ARGUMENT' / CLIENT_ERROR."""
     if raw is None:
         return CLIENT_ERROR
@@ -131,7 +130,7 @@ def stream_error_status(message: str) -> str:
     return INVALID_ARGUMENT
 
 
-def stream_error(message: str, status: Optional[str] = None):
+def stream_error(message: str, status: str | None = None):
     """The InferenceServerException to raise for an error response of a stream."""
     from tritonclient.utils import InferenceServerException
 

@@ -31,8 +31,9 @@ import re
 import secrets
 import time
 import unicodedata
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, List, Mapping, Optional, Union
+from typing import Any
 
 import numpy as np
 
@@ -84,14 +85,14 @@ class TextChunker:
         """The text received and not yet cut into a piece."""
         return self._buf
 
-    def push(self, delta: str) -> List[str]:
+    def push(self, delta: str) -> list[str]:
         """The pieces `delta` completes (often none)."""
         if not isinstance(delta, str):
             raise TypeError(f"text must be a str, got {type(delta).__name__}")
         self._buf += delta
         return self._take(final=False)
 
-    def flush(self) -> List[str]:
+    def flush(self) -> list[str]:
         """Everything pending, as pieces (the end of a turn, or text left idle)."""
         return self._take(final=True)
 
@@ -100,10 +101,10 @@ class TextChunker:
         dropped, self._buf = self._buf, ""
         return dropped
 
-    def _spans(self, end: int) -> List[tuple]:
+    def _spans(self, end: int) -> list[tuple]:
         return split_spans(self._buf[:end], self.max_frames, self.min_frames)
 
-    def _take(self, final: bool) -> List[str]:
+    def _take(self, final: bool) -> list[str]:
         buf = self._buf
         if final:
             spans, cut = self._spans(len(buf)), len(buf)
@@ -120,8 +121,8 @@ class TextChunker:
                 cut += rest[-1][0]
         # nothing to say on its own ("…", an emoji): it goes with the piece after it, or the one before at the end;
         # a joined piece is the original text from its first part to its last
-        pieces: List[List[int]] = []
-        held: Optional[int] = None  # where the unspeakable parts waiting for a speakable one start
+        pieces: list[list[int]] = []
+        held: int | None = None  # where the unspeakable parts waiting for a speakable one start
         for s, e in spans:
             if speakable(buf[s:e]):
                 pieces.append([s if held is None else held, e])
@@ -161,7 +162,7 @@ class SegmentEnd:
     turn: int
     index: int
     text: str
-    spoken_text: Optional[str]  # what the server read (numbers in words, characters it cannot say removed)
+    spoken_text: str | None  # what the server read (numbers in words, characters it cannot say removed)
     start: int
     end: int  # [start, end) in the turn's audio, at SAMPLE_RATE
 
@@ -186,7 +187,7 @@ class TurnCancelled:
     samples: int  # the turn's audio handed out before the cancel
 
 
-Event = Union[SegmentStart, Audio, SegmentEnd, SegmentError, TurnEnd, TurnCancelled]
+Event = SegmentStart | Audio | SegmentEnd | SegmentError | TurnEnd | TurnCancelled
 _DONE = object()
 _CLOSED = object()
 
@@ -196,9 +197,9 @@ class _Piece:
     turn: int
     index: int
     text: str
-    chunks: "asyncio.Queue[Any]" = field(default_factory=asyncio.Queue)
-    spoken: List[str] = field(default_factory=list)
-    task: Optional["asyncio.Task[None]"] = None
+    chunks: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    spoken: list[str] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
     cut_at: float = field(default_factory=time.perf_counter)
 
 
@@ -211,11 +212,11 @@ class SpeechSession:
     """Text deltas in, ordered speech events out (see the module docstring). Methods are called from one event loop;
     `events()` has one consumer."""
 
-    def __init__(self, client: Any, options: Union[SynthesisOptions, Mapping[str, Any], None] = None,
-                 seed: Optional[int] = None, *,
+    def __init__(self, client: Any, options: SynthesisOptions | Mapping[str, Any] | None = None,
+                 seed: int | None = None, *,
                  max_frames: int = DEFAULT_PIECE_FRAMES, min_frames: int = DEFAULT_MIN_FRAMES,
                  pause_s: float = DEFAULT_PAUSE_S, piece_concurrency: int = DEFAULT_PIECE_CONCURRENCY,
-                 idle_flush_s: Optional[float] = DEFAULT_IDLE_FLUSH_S, chunk_timeout_s: Optional[float] = None,
+                 idle_flush_s: float | None = DEFAULT_IDLE_FLUSH_S, chunk_timeout_s: float | None = None,
                  retry_s: float = DEFAULT_RETRY_S):
         options = SynthesisOptions.of(options)  # an unknown name: TypeError; a bad value: ChatTTSInputError naming it
         if "seed" in options:
@@ -237,11 +238,11 @@ class SpeechSession:
         self.turn = 0
         self._next_index = 0
         self._gate = asyncio.Semaphore(piece_concurrency)
-        self._queue: "asyncio.Queue[Any]" = asyncio.Queue()  # pieces and ends of turns, in order
-        self._out: "asyncio.Queue[Any]" = asyncio.Queue()  # events for the consumer
-        self._live: List[_Piece] = []  # pieces whose synthesis has not ended
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()  # pieces and ends of turns, in order
+        self._out: asyncio.Queue[Any] = asyncio.Queue()  # events for the consumer
+        self._live: list[_Piece] = []  # pieces whose synthesis has not ended
         self._turn_samples = 0  # audio of the current output turn put out so far
-        self._idle: Optional[asyncio.TimerHandle] = None
+        self._idle: asyncio.TimerHandle | None = None
         self._closed = False
         self._sequencer = asyncio.ensure_future(self._sequence())
 
@@ -289,7 +290,7 @@ class SpeechSession:
         await self._ended(ending)
         self._out.put_nowait(_CLOSED)
 
-    async def __aenter__(self) -> "SpeechSession":
+    async def __aenter__(self) -> SpeechSession:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -322,7 +323,7 @@ class SpeechSession:
         if not self._closed:
             self._start(self.chunker.flush())
 
-    def _start(self, texts: List[str]) -> None:
+    def _start(self, texts: list[str]) -> None:
         for text in texts:
             piece = _Piece(self.turn, self._next_index, text)
             self._next_index += 1

@@ -28,7 +28,8 @@ import json
 import queue
 import threading
 import uuid
-from typing import Any, AsyncIterator, Callable, Dict, Generator, Iterator, List, Mapping, NamedTuple, Optional, Tuple
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -53,7 +54,7 @@ CLOSE_WAIT_S = 1.0  # how long closing a stream waits for its call to end
 UNCOMPRESSED_HEADERS = {"Accept-Encoding": "identity"}
 SSE_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
 
-Chunk = Tuple[np.ndarray, bool]  # (audio samples, last response of the request)
+Chunk = tuple[np.ndarray, bool]  # (audio samples, last response of the request)
 NO_AUDIO = np.zeros(0, np.float32)
 Steps = Generator[Any, Any, Any]
 
@@ -65,18 +66,18 @@ class Out(NamedTuple):
     value: Any
 
 
-def _do(step: Callable[[], Any]) -> Tuple[Any, Optional[BaseException]]:
+def _do(step: Callable[[], Any]) -> tuple[Any, BaseException | None]:
     try:
         return step(), None
     except BaseException as exc:  # noqa: BLE001  thrown into the steps: they catch what they handle, the rest goes on out
         return None, exc
 
 
-def _advance(steps: Steps, value: Any, error: Optional[BaseException]) -> Any:
+def _advance(steps: Steps, value: Any, error: BaseException | None) -> Any:
     return steps.send(value) if error is None else steps.throw(error)
 
 
-async def _done(value: Any, error: Optional[BaseException]) -> Tuple[Any, Optional[BaseException]]:
+async def _done(value: Any, error: BaseException | None) -> tuple[Any, BaseException | None]:
     """A step's result, awaited when it is awaitable."""
     if error is None and inspect.isawaitable(value):
         try:
@@ -188,11 +189,11 @@ class SSEParser:
     def __init__(self):
         self._buf = bytearray()
         self._scan = 0  # no newline before this offset of _buf (long lines arrive in many pieces)
-        self._data: List[bytes] = []
+        self._data: list[bytes] = []
 
-    def feed(self, data: bytes) -> List[bytes]:
+    def feed(self, data: bytes) -> list[bytes]:
         self._buf += data
-        events: List[bytes] = []
+        events: list[bytes] = []
         while True:
             end = self._buf.find(b"\n", self._scan)
             if end < 0:
@@ -210,14 +211,14 @@ class SSEParser:
                 self._data.append(value[1:] if value.startswith(b" ") else value)
             # comments (":") and the event/id/retry fields carry nothing here
 
-    def close(self) -> List[bytes]:
+    def close(self) -> list[bytes]:
         """Events left at the end of the body (a last event without its blank line)."""
         events = self.feed(b"\n\n") if self._buf or self._data else []
         self._buf.clear()
         return events
 
 
-def sse_event(data: bytes) -> Tuple[np.ndarray, Optional[str]]:
+def sse_event(data: bytes) -> tuple[np.ndarray, str | None]:
     """(AUDIO, SPOKEN_TEXT or None) of one generate_stream event; an `{"error": ...}` event is raised."""
     try:
         event = json.loads(data)
@@ -247,7 +248,7 @@ class _StreamSession:
 
     def __init__(self, model: str, timeout_s: float, spoken_text: bool):
         self._model, self._timeout_s, self._want_spoken_text = model, timeout_s, spoken_text
-        self.spoken_text: Optional[str] = None  # SPOKEN_TEXT, once a response carried it
+        self.spoken_text: str | None = None  # SPOKEN_TEXT, once a response carried it
 
     def _grpc_chunk(self, result) -> Chunk:
         if self._want_spoken_text and self.spoken_text is None:
@@ -260,12 +261,12 @@ class _GrpcStreamSession(_StreamSession):
     start_stream allows one stream per client and leaves a thread blocked after each cancel). A reader
     thread queues the responses, so each wait has the chunk timeout; cancel() ends the call."""
 
-    def __init__(self, transport: "GrpcTransport", model: str, timeout_s: float, spoken_text: bool = False):
+    def __init__(self, transport: GrpcTransport, model: str, timeout_s: float, spoken_text: bool = False):
         super().__init__(model, timeout_s, spoken_text)
         self._transport = transport
-        self._events: "queue.Queue" = queue.Queue()
+        self._events: queue.Queue = queue.Queue()
         self._call = None
-        self._reader: Optional[threading.Thread] = None
+        self._reader: threading.Thread | None = None
 
     def _request(self, arrays: Mapping[str, np.ndarray]):
         """The ModelInferRequest tritonclient's async_stream_infer would send, asking for an empty final response."""
@@ -371,7 +372,7 @@ class _SSEStreamSession(_StreamSession):
         self._resp = None
         self._eof = False
         self._parser = SSEParser()
-        self._pending: "collections.deque[bytes]" = collections.deque()
+        self._pending: collections.deque[bytes] = collections.deque()
 
     def send(self, arrays: Mapping[str, np.ndarray]):
         return self._run(self._send(arrays))
@@ -421,7 +422,7 @@ class _HttpStreamSession(_SSEStreamSession):
     def __init__(self, pool, model: str, timeout_s: float, connect_timeout_s: float):
         super().__init__(model, timeout_s)
         self._pool, self._connect_timeout_s = pool, connect_timeout_s
-        self._body: Optional[Iterator[bytes]] = None
+        self._body: Iterator[bytes] | None = None
 
     def _translate(self, exc: Exception) -> Exception:
         import urllib3
@@ -476,7 +477,7 @@ class _AioHttpStreamSession(_SSEStreamSession):
 
     _run = staticmethod(run_async)
 
-    def __init__(self, transport: "AioHttpTransport", model: str, timeout_s: float):
+    def __init__(self, transport: AioHttpTransport, model: str, timeout_s: float):
         super().__init__(model, timeout_s)
         self._transport = transport
 
@@ -513,7 +514,7 @@ class _Transport:
     awaitable). A face gives `_run`, `_client()` and the keywords each call takes."""
 
     _run: Callable[[Steps], Any]
-    _INFER_KW: Dict[str, Any] = {}
+    _INFER_KW: dict[str, Any] = {}
 
     def __init__(self, module, model: str, timeout_s: float):
         self._module, self._model, self._timeout_s = module, model, timeout_s
@@ -521,7 +522,7 @@ class _Transport:
     def _client(self):
         raise NotImplementedError
 
-    def _call_kw(self, call: str) -> Dict[str, Any]:
+    def _call_kw(self, call: str) -> dict[str, Any]:
         """Keywords of tritonclient's `call` ("infer", "ready", "statistics") for this protocol."""
         raise NotImplementedError
 
@@ -534,7 +535,7 @@ class _Transport:
                                  outputs=requested_outputs(m, spoken_text), **self._call_kw("infer"))
         return infer_result((yield call), spoken_text)
 
-    def is_ready(self, model: Optional[str] = None):
+    def is_ready(self, model: str | None = None):
         """The server and `model` (default: the transport's) are ready."""
         return self._run(self._is_ready(model or self._model))
 
@@ -558,7 +559,7 @@ class _GrpcCalls(_Transport):
 
         super().__init__(module, model, timeout_s)
 
-    def _call_kw(self, call: str) -> Dict[str, Any]:
+    def _call_kw(self, call: str) -> dict[str, Any]:
         if call == "ready":
             return {"client_timeout": min(self._timeout_s, CONNECT_TIMEOUT_S)}
         return {"client_timeout": self._timeout_s, **({"as_json": True} if call == "statistics" else {})}
@@ -570,7 +571,7 @@ class _HttpCalls(_Transport):
 
         super().__init__(module, model, timeout_s)
 
-    def _call_kw(self, call: str) -> Dict[str, Any]:
+    def _call_kw(self, call: str) -> dict[str, Any]:
         # a copy each call: tritonclient adds its own headers to the dict
         return {} if call == "ready" else {"headers": dict(UNCOMPRESSED_HEADERS)}
 
@@ -601,7 +602,7 @@ class HttpTransport(_HttpCalls):
         super().__init__(model, timeout_s)
         self._url = url
         self._local = threading.local()
-        self._clients: List[Any] = []
+        self._clients: list[Any] = []
         self._lock = threading.Lock()
         self._stream_pool = None  # urllib3 pool (thread-safe) for generate_stream
 

@@ -23,9 +23,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, List
 
 import torch
 
@@ -49,7 +49,7 @@ def hf_assets() -> Path:
     return Path(path) / "asset"
 
 
-def resolve_dtype(dtype: str, gpus: List[int], formats: List[str] = (), progress: Callable[[str], None] = print) -> str:
+def resolve_dtype(dtype: str, gpus: list[int], formats: list[str] = (), progress: Callable[[str], None] = print) -> str:
     """`auto`: fp32 for the CPU; for GPUs bf16 where every one listed supports it (Ampere and later) and no ONNX
     artifact is asked for (ONNX convolutions have no bf16), else fp16 (Volta and Turing, e.g. a T4, have no
     bf16), and fp16 when this machine sees none of them (it runs on every CUDA GPU; export on the serving
@@ -87,7 +87,7 @@ def export_gpt(assets: Path, arch, out_dir: Path, dtype: str, progress: Callable
 def export_repository(
     assets: Path,
     out: Path,
-    formats: List[str],
+    formats: list[str],
     dtype: str = Deployment.dtype,
     device: str = "cpu",
     deployment: Deployment | None = None,

@@ -14,15 +14,22 @@ import json
 import sys
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from chattts_triton.config import N_MELS, NUM_VQ, Arch
 from chattts_triton.model.assets import infer_arch, load_safetensors
-from chattts_triton.model.codec import CODEC_ASSET_FILES, CODEC_INPUTS, CODEC_NAMES, CODEC_OUTPUTS, cast_codec, load_codec
+from chattts_triton.model.codec import (
+    CODEC_ASSET_FILES,
+    CODEC_INPUTS,
+    CODEC_NAMES,
+    CODEC_OUTPUTS,
+    cast_codec,
+    load_codec,
+)
 
 ONNX_OPSET = 17
 FORMATS = ("torchscript", "onnx")
@@ -38,7 +45,7 @@ _DYNAMIC_AXES = {
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def sample_inputs(name: str, arch: Arch, variant: int = 0, seed: int = 0) -> Tuple[torch.Tensor, ...]:
+def sample_inputs(name: str, arch: Arch, variant: int = 0, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Small inputs for tracing (variant 0) and for checking another batch/length (variant 1)."""
     g = torch.Generator().manual_seed(seed + variant)
     lengths = [[6, 3], [9, 1, 5]][variant]
@@ -95,7 +102,7 @@ def export_codec(
     formats: Sequence[str] = FORMATS,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
-    reference: Optional[torch.nn.Module] = None,
+    reference: torch.nn.Module | None = None,
     progress: Callable[[str], None] = print,
 ) -> dict:
     """Write one artifact; return its manifest entry (files, shapes, opset, measured errors).
@@ -180,8 +187,8 @@ def export_codec(
 
 def export_codecs(
     assets_dir: Path,
-    arch: Optional[Arch],
-    out_dirs: Dict[str, Path],
+    arch: Arch | None,
+    out_dirs: dict[str, Path],
     formats: Sequence[str] = FORMATS,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
@@ -205,7 +212,7 @@ def export_codecs(
     if dtype == torch.bfloat16 and "onnx" in formats:
         raise ValueError("ONNX Conv has no bfloat16 type (opset 17): export bfloat16 as torchscript only, or use float16")
     assets_dir = Path(assets_dir)
-    states: Dict[str, Dict[str, torch.Tensor]] = {}
+    states: dict[str, dict[str, torch.Tensor]] = {}
     for name in out_dirs:
         file = CODEC_ASSET_FILES[name]
         if file not in states:

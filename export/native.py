@@ -25,8 +25,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
@@ -56,7 +56,7 @@ def artifact_dir(repo: Path) -> Path:
     return Path(repo) / VOCODER / "1"
 
 
-def config_dims(shape: Sequence, arch: Arch) -> List[int]:
+def config_dims(shape: Sequence, arch: Arch) -> list[int]:
     """Triton dims of an artifact shape: symbolic sizes are -1, H is the GPT hidden size."""
     dims = []
     for d in shape:
@@ -114,9 +114,9 @@ def _place(src: Path, dst: Path) -> None:
 def add_native_models(
     repo: Path,
     backend: str = "onnxruntime",
-    gpus: Optional[Sequence[int]] = None,
-    instances: Optional[int] = None,
-) -> Dict[str, Path]:
+    gpus: Sequence[int] | None = None,
+    instances: int | None = None,
+) -> dict[str, Path]:
     """Write the native models into `repo`; return {artifact name: model directory}.
 
     `gpus`/`instances` default to the repository's deployment (manifest.json, as `make configure` left it).
@@ -139,7 +139,7 @@ def add_native_models(
             f"{repo} has no {fmt} artifacts ({', '.join(missing)} missing): export with "
             f"`python -m export --formats torchscript,onnx` or pick the other --backend"
         )
-    written: Dict[str, Path] = {}
+    written: dict[str, Path] = {}
     for name, model in NATIVE_MODELS.items():
         cfg = build_native_config(name, arch, backend, gpus, instances)
         final = repo / model

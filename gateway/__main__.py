@@ -16,7 +16,6 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import List
 
 from chattts_triton.config import VOICE_STORE_ENV
 
@@ -66,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def api_keys(a: argparse.Namespace) -> List[str]:
+def api_keys(a: argparse.Namespace) -> list[str]:
     keys = list(a.api_key)
     if a.api_key_file is not None:
         keys += [line.strip() for line in a.api_key_file.read_text(encoding="utf-8").splitlines() if line.strip()]

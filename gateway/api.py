@@ -23,7 +23,7 @@ import binascii
 import io
 import math
 import re
-from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
@@ -83,7 +83,7 @@ class VoiceAudio(BaseModel):
     transcript: str = Field(max_length=LIMITS.max_text_chars)
 
 
-def _voice_kind(value: Any) -> Optional[str]:
+def _voice_kind(value: Any) -> str | None:
     if isinstance(value, str):
         return "voice-name"
     if isinstance(value, VoiceAudio) or (isinstance(value, dict) and "audio" in value):
@@ -93,8 +93,7 @@ def _voice_kind(value: Any) -> Optional[str]:
     return None
 
 
-Voice = Annotated[Union[Annotated[str, Tag("voice-name")], Annotated[VoiceRef, Tag("voice-id")],
-                        Annotated[VoiceAudio, Tag("voice-audio")]],
+Voice = Annotated[Annotated[str, Tag("voice-name")] | Annotated[VoiceRef, Tag("voice-id")] | Annotated[VoiceAudio, Tag("voice-audio")],
                   Discriminator(_voice_kind, custom_error_type="voice_type",
                                 custom_error_message="Input should be a valid string (a voice name or mix), {\"id\": ...} "
                                                      "or {\"audio\": ..., \"transcript\": ...}")]
@@ -107,7 +106,7 @@ Voice = Annotated[Union[Annotated[str, Tag("voice-name")], Annotated[VoiceRef, T
 # the code's are (runtime/inputs.py: refine_params).
 VOICE_FIELDS = ("voice", "speaker", "speaker_audio", "speaker_text", "speaker_sample")
 BODY_OPTIONS = tuple(f for f in OPTION_FIELDS if f not in VOICE_FIELDS)
-BODY_BOUNDS: Dict[str, Dict[str, Any]] = {
+BODY_BOUNDS: dict[str, dict[str, Any]] = {
     "seed": {"ge": 0, "le": 2**63 - 1},  # the seed schedule counts up from it
     "temperature": {"gt": 0, "le": 100},
     "top_p": {"gt": 0, "le": 1},
@@ -119,7 +118,7 @@ BODY_BOUNDS: Dict[str, Dict[str, Any]] = {
 }
 
 
-def _body_field(name: str) -> Tuple[Any, Any]:
+def _body_field(name: str) -> tuple[Any, Any]:
     """The body field of SynthesisOptions field `name`: optional, of its contract input's type (strict), bounded."""
     from tritonclient.utils import triton_to_np_dtype
 
@@ -130,7 +129,7 @@ def _body_field(name: str) -> Tuple[Any, Any]:
     else:
         kind, bounds = {"BYTES": (str, {}), "BOOL": (bool, {}), "FP32": (float, {"allow_inf_nan": False})}[datatype]
     bounds.update(BODY_BOUNDS.get(name.removeprefix("refine_"), {}))
-    return Optional[kind], Field(None, **bounds)
+    return kind | None, Field(None, **bounds)
 
 
 # strict: "1.5" is not a speed and 1 is not a string (wrong types get a 400 naming the field)
@@ -162,17 +161,17 @@ class SpeechRequest(ChatTTSOptions):
     voice: Voice
     response_format: ResponseFormat = "mp3"
     stream_format: Literal["audio", "sse"] = "audio"
-    instructions: Optional[str] = None  # gpt-4o-mini-tts's style prompt: accepted, not used (ChatTTS takes none)
+    instructions: str | None = None  # gpt-4o-mini-tts's style prompt: accepted, not used (ChatTTS takes none)
     # --- gateway switches
-    stream: Optional[bool] = None  # audio as it is made (default: the gateway's --stream-default; flac: whole)
+    stream: bool | None = None  # audio as it is made (default: the gateway's --stream-default; flac: whole)
     split: bool = True  # long input in pieces (sentences); false sends it as one piece (≤ 2000 characters)
     input_format: Literal["text", "dialogue"] = "text"  # dialogue: `input` is lines `LABEL: text`, voiced by `voices`
-    voices: Optional[Dict[str, str]] = None  # a dialogue's speaker label -> voice (a name, seed number or mix)
+    voices: dict[str, str] | None = None  # a dialogue's speaker label -> voice (a name, seed number or mix)
     line_pause_ms: int = Field(DIALOGUE_PAUSE_MS, ge=0, le=MAX_LINE_PAUSE_MS)  # silence between a dialogue's lines
     # each later piece conditioned on the first piece's audio (upstream's spk_smp path), where it speaks in that voice
     condition_on_first_piece: bool = False
-    _ssml: Optional[ssml.Document] = PrivateAttr(None)  # `input` as SSML, when it is
-    _dialogue: Optional[List[Tuple[str, str]]] = PrivateAttr(None)  # (voice, text) of each line of a dialogue
+    _ssml: ssml.Document | None = PrivateAttr(None)  # `input` as SSML, when it is
+    _dialogue: list[tuple[str, str]] | None = PrivateAttr(None)  # (voice, text) of each line of a dialogue
     _ref: bool = PrivateAttr(False)  # the voice came as vLLM-Omni's top-level `ref_audio` / `ref_text`
 
     @model_validator(mode="before")
@@ -197,7 +196,7 @@ class CaptionedRequest(SpeechRequest):
     """`POST /v1/audio/speech/captioned`: the speech body, answered whole as JSON with each piece's timings;
     `subtitle_format` adds them as subtitle text."""
 
-    subtitle_format: Optional[Literal["srt", "vtt"]] = None
+    subtitle_format: Literal["srt", "vtt"] | None = None
 
 
 assert set(ResponseFormat.__args__) == set(FORMATS)
@@ -206,24 +205,24 @@ assert set(ResponseFormat.__args__) == set(FORMATS)
 class APIError(Exception):
     """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with `status`."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
-                 code: Optional[str] = None, headers: Optional[Dict[str, str]] = None):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
 
-    def body(self) -> Dict[str, Any]:
+    def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def invalid(message: str, param: Optional[str], code: Optional[str] = None) -> APIError:
+def invalid(message: str, param: str | None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
 
 
 REF_FIELDS = {"voice.audio": "ref_audio", "voice.transcript": "ref_text"}
 
 
-def _as_ref(e: "APIError") -> "APIError":
+def _as_ref(e: APIError) -> APIError:
     """An error about the voice audio named as the fields a vLLM-Omni client sent."""
     if e.param in REF_FIELDS:
         e.message = e.message.replace(f"'{e.param}'", f"'{REF_FIELDS[e.param]}'")
@@ -231,7 +230,7 @@ def _as_ref(e: "APIError") -> "APIError":
     return e
 
 
-def _describe(err: Dict[str, Any]) -> Tuple[str, Optional[str]]:
+def _describe(err: dict[str, Any]) -> tuple[str, str | None]:
     loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
     # a Union's branch name ("str", "VoiceRef") is no field of the body
     loc = [x for x in loc if x not in ("str", "VoiceRef", "function-after[...]", "voice-name", "voice-id",
@@ -249,10 +248,10 @@ def _describe(err: Dict[str, Any]) -> Tuple[str, Optional[str]]:
     return f"'{'.'.join(loc)}': {err.get('msg')}, got {shown}", param
 
 
-def parse(body: bytes, model: type = SpeechRequest, max_body_bytes: Optional[int] = None) -> SpeechRequest:
+def parse(body: bytes, model: type = SpeechRequest, max_body_bytes: int | None = None) -> SpeechRequest:
     """The request (a `model`), or APIError(400) naming the first field at fault. `max_body_bytes`: the body limit
     beside a voice's reference audio (a body with it may be larger by the audio's base64, up to MAX_VOICE_AUDIO_BASE64)."""
-    context: Dict[str, Any] = {}
+    context: dict[str, Any] = {}
     try:
         req = model.model_validate_json(body, context=context)
     except ValidationError as e:
@@ -269,7 +268,7 @@ def parse(body: bytes, model: type = SpeechRequest, max_body_bytes: Optional[int
         raise (_as_ref(e) if req._ref else e) from None
 
 
-def _checked(req: SpeechRequest, max_body_bytes: Optional[int], body_bytes: int) -> SpeechRequest:
+def _checked(req: SpeechRequest, max_body_bytes: int | None, body_bytes: int) -> SpeechRequest:
     audio = len(req.voice.audio) if isinstance(req.voice, VoiceAudio) else 0  # room for it, for nothing else
     if max_body_bytes is not None and body_bytes > max_body_bytes + audio:
         raise invalid(f"the request body is larger than {max_body_bytes} bytes ('input' may have at most "
@@ -295,7 +294,7 @@ def _checked(req: SpeechRequest, max_body_bytes: Optional[int], body_bytes: int)
     return req
 
 
-def parse_dialogue(text: str, voices: Optional[Dict[str, str]]) -> List[Tuple[str, str]]:
+def parse_dialogue(text: str, voices: dict[str, str] | None) -> list[tuple[str, str]]:
     """(voice, text) of each line of a dialogue script (`LABEL: text` lines, blank lines skipped; a label is a key of
     `voices`), or APIError(400) naming `voices` or `input` (with the line's number)."""
     if not voices:
@@ -303,7 +302,7 @@ def parse_dialogue(text: str, voices: Optional[Dict[str, str]]) -> List[Tuple[st
                       "({\"A\": \"alloy\", \"B\": \"nova\"})", "voices")
     if len(voices) > MAX_DIALOGUE_SPEAKERS:
         raise invalid(f"'voices' has {len(voices)} speakers, more than {MAX_DIALOGUE_SPEAKERS}", "voices")
-    labels: Dict[str, str] = {}
+    labels: dict[str, str] = {}
     for label, voice in voices.items():
         name = label.strip()
         if not name or len(name) > MAX_LABEL_CHARS or re.search(r"[:：\n\r]", name):
@@ -317,7 +316,7 @@ def parse_dialogue(text: str, voices: Optional[Dict[str, str]]) -> List[Tuple[st
             except voice_mix.MixError as e:
                 raise invalid(f"'voices.{name}': {e}", "voices", "invalid_voice_mix") from None
         labels[name] = voice.strip()
-    lines: List[Tuple[str, str]] = []
+    lines: list[tuple[str, str]] = []
     for n, raw in enumerate(text.splitlines(), 1):
         if not raw.strip():
             continue
@@ -368,7 +367,7 @@ def check_options(req, given) -> None:
         raise invalid("give 'speed' or a [speed_N] token in 'prompt', not both", "speed")
 
 
-def voice_name(req: SpeechRequest) -> Optional[str]:
+def voice_name(req: SpeechRequest) -> str | None:
     """The voice's name (a mix expression too); None for a voice of reference audio."""
     if isinstance(req.voice, VoiceAudio):
         return None
@@ -430,7 +429,7 @@ def decode_voice_audio(voice: VoiceAudio) -> np.ndarray:
     return wav
 
 
-async def voice_options(req: SpeechRequest) -> Dict[str, Any]:
+async def voice_options(req: SpeechRequest) -> dict[str, Any]:
     """The contract options of a request's voice of reference audio (none for a named voice)."""
     if not isinstance(req.voice, VoiceAudio):
         return {}
@@ -438,11 +437,11 @@ async def voice_options(req: SpeechRequest) -> Dict[str, Any]:
     return {"speaker_audio": wav, "speaker_text": req.voice.transcript}
 
 
-def contract_options(req: SpeechRequest) -> Dict[str, Any]:
+def contract_options(req: SpeechRequest) -> dict[str, Any]:
     """The SynthesisOptions fields (by name) every piece of the request gets: the body's ChatTTS inputs, `speed` as
     the prompt's speed token, the voice's name; SEED comes from the schedule, a voice of reference audio from
     `voice_options`."""
-    options: Dict[str, Any] = {name: getattr(req, name) for name in BODY_OPTIONS
+    options: dict[str, Any] = {name: getattr(req, name) for name in BODY_OPTIONS
                                if name != "seed" and getattr(req, name) is not None}
     prompt = req.prompt if req.prompt is not None else ""
     options["prompt"] = prompt if SPEED_TOKEN.search(prompt) else speed_token(req.speed) + prompt
@@ -455,7 +454,7 @@ async def speech_job(req: SpeechRequest) -> Job:
     """The request's pieces with the options each is sent with: its text split (`split_text`), or its SSML's
     segments, each split, spoken in the segment's voice at its rate, with the silence its breaks ask for."""
     options = contract_options(req)
-    seed: Dict[str, Any] = {"seed": req.seed} if req.seed is not None else {}
+    seed: dict[str, Any] = {"seed": req.seed} if req.seed is not None else {}
     if req.condition_on_first_piece:
         seed["condition_on_first"] = True
     if req._dialogue is not None:  # every line in its own voice: the request's `voice` is not spoken
@@ -473,15 +472,15 @@ async def speech_job(req: SpeechRequest) -> Job:
         speech = await asyncio.to_thread(_render, req._ssml)
     else:
         speech = _render(req._ssml)
-    pieces: List[str] = []
-    extras: List[Dict[str, Any]] = []
-    gaps: List[Optional[int]] = []  # silence before each piece (None: the usual pause between pieces)
-    after: Optional[int] = None  # the silence the breaks after the last segment ask for
+    pieces: list[str] = []
+    extras: list[dict[str, Any]] = []
+    gaps: list[int | None] = []  # silence before each piece (None: the usual pause between pieces)
+    after: int | None = None  # the silence the breaks after the last segment ask for
     for segment in speech.segments:
         if not req.split and len(segment.text) > LIMITS.max_text_chars:
             raise invalid(f"with split false each part of the SSML 'input' must be at most {LIMITS.max_text_chars} "
                           f"characters", "input")
-        extra: Dict[str, Any] = {}
+        extra: dict[str, Any] = {}
         if segment.voice is not None:  # in place of the request's voice, a voice of reference audio too
             extra.update(voice=segment.voice, speaker_audio=None, speaker_text=None)
         if segment.rate != 1.0:
@@ -500,12 +499,12 @@ async def speech_job(req: SpeechRequest) -> Job:
     return Job(pieces, options, piece_extras=extras, gaps_ms=gaps + [after or 0], **seed)
 
 
-def _dialogue_job(req: SpeechRequest, options: Dict[str, Any], job_fields: Dict[str, Any]) -> Job:
+def _dialogue_job(req: SpeechRequest, options: dict[str, Any], job_fields: dict[str, Any]) -> Job:
     """A dialogue's pieces: each line split as plain text (or whole with split false), spoken in its label's voice as
     an SSML <voice> segment is; `line_pause_ms` of silence between lines, the usual pause between a line's pieces."""
-    pieces: List[str] = []
-    extras: List[Dict[str, Any]] = []
-    gaps: List[Optional[int]] = []
+    pieces: list[str] = []
+    extras: list[dict[str, Any]] = []
+    gaps: list[int | None] = []
     for n, (voice, said) in enumerate(req._dialogue or ()):
         if not req.split and len(said) > LIMITS.max_text_chars:
             raise invalid(f"with split false each line of the dialogue must be at most {LIMITS.max_text_chars} "
@@ -527,7 +526,7 @@ def _render(doc: ssml.Document) -> ssml.Speech:
     return ssml.render(doc, spoken, breaks="silence")
 
 
-def speed_table() -> List[Tuple[float, float, str]]:
+def speed_table() -> list[tuple[float, float, str]]:
     """(from, below, token) rows of the speed mapping (docs)."""
     edges = (0.25,) + SPEED_UPPER_BOUNDS + (math.inf,)
     return [(edges[i], edges[i + 1], f"[speed_{i}]") for i in range(len(edges) - 1)]
@@ -539,7 +538,7 @@ FIELD_OF_INPUT = {"TEXT": "input", "VOICE": "voice", "PROMPT": "speed", "SPEAKER
 assert InferCodeParams.prompt == speed_token(1.0)  # speed 1.0 is upstream's default prompt
 
 
-def field_of(input_name: Optional[str], req: Optional[SpeechRequest] = None) -> Optional[str]:
+def field_of(input_name: str | None, req: SpeechRequest | None = None) -> str | None:
     if input_name is None:
         return None
     if input_name == "PROMPT" and req is not None and req.prompt is not None:

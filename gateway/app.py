@@ -26,9 +26,10 @@ import json
 import logging
 import os
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional, Tuple, Union
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -59,8 +60,8 @@ SETTINGS_ENV = "CHATTTS_GATEWAY_SETTINGS"  # how `--workers N` hands the setting
 @dataclass
 class Settings:
     grpc_url: str = "127.0.0.1:8001"
-    repo: Optional[Path] = None  # the model repository, for /v1/audio/voices (the server resolves VOICE itself)
-    api_keys: Tuple[str, ...] = ()  # empty: no authentication
+    repo: Path | None = None  # the model repository, for /v1/audio/voices (the server resolves VOICE itself)
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
     timeout_s: float = 300.0  # a whole synthesis (streams: each chunk)
     channels: int = 2  # gRPC connections to Triton
     max_concurrency: int = 1024  # speech requests in flight before 429
@@ -78,7 +79,7 @@ class Settings:
         return json.dumps(d)
 
     @classmethod
-    def from_json(cls, text: str) -> "Settings":
+    def from_json(cls, text: str) -> Settings:
         d = json.loads(text)
         d["repo"] = None if d.get("repo") is None else Path(d["repo"])
         d["api_keys"] = tuple(d.get("api_keys", ()))
@@ -89,7 +90,7 @@ STATUS_OF = {"INVALID_ARGUMENT": 400, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 5
              "CANCELLED": 503, "RESOURCE_EXHAUSTED": 429}
 
 
-def api_error(err: SynthesisError, req: Optional[api.SpeechRequest] = None) -> api.APIError:
+def api_error(err: SynthesisError, req: api.SpeechRequest | None = None) -> api.APIError:
     status = STATUS_OF.get(err.status, 500)
     if status == 400:
         return api.invalid(err.message, api.field_of(err.field, req))
@@ -135,15 +136,15 @@ class _Stream:
     app: the audio stream is closed as a whole file of what was made, SSE gets an `error` event; the abort is
     logged and counted (chattts_gateway_stream_aborts_total{reason})."""
 
-    def __init__(self, gw: "Gateway", req: api.SpeechRequest, mode: str, t0: float, first: Optional[Part],
+    def __init__(self, gw: Gateway, req: api.SpeechRequest, mode: str, t0: float, first: Part | None,
                  parts: AsyncIterator[Part], encoder: StreamEncoder):
         self.gw, self.req, self.mode, self.t0 = gw, req, mode, t0
         self.fmt, self.rate = req.response_format, req.sample_rate
         self.first, self.parts = first, parts
         self.encoder = encoder
         self.status = "aborted"
-        self.reason: Optional[str] = None  # why the stream ended early, when it did on the server's side
-        self.busy: Optional[asyncio.Future] = None  # the encoder call on a thread, if any
+        self.reason: str | None = None  # why the stream ended early, when it did on the server's side
+        self.busy: asyncio.Future | None = None  # the encoder call on a thread, if any
         self.ended = False
 
     async def _encode(self, fn: Callable, *args) -> bytes:
@@ -152,11 +153,11 @@ class _Stream:
         self.busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
         return await asyncio.shield(self.busy)  # a cancelled request waits for it in end(), never races it
 
-    async def _encoded(self) -> AsyncIterator[Union[bytes, Segment, api.APIError]]:
+    async def _encoded(self) -> AsyncIterator[bytes | Segment | api.APIError]:
         """Encoded bytes and segments in order; a failure ends it with the APIError it would have been."""
         metrics, sent = self.gw.metrics, False
         pending = [self.first] if self.first is not None else []
-        failure: Optional[api.APIError] = None
+        failure: api.APIError | None = None
         try:
             while True:
                 if pending:
@@ -215,7 +216,7 @@ class _Stream:
         speech.audio.done; beside them speech.segment after each piece's audio, and `error` if it failed."""
         async for item in self._encoded():
             if isinstance(item, bytes):
-                event: Dict[str, Any] = {"type": "speech.audio.delta", "audio": base64.b64encode(item).decode("ascii")}
+                event: dict[str, Any] = {"type": "speech.audio.delta", "audio": base64.b64encode(item).decode("ascii")}
             elif isinstance(item, Segment):
                 event = {"type": "speech.segment", **captions.segment_json(item, self.rate)}
             else:
@@ -241,7 +242,7 @@ class _Stream:
 
 
 class Gateway:
-    def __init__(self, settings: Settings, synthesizer: Optional[Synthesizer] = None):
+    def __init__(self, settings: Settings, synthesizer: Synthesizer | None = None):
         self.settings = settings
         self.synth = synthesizer or Synthesizer(settings.grpc_url, settings.timeout_s, settings.channels,
                                                 settings.piece_concurrency, settings.pause_ms)
@@ -350,8 +351,8 @@ class Gateway:
         self.metrics.errors.labels(e.status).inc()
         return api_error(e, req)
 
-    async def _whole(self, job: Job, req: api.SpeechRequest, headers: Dict[str, str], request: Request,
-                     captioned: bool = False) -> Tuple[Response, float]:
+    async def _whole(self, job: Job, req: api.SpeechRequest, headers: dict[str, str], request: Request,
+                     captioned: bool = False) -> tuple[Response, float]:
         synthesis = self.synth.synthesize_segments(job) if captioned else self.synth.synthesize(job)
         work = asyncio.ensure_future(asyncio.wait_for(synthesis, self.settings.timeout_s))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -379,14 +380,14 @@ class Gateway:
         if not captioned:
             return Response(data, media_type=CONTENT_TYPES[fmt], headers=headers), audio.size / SAMPLE_RATE
         timed = [captions.segment_json(seg, rate) for seg in segments]
-        body: Dict[str, Any] = {"audio": base64.b64encode(data).decode("ascii"), "content_type": CONTENT_TYPES[fmt],
+        body: dict[str, Any] = {"audio": base64.b64encode(data).decode("ascii"), "content_type": CONTENT_TYPES[fmt],
                                 "response_format": fmt, "sample_rate": rate, "samples": out_length(audio.size, rate),
                                 "seed": job.seed, "segments": timed}
         if req.subtitle_format is not None:
             body["subtitles"] = captions.subtitles(timed, req.subtitle_format)
         return JSONResponse(body, headers=headers), audio.size / SAMPLE_RATE
 
-    async def _first(self, job: Job, parts: AsyncIterator[Part]) -> Optional[Part]:
+    async def _first(self, job: Job, parts: AsyncIterator[Part]) -> Part | None:
         """The stream's first part, and every other piece checked for what its text decides (`preflight`, beside
         the first chunk: a stream starts only when each piece can be spoken); the first error raised."""
         timeout = self.settings.timeout_s
@@ -410,7 +411,7 @@ class Gateway:
                 task.cancel()
             await asyncio.gather(first, checks, return_exceptions=True)  # parts may be closed only once it rests
 
-    async def _stream(self, job: Job, req: api.SpeechRequest, headers: Dict[str, str], mode: str,
+    async def _stream(self, job: Job, req: api.SpeechRequest, headers: dict[str, str], mode: str,
                       t0: float) -> Response:
         parts = self.synth.parts(job, spoken_text=mode == "sse")
         fmt = req.response_format
@@ -433,7 +434,7 @@ class Gateway:
                                   headers={**headers, "Cache-Control": "no-store"})
 
     # --- the rest ----------------------------------------------------------------------------------
-    async def health(self) -> Tuple[int, Dict[str, object]]:
+    async def health(self) -> tuple[int, dict[str, object]]:
         ready = await self.synth.ready()
         ok = all(ready.values())
         return (200 if ok else 503), {"status": "ok" if ok else "unavailable", "triton": self.settings.grpc_url,
@@ -444,7 +445,7 @@ def _error_response(e: api.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def create_app(settings: Settings, synthesizer: Optional[Synthesizer] = None) -> FastAPI:
+def create_app(settings: Settings, synthesizer: Synthesizer | None = None) -> FastAPI:
     gw = Gateway(settings, synthesizer)
     split_text("Warm up.")  # imports the splitter's modules now, not in the first client's request
 
@@ -484,7 +485,7 @@ def create_app(settings: Settings, synthesizer: Optional[Synthesizer] = None) ->
     async def captioned(request: Request):
         return await gw.speech(request, captioned=True)
 
-    def model_card(name: str) -> Dict[str, object]:
+    def model_card(name: str) -> dict[str, object]:
         return {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
 
     @app.get("/v1/models")

@@ -24,7 +24,6 @@ cut or padded to `out_length` samples at the end. A stream holds the resampler's
 from __future__ import annotations
 
 import io
-from typing import Dict, Optional
 
 import numpy as np
 
@@ -82,7 +81,7 @@ FFMPEG = {
 }
 # muxer options of a stream: every packet reaches the client when it is made (no 32 KB I/O buffer), and an
 # Ogg page per 20 ms of Opus (FFmpeg's default holds pages for up to a second)
-STREAM_OPTIONS: Dict[str, Dict[str, str]] = {"ogg": {"page_duration": "20000"}}
+STREAM_OPTIONS: dict[str, dict[str, str]] = {"ogg": {"page_duration": "20000"}}
 
 
 def check(fmt: str, sample_rate: int = SAMPLE_RATE) -> int:
@@ -296,7 +295,7 @@ def encode(fmt: str, audio: np.ndarray, sample_rate: int = SAMPLE_RATE) -> bytes
     return buf.getvalue()
 
 
-def decode(data: bytes, fmt: Optional[str] = None, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+def decode(data: bytes, fmt: str | None = None, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     """The samples of an encoded file as float32 mono at `sample_rate` (FFmpeg; raw PCM by numpy; 16-bit samples /
     32768), the rate of the raw formats' data. A file at another rate is a ValueError, except Opus, which its
     decoder gives at 48 kHz: FFmpeg resamples it, as a player does. For tests and the benchmark: a round trip

@@ -7,7 +7,7 @@ gives no word or character times, so there are none here (no times spread over t
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List
+from typing import Any
 
 from chattts_triton.model.text import TAG_RE
 
@@ -18,7 +18,7 @@ SUBTITLE_FORMATS = ("srt", "vtt")
 CONTENT_TYPES = {"srt": "application/x-subrip", "vtt": "text/vtt"}
 
 
-def segment_json(seg: Segment, sample_rate: int) -> Dict[str, Any]:
+def segment_json(seg: Segment, sample_rate: int) -> dict[str, Any]:
     """A segment at the output's rate: sample offsets from the audio's first sample, and seconds."""
     start, end = out_length(seg.start, sample_rate), out_length(seg.end, sample_rate)
     return {"index": seg.index, "text": seg.text, "spoken_text": seg.spoken_text, "start_sample": start,
@@ -38,7 +38,7 @@ def _stamp(seconds: float, sep: str) -> str:
     return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
 
 
-def subtitles(segments: List[Dict[str, Any]], fmt: str) -> str:
+def subtitles(segments: list[dict[str, Any]], fmt: str) -> str:
     """SRT (numbered cues, `00:00:01,234`) or WebVTT (the `WEBVTT` header, `00:00:01.234`, `&`, `<`, `>` as
     character references) of `segment_json` dicts; a piece with nothing to show gets no cue."""
     if fmt not in SUBTITLE_FORMATS:

@@ -23,7 +23,7 @@ import hmac
 import json
 import logging
 import time
-from typing import Any, Dict, Literal, Optional, Union
+from typing import Any, Literal
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from prometheus_client import Counter, Gauge, Histogram
@@ -68,22 +68,22 @@ class SessionSettings(api.ChatTTSOptions):
     `/v1/audio/speech`."""
 
     model: str = api.MODELS[0]
-    voice: Optional[Union[str, api.VoiceRef]] = None  # none: the seed's speaker, the same for the whole session
+    voice: str | api.VoiceRef | None = None  # none: the seed's speaker, the same for the whole session
     response_format: api.ResponseFormat = "pcm"
     # --- the session's own
     audio: Literal["binary", "base64"] = "binary"  # binary WebSocket frames, or {"type": "audio", "audio": base64}
     max_piece_frames: int = Field(DEFAULT_PIECE_FRAMES, ge=16, le=LIMITS.max_new_tokens)
     min_piece_frames: int = Field(DEFAULT_MIN_FRAMES, ge=0, le=LIMITS.max_new_tokens)
-    pause_ms: Optional[int] = Field(None, ge=0, le=5000)  # default: the gateway's --pause-ms
+    pause_ms: int | None = Field(None, ge=0, le=5000)  # default: the gateway's --pause-ms
     idle_flush_ms: int = Field(int(DEFAULT_IDLE_FLUSH_S * 1000), ge=0, le=60_000)  # 0: only `flush` speaks the rest
 
-    def public(self, seed: int) -> Dict[str, Any]:
+    def public(self, seed: int) -> dict[str, Any]:
         d = self.model_dump(mode="json")
         d["seed"] = seed
         return d
 
 
-def parse_settings(given: Any, base: Optional[SessionSettings] = None) -> SessionSettings:
+def parse_settings(given: Any, base: SessionSettings | None = None) -> SessionSettings:
     """`base` updated with `given` (a JSON object), or APIError(400) naming the field at fault."""
     if not isinstance(given, dict):
         raise api.invalid("'session' must be an object", "session")
@@ -129,17 +129,17 @@ class Connection:
     def __init__(self, gw, ws: WebSocket, metrics: RealtimeMetrics):
         self.gw, self.ws, self.metrics = gw, ws, metrics
         self.settings = SessionSettings()
-        self.session: Optional[SpeechSession] = None
-        self.sender: Optional["asyncio.Task[None]"] = None
-        self.encoder: Optional[StreamEncoder] = None
+        self.session: SpeechSession | None = None
+        self.sender: asyncio.Task[None] | None = None
+        self.encoder: StreamEncoder | None = None
         self.open_turns = 0  # turns with text whose end (done or cancelled) has not been sent
         self.text_in_turn = False
-        self.first_cut: Dict[int, float] = {}  # turn → when the text that completed its first piece came, until its first byte
+        self.first_cut: dict[int, float] = {}  # turn → when the text that completed its first piece came, until its first byte
         self.send_lock = asyncio.Lock()
-        self.busy: Optional[asyncio.Future] = None
+        self.busy: asyncio.Future | None = None
 
     # --- sending ----------------------------------------------------------------------------------------------------
-    async def send_json(self, obj: Dict[str, Any]) -> None:
+    async def send_json(self, obj: dict[str, Any]) -> None:
         async with self.send_lock:
             await self.ws.send_text(json.dumps(obj, ensure_ascii=False))
 
@@ -162,7 +162,7 @@ class Connection:
         self.busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
         return await asyncio.shield(self.busy)
 
-    def _rate_of(self, samples24k: int) -> Dict[str, Any]:
+    def _rate_of(self, samples24k: int) -> dict[str, Any]:
         return {"sample": out_length(samples24k, self.settings.sample_rate),
                 "seconds": _seconds(out_length(samples24k, self.settings.sample_rate), self.settings.sample_rate)}
 
@@ -277,7 +277,7 @@ class Connection:
                 self.metrics.turns.labels("closed").inc()
             await self._end_session()
 
-    async def handle(self, raw: Dict[str, Any]) -> None:
+    async def handle(self, raw: dict[str, Any]) -> None:
         text = raw.get("text")
         if text is None:
             raise api.invalid("messages are JSON text frames ({\"type\": ...}); binary frames are not taken", "type")
@@ -297,7 +297,7 @@ class Connection:
         self.metrics.messages.labels(kind).inc()
         await handler(msg)
 
-    async def on_text(self, msg: Dict[str, Any]) -> None:
+    async def on_text(self, msg: dict[str, Any]) -> None:
         delta = msg.get("text")
         if not isinstance(delta, str):
             raise api.invalid("'text' must be a string", "text")
@@ -317,18 +317,18 @@ class Connection:
         if msg.get("flush") is True:
             await self.on_flush(msg)
 
-    async def on_flush(self, msg: Dict[str, Any]) -> None:
+    async def on_flush(self, msg: dict[str, Any]) -> None:
         if not self.text_in_turn:  # nothing sent since the last turn ended: an empty turn ends at once
             self.open_turns += 1
         self.text_in_turn = False
         await self.session.flush()
 
-    async def on_cancel(self, msg: Dict[str, Any]) -> None:
+    async def on_cancel(self, msg: dict[str, Any]) -> None:
         self.open_turns = 1  # whatever was open ends in the one turn.cancelled that answers every cancel
         self.text_in_turn = False
         await self.session.cancel()
 
-    async def on_update(self, msg: Dict[str, Any]) -> None:
+    async def on_update(self, msg: dict[str, Any]) -> None:
         if self.open_turns or self.text_in_turn:
             raise api.invalid("session.update is taken between turns (after turn.done or turn.cancelled)", "type")
         settings = parse_settings(msg.get("session"), self.settings)

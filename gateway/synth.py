@@ -20,8 +20,9 @@ import contextlib
 import re
 import secrets
 import unicodedata
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any
 
 import numpy as np
 
@@ -33,13 +34,13 @@ from client.errors import ChatTTSError, to_chattts_error
 SEED_LIMIT = 2**63  # SEED is INT64: the schedule wraps below this
 
 
-def split_text(text: str) -> List[str]:
+def split_text(text: str) -> list[str]:
     """The pieces of a request's input, each one Triton request. The one place the gateway splits text: the
     client's length-aware split (`client.split_sentences`, chattts_triton.model.split.split_for_synthesis: pieces that
     fit in time, never cut inside a number or control token), a piece still over the server's TEXT limit cut at
     the last space or punctuation before it, and pieces with nothing to say (no letter or digit, e.g. "…") kept
     with their neighbour."""
-    pieces: List[str] = []
+    pieces: list[str] = []
     for sentence in split_sentences(text):
         for piece in _fit(sentence.strip(), LIMITS.max_text_chars):
             if pieces and not speakable(piece):
@@ -58,7 +59,7 @@ def speakable(text: str) -> bool:
 _BREAK = re.compile(r"[\s,;:，、；：。.!?！？]")
 
 
-def _fit(text: str, limit: int) -> List[str]:
+def _fit(text: str, limit: int) -> list[str]:
     out = []
     while len(text) > limit:
         cut = max((m.end() for m in _BREAK.finditer(text, 0, limit)), default=0) or limit
@@ -71,7 +72,7 @@ class SynthesisError(Exception):
     """A failed synthesis: `status` a canonical (gRPC) name, `message` for the client, `field` the contract
     input the server named (VOICE, TEXT, ...) if any."""
 
-    def __init__(self, status: str, message: str, field: Optional[str] = None):
+    def __init__(self, status: str, message: str, field: str | None = None):
         super().__init__(f"[{status}] {message}")
         self.status, self.message, self.field = status, message, field
 
@@ -95,23 +96,23 @@ class Job:
     the last, None for the synthesizer's pause between pieces (None: that pause between pieces, nothing before or
     after). `piece_options(i)` is what piece i is sent with."""
 
-    pieces: List[str]
+    pieces: list[str]
     options: SynthesisOptions
     seed: int = field(default_factory=lambda: secrets.randbits(62))
-    piece_extras: Optional[List[Dict[str, Any]]] = None
-    gaps_ms: Optional[List[Optional[int]]] = None
+    piece_extras: list[dict[str, Any]] | None = None
+    gaps_ms: list[int | None] | None = None
     # `condition_on_first_piece`: the pieces after the first wait for its audio, which becomes their reference audio
     # (SPEAKER_AUDIO, its SPOKEN_TEXT the SPEAKER_TEXT: upstream's spk_smp / txt_smp) where they speak in its voice
     condition_on_first: bool = False
-    reference: Optional[Tuple[np.ndarray, str]] = None  # (audio, spoken text) of the first piece, once made
+    reference: tuple[np.ndarray, str] | None = None  # (audio, spoken text) of the first piece, once made
 
     def __post_init__(self) -> None:
         self.options = SynthesisOptions.of(self.options)  # a bad value: ChatTTSInputError naming the field
 
-    def _extra(self, i: int) -> Dict[str, Any]:
+    def _extra(self, i: int) -> dict[str, Any]:
         return self.piece_extras[i] if self.piece_extras else {}
 
-    def _options(self, i: int) -> Dict[str, Any]:
+    def _options(self, i: int) -> dict[str, Any]:
         return {**self.options, **self._extra(i)}
 
     @property
@@ -137,7 +138,7 @@ class Job:
             changes["speaker_audio"], changes["speaker_text"] = self.reference
         return self.options.replace(**changes)
 
-    def set_reference(self, audio: np.ndarray, spoken: Optional[str]) -> None:
+    def set_reference(self, audio: np.ndarray, spoken: str | None) -> None:
         """The first piece's audio as the later pieces' reference, when it is within SPEAKER_AUDIO's bounds (2048
         samples to the reference-audio limit; a longer first piece conditions nothing)."""
         if 2048 <= audio.size <= LIMITS.max_reference_audio_seconds * SAMPLE_RATE:
@@ -153,10 +154,10 @@ class Segment:
     text: str
     start: int
     end: int
-    spoken_text: Optional[str] = None
+    spoken_text: str | None = None
 
 
-Part = Union[np.ndarray, Segment]  # what `parts` yields: audio, or the end of a piece whose audio came before
+Part = np.ndarray | Segment  # what `parts` yields: audio, or the end of a piece whose audio came before
 # the contract options that decide what chattts_preprocess says of a text (the rest is sampling)
 PREFLIGHT_OPTIONS = ("voice", "prompt", "normalize_text")
 HOLDS_REFERENCE = "holds a reference sample"  # the server's refusal of SPEAKER_AUDIO beside such a VOICE
@@ -173,7 +174,7 @@ class Synthesizer:
         self.model, self.stream_model, self.preprocess_model = model, stream_model, preprocess_model
         self.piece_concurrency = int(piece_concurrency)
         self.pause = np.zeros(int(round(pause_ms * SAMPLE_RATE / 1000)), np.float32)
-        self._client: Optional[AsyncChatTTSClient] = None
+        self._client: AsyncChatTTSClient | None = None
         self._preprocess: Any = None  # tritonclient.grpc.aio client of chattts_preprocess (the preflight)
 
     @property
@@ -193,7 +194,7 @@ class Synthesizer:
             await self._preprocess.close()
             self._preprocess = None
 
-    async def ready(self) -> Dict[str, bool]:
+    async def ready(self) -> dict[str, bool]:
         """Triton's readiness: the server with each model the gateway calls."""
         return {m: await self.client.is_ready(m) for m in (self.model, self.stream_model)}
 
@@ -212,7 +213,7 @@ class Synthesizer:
         except ChatTTSError as e:
             raise synthesis_error(e) from None
 
-    def _stream_first(self, job: Job, on_spoken_text: Optional[Callable[[str], None]]) -> AsyncIterator[np.ndarray]:
+    def _stream_first(self, job: Job, on_spoken_text: Callable[[str], None] | None) -> AsyncIterator[np.ndarray]:
         """Piece 0's chunks from the stream model."""
         try:
             return self.client.stream(job.pieces[0], job.piece_options(0), split=False, voice_from_first=False,
@@ -244,11 +245,11 @@ class Synthesizer:
         async with gate:
             return await self._infer(job, i, spoken_text)
 
-    def _start(self, job: Job, first: int, spoken_text: bool = False) -> List["asyncio.Task"]:
+    def _start(self, job: Job, first: int, spoken_text: bool = False) -> list[asyncio.Task]:
         gate = asyncio.Semaphore(self.piece_concurrency)
         return [asyncio.ensure_future(self._piece(job, i, gate, spoken_text)) for i in range(first, len(job.pieces))]
 
-    def preflight(self, job: Job, first: int = 1) -> "asyncio.Future[List[str]]":
+    def preflight(self, job: Job, first: int = 1) -> asyncio.Future[list[str]]:
         """What the text decides for pieces[first:], checked before a stream starts (the first piece's own errors
         come before its first chunk): their SPOKEN_TEXT (without refine), or SynthesisError naming the piece. The
         calls are scheduled when this returns, ahead of what the caller starts next."""
@@ -301,7 +302,7 @@ class Synthesizer:
                 t.cancel()
         return self.join(audios, job)
 
-    async def _conditioned(self, job: Job) -> List[Tuple[np.ndarray, Optional[str]]]:
+    async def _conditioned(self, job: Job) -> list[tuple[np.ndarray, str | None]]:
         """(audio, SPOKEN_TEXT) of every piece: the first alone, then the others at once, conditioned on it."""
         audio, spoken = await self._infer(job, 0, spoken_text=True)
         job.set_reference(audio, spoken)
@@ -312,7 +313,7 @@ class Synthesizer:
             for t in tasks:
                 t.cancel()
 
-    async def synthesize_segments(self, job: Job) -> Tuple[np.ndarray, List[Segment]]:
+    async def synthesize_segments(self, job: Job) -> tuple[np.ndarray, list[Segment]]:
         """The whole audio and each piece's segment in it, with the text the server read."""
         if job.conditions:
             results = await self._conditioned(job)
@@ -330,11 +331,11 @@ class Synthesizer:
             offset += audio.size
         return self.join([a for a, _ in results], job), segments
 
-    def join(self, audios: List[np.ndarray], job: Optional[Job] = None) -> np.ndarray:
+    def join(self, audios: list[np.ndarray], job: Job | None = None) -> np.ndarray:
         """The pieces' audio in order with the silence between them (the job's, else the pause)."""
         if job is None:
             job = Job([""] * len(audios), {}, 0)
-        out: List[np.ndarray] = []
+        out: list[np.ndarray] = []
         for i, a in enumerate(audios):
             out += [self.gap(job, i), a]
         out.append(self.gap(job, len(audios)))
@@ -349,13 +350,13 @@ class Synthesizer:
         has come (before it they would share the server with it, and they are needed only after the whole first
         piece has been heard). An error raises SynthesisError from the iterator; before the first chunk nothing has
         been sent. `spoken_text`: the segments carry what the server read."""
-        rest: List["asyncio.Task"] = []
+        rest: list[asyncio.Task] = []
         conditions = job.conditions  # the others wait for the whole first piece: it is their reference
         try:
-            told: List[str] = []
+            told: list[str] = []
             lead = self.gap(job, 0)  # an SSML break before any text: sent once the first chunk came
             offset, started = 0, False
-            first: List[np.ndarray] = []
+            first: list[np.ndarray] = []
             on_spoken = told.append if spoken_text or conditions else None
             async with contextlib.aclosing(self._stream_first(job, on_spoken)) as chunks:
                 try:

@@ -28,7 +28,7 @@ import io
 import ipaddress
 import json
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -72,14 +72,14 @@ class VoiceBody(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
     name: str
-    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
-    speaker: Optional[str] = Field(None, max_length=4096)
-    mix: Optional[str] = Field(None, max_length=voice_mix.MAX_CHARS)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    speaker: str | None = Field(None, max_length=4096)
+    mix: str | None = Field(None, max_length=voice_mix.MAX_CHARS)
     description: str = Field("", max_length=V.MAX_DESCRIPTION_CHARS)
     replace: bool = False
 
 
-def _invalid(message: str, param: Optional[str], code: Optional[str] = None) -> api.APIError:
+def _invalid(message: str, param: str | None, code: str | None = None) -> api.APIError:
     return api.invalid(message, param, code)
 
 
@@ -106,9 +106,9 @@ def checked_name(name: Any, param: str = "name") -> str:
         raise _invalid(f"'{param}': {message}", param, "invalid_voice_name") from None
 
 
-def voice_json(name: str, voice: V.Voice, full: bool = False) -> Dict[str, Any]:
+def voice_json(name: str, voice: V.Voice, full: bool = False) -> dict[str, Any]:
     """A voice as the API shows it: its listing entry, and with `full` what it is made of."""
-    out: Dict[str, Any] = {"id": name, "name": name, "object": "voice", "source": voice.source, "builtin": voice.builtin}
+    out: dict[str, Any] = {"id": name, "name": name, "object": "voice", "source": voice.source, "builtin": voice.builtin}
     if voice.description:
         out["description"] = voice.description
     if full:
@@ -126,10 +126,10 @@ class VoicesAPI:
         self.gw = gw
         self.settings = gw.settings
         url = V.store_url(self.settings.repo, self.settings.voice_store)
-        self.store: Optional[stores.DocumentStore] = None
+        self.store: stores.DocumentStore | None = None
         if url or self.settings.repo is not None:
             self.store = V.open_voice_store(url, self.settings.repo)
-        self._hidden: Optional[int] = None
+        self._hidden: int | None = None
 
     def close(self) -> None:
         if self.store is not None:
@@ -170,13 +170,13 @@ class VoicesAPI:
         except stores.StoreError as e:
             raise _store_failed(e) from None
 
-    async def listing(self) -> List[Dict[str, Any]]:
+    async def listing(self) -> list[dict[str, Any]]:
         voices, broken = V.voices_of(await self.docs())
         if broken:
             log.error("voice store: unreadable voices %s", broken)
         return [voice_json(n, v) for n, v in sorted(voices.items())]
 
-    async def one(self, name: str) -> Dict[str, Any]:
+    async def one(self, name: str) -> dict[str, Any]:
         doc = (await self.docs()).get(name)
         if doc is None:
             raise _not_found(name)
@@ -186,7 +186,7 @@ class VoicesAPI:
                                "voice_unreadable")
         return voice_json(name, voices[name], full=True)
 
-    async def delete(self, request: Request, name: str) -> Dict[str, Any]:
+    async def delete(self, request: Request, name: str) -> dict[str, Any]:
         self.authorize_write(request)
         store = self.writable()
         try:
@@ -226,7 +226,7 @@ class VoicesAPI:
         log.info("voice %r stored (%s)", voice.name, voice.source)
         return JSONResponse(voice_json(voice.name, voice, full=True), status_code=201)
 
-    async def _from_json(self, body: bytes) -> Tuple[V.Voice, bool]:
+    async def _from_json(self, body: bytes) -> tuple[V.Voice, bool]:
         try:
             raw = json.loads(body)
         except (ValueError, RecursionError) as e:
@@ -282,10 +282,10 @@ class VoicesAPI:
             raise _store_failed(e) from None
         return V.Voice(name, speaker=mixed.speaker, mix=mixed.mix, description=description)
 
-    async def _from_form(self, request: Request) -> Tuple[V.Voice, bool]:
+    async def _from_form(self, request: Request) -> tuple[V.Voice, bool]:
         body = await _bounded_body(request, MAX_FORM_BYTES, "audio")
 
-        async def replay() -> Dict[str, Any]:
+        async def replay() -> dict[str, Any]:
             return {"type": "http.request", "body": body, "more_body": False}
 
         try:
@@ -422,7 +422,7 @@ def _decode(data: bytes) -> np.ndarray:
     return wav
 
 
-async def _bounded_body(request: Request, limit: int, field: Optional[str]) -> bytes:
+async def _bounded_body(request: Request, limit: int, field: str | None) -> bytes:
     """The body, at most `limit` bytes of it: a larger one is read to its end (up to DRAIN_BYTES, so that a client
     still sending gets the answer rather than a reset connection) and refused naming `field`, as the speech API does."""
     from .app import DRAIN_BYTES  # the speech API's bound of what is drained

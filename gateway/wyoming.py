@@ -16,9 +16,10 @@ import contextlib
 import json
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
@@ -71,16 +72,16 @@ def _version() -> str:
 @dataclass
 class Settings:
     grpc_url: str = "127.0.0.1:8001"
-    repo: Optional[Path] = None  # the model repository, for the voices `describe` lists (its voices.json)
+    repo: Path | None = None  # the model repository, for the voices `describe` lists (its voices.json)
     voice: str = DEFAULT_VOICE
     sample_rate: int = SAMPLE_RATE
-    seed: Optional[int] = None  # every synthesis starts its seed schedule here (None: random per synthesis)
-    options: Dict[str, Any] = field(default_factory=lambda: {"prompt": "[speed_5]"})  # contract keywords of every piece
+    seed: int | None = None  # every synthesis starts its seed schedule here (None: random per synthesis)
+    options: dict[str, Any] = field(default_factory=lambda: {"prompt": "[speed_5]"})  # contract keywords of every piece
     timeout_s: float = 300.0  # each stream's next chunk
     channels: int = 2
     piece_concurrency: int = DEFAULT_PIECE_CONCURRENCY
     pause_s: float = DEFAULT_PAUSE_S
-    idle_flush_s: Optional[float] = DEFAULT_IDLE_FLUSH_S
+    idle_flush_s: float | None = DEFAULT_IDLE_FLUSH_S
     samples_per_chunk: int = 1024  # samples of one audio-chunk event, as wyoming-piper sends them
     max_text_chars: int = MAX_INPUT_CHARS  # one synthesis's text (a whole `synthesize`, or a stream's chunks together)
     streaming: bool = True  # advertise and serve synthesize-start/-chunk/-stop
@@ -95,7 +96,7 @@ class BadEvent(Exception):
 
 
 # --- voices and the info event ------------------------------------------------------------------------------------
-def voices(repo: Optional[Path]) -> List[Tuple[str, str]]:
+def voices(repo: Path | None) -> list[tuple[str, str]]:
     """(name, description) of each voice VOICE can name: the repository's registry (chattts_triton.voices), or the
     built-in voices without a repository, as the speech gateway lists them."""
     path = None if repo is None else repo / VOICES
@@ -115,7 +116,7 @@ def info(settings: Settings) -> Info:
 
 
 # --- reading events, bounded --------------------------------------------------------------------------------------
-async def read_event(reader: asyncio.StreamReader, max_bytes: int = MAX_EVENT_BYTES) -> Optional[Event]:
+async def read_event(reader: asyncio.StreamReader, max_bytes: int = MAX_EVENT_BYTES) -> Event | None:
     """The next event, None at the end of the connection. wyoming.event.async_read_event with bounds: its reader
     takes any data_length and payload_length a peer announces (memory) and fails on a header that is JSON but not
     an object; here both are a BadEvent. A header line is bounded by the StreamReader's own limit (64 KiB)."""
@@ -147,7 +148,7 @@ async def read_event(reader: asyncio.StreamReader, max_bytes: int = MAX_EVENT_BY
     return Event(type=kind, data=data, payload=payload)
 
 
-def _json_object(raw: bytes, what: str) -> Dict[str, Any]:
+def _json_object(raw: bytes, what: str) -> dict[str, Any]:
     try:
         value = json.loads(raw)
     except ValueError:  # also bytes that are not UTF-8
@@ -189,7 +190,7 @@ class _Pcm:
         self.rate, self.per_chunk = sample_rate, samples_per_chunk * WIDTH
         self.encoder = StreamEncoder("pcm", sample_rate)
 
-    def chunks(self, samples: np.ndarray, last: bool = False) -> List[bytes]:
+    def chunks(self, samples: np.ndarray, last: bool = False) -> list[bytes]:
         data = self.encoder.push(samples) + (self.encoder.close() if last else b"")
         return [data[i:i + self.per_chunk] for i in range(0, len(data), self.per_chunk)]
 
@@ -198,7 +199,7 @@ class _Turn:
     """One synthesis: a SpeechSession of its own (its voice, the seed schedule from --seed), and a task that turns the
     session's events into Wyoming events as they come."""
 
-    def __init__(self, handler: "WyomingHandler", voice: str):
+    def __init__(self, handler: WyomingHandler, voice: str):
         s = handler.settings
         self.handler = handler
         self.session = SpeechSession(handler.client, SynthesisOptions.of(s.options, voice=voice), seed=s.seed,
@@ -206,7 +207,7 @@ class _Turn:
                                      idle_flush_s=s.idle_flush_s, chunk_timeout_s=s.timeout_s)
         self.pcm = _Pcm(s.sample_rate, s.samples_per_chunk)
         self.chars = 0
-        self.errors: List[ChatTTSError] = []
+        self.errors: list[ChatTTSError] = []
         self.started = False  # audio-start sent
         self.pump = asyncio.ensure_future(self._pump())
 
@@ -244,7 +245,7 @@ class _Turn:
         if self.started:
             await h.write_event(AudioStop().event())
 
-    async def _audio(self, chunks: List[bytes]) -> None:
+    async def _audio(self, chunks: list[bytes]) -> None:
         rate = self.pcm.rate
         for data in chunks:
             if not self.started:
@@ -261,7 +262,7 @@ class WyomingHandler(AsyncEventHandler):
     def __init__(self, settings: Settings, client: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         super().__init__(reader, writer)
         self.settings, self.client = settings, client
-        self.stream: Optional[_Turn] = None  # the streamed synthesis in progress
+        self.stream: _Turn | None = None  # the streamed synthesis in progress
         self.stream_text = False  # whether it got any synthesize-chunk text
         self._write_lock = asyncio.Lock()
 
@@ -394,7 +395,7 @@ class WyomingServer:
     """The TCP server and the gRPC client its connections share."""
 
     def __init__(self, settings: Settings, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 client_factory: Optional[Callable[[], Any]] = None):
+                 client_factory: Callable[[], Any] | None = None):
         self.settings = settings
         self.host, self.port = host, port
         self._synth = Synthesizer(settings.grpc_url, settings.timeout_s, settings.channels) if client_factory is None else None
@@ -423,7 +424,7 @@ class WyomingServer:
 
 
 # --- command line -------------------------------------------------------------------------------------------------
-def _option(text: str) -> Tuple[str, Any]:
+def _option(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip().lower()
     if not sep or key not in OPTION_INPUTS:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import List, Optional, Union
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "corpus.txt"
 # Request names group utterances by spoken length, since TTS latency grows with it. Length is
@@ -19,7 +18,7 @@ class CorpusError(ValueError):
     pass
 
 
-def load_corpus(path: Optional[Union[str, Path]] = None) -> List[str]:
+def load_corpus(path: str | Path | None = None) -> list[str]:
     path = Path(path) if path else DEFAULT_CORPUS
     try:
         lines = path.read_text(encoding="utf-8").splitlines()

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, List, Union
 
 from chattts_triton.config import LIMITS, SAMPLE_RATE, samples_for_codes
 
@@ -31,7 +31,7 @@ class Lengths:
             raise ValueError(f"need 1 <= A <= B <= {LIMITS.max_new_tokens} (LIMITS.max_new_tokens), got {self.low}-{self.high}")
 
     @classmethod
-    def parse(cls, text: Union[str, int], seed: int = 0) -> "Lengths":
+    def parse(cls, text: str | int, seed: int = 0) -> Lengths:
         """`N` or `A-B` (whole numbers, 1 <= A <= B <= LIMITS.max_new_tokens)."""
         m = _SPEC.match(str(text))
         if not m:
@@ -40,7 +40,7 @@ class Lengths:
         return cls(low, int(m.group(2) or low), seed)
 
     @classmethod
-    def of(cls, value: Union["Lengths", int, str]) -> "Lengths":
+    def of(cls, value: Lengths | int | str) -> Lengths:
         """A Lengths as it is, or one parsed from N / "A-B" (the callers that passed a scalar keep doing so)."""
         return value if isinstance(value, Lengths) else cls.parse(value)
 
@@ -72,11 +72,11 @@ class Lengths:
         while True:
             yield rng.randint(self.low, self.high)
 
-    def draw(self, n: int, *key) -> List[int]:
+    def draw(self, n: int, *key) -> list[int]:
         it = self.stream(*key)
         return [next(it) for _ in range(n)]
 
-    def spread(self, n: int = 16) -> List[int]:
+    def spread(self, n: int = 16) -> list[int]:
         """Up to n distinct lengths evenly over [low, high], both ends included (a file of fixed entries)."""
         if self.fixed or n <= 1:
             return [self.low]

@@ -18,8 +18,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Optional, Sequence
 
 from client.client import DEFAULT_URLS, PROTOCOLS, ChatTTSClient
 from client.contract import MODEL, STREAM_MODEL
@@ -64,7 +64,7 @@ def model_of(args: argparse.Namespace) -> str:
     return args.model or (STREAM_MODEL if args.stream else MODEL)
 
 
-def locust_command(args: argparse.Namespace, host: str, out: Path) -> List[str]:
+def locust_command(args: argparse.Namespace, host: str, out: Path) -> list[str]:
     cmd = [
         sys.executable, "-m", "locust",
         "-f", args.locustfile,
@@ -92,7 +92,7 @@ def locust_command(args: argparse.Namespace, host: str, out: Path) -> List[str]:
     return cmd + extra + [(STREAM_USER_CLASSES if args.stream else USER_CLASSES)[args.protocol]]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.users < 1 or args.spawn_rate <= 0 or args.timeout <= 0 or args.stop_timeout < 0:

@@ -26,7 +26,6 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -44,8 +43,8 @@ class SoakResult:
     offered_rps: float
     completed: int
     failed: int
-    errors: List[str]
-    rss_mb: List[Tuple[float, float]]  # (seconds since start, MB)
+    errors: list[str]
+    rss_mb: list[tuple[float, float]]  # (seconds since start, MB)
     rss_growth_second_half_mb: float
     window_s: float
     p99_first_s: float
@@ -53,7 +52,7 @@ class SoakResult:
     p99_drift: float
     p50_s: float
     passed: dict = field(default_factory=dict)
-    restarts: Optional[int] = None  # the launcher's, where the soak started the server
+    restarts: int | None = None  # the launcher's, where the soak started the server
     frames: str = ""  # N, or the range A-B each request's length was drawn from
 
 
@@ -76,7 +75,7 @@ class Load:
         self.url, self.frames, self.timeout_s = url, Lengths.of(frames), timeout_s
         self.draws = self.frames.stream("soak")
         self.lock = threading.Lock()
-        self.records: List[Tuple[float, float, Optional[str]]] = []  # (start, latency, error)
+        self.records: list[tuple[float, float, str | None]] = []  # (start, latency, error)
         self.local = threading.local()
 
     def client(self):
@@ -90,7 +89,7 @@ class Load:
         with self.lock:
             return next(self.draws)
 
-    def one(self, t0: float, frames: Optional[int] = None) -> None:
+    def one(self, t0: float, frames: int | None = None) -> None:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
@@ -135,12 +134,12 @@ def saturation_rps(load: Load, concurrency: int, seconds: float) -> float:
     return len(done) / (seconds * 2 / 3) if done else 0.0
 
 
-def p99(latencies: List[float]) -> float:
+def p99(latencies: list[float]) -> float:
     return float(np.percentile(latencies, 99)) if latencies else float("nan")
 
 
 def soak(url: str, pgid: int, duration_s: float, load_fraction: float = 0.7, frames=60,
-         calibrate_s: float = 30.0, sample_s: float = 10.0, concurrency: int = 4, rps: Optional[float] = None,
+         calibrate_s: float = 30.0, sample_s: float = 10.0, concurrency: int = 4, rps: float | None = None,
          progress=print) -> SoakResult:
     load = Load(url, frames)
     sat = rps / load_fraction if rps else saturation_rps(load, concurrency, calibrate_s)
@@ -149,8 +148,8 @@ def soak(url: str, pgid: int, duration_s: float, load_fraction: float = 0.7, fra
     rate = sat * load_fraction
     progress(f"saturation ≈ {sat:.2f} req/s; offering {rate:.2f} req/s for {duration_s:.0f} s")
     t0 = time.monotonic()
-    rss: List[Tuple[float, float]] = [(0.0, group_rss_bytes(pgid) / 2**20)]
-    threads: List[threading.Thread] = []
+    rss: list[tuple[float, float]] = [(0.0, group_rss_bytes(pgid) / 2**20)]
+    threads: list[threading.Thread] = []
     next_arrival, next_sample = t0, t0 + sample_s
     while True:
         now = time.monotonic()

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from chattts_triton import config as C
 
@@ -87,7 +87,7 @@ def write_repo(out: Path, default_frames: int = DEFAULT_FRAMES) -> Path:
     return Path(out)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.standin", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("build/standin-repo"))
     p.add_argument("--frames", type=int, default=DEFAULT_FRAMES, help="audio of a request without MAX_NEW_TOKENS")

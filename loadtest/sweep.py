@@ -22,9 +22,10 @@ import re
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from chattts_triton.config import GPT, samples_for_codes
 from client.client import DEFAULT_URLS, PROTOCOLS, AsyncChatTTSClient
@@ -48,7 +49,7 @@ DEFAULT_METRICS_PORT = 8002
 
 
 # --- pure helpers (unit-tested) ----------------------------------------------------------------
-def concurrency_levels(max_concurrency: int, start: int = 1) -> List[int]:
+def concurrency_levels(max_concurrency: int, start: int = 1) -> list[int]:
     """start, 2*start, 4*start, ... and max_concurrency itself if it is not a power of two."""
     if start < 1 or max_concurrency < start:
         raise ValueError(f"need 1 <= start <= max_concurrency, got {start}, {max_concurrency}")
@@ -68,23 +69,23 @@ def rates_agree(a: float, b: float, tolerance: float) -> bool:
 class Completion:
     start: float
     end: float
-    status: Optional[str]  # None = success
+    status: str | None  # None = success
     samples: int = 0
-    frames: Optional[int] = None  # the code frames the request forced (MIN = MAX), where it forced them
+    frames: int | None = None  # the code frames the request forced (MIN = MAX), where it forced them
 
     @property
     def latency_s(self) -> float:
         return self.end - self.start
 
 
-def completions_between(completions: Sequence[Completion], t0: float, t1: float) -> List[Completion]:
+def completions_between(completions: Sequence[Completion], t0: float, t1: float) -> list[Completion]:
     return [c for c in completions if t0 <= c.end < t1]
 
 
 def summarize_window(completions: Sequence[Completion], duration_s: float, sample_rate: int = SAMPLE_RATE) -> dict:
     ok = [c for c in completions if c.status is None]
     failed = [c for c in completions if c.status is not None]
-    by_status: Dict[str, int] = {}
+    by_status: dict[str, int] = {}
     for c in failed:
         by_status[c.status] = by_status.get(c.status, 0) + 1
     latencies_ms = [c.latency_s * 1000.0 for c in ok]
@@ -115,9 +116,9 @@ def _duration_stat(stats: dict, key: str) -> tuple:
     return int(entry.get("count", 0)), int(entry.get("ns", 0))
 
 
-def _model_totals(statistics: dict) -> Dict[str, dict]:
+def _model_totals(statistics: dict) -> dict[str, dict]:
     """Triton statistics JSON -> per model name (versions summed) counters we diff."""
-    totals: Dict[str, dict] = {}
+    totals: dict[str, dict] = {}
     for m in statistics.get("model_stats", []):
         t = totals.setdefault(m["name"], {"inference_count": 0, "execution_count": 0, "batch_sizes": {}})
         t["inference_count"] += int(m.get("inference_count", 0))
@@ -133,13 +134,13 @@ def _model_totals(statistics: dict) -> Dict[str, dict]:
     return totals
 
 
-def diff_model_statistics(before: dict, after: dict) -> Dict[str, dict]:
+def diff_model_statistics(before: dict, after: dict) -> dict[str, dict]:
     """Per model, what happened between two `get_inference_statistics` snapshots (idle models left out).
 
     avg_batch = requests / executions; queue_ms and compute_ms are per request averages (Triton charges
     each request of a batch the batch's whole compute time)."""
     b, a = _model_totals(before), _model_totals(after)
-    out: Dict[str, dict] = {}
+    out: dict[str, dict] = {}
     for name, now in sorted(a.items()):
         then = b.get(name, {})
 
@@ -155,7 +156,7 @@ def diff_model_statistics(before: dict, after: dict) -> Dict[str, dict]:
             if n - then.get("batch_sizes", {}).get(s, 0) > 0
         }
 
-        def avg_ms(key: str) -> Optional[float]:
+        def avg_ms(key: str) -> float | None:
             count = d(f"{key}_count")
             return d(f"{key}_ns") / count / 1e6 if count else None
 
@@ -174,7 +175,7 @@ def diff_model_statistics(before: dict, after: dict) -> Dict[str, dict]:
     return out
 
 
-def parse_gpu_memory_bytes(metrics_text: str) -> Optional[float]:
+def parse_gpu_memory_bytes(metrics_text: str) -> float | None:
     """Sum of nv_gpu_memory_used_bytes over GPUs in Prometheus text, None if the metric is absent."""
     values = []
     for line in metrics_text.splitlines():
@@ -186,9 +187,9 @@ def parse_gpu_memory_bytes(metrics_text: str) -> Optional[float]:
     return sum(values) if values else None
 
 
-def parse_counters(metrics_text: str, names: Sequence[str], model: str) -> Dict[str, Dict[str, float]]:
+def parse_counters(metrics_text: str, names: Sequence[str], model: str) -> dict[str, dict[str, float]]:
     """{instance: {name: value}} of a model's `chattts_<name>` gauges in Prometheus text."""
-    out: Dict[str, Dict[str, float]] = {}
+    out: dict[str, dict[str, float]] = {}
     for line in metrics_text.splitlines():
         m = _COUNTER_LINE.match(line)
         if not m or m.group(1) not in names:
@@ -199,18 +200,18 @@ def parse_counters(metrics_text: str, names: Sequence[str], model: str) -> Dict[
     return out
 
 
-def parse_engine_counters(metrics_text: str, model: str = ENGINE_MODEL) -> Dict[str, Dict[str, float]]:
+def parse_engine_counters(metrics_text: str, model: str = ENGINE_MODEL) -> dict[str, dict[str, float]]:
     """{instance: {counter: value}} of the engines' cumulative counters (backend.STAT_HELP)."""
     return parse_counters(metrics_text, ENGINE_COUNTERS, model)
 
 
-def counter_deltas(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+def counter_deltas(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, float]:
     """Each counter's increase, summed over the instances."""
     names = {k for c in after.values() for k in c}
     return {k: sum(after[i].get(k, 0.0) - before.get(i, {}).get(k, 0.0) for i in after) for k in names}
 
 
-def engine_window(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str, float]], seconds: float) -> dict:
+def engine_window(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], seconds: float) -> dict:
     """Over a window: mean wall ms of a decode step, mean rows per step, and the share of the
     window the engines were busy (stepping or prefilling; 1.0 = the GPT loop never waited)."""
     if not after or seconds <= 0:
@@ -264,20 +265,20 @@ class SweepConfig:
     max_settle_seconds: float = 60.0
     max_error_rate: float = 0.5
     timeout_s: float = 300.0
-    metrics_url: Optional[str] = None  # HOST:PORT of Triton's metrics endpoint; "" disables
-    corpus: Optional[str] = None
-    max_new_tokens: Optional[int] = None
-    min_new_tokens: Optional[int] = None
-    seed: Optional[int] = None
-    options: Dict[str, Any] = field(default_factory=dict)
+    metrics_url: str | None = None  # HOST:PORT of Triton's metrics endpoint; "" disables
+    corpus: str | None = None
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    seed: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
     # each request forces its own length, drawn per worker (loadtest.lengths); replaces max/min_new_tokens
-    lengths: Optional[Lengths] = None
+    lengths: Lengths | None = None
 
-    def request_options(self) -> Dict[str, Any]:
+    def request_options(self) -> dict[str, Any]:
         opts = {"max_new_tokens": self.max_new_tokens, "min_new_tokens": self.min_new_tokens, "seed": self.seed}
         return {**{k: v for k, v in opts.items() if v is not None}, **self.options}
 
-    def forced_frames(self) -> Optional[int]:
+    def forced_frames(self) -> int | None:
         """The one length every request forces (MIN = MAX) without `lengths`, else None."""
         if self.lengths is None and self.max_new_tokens is not None and self.max_new_tokens == self.min_new_tokens:
             return self.max_new_tokens
@@ -294,7 +295,7 @@ def metrics_endpoint(metrics_url: str) -> str:
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the server is not behind http_proxy
 
 
-def fetch_metrics(metrics_url: Optional[str]) -> str:
+def fetch_metrics(metrics_url: str | None) -> str:
     """Triton's Prometheus text, or "" where it is disabled or unreachable."""
     if not metrics_url:
         return ""
@@ -305,11 +306,11 @@ def fetch_metrics(metrics_url: Optional[str]) -> str:
         return ""
 
 
-def fetch_gpu_memory(metrics_url: Optional[str]) -> Optional[float]:
+def fetch_gpu_memory(metrics_url: str | None) -> float | None:
     return parse_gpu_memory_bytes(fetch_metrics(metrics_url))
 
 
-async def _statistics(client: AsyncChatTTSClient, log) -> Optional[dict]:
+async def _statistics(client: AsyncChatTTSClient, log) -> dict | None:
     """Triton's statistics, or None (with a warning) where that API is unavailable or restricted."""
     try:
         return await client.inference_statistics()
@@ -319,11 +320,11 @@ async def _statistics(client: AsyncChatTTSClient, log) -> Optional[dict]:
 
 
 class _Step:
-    def __init__(self, client: AsyncChatTTSClient, texts: List[str], options: dict, concurrency: int, seed: int,
-                 lengths: Optional[Lengths] = None, frames: Optional[int] = None):
+    def __init__(self, client: AsyncChatTTSClient, texts: list[str], options: dict, concurrency: int, seed: int,
+                 lengths: Lengths | None = None, frames: int | None = None):
         self.client, self.texts, self.options = client, texts, options
         self.lengths, self.frames = lengths, frames
-        self.completions: List[Completion] = []
+        self.completions: list[Completion] = []
         self.stopping = False
         rng = random.Random(seed)
         self.orders = [rng.sample(range(len(texts)), len(texts)) for _ in range(concurrency)]
@@ -379,7 +380,7 @@ async def _settle(step: _Step, cfg: SweepConfig, log) -> tuple:
         previous = rate
 
 
-async def run_step(client: AsyncChatTTSClient, cfg: SweepConfig, concurrency: int, texts: List[str], log) -> dict:
+async def run_step(client: AsyncChatTTSClient, cfg: SweepConfig, concurrency: int, texts: list[str], log) -> dict:
     step = _Step(client, texts, cfg.request_options(), concurrency, seed=(cfg.seed or 0) + concurrency,
                  lengths=cfg.lengths, frames=cfg.forced_frames())
     try:
@@ -402,10 +403,10 @@ async def run_step(client: AsyncChatTTSClient, cfg: SweepConfig, concurrency: in
     return row
 
 
-async def run_sweep(cfg: SweepConfig, log=print) -> List[dict]:
+async def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
     texts = load_corpus(cfg.corpus)
     levels = concurrency_levels(cfg.max_concurrency, cfg.start_concurrency)
-    rows: List[dict] = []
+    rows: list[dict] = []
     async with AsyncChatTTSClient(
         cfg.url, protocol=cfg.protocol, model=cfg.model, timeout_s=cfg.timeout_s, retries=0,
         max_concurrency=cfg.max_concurrency,
@@ -554,7 +555,7 @@ def plot(path: Path, rows: Sequence[dict], cfg: SweepConfig) -> None:
     plt.close(fig)
 
 
-def write_outputs(out: Path, rows: Sequence[dict], cfg: SweepConfig) -> Dict[str, Path]:
+def write_outputs(out: Path, rows: Sequence[dict], cfg: SweepConfig) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {k: out / f"sweep.{k}" for k in ("md", "csv", "json", "png")}
     paths["md"].write_text(to_markdown(rows, cfg), encoding="utf-8")
@@ -590,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     if a.step_seconds <= 0 or a.window_seconds <= 0 or a.warmup_seconds < 0 or not 0 < a.tolerance < 1:

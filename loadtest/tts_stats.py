@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Union
 
 import numpy as np
 
@@ -18,13 +18,13 @@ from chattts_triton.config import SAMPLE_RATE
 PERCENTILES = (50, 90, 99)
 
 
-def percentile(values: Iterable[float], q: float) -> Optional[float]:
+def percentile(values: Iterable[float], q: float) -> float | None:
     """Linear-interpolated percentile (numpy's default); None for no values."""
     arr = np.asarray(list(values), dtype=np.float64)
     return float(np.percentile(arr, q)) if arr.size else None
 
 
-def real_time_factor(latency_s: float, audio_samples: int, sample_rate: int = SAMPLE_RATE) -> Optional[float]:
+def real_time_factor(latency_s: float, audio_samples: int, sample_rate: int = SAMPLE_RATE) -> float | None:
     """Wall time per second of audio (< 1: faster than real time); None for empty audio."""
     return latency_s * sample_rate / audio_samples if audio_samples > 0 else None
 
@@ -33,13 +33,13 @@ def real_time_factor(latency_s: float, audio_samples: int, sample_rate: int = SA
 class TTSStats:
     """Per-request latency and audio length of successes, and a count of failures by status."""
 
-    latencies_s: List[float] = field(default_factory=list)
-    audio_samples: List[int] = field(default_factory=list)
+    latencies_s: list[float] = field(default_factory=list)
+    audio_samples: list[int] = field(default_factory=list)
     failures: Counter = field(default_factory=Counter)
     sample_rate: int = SAMPLE_RATE
     # successful streams only
-    first_chunk_s: List[float] = field(default_factory=list)
-    chunk_gaps_s: List[float] = field(default_factory=list)
+    first_chunk_s: list[float] = field(default_factory=list)
+    chunk_gaps_s: list[float] = field(default_factory=list)
     streams: int = 0
     stalled_streams: int = 0
 
@@ -47,7 +47,7 @@ class TTSStats:
         self.latencies_s.append(float(latency_s))
         self.audio_samples.append(int(audio_samples))
 
-    def record_stream(self, first_chunk_s: Optional[float], chunk_gaps_s: Iterable[float], stalled: bool) -> None:
+    def record_stream(self, first_chunk_s: float | None, chunk_gaps_s: Iterable[float], stalled: bool) -> None:
         """A successful stream: time to its first chunk (None: no audio), the gaps between its chunks,
         and whether a player started at the first chunk would have run out of audio."""
         self.streams += 1
@@ -76,7 +76,7 @@ class TTSStats:
         self.reset()
         return data
 
-    def merge(self, data: Optional[dict]) -> None:
+    def merge(self, data: dict | None) -> None:
         if not data:
             return
         self.latencies_s.extend(data.get("latencies_s", []))
@@ -87,7 +87,7 @@ class TTSStats:
         self.streams += int(data.get("streams", 0))
         self.stalled_streams += int(data.get("stalled_streams", 0))
 
-    def summary(self, wall_s: Optional[float] = None) -> dict:
+    def summary(self, wall_s: float | None = None) -> dict:
         """Totals and percentiles; `wall_s` (test duration) adds audio seconds per wall second."""
         rtfs = [r for r in map(real_time_factor, self.latencies_s, self.audio_samples) if r is not None]
         audio_s = sum(self.audio_samples) / self.sample_rate
@@ -145,7 +145,7 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: Union[str, Path], data: Dict) -> Path:
+def write_json(path: str | Path, data: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

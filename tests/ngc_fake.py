@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 FAKE_SERVER = r'''
 import json, os, signal, subprocess, sys, threading
@@ -52,12 +52,12 @@ while True:
 '''
 
 
-def python_tag(version: Optional[Sequence[int]] = None) -> str:
+def python_tag(version: Sequence[int] | None = None) -> str:
     major, minor = (version or sys.version_info)[:2]
     return f"{major}.{minor}"
 
 
-def make_ngc_tree(dest: Path, record: Path, stub_python: Optional[Sequence[int]] = None) -> Path:
+def make_ngc_tree(dest: Path, record: Path, stub_python: Sequence[int] | None = None) -> Path:
     """dest/opt/tritonserver laid out like the NGC image; returns its bin/tritonserver."""
     root = dest / "opt" / "tritonserver"
     python = root / "backends" / "python"

@@ -7,7 +7,6 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -43,7 +42,7 @@ def raw_input(module, name: str, arr: np.ndarray, wire: str):
     return t
 
 
-def grpc_synth(url: str, timeout_s: Optional[float] = None, **values) -> np.ndarray:
+def grpc_synth(url: str, timeout_s: float | None = None, **values) -> np.ndarray:
     c = grpcclient.InferenceServerClient(url)
     try:
         return c.infer("chattts", contract_inputs(grpcclient, **values), client_timeout=timeout_s).as_numpy("AUDIO")[0]
@@ -51,8 +50,8 @@ def grpc_synth(url: str, timeout_s: Optional[float] = None, **values) -> np.ndar
         c.close()
 
 
-def http_status(url: str, path: str, method: str = "GET", body: Optional[bytes] = None,
-                headers: Optional[Dict[str, str]] = None, timeout_s: float = 10.0):
+def http_status(url: str, path: str, method: str = "GET", body: bytes | None = None,
+                headers: dict[str, str] | None = None, timeout_s: float = 10.0):
     """(status, body) of a plain HTTP call; status None when the connection fails."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     req = urllib.request.Request(f"http://{url}{path}", data=body, method=method, headers=headers or {})
@@ -74,7 +73,7 @@ def private_server(tiny_assets: Path, tmp: Path, extra_args=(), exit_timeout_s: 
                         startup_timeout_s=600, extra_args=list(extra_args))
 
 
-def stub_processes(server: TritonServer) -> Dict[str, dict]:
+def stub_processes(server: TritonServer) -> dict[str, dict]:
     """Python-backend stubs of `server`, by instance name: pid and shared-memory region."""
     out = {}
     for pid, args in python_stubs(server.pid).items():
@@ -86,7 +85,7 @@ def stub_processes(server: TritonServer) -> Dict[str, dict]:
     return out
 
 
-def shm_regions() -> List[str]:
+def shm_regions() -> list[str]:
     try:
         return sorted(f for f in os.listdir("/dev/shm") if f.startswith(SHM_PREFIX))
     except OSError:

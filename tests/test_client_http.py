@@ -14,7 +14,6 @@ import gzip
 import re
 import threading
 import time
-from typing import List, Optional
 
 import pytest
 
@@ -26,7 +25,7 @@ COMPRESS_S = 0.25  # the stand-in's time to compress one answer, one answer at a
 COMPRESSING = ("gzip", "deflate", "br")
 
 
-def accepts_compression(accept_encoding: Optional[str]) -> bool:
+def accepts_compression(accept_encoding: str | None) -> bool:
     return any(c in (accept_encoding or "").lower() for c in COMPRESSING)
 
 
@@ -35,7 +34,7 @@ class TritonLikeServers(FakeServers):
     COMPRESS_S, as Triton's frontend does; `accepted` holds each infer request's Accept-Encoding (None: absent)."""
 
     def __init__(self):
-        self.accepted: List[Optional[str]] = []
+        self.accepted: list[str | None] = []
         one_at_a_time = threading.Lock()
         accepted = self.accepted
 
@@ -135,7 +134,7 @@ class RecordingProxy:
         self.replies = bytearray()
         self._server = None
 
-    async def __aenter__(self) -> "RecordingProxy":
+    async def __aenter__(self) -> RecordingProxy:
         self._server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
         return self
 
@@ -167,7 +166,7 @@ class RecordingProxy:
     def answers(self) -> int:
         return len(_STATUS_LINE.findall(self.replies))
 
-    def encodings(self) -> List[bytes]:
+    def encodings(self) -> list[bytes]:
         return [m.strip().lower() for m in _CONTENT_ENCODING.findall(self.replies)]
 
 

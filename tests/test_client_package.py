@@ -19,8 +19,8 @@ import subprocess
 import sys
 import wave
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Dict, Iterable, List
 
 import pytest
 
@@ -92,12 +92,12 @@ def test_the_server_distribution_installs_no_bench_or_loadtest_and_keeps_torch_b
 # --- the wheel in a clean venv ----------------------------------------------------------------------------------------
 
 
-def requirement_closure(requirements: Iterable[str]) -> Dict[str, md.Distribution]:
+def requirement_closure(requirements: Iterable[str]) -> dict[str, md.Distribution]:
     """The installed distributions that `requirements` need, by canonical name, markers evaluated for this interpreter."""
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    found: Dict[str, md.Distribution] = {}
+    found: dict[str, md.Distribution] = {}
     done = set()
     todo = [(r, "") for r in requirements]
     while todo:
@@ -131,7 +131,7 @@ def repack(dist: md.Distribution, out: Path) -> Path:
     name = re.sub(r"[-_.]+", "_", dist.metadata["Name"])
     path = out / f"{name}-{dist.version}-{'-'.join('.'.join(p) for p in parts)}.whl"
     skip = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"}
-    rows: List[List[str]] = []
+    rows: list[list[str]] = []
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as whl:
         for file in dist.files:
             src = Path(dist.locate_file(file)).resolve()
@@ -148,7 +148,7 @@ def repack(dist: md.Distribution, out: Path) -> Path:
     return path
 
 
-def _clean_env() -> Dict[str, str]:
+def _clean_env() -> dict[str, str]:
     """pip with no configuration: no index, no find-links but ours (the machine's may hold torch)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PIP_CONFIG_FILE"] = os.devnull

@@ -30,7 +30,15 @@ from tritonclient.utils import InferenceServerException
 
 from chattts_triton import config as C
 from chattts_triton.triton.backend import STATS_PERIOD_S
-from client import AsyncChatTTSClient, BalancedChatTTSClient, ChatTTSClient, ChatTTSError, ChatTTSInputError, cli, read_wav
+from client import (
+    AsyncChatTTSClient,
+    BalancedChatTTSClient,
+    ChatTTSClient,
+    ChatTTSError,
+    ChatTTSInputError,
+    cli,
+    read_wav,
+)
 from client.audio import WavStreamWriter, save_wav
 from client.client import SSEParser, split_sentences
 from client.contract import STREAM_MODEL, build_inputs, input_datatype, to_json_inputs

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import helm_python as helm  # helm-python-sdk: Helm's Go engine, no helm binary
 import kubernetes_validate
@@ -66,28 +65,28 @@ def _parse_dockerfile(text: str):
     return DockerfileParser(fileobj=io.BytesIO(text.encode()), env_replace=True)
 
 
-def _exec_form(value: str) -> Optional[List[str]]:
+def _exec_form(value: str) -> list[str] | None:
     value = value.strip()
     if value.startswith("["):
         return json.loads(value)
     return None
 
 
-def _split(argv: List[str]):
+def _split(argv: list[str]):
     """Launcher `--flag=value`s (before `--`) and the tritonserver arguments after it."""
     cut = argv.index("--") if "--" in argv else len(argv)
     return _flags(argv[:cut]), argv[cut + 1 :]
 
 
-def _image_cmd(text: Optional[str] = None) -> List[str]:
+def _image_cmd(text: str | None = None) -> list[str]:
     p = _parse_dockerfile(text or DOCKERFILE.read_text())
     return _exec_form([i["value"] for i in p.structure if i["instruction"] == "CMD"][-1])
 
 
-def dockerfile_problems(text: str) -> List[str]:
+def dockerfile_problems(text: str) -> list[str]:
     """Everything wrong with a Dockerfile for production use (empty: fine)."""
     p = _parse_dockerfile(text)
-    problems: List[str] = []
+    problems: list[str] = []
     final = p.baseimage or ""
     m = NGC_TRITON.match(final)
     floor = max(FIXED_IN.values())
@@ -248,7 +247,7 @@ def test_image_installs_the_text_normaliser_and_checks_its_grammars_load():
 
 # --- entry point and `make configure` in the container ----------------------------------------------------------
 @pytest.fixture
-def fake_python(tmp_path) -> Dict[str, object]:
+def fake_python(tmp_path) -> dict[str, object]:
     """A `python3` on PATH that records how the launcher (`-m chattts_triton.serve`) is started and runs
     everything else (configure-repository.sh's repo_config) with the real interpreter."""
     bin_dir = tmp_path / "bin"
@@ -280,11 +279,11 @@ def _launched(fake) -> dict:
     return json.loads(Path(fake["record"]).read_text())
 
 
-def _flags(argv) -> Dict[str, str]:
+def _flags(argv) -> dict[str, str]:
     return dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
 
 
-def _cmd_for(repo: Path, **ports: int) -> List[str]:
+def _cmd_for(repo: Path, **ports: int) -> list[str]:
     """The image's CMD with its repository (and ports) replaced."""
     cmd = [f"--repo={repo}" if a == "--repo=/models" else a for a in _image_cmd()]
     for name, port in ports.items():
@@ -361,7 +360,7 @@ def test_entrypoint_is_valid_bash():
                        check=True)
 
 
-def _instance_groups(repo: Path) -> Dict[str, tuple]:
+def _instance_groups(repo: Path) -> dict[str, tuple]:
     out = {}
     for m in rc.MODELS:
         cfg = rc.parse_pbtxt((repo / m / "config.pbtxt").read_text())
@@ -408,7 +407,7 @@ def _start_container_cmd(tmp_path, **env):
     e = launcher_env(tmp_path, server, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", **env)
     proc = subprocess.Popen([str(DOCKER / "entrypoint.sh"), *_cmd_for(repo, http=0, grpc=0, metrics=0)], env=e,
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen: List[str] = []
+    seen: list[str] = []
     while not any(line.startswith("metrics: ") for line in seen):
         line = proc.stdout.readline()
         if not line:
@@ -515,7 +514,7 @@ K8S_VERSIONS = ("1.27.0", "1.37.0")  # the chart's kubeVersion floor and the new
 RELEASE, NAMESPACE = "tts", "speech"
 
 
-def render(values: Optional[dict] = None, chart: Path = CHART) -> List[dict]:
+def render(values: dict | None = None, chart: Path = CHART) -> list[dict]:
     """Every manifest the chart renders, parsed (helm template, offline)."""
     with helm.Chart.load(str(chart)) as c:
         out = c.render(values, name=RELEASE, namespace=NAMESPACE)
@@ -527,7 +526,7 @@ def render(values: Optional[dict] = None, chart: Path = CHART) -> List[dict]:
     return docs
 
 
-def k8s_problems(docs: List[dict]) -> List[str]:
+def k8s_problems(docs: list[dict]) -> list[str]:
     """Schema errors of the built-in kinds (strict: unknown fields too) and structure errors of the CRDs."""
     problems = []
     for d in docs:
@@ -543,7 +542,7 @@ def k8s_problems(docs: List[dict]) -> List[str]:
     return problems
 
 
-def crd_problems(d: dict, docs: List[dict]) -> List[str]:
+def crd_problems(d: dict, docs: list[dict]) -> list[str]:
     problems = []
     if d["apiVersion"] != "monitoring.coreos.com/v1":
         problems.append(f"{d['kind']}: apiVersion {d['apiVersion']}")
@@ -566,7 +565,7 @@ def crd_problems(d: dict, docs: List[dict]) -> List[str]:
     return problems
 
 
-def _one(docs: List[dict], kind: str) -> dict:
+def _one(docs: list[dict], kind: str) -> dict:
     found = [d for d in docs if d["kind"] == kind]
     assert len(found) == 1, (kind, [d["kind"] for d in docs])
     return found[0]
@@ -576,7 +575,7 @@ def _container(dep: dict, name: str = "tritonserver") -> dict:
     return next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == name)
 
 
-def _env(container: dict) -> Dict[str, str]:
+def _env(container: dict) -> dict[str, str]:
     return {e["name"]: e.get("value") for e in container.get("env", [])}
 
 
@@ -747,7 +746,7 @@ def test_wyoming_server_is_off_by_default():
     assert "wyoming" not in {p["name"] for p in svc["spec"]["ports"]}
 
 
-def termination_problems(dep: dict, exit_timeout: int, margin: int) -> List[str]:
+def termination_problems(dep: dict, exit_timeout: int, margin: int) -> list[str]:
     pod = dep["spec"]["template"]["spec"]
     grace = pod["terminationGracePeriodSeconds"]
     flags, _ = _split(_container(dep)["args"])

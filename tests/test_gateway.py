@@ -12,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import numpy as np
 import pytest
@@ -238,17 +238,17 @@ class FakeSynth(Synthesizer):
 
     def __init__(self, pause_ms: int = 0):
         super().__init__("127.0.0.1:1", pause_ms=pause_ms)
-        self.error: Optional[SynthesisError] = None
-        self.fail_piece: Optional[int] = None
+        self.error: SynthesisError | None = None
+        self.fail_piece: int | None = None
         self.fail_error = SynthesisError("UNAVAILABLE", "server busy: 32 generations in flight, retry later")
         self.delay_s = 0.0
         self.chunk_delay_s = 0.0
-        self.jobs: List[Job] = []
+        self.jobs: list[Job] = []
         self.is_ready = True
         self.cancelled = 0  # syntheses stopped before their end
         self.closed = 0  # streams ended, however
-        self.checked: List[str] = []  # the pieces the preflight was asked about
-        self.calls: List[str] = []  # the order of the calls: check i, stream, chunk, infer i
+        self.checked: list[str] = []  # the pieces the preflight was asked about
+        self.calls: list[str] = []  # the order of the calls: check i, stream, chunk, infer i
 
     def _refuse(self, text: str) -> None:
         if self.error:
@@ -316,7 +316,7 @@ class Served:
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "Served":
+    def __enter__(self) -> Served:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -332,7 +332,7 @@ class Served:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def request(self, path: str, body: Any = None, headers: Optional[Dict[str, str]] = None, raw: Optional[bytes] = None):
+    def request(self, path: str, body: Any = None, headers: dict[str, str] | None = None, raw: bytes | None = None):
         """(status, headers, body bytes)."""
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
@@ -343,7 +343,7 @@ class Served:
             return e.code, e.headers, e.read()
 
 
-def error_of(body: bytes) -> Dict[str, Any]:
+def error_of(body: bytes) -> dict[str, Any]:
     err = json.loads(body)["error"]
     assert set(err) == {"message", "type", "param", "code"}
     return err
@@ -386,7 +386,7 @@ def test_openai_client_gets_openai_errors():
 def test_overload_and_timeouts_of_the_gateway_itself():
     with Served(Settings(max_concurrency=2, timeout_s=0.5, stream_default=False)) as s:
         s.synth.delay_s = 0.3
-        results: List[int] = []
+        results: list[int] = []
         threads = [threading.Thread(target=lambda: results.append(s.request("/v1/audio/speech", OK)[0])) for _ in range(4)]
         for t in threads:
             t.start()
@@ -543,7 +543,7 @@ async def _asgi_post(app, path: str, body: dict):
     """(status, body) of one request through the ASGI app itself, called as a server calls it: whatever the app
     raises comes out of here."""
     data = json.dumps(body).encode()
-    sent: List[dict] = []
+    sent: list[dict] = []
     received = asyncio.Event()
     incoming = [{"type": "http.request", "body": data, "more_body": False}]
 
@@ -681,7 +681,7 @@ def test_captioned_speech_is_the_audio_with_each_pieces_segment_and_subtitles(fm
     assert vtt.startswith("WEBVTT\n\n") and "-->" in vtt and "," not in vtt.split("\n")[2]
     assert "Third &amp; last piece, long enough to stand alone &lt;here&gt;." in vtt
     assert f"{_clock(r['segments'][1]['start'], '.')} --> {_clock(r['segments'][1]['end'], '.')}\n{S2}" in vtt
-    assert 'chattts_gateway_requests_total{format="%s",mode="captioned",status="200"} 3.0' % fmt in metrics
+    assert f'chattts_gateway_requests_total{{format="{fmt}",mode="captioned",status="200"}} 3.0' in metrics
 
 
 def _clock(seconds: float, sep: str) -> str:
@@ -1104,7 +1104,7 @@ def test_condition_on_first_piece_only_where_a_piece_speaks_in_the_first_pieces_
 
 def test_a_conditioned_piece_in_a_voice_of_a_recording_is_sent_as_it_is():
     """A stored voice with reference audio refuses a second reference: the piece goes again without it."""
-    sent: List[Dict[str, Any]] = []
+    sent: list[dict[str, Any]] = []
 
     class Client:
         async def infer_one(self, text, options, spoken_text=False):

@@ -299,7 +299,7 @@ def test_warm_graphs_captures_every_decode_bucket_before_a_load_on_gpu(tiny_asse
         print(f"warm_graphs: {len(eng.graphs.graphs)} graphs in {time.monotonic() - t0:.1f} s")
         assert set(decode) == {("code", bb, lb) for bb in bucket_sizes(BATCH_STEP, 40) for lb in (128, 256, 384, 512)}
         assert WARM_DECODE_LEN == 512 and all(v is not None for v in decode.values())
-        done: "queue.Queue" = queue.Queue()
+        done: queue.Queue = queue.Queue()
         waves = [1, 3, 20]  # requests submitted together, one wave after another
         for w, n in enumerate(waves):
             for i in range(n):
@@ -349,7 +349,7 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets, overlap):
     model = torch.jit.script(load_gpt(tiny_assets, arch).cuda())
     eng = _engine(model, arch, True, slots=8, overlap=overlap)
     try:
-        done: "queue.Queue" = queue.Queue()
+        done: queue.Queue = queue.Queue()
 
         def wave():
             for i in range(4):

@@ -5,8 +5,8 @@ Imports are read with `ast`, those inside functions too."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "chattts_triton"
@@ -31,7 +31,7 @@ def layer(module: str) -> str:
     return parts[1]
 
 
-def imports(path: Path, root: Path = ROOT) -> Iterator[Tuple[int, str]]:
+def imports(path: Path, root: Path = ROOT) -> Iterator[tuple[int, str]]:
     """(line, module) of every import of a `chattts_triton` module in `path`; `from X import name` counts as X.name
     where that is a module of the package, else as X."""
     me = module_name(path, root)
@@ -51,7 +51,7 @@ def imports(path: Path, root: Path = ROOT) -> Iterator[Tuple[int, str]]:
                 yield node.lineno, t
 
 
-def violations(root: Path = ROOT) -> List[str]:
+def violations(root: Path = ROOT) -> list[str]:
     out = []
     for path in sorted((root / "chattts_triton").rglob("*.py")):
         me = module_name(path, root)
@@ -119,7 +119,7 @@ NOT_IN_THE_CLIENT = {"torch", "torchaudio", "tokenizers", "safetensors", "export
                      "tests", "fastapi", "av"}
 
 
-def client_violations(root: Path = ROOT) -> List[str]:
+def client_violations(root: Path = ROOT) -> list[str]:
     out = []
     for path in sorted((root / "client").glob("*.py")):
         if path.name in CLIENT_LEFT_OUT:
@@ -187,7 +187,7 @@ PRIVATE_IMPORTS_ALLOWED = {
 PROJECT = ("chattts_triton", "client", "gateway", "export", "loadtest", "bench", "tools", "tests", "model_repository")
 
 
-def private_imports(root: Path = ROOT) -> Iterator[Tuple[str, int, str]]:
+def private_imports(root: Path = ROOT) -> Iterator[tuple[str, int, str]]:
     """(file, line, "module._name") of every `from module import _name` in the project's Python files where module,
     absolute or relative, is one of the project's; inside functions too."""
     for top in PROJECT:
@@ -209,7 +209,7 @@ def private_imports(root: Path = ROOT) -> Iterator[Tuple[str, int, str]]:
                         yield rel.as_posix(), node.lineno, f"{base}.{alias.name}"
 
 
-def private_import_violations(root: Path = ROOT, allowed=None) -> List[str]:
+def private_import_violations(root: Path = ROOT, allowed=None) -> list[str]:
     allowed = PRIVATE_IMPORTS_ALLOWED if allowed is None else allowed
     return [f"{path}:{line} imports {name}: private to its module (make it public, or list it with a reason)"
             for path, line, name in private_imports(root) if (path, name) not in allowed]

@@ -18,7 +18,15 @@ import pytest
 import torch
 
 from chattts_triton.config import LEXICON, TINY_ARCH
-from chattts_triton.model.lexicon import MAX_SAY_CHARS, MAX_WORD_CHARS, Entry, Lexicon, LexiconError, check_entry, from_json
+from chattts_triton.model.lexicon import (
+    MAX_SAY_CHARS,
+    MAX_WORD_CHARS,
+    Entry,
+    Lexicon,
+    LexiconError,
+    check_entry,
+    from_json,
+)
 from chattts_triton.runtime import lexicon as L
 
 ROOT = Path(__file__).resolve().parents[1]

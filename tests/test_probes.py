@@ -45,7 +45,7 @@ def test_packaged_step_gives_the_engine_steps_tokens_hidden_states_and_cache(tin
         calls = [n for n in pkg.namelist() if n.endswith("wrapper.json")]  # the extern calls it makes
         assert calls and '"target": "chattts_triton::decode_attention"' in pkg.read(calls[0]).decode()
     assert list(aoti.build_s) == [(2, eng.graphs.buckets(2, 24)[1])]  # one package, and it served every step
-    assert (tmp_path / "step-b2-l{}-op.pt2".format(eng.graphs.buckets(2, 24)[1])).is_file()
+    assert (tmp_path / f"step-b2-l{eng.graphs.buckets(2, 24)[1]}-op.pt2").is_file()
     check_same_as_alone(expected, got)
     # the state the package wrote in place (nothing copied out): the cache the plain step wrote
     assert torch.allclose(eng.k_cache, plain.k_cache, atol=1e-5, rtol=0)

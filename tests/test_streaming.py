@@ -517,7 +517,7 @@ def grpc_stream(server, inputs_np, cancel_after=None, timeout=120):
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    q: "queue.Queue" = queue.Queue()
+    q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     inputs = []
     for name, arr in inputs_np.items():
@@ -597,7 +597,7 @@ def test_the_first_response_of_a_stream_carries_spoken_text_over_grpc_and_sse(se
 
     text, expected = "我有3个苹果，价格是12.5元。", "我有三个苹果，价格是十二点五元。"
     client = grpcclient.InferenceServerClient(served_tiny.grpc_url)
-    q: "queue.Queue" = queue.Queue()
+    q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     inputs = []
     for name, arr in contract(text=text, n=120, seed=3).items():

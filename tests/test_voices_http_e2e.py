@@ -19,7 +19,6 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -46,8 +45,8 @@ class Deployment:
     server: TritonServer
     repo: Path
     folder: Path
-    gateway_args: List[str]
-    env: Dict[str, str]
+    gateway_args: list[str]
+    env: dict[str, str]
 
 
 @pytest.fixture(scope="module", params=["sqlite", "redis", "postgresql"])
@@ -79,7 +78,7 @@ def deployment(request, tiny_repo, tmp_path_factory):
 class Gateway:
     """`python -m gateway` (one worker) over the deployment's server and store."""
 
-    def __init__(self, d: Deployment, admin_key: Optional[str] = None):
+    def __init__(self, d: Deployment, admin_key: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = d.folder / f"gateway-{self.port}.log"
@@ -90,7 +89,7 @@ class Gateway:
                                           str(self.port), "--workers", "1", *d.gateway_args], cwd=ROOT, env=env,
                                          stdout=out, stderr=subprocess.STDOUT, preexec_fn=set_parent_death_signal)
 
-    def wait(self) -> "Gateway":
+    def wait(self) -> Gateway:
         deadline = time.monotonic() + 120
         while self.request("GET", "/health")[0] != 200:
             assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()
@@ -101,8 +100,8 @@ class Gateway:
         self.proc.terminate()
         assert self.proc.wait(30) in (0, -15), self.log.read_text()
 
-    def request(self, method: str, path: str, body: Optional[dict] = None, data: Optional[bytes] = None,
-                headers: Optional[Dict[str, str]] = None) -> Tuple[int, dict]:
+    def request(self, method: str, path: str, body: dict | None = None, data: bytes | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, dict]:
         if body is not None:
             data, headers = json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers or {})
@@ -153,7 +152,7 @@ def same_pcm(got: np.ndarray, ref: np.ndarray) -> bool:
     return same_raw(got.tobytes(), ref.tobytes(), "pcm")
 
 
-def multipart(fields: Dict[str, str], audio: bytes) -> Tuple[bytes, Dict[str, str]]:
+def multipart(fields: dict[str, str], audio: bytes) -> tuple[bytes, dict[str, str]]:
     boundary = uuid.uuid4().hex
     parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode() for k, v in fields.items()]
     parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="audio"; filename="clip.wav"\r\n'

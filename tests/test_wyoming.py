@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
 
 import numpy as np
 import pytest
@@ -87,7 +86,7 @@ async def serving(client, **settings):
         await server.tcp.stop()
 
 
-async def read_until(conn: AsyncTcpClient, *kinds) -> List[Event]:
+async def read_until(conn: AsyncTcpClient, *kinds) -> list[Event]:
     """Events up to and including the first of one of `kinds`; a None at the end if the server closed first."""
     events = []
     while True:
@@ -97,17 +96,17 @@ async def read_until(conn: AsyncTcpClient, *kinds) -> List[Event]:
             return events
 
 
-def audio_of(events: List[Optional[Event]], rate: int = SAMPLE_RATE) -> np.ndarray:
+def audio_of(events: list[Event | None], rate: int = SAMPLE_RATE) -> np.ndarray:
     chunks = [AudioChunk.from_event(e) for e in events if e is not None and AudioChunk.is_type(e.type)]
     assert all((c.rate, c.width, c.channels) == (rate, 2, 1) for c in chunks)
     return np.frombuffer(b"".join(c.audio for c in chunks), "<i2")
 
 
-def types(events) -> List[Optional[str]]:
+def types(events) -> list[str | None]:
     return [None if e is None else e.type for e in events]
 
 
-def squeeze(kinds: List[Optional[str]]) -> List[Optional[str]]:
+def squeeze(kinds: list[str | None]) -> list[str | None]:
     """Runs of the same event type as one (audio-chunk, audio-chunk, ... → audio-chunk)."""
     return [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
 

@@ -62,11 +62,11 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 # (distribution, version): pinned to what the test suite runs with (requirements.txt / .venv).
-PACKAGES: Tuple[Tuple[str, str], ...] = (
+PACKAGES: tuple[tuple[str, str], ...] = (
     ("chattts", "0.2.5"),
     ("vocos", "0.1.0"),
     ("vector_quantize_pytorch", "1.32.0"),
@@ -97,7 +97,7 @@ PACKAGES: Tuple[Tuple[str, str], ...] = (
 # newer than torch asks for; an older host copy imports but breaks it). tritonclient.http needs the
 # "http" group; the host's transformers brings tokenizers/safetensors and onnx brings
 # protobuf/ml_dtypes, requests brings urllib3/certifi.
-IF_MISSING_GROUPS: Dict[str, Tuple[Tuple[str, str, str], ...]] = {
+IF_MISSING_GROUPS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "http": (
         ("geventhttpclient", "2.6.1", "geventhttpclient"),
         ("gevent", "26.9.0", "gevent"),
@@ -160,7 +160,7 @@ IF_MISSING_GROUPS: Dict[str, Tuple[Tuple[str, str, str], ...]] = {
 }
 DEFAULT_GROUPS = ("http", "gateway", "locust")
 # a group -> the groups it cannot work without (Locust runs on gevent)
-GROUP_NEEDS: Dict[str, Tuple[str, ...]] = {"locust": ("http",)}
+GROUP_NEEDS: dict[str, tuple[str, ...]] = {"locust": ("http",)}
 # What Locust requires (its own requirements and its group's, on Linux) that the "locust" group does not carry: the
 # host's image has them (torch brings jinja2 and markupsafe, requests urllib3, certifi and charset-normalizer, and
 # pytest is there), or only modules we never import need them (python-socketio and -engineio: locust.contrib.socketio;
@@ -188,7 +188,7 @@ def _pip(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", *args, "--disable-pip-version-check", "-q"], check=True)
 
 
-def download_wheels(packages: Iterable[Tuple[str, str]], dest: Path, python: str) -> List[Path]:
+def download_wheels(packages: Iterable[tuple[str, str]], dest: Path, python: str) -> list[Path]:
     """Binary wheels for CPython `python` on manylinux x86_64; sdist-only pure-python packages
     are built into none-any wheels (they install the same anywhere)."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -211,7 +211,7 @@ def download_wheels(packages: Iterable[Tuple[str, str]], dest: Path, python: str
     return sorted(dest.glob("*.whl"))
 
 
-def _wheel_for(folder: Path, name: str, version: str) -> Optional[Path]:
+def _wheel_for(folder: Path, name: str, version: str) -> Path | None:
     stem = re.sub(r"[-_.]+", "_", name).lower()  # wheel file names normalise the project name
     found = [p for p in folder.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}-")]
     return found[0] if found else None
@@ -232,7 +232,7 @@ def wheel_server_root() -> Path:
     return root
 
 
-def elf_needed(path: Path) -> List[str]:
+def elf_needed(path: Path) -> list[str]:
     """DT_NEEDED entries of a 64-bit little-endian ELF file (what ldd would resolve)."""
     data = path.read_bytes()
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
@@ -255,7 +255,7 @@ def elf_needed(path: Path) -> List[str]:
     return needed
 
 
-def needed_bundled_libs(binaries: Sequence[Path], libs_dir: Path) -> Set[str]:
+def needed_bundled_libs(binaries: Sequence[Path], libs_dir: Path) -> set[str]:
     """Closure of the bundled libraries that `binaries` load (system libraries are left to the host)."""
     bundled = {p.name for p in libs_dir.iterdir()}
     todo, seen = [Path(b) for b in binaries], set()
@@ -495,7 +495,7 @@ def write_site_tar_xz(wheel: Path, out: Path, drop_tests: bool = True) -> Path:
         return write_tar_xz(Path(tmp), out)
 
 
-def write_install_sh(out_dir: Path, python: str, if_missing_wheels: Dict[str, Path],
+def write_install_sh(out_dir: Path, python: str, if_missing_wheels: dict[str, Path],
                      imports: Sequence[str] = HOST_IMPORTS, alone: Sequence[str] = ()) -> Path:
     """install.sh for Python `python`; `if_missing_wheels`: import name → its wheel in wheels-if-missing/;
     `imports`: what its last check imports, in one process; `alone`: then each in a process of its own."""
@@ -526,7 +526,7 @@ def _sha256(path: Path) -> str:
 
 def build_bundle(
     out_dir: Path, python: str = "3.12", groups: Sequence[str] = DEFAULT_GROUPS, log=print
-) -> Dict[str, int]:
+) -> dict[str, int]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in ("wheels", "wheels-if-missing"):  # the folders of an earlier layout, and the tars of an earlier build
@@ -580,7 +580,7 @@ def build_bundle(
     return sizes
 
 
-def select_groups(asked: Sequence[str], left_out: Set[str], log=lambda msg: print(msg, file=sys.stderr)) -> List[str]:
+def select_groups(asked: Sequence[str], left_out: set[str], log=lambda msg: print(msg, file=sys.stderr)) -> list[str]:
     """The groups asked for less those left out, and less any that needs one left out (GROUP_NEEDS), saying so."""
     groups = [g for g in dict.fromkeys(asked) if g not in left_out]
     for group in list(groups):
@@ -591,7 +591,7 @@ def select_groups(asked: Sequence[str], left_out: Set[str], log=lambda msg: prin
     return groups
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.bundle", description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", type=Path)
     p.add_argument("--python", default="3.12", help="host Python version (default 3.12)")

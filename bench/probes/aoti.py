@@ -19,9 +19,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Tuple
 from unittest import mock
 
 import torch
@@ -38,7 +38,7 @@ LOAD_CHECK = ("import sys, torch, chattts_triton.model.attention; "  # the packa
               "torch._inductor.aoti_load_package(sys.argv[1], run_single_threaded=True)")
 
 
-def state_tensors(engine) -> Tuple[Tensor, ...]:
+def state_tensors(engine) -> tuple[Tensor, ...]:
     """The step's state tensors in the order `_StepModule.forward` takes them."""
     return (engine.row_params.ints, engine.row_params.floats) + tuple(getattr(engine, name) for name in STATE)
 
@@ -146,9 +146,9 @@ class AotiStep:
 
     def __init__(self, engine, workdir: Path, kernel: str = "op"):
         self.engine, self.workdir, self.kernel = engine, Path(workdir), kernel
-        self.runners: Dict[Tuple[int, int], Callable] = {}
-        self.build_s: Dict[Tuple[int, int], float] = {}
-        self.load_s: Dict[Tuple[int, int], float] = {}
+        self.runners: dict[tuple[int, int], Callable] = {}
+        self.build_s: dict[tuple[int, int], float] = {}
+        self.load_s: dict[tuple[int, int], float] = {}
 
     def runner(self, b: int, attn_len: int) -> Callable:
         key = (b, attn_len)

@@ -16,8 +16,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List
 
 import numpy as np
 
@@ -52,7 +52,7 @@ def streamed(fmt: str, rate: int, audio: np.ndarray) -> int:
     return n + len(enc.close())
 
 
-def stream_delay_ms(rate: int, audio: np.ndarray) -> Dict[str, float]:
+def stream_delay_ms(rate: int, audio: np.ndarray) -> dict[str, float]:
     """The audio a 40 ms-chunk stream's resampler holds after each chunk: largest and mean, in ms."""
     enc = StreamEncoder("pcm", rate)
     held = []
@@ -63,7 +63,7 @@ def stream_delay_ms(rate: int, audio: np.ndarray) -> Dict[str, float]:
     return {"max_ms": 1e3 * max(held) / rate, "mean_ms": 1e3 * float(np.mean(held)) / rate}
 
 
-def measure(seconds: float, repeats: int, formats: List[str]) -> dict:
+def measure(seconds: float, repeats: int, formats: list[str]) -> dict:
     audio = speechlike(seconds)
     rows = []
     for rate in SAMPLE_RATES:

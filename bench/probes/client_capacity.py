@@ -27,7 +27,6 @@ import contextlib
 import multiprocessing as mp
 import socket
 import time
-from typing import Dict, List
 
 import numpy as np
 
@@ -46,13 +45,13 @@ def stamp(audio: np.ndarray, received: float, sent: float) -> np.ndarray:
     return audio
 
 
-def read_stamp(chunk: np.ndarray) -> "tuple[float, float]":
+def read_stamp(chunk: np.ndarray) -> tuple[float, float]:
     """(received, sent) of `stamp`."""
     received, sent = np.ascontiguousarray(chunk[:4], np.float32).view(np.float64)
     return float(received), float(sent)
 
 
-def stream_schedule(frames: int, first_ms: float, gap_ms: float) -> List["tuple[float, int]"]:
+def stream_schedule(frames: int, first_ms: float, gap_ms: float) -> list[tuple[float, int]]:
     """(seconds after the request, samples) of each chunk the stand-in sends for a stream."""
     sizes, left = [], frames
     while left > 0:
@@ -123,12 +122,12 @@ async def _drive(url: str, concurrency: int, seconds: float, frames: int) -> flo
         return done / (time.monotonic() - t0)
 
 
-async def _drive_stream(url: str, concurrency: int, seconds: float, frames: int, sync) -> Dict[str, list]:
+async def _drive_stream(url: str, concurrency: int, seconds: float, frames: int, sync) -> dict[str, list]:
     """One process's closed-loop streams through `client.stream` against the stand-in: the first
     chunk's latency and its parts, and how long the later chunks took from sent to received (s)."""
     from client.client import AsyncChatTTSClient
 
-    parts: Dict[str, list] = {k: [] for k in STREAM_PARTS}
+    parts: dict[str, list] = {k: [] for k in STREAM_PARTS}
     streams = 0
     async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=60, retries=0, max_concurrency=concurrency) as client:
         await client.wait_until_ready(timeout_s=30)
@@ -157,12 +156,12 @@ async def _drive_stream(url: str, concurrency: int, seconds: float, frames: int,
         return {**parts, "streams": streams, "elapsed_s": time.monotonic() - t0}
 
 
-def stream_capacity(url: str, concurrency: int, seconds: float, frames: int, procs: int = 1) -> Dict[str, float]:
+def stream_capacity(url: str, concurrency: int, seconds: float, frames: int, procs: int = 1) -> dict[str, float]:
     """`_drive_stream` from `procs` client processes (bench.clients): streams/s and ms percentiles."""
     from bench import clients
 
     r = clients.run(_drive_stream, [(url, n, seconds, frames) for n in clients.shares(concurrency, procs)], lambda: None)
-    row: Dict[str, float] = {"concurrency": concurrency, "client_processes": min(procs, concurrency),
+    row: dict[str, float] = {"concurrency": concurrency, "client_processes": min(procs, concurrency),
                              "streams_per_s": r["streams"] / r["elapsed_s"]}
     for k in STREAM_PARTS:
         row[f"{k}_p50_ms"] = float(np.percentile(r[k], 50)) * 1000 if r[k] else None

@@ -25,7 +25,6 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 from chattts_triton.config import GPT, STREAM
 from chattts_triton.launcher.serve import Launched
@@ -40,11 +39,11 @@ def log(msg: str) -> None:
     print(f"[cpu_stream {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def scrape(url: str) -> Dict[Tuple[str, str], float]:
+def scrape(url: str) -> dict[tuple[str, str], float]:
     """{(model, metric): value} of the engine and stream counters, summed over instances."""
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
-    out: Dict[Tuple[str, str], float] = {}
+    out: dict[tuple[str, str], float] = {}
     for line in text.splitlines():
         if line.startswith("#"):
             continue
@@ -56,7 +55,7 @@ def scrape(url: str) -> Dict[Tuple[str, str], float]:
     return out
 
 
-def stub_pid(server_pid: int, model: str) -> Optional[int]:
+def stub_pid(server_pid: int, model: str) -> int | None:
     """The python-backend stub of `model`'s first instance (its command line names the instance)."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -71,9 +70,9 @@ def stub_pid(server_pid: int, model: str) -> Optional[int]:
     return None
 
 
-def thread_ticks(pid: Optional[int]) -> Dict[str, int]:
+def thread_ticks(pid: int | None) -> dict[str, int]:
     """{'name/tid': utime + stime} of every thread of `pid`."""
-    out: Dict[str, int] = {}
+    out: dict[str, int] = {}
     if pid is None:
         return out
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -87,12 +86,12 @@ def thread_ticks(pid: Optional[int]) -> Dict[str, int]:
     return out
 
 
-def busiest(before: Dict[str, int], after: Dict[str, int], n: int = 4) -> List[Tuple[str, int]]:
+def busiest(before: dict[str, int], after: dict[str, int], n: int = 4) -> list[tuple[str, int]]:
     d = [(k, v - before.get(k, 0)) for k, v in after.items()]
     return sorted((x for x in d if x[1] > 0), key=lambda x: -x[1])[:n]
 
 
-def one(kind: str, client, options: dict, metrics_url: str, pids: Dict[str, Optional[int]]) -> dict:
+def one(kind: str, client, options: dict, metrics_url: str, pids: dict[str, int | None]) -> dict:
     model = GPT if kind == "unary" else STREAM
     m0, t0 = scrape(metrics_url), thread_ticks(pids[model])
     start = time.perf_counter()
@@ -118,8 +117,8 @@ def one(kind: str, client, options: dict, metrics_url: str, pids: Dict[str, Opti
     return row
 
 
-def run_variant(name: str, repo: Path, env: Dict[str, str], rounds: int, frames: int, seed: int, first: str,
-                log_dir: Path) -> List[dict]:
+def run_variant(name: str, repo: Path, env: dict[str, str], rounds: int, frames: int, seed: int, first: str,
+                log_dir: Path) -> list[dict]:
     from client.client import ChatTTSClient
 
     options = dict(seed=seed, max_new_tokens=frames, min_new_tokens=frames)
@@ -145,7 +144,7 @@ def run_variant(name: str, repo: Path, env: Dict[str, str], rounds: int, frames:
     return rows
 
 
-def summary(rows: List[dict]) -> Dict[str, dict]:
+def summary(rows: list[dict]) -> dict[str, dict]:
     out = {}
     for name in dict.fromkeys(r["variant"] for r in rows):
         mine = [r for r in rows if r["variant"] == name]
@@ -164,7 +163,7 @@ def summary(rows: List[dict]) -> Dict[str, dict]:
     return out
 
 
-def parse_variant(text: str) -> Tuple[str, Path, Dict[str, str]]:
+def parse_variant(text: str) -> tuple[str, Path, dict[str, str]]:
     """NAME=REPO [K=V ...] → (name, repo, env)."""
     head, *rest = text.split()
     name, repo = head.split("=", 1)
@@ -172,7 +171,7 @@ def parse_variant(text: str) -> Tuple[str, Path, Dict[str, str]]:
     return name, Path(repo), env
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", action="append", required=True, type=parse_variant,
                     help="'NAME=REPO [ENV=VALUE ...]' (repeatable): served in turn")
@@ -185,7 +184,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = ap.parse_args(argv)
     log_dir = (a.out.parent if a.out else Path("build"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    rows: List[dict] = []
+    rows: list[dict] = []
     for c in range(a.cycles):
         for name, repo, env in a.variant:
             log(f"cycle {c}: {name} ({repo}, {env or 'no env'}), load {os.getloadavg()[0]:.1f}")

@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional
 
 import numpy as np
 import torch
@@ -35,7 +34,7 @@ import torch
 from bench.common import add_device_args, cuda_missing, int_list, write_rows
 
 
-def load_prompts(repo: Path) -> List[torch.Tensor]:
+def load_prompts(repo: Path) -> list[torch.Tensor]:
     """The corpus's code prompts as the preprocess model lays them out (with a speaker embedding)."""
     from chattts_triton.config import PREPROCESS
     from chattts_triton.model import text as txt
@@ -49,7 +48,7 @@ class ClosedLoop:
     """`concurrency` requests kept in flight: each one's completion (on the engine's results thread)
     submits the next. Latencies of completions are kept with their finish time."""
 
-    def __init__(self, service, prompts: List[torch.Tensor], tokens: int, concurrency: int, seed: int = 0,
+    def __init__(self, service, prompts: list[torch.Tensor], tokens: int, concurrency: int, seed: int = 0,
                  think_s: float = 0.0):
         from chattts_triton.config import InferCodeParams
         from chattts_triton.runtime.inputs import sampling_params
@@ -59,19 +58,19 @@ class ClosedLoop:
         self.params = lambda i: sampling_params({**forced, "SEED": np.array([seed + i])}, InferCodeParams())
         g = torch.Generator().manual_seed(seed)
         self.spk_emb = torch.randn(service.arch.gpt.hidden, generator=g)
-        self.done: List[tuple] = []  # (finish time, latency s, finish reason)
+        self.done: list[tuple] = []  # (finish time, latency s, finish reason)
         self.lock = threading.Lock()
         self.stopping = False
         self.in_flight = 0
         self.idle = threading.Condition(self.lock)
         self.n = 0
-        self.error: Optional[BaseException] = None  # a request the engine refused
+        self.error: BaseException | None = None  # a request the engine refused
         # think time: next submissions due later, kept by one thread (not a thread per request: this
         # process is the engine's, whose GIL the figures would then share with hundreds of timers)
         self.think_s = think_s
         self.rng = random.Random(seed)
-        self.due: List[float] = []  # heap of times a client sends its next request
-        self.thinker: Optional[threading.Thread] = None
+        self.due: list[float] = []  # heap of times a client sends its next request
+        self.thinker: threading.Thread | None = None
 
     def _submit(self) -> None:
         from chattts_triton.runtime.engine import GenRequest

@@ -22,18 +22,18 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Dict, Iterable, List
 
 THREAD = re.compile(r"^thread \(\d+\): ")
 
 
 def gil_ms_per_request(raw_lines: Iterable[str], rate_hz: float, requests: float,
-                       focus: List[str] = ()) -> Dict[str, Dict[str, float]]:
+                       focus: list[str] = ()) -> dict[str, dict[str, float]]:
     """From `py-spy record --gil --threads --format raw` lines ("frame;frame;... count"): per
     thread, GIL-held ms per request, and of it the ms inside each `focus` function."""
     held: Counter = Counter()
-    inside: Dict[str, Counter] = {}
+    inside: dict[str, Counter] = {}
     for line in raw_lines:
         line = line.rstrip()
         if not line:

@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List
 
 import torch
 
@@ -98,7 +97,7 @@ class StackSampler:
 def time_calls(voc, hid: torch.Tensor, wins, repeats: int, variant: str, engine=None, sampler=None):
     """Per window index: wall ms of each call; and where the calls waited (stack samples)."""
     side = torch.cuda.Stream(device=voc.device) if variant == "codec_side_stream" else None
-    calls: List[List[float]] = [[] for _ in wins]
+    calls: list[list[float]] = [[] for _ in wins]
     streams, slow = [], []
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         for _ in range(repeats):

@@ -20,7 +20,6 @@ import datetime as dt
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List
 
 import numpy as np
 import torch
@@ -62,7 +61,7 @@ def raise_layer_scales(voc, scale: float, seed: int = 1) -> int:
     return count
 
 
-def measure(voc, arch, hiddens: List[np.ndarray], first_chunk: int, chunk: int, first_lookahead: int, fade: int) -> Dict:
+def measure(voc, arch, hiddens: list[np.ndarray], first_chunk: int, chunk: int, first_lookahead: int, fade: int) -> dict:
     schedule = stream_schedule(arch, first_chunk, chunk, 0, first_lookahead, fade)
     first_err, fade_err, first_ref, fade_ref = [], [], [], []
     for hid in hiddens:
@@ -89,7 +88,7 @@ def measure(voc, arch, hiddens: List[np.ndarray], first_chunk: int, chunk: int, 
             "fade_snr_db": snr_db(dr, de), "audio_rms": float(np.sqrt(np.mean(fr ** 2)))}
 
 
-def to_markdown(res: Dict) -> str:
+def to_markdown(res: dict) -> str:
     out = [f"# first-chunk error, {res['repo']} ({res['date']})", "",
            f"{res['utterances']} utterances of {res['tokens']} frames; layer scales: {res['layer_scale']}.", "",
            "| first lookahead | fade | first chunk after (frames) | first chunk max err | first chunk SNR dB | "

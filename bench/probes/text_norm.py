@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ROOT / "tests" / "spoken_cases.py"
@@ -36,16 +35,16 @@ CANDIDATES = {
 }
 
 
-def _median(xs: List[float]) -> float:
+def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def _quantile(xs: List[float], q: float) -> float:
+def _quantile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def start_up() -> Dict[str, float]:
+def start_up() -> dict[str, float]:
     """Seconds to import and load the grammars and serve a first text, in a fresh interpreter."""
     code = ("import time; t=time.perf_counter(); from chattts_triton.model.spoken import default; s=default(); "
             "t1=time.perf_counter(); s('我有3个苹果', 'zh'); s('at 10:30', 'en'); t2=time.perf_counter(); "
@@ -83,7 +82,7 @@ def per_request(reps: int) -> dict:
             "issue": {t: rows[t] for t in ISSUE}, "per_text": rows}
 
 
-def candidates(work: Path, only: List[str]) -> List[dict]:
+def candidates(work: Path, only: list[str]) -> list[dict]:
     rows = []
     for name in only:
         env = work / f"venv-{name}"

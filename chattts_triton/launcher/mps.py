@@ -17,8 +17,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Dict, Iterator, Optional
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 
@@ -27,7 +27,7 @@ class MpsError(RuntimeError):
     pass
 
 
-def _control(exe: str, env: Dict[str, str], args=(), stdin: Optional[str] = None, out=None) -> subprocess.CompletedProcess:
+def _control(exe: str, env: dict[str, str], args=(), stdin: str | None = None, out=None) -> subprocess.CompletedProcess:
     """One call of the control program. `out`: a file for its output instead of pipes (the daemon that `-d`
     forks keeps inherited pipes open, and reading them to their end would wait for the daemon)."""
     streams = dict(stdout=out, stderr=subprocess.STDOUT) if out is not None else dict(capture_output=True)
@@ -38,7 +38,7 @@ def _control(exe: str, env: Dict[str, str], args=(), stdin: Optional[str] = None
         raise MpsError(f"{exe} {' '.join(args)} failed: {e}") from e
 
 
-def _quit(exe: str, env: Dict[str, str]) -> None:
+def _quit(exe: str, env: dict[str, str]) -> None:
     try:
         _control(exe, env, stdin="quit\n")  # the daemon ends once its clients have exited
     except MpsError as e:  # the server's own exit status matters more
@@ -46,7 +46,7 @@ def _quit(exe: str, env: Dict[str, str]) -> None:
 
 
 @contextlib.contextmanager
-def mps_daemon(base_dir: Optional[os.PathLike] = None, control: str = MPS_CONTROL) -> Iterator[Dict[str, str]]:
+def mps_daemon(base_dir: os.PathLike | None = None, control: str = MPS_CONTROL) -> Iterator[dict[str, str]]:
     """Run an MPS control daemon while the block runs; yields CUDA_MPS_PIPE_DIRECTORY and
     CUDA_MPS_LOG_DIRECTORY for the processes that should use it (the server's environment)."""
     exe = shutil.which(control)

@@ -36,8 +36,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import DRAIN_FILE_ENV, ENSEMBLE, INFLIGHT_METRIC
 from .mps import MpsError, mps_daemon
@@ -53,7 +53,7 @@ ADMIN_KEY_ENV = "CHATTTS_ADMIN_KEY"
 ADMIN_KEY_FILE_ENV = "CHATTTS_ADMIN_KEY_FILE"
 
 
-def restricted_args(host: str, force: bool, key: str) -> List[str]:
+def restricted_args(host: str, force: bool, key: str) -> list[str]:
     """tritonserver flags that put the admin APIs behind ADMIN_HEADER; none on loopback unless forced."""
     if host in (LOCALHOST, "localhost") and not force:
         return []
@@ -80,7 +80,7 @@ def admin_key(key_file: Path) -> str:
     return key
 
 
-def inflight_requests(metrics_url: str) -> Optional[int]:
+def inflight_requests(metrics_url: str) -> int | None:
     """Sum of the models' in-flight gauges (config.INFLIGHT_METRIC); None if unreadable or absent."""
     import urllib.request
 
@@ -93,7 +93,7 @@ def inflight_requests(metrics_url: str) -> Optional[int]:
     return parse_inflight(text)
 
 
-def parse_inflight(text: str) -> Optional[int]:
+def parse_inflight(text: str) -> int | None:
     ours = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(INFLIGHT_METRIC + "{")]
     # requests still in a composing model's Triton queue are not in our gauges yet
     queued = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -123,7 +123,7 @@ def quiesce(server: TritonServer, drain_file: Path, timeout_s: float, quiet_poll
     return False
 
 
-def stub_shm_regions(stubs: Dict[int, List[str]]) -> List[str]:
+def stub_shm_regions(stubs: dict[int, list[str]]) -> list[str]:
     """The python-backend shared-memory regions the stubs (pid → argv) use, named on their command lines."""
     return [a for argv in stubs.values() for a in argv if a.startswith(SHM_PREFIX)]
 
@@ -137,16 +137,16 @@ def remove_shm_regions(regions) -> None:
             pass
 
 
-def _port(text: str) -> Optional[int]:
+def _port(text: str) -> int | None:
     value = int(text)
     if not 0 <= value < 65536:
         raise argparse.ArgumentTypeError(f"{text} is not a TCP port")
     return value or None  # 0: let the launcher pick a free one
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra: List[str] = []
+    extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
@@ -179,13 +179,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _exit_status(returncode: Optional[int]) -> int:
+def _exit_status(returncode: int | None) -> int:
     if returncode is None:
         return 1
     return 128 - returncode if returncode < 0 else returncode  # killed by signal N -> 128+N
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.mps:
         return _serve(args, {})
@@ -198,10 +198,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
 
 
-def _serve(args: argparse.Namespace, extra_env: Dict[str, str]) -> int:
+def _serve(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     if args.host not in (LOCALHOST, "localhost"):
         print(f"warning: binding to {args.host}: the server is reachable from other hosts", file=sys.stderr)
-    restricted: List[str] = []
+    restricted: list[str] = []
     if args.restrict_apis or args.host not in (LOCALHOST, "localhost"):
         restricted = restricted_args(args.host, True, admin_key(args.admin_key_file))
         print(f"restricted APIs ({RESTRICTED_APIS}) need the {ADMIN_HEADER} header", flush=True)
@@ -221,9 +221,9 @@ def _serve(args: argparse.Namespace, extra_env: Dict[str, str]) -> int:
         extra_args=restricted + args.extra,
         extra_pythonpath=args.stub_pythonpath,
     )
-    stopping: List[int] = []
-    signalled: List[bool] = []
-    serving: List[bool] = []
+    stopping: list[int] = []
+    signalled: list[bool] = []
+    serving: list[bool] = []
 
     def drain() -> None:
         if server.pid is not None and not signalled:
@@ -257,7 +257,7 @@ def _serve(args: argparse.Namespace, extra_env: Dict[str, str]) -> int:
     print(f"tritonserver pid {server.pid} ready", flush=True)
     print(f"http: {server.http_url}\ngrpc: {server.grpc_url}\nmetrics: {server.metrics_url}", flush=True)
     serving.append(True)
-    dead: List[int] = []
+    dead: list[int] = []
     try:
         while server.returncode is None:
             if stopping:
@@ -294,21 +294,21 @@ class Launched:
     asked for is counted in `restarts` and the launcher started again on the same ports, as Docker's
     `--restart` or the kubelet would (every such exit is in `exits`). Use as a context manager."""
 
-    def __init__(self, repo: Path, log_file: Path, args: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
+    def __init__(self, repo: Path, log_file: Path, args: Sequence[str] = (), env: dict[str, str] | None = None,
                  ready_timeout_s: float = 900.0, exit_timeout: int = 60, supervise: bool = True):
         from .tritonserver import free_ports
 
         self.repo, self.log_file, self.args, self.env = Path(repo), Path(log_file), list(args), env
         self.ready_timeout_s, self.exit_timeout, self.supervise = ready_timeout_s, exit_timeout, supervise
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3, LOCALHOST)
-        self.proc: Optional[subprocess.Popen] = None
-        self.server_pid: Optional[int] = None
-        self.output: List[str] = []  # the launcher's own lines (the server log goes to log_file)
+        self.proc: subprocess.Popen | None = None
+        self.server_pid: int | None = None
+        self.output: list[str] = []  # the launcher's own lines (the server log goes to log_file)
         self.restarts = 0
-        self.exits: List[Tuple[float, Optional[int]]] = []  # (monotonic time, exit status) of unasked exits
-        self.ready_s: List[float] = []  # seconds from each start to ready
+        self.exits: list[tuple[float, int | None]] = []  # (monotonic time, exit status) of unasked exits
+        self.ready_s: list[float] = []  # seconds from each start to ready
         self._stopping = threading.Event()
-        self._watch: Optional[threading.Thread] = None
+        self._watch: threading.Thread | None = None
 
     http_url = property(lambda self: f"{LOCALHOST}:{self.http_port}")
     grpc_url = property(lambda self: f"{LOCALHOST}:{self.grpc_port}")
@@ -353,7 +353,7 @@ class Launched:
                 self.output.append(f"[supervisor] restart failed: {e}\n")
                 return
 
-    def start(self) -> "Launched":
+    def start(self) -> Launched:
         self._launch()
         if self.supervise:
             self._watch = threading.Thread(target=self._supervise, name="chattts-supervisor", daemon=True)
@@ -364,7 +364,7 @@ class Launched:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self, timeout_s: Optional[float] = None) -> Optional[int]:
+    def stop(self, timeout_s: float | None = None) -> int | None:
         """SIGTERM (the launcher drains), wait; the launcher's exit status (a second signal kills it)."""
         self._stopping.set()
         if self.proc is None:
@@ -377,7 +377,7 @@ class Launched:
             self.proc.send_signal(signal.SIGTERM)  # the second signal: the launcher kills the server
             return self.proc.wait(30)
 
-    def __enter__(self) -> "Launched":
+    def __enter__(self) -> Launched:
         return self.start()
 
     def __exit__(self, *exc) -> None:

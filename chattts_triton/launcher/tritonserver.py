@@ -54,8 +54,8 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CACHE_ENV = "CHATTTS_TRITON_CACHE"  # where generated folders go instead of REPO_ROOT/build
@@ -101,7 +101,7 @@ def server_root(tritonserver: Path) -> Path:
     return Path(tritonserver).resolve().parent.parent
 
 
-def find_library_dir(tritonserver: Path) -> Optional[Path]:
+def find_library_dir(tritonserver: Path) -> Path | None:
     """Folder with the server's bundled shared libraries (wheel: nvidia_pytriton.libs)."""
     root = server_root(tritonserver)
     for candidate in (root.parent.parent / "nvidia_pytriton.libs", root / "lib"):
@@ -110,7 +110,7 @@ def find_library_dir(tritonserver: Path) -> Optional[Path]:
     return None
 
 
-def _python_tag(version: Optional[Sequence[int]] = None) -> str:
+def _python_tag(version: Sequence[int] | None = None) -> str:
     major, minor = (version or sys.version_info)[:2]
     return f"{major}.{minor}"
 
@@ -120,14 +120,14 @@ def _cache_dir(default: Path) -> Path:
     return Path(override).expanduser() / default.name if override else default
 
 
-def stub_python_tags(stub: Path) -> Set[str]:
+def stub_python_tags(stub: Path) -> set[str]:
     """Python versions ("3.12") whose libpython the stub binary names; empty if none (static)."""
     import re
 
     return {m.decode() for m in re.findall(rb"libpython(\d+\.\d+)", Path(stub).read_bytes())}
 
 
-def find_stub(tritonserver: Path, python_version: Optional[Sequence[int]] = None) -> Path:
+def find_stub(tritonserver: Path, python_version: Sequence[int] | None = None) -> Path:
     """The python-backend stub built for `python_version` (default: the running interpreter).
 
     Wheel/bundle layout: ROOT/python_backend_stubs/3.X/; NGC layout (no such folder): the one stub in
@@ -163,9 +163,9 @@ def _same_file(src: Path, dst: Path) -> bool:
 
 
 def prepare_backend_dir(
-    tritonserver: Optional[Path] = None,
-    dest: Optional[Path] = None,
-    python_version: Optional[Sequence[int]] = None,
+    tritonserver: Path | None = None,
+    dest: Path | None = None,
+    python_version: Sequence[int] | None = None,
 ) -> Path:
     """Assemble a `--backend-directory` whose `python/` holds the backend and the matching stub.
 
@@ -197,11 +197,11 @@ def prepare_backend_dir(
     return dest
 
 
-def _launcher_import_paths() -> List[str]:
+def _launcher_import_paths() -> list[str]:
     """Folders this interpreter imports packages from (venv, --target dirs, PYTHONPATH), no stdlib."""
     base = Path(sys.base_prefix).resolve()
     script_dir = Path(sys.argv[0]).resolve().parent if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
-    paths: List[str] = []
+    paths: list[str] = []
     for entry in sys.path:
         if not entry or entry.endswith(".zip") or not Path(entry).is_dir():
             continue
@@ -235,7 +235,7 @@ def find_libpython() -> Path:
 
 
 def prepare_python_env(
-    dest: Optional[Path] = None,
+    dest: Path | None = None,
     extra_paths: Sequence[os.PathLike] = (),
 ) -> Path:
     """A tiny virtual environment that makes the stub see the same packages as this interpreter.
@@ -254,7 +254,7 @@ def prepare_python_env(
     sitedirs = [str(Path(p).resolve()) for p in extra_paths] + [str(REPO_ROOT)] + _launcher_import_paths()
     sitedirs = list(dict.fromkeys(sitedirs))
     # One line: site.py exec()s lines starting with "import" (no comprehension: its scope lacks `site`).
-    pth = "import site; list(map(site.addsitedir, %r))\n" % (sitedirs,)
+    pth = f"import site; list(map(site.addsitedir, {sitedirs!r}))\n"
     cfg = f"home = {base_exe.parent}\ninclude-system-site-packages = false\nversion = {sys.version.split()[0]}\n"
     if dest is None:
         key = hashlib.sha1((str(base_exe) + cfg + pth).encode()).hexdigest()[:10]
@@ -304,8 +304,8 @@ def _write_if_changed(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _join(parts: Iterable[Optional[str]]) -> str:
-    seen: List[str] = []
+def _join(parts: Iterable[str | None]) -> str:
+    seen: list[str] = []
     for part in parts:
         for p in (part or "").split(os.pathsep):
             if p and p not in seen:
@@ -314,10 +314,10 @@ def _join(parts: Iterable[Optional[str]]) -> str:
 
 
 def server_env(
-    tritonserver: Optional[Path] = None,
-    python_env: Optional[Path] = None,
-    base: Optional[Mapping[str, str]] = None,
-) -> Dict[str, str]:
+    tritonserver: Path | None = None,
+    python_env: Path | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """Environment for the server and its python stubs (which inherit it).
 
     LD_LIBRARY_PATH: the server's bundled libraries and this Python's libpython;
@@ -342,8 +342,8 @@ def free_port(host: str = LOCALHOST) -> int:
         return s.getsockname()[1]
 
 
-def free_ports(n: int, host: str) -> List[int]:
-    ports: List[int] = []
+def free_ports(n: int, host: str) -> list[int]:
+    ports: list[int] = []
     while len(ports) < n:
         p = free_port(host)
         if p not in ports:
@@ -351,7 +351,7 @@ def free_ports(n: int, host: str) -> List[int]:
     return ports
 
 
-def model_names(model_repository: Path) -> List[str]:
+def model_names(model_repository: Path) -> list[str]:
     """Models the server will load in `--model-control-mode none`: folders with a config.pbtxt."""
     return sorted(p.name for p in Path(model_repository).iterdir() if (p / "config.pbtxt").is_file())
 
@@ -365,7 +365,7 @@ def set_parent_death_signal() -> None:  # runs in the child between fork and exe
         pass
 
 
-def processes_in_group(pgid: int) -> List[int]:
+def processes_in_group(pgid: int) -> list[int]:
     """Live (non-zombie) pids whose process group is `pgid` (Linux /proc)."""
     pids = []
     for entry in Path("/proc").iterdir():
@@ -381,12 +381,12 @@ def processes_in_group(pgid: int) -> List[int]:
     return pids
 
 
-def python_stubs(server_pid: int) -> Dict[int, List[str]]:
+def python_stubs(server_pid: int) -> dict[int, list[str]]:
     """The python-backend stubs of the tritonserver `server_pid`, pid → argv: its live children whose
     program (argv[0]) is the stub. What a stub starts in turn (torch inductor's compile workers, which
     exit by themselves a minute after start-up; MPS clients; anything a model runs) is its child, not
     the server's, so it is never taken for a stub (Linux /proc)."""
-    stubs: Dict[int, List[str]] = {}
+    stubs: dict[int, list[str]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -403,7 +403,7 @@ def python_stubs(server_pid: int) -> Dict[int, List[str]]:
     return stubs
 
 
-_LIVE_SERVERS: "Set[TritonServer]" = set()  # stopped at interpreter exit if the caller forgot
+_LIVE_SERVERS: set[TritonServer] = set()  # stopped at interpreter exit if the caller forgot
 
 
 @atexit.register
@@ -425,19 +425,19 @@ class TritonServer:
         self,
         model_repository: os.PathLike,
         *,
-        http_port: Optional[int] = None,
-        grpc_port: Optional[int] = None,
-        metrics_port: Optional[int] = None,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
         host: str = LOCALHOST,
-        log_file: Optional[os.PathLike] = None,
+        log_file: os.PathLike | None = None,
         exit_timeout_s: int = 30,
         startup_timeout_s: float = 180.0,
         extra_args: Sequence[str] = (),
-        tritonserver: Optional[os.PathLike] = None,
-        backend_dir: Optional[os.PathLike] = None,
+        tritonserver: os.PathLike | None = None,
+        backend_dir: os.PathLike | None = None,
         extra_pythonpath: Sequence[os.PathLike] = (),
-        env: Optional[Mapping[str, str]] = None,
-        ready_headers: Optional[Mapping[str, str]] = None,
+        env: Mapping[str, str] | None = None,
+        ready_headers: Mapping[str, str] | None = None,
         log_verbose: int = 0,
         check_numpy: bool = True,
     ):
@@ -458,7 +458,7 @@ class TritonServer:
             fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(fd)
             log_file = name
-        self.log_path: Optional[Path] = None if str(log_file) == "-" else Path(log_file)
+        self.log_path: Path | None = None if str(log_file) == "-" else Path(log_file)
         self.exit_timeout_s = int(exit_timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
         self.extra_args = list(extra_args)
@@ -467,7 +467,7 @@ class TritonServer:
         self.stub_numpy_version = check_stub_numpy(self.env, self.python_env) if check_numpy else None
         self.ready_headers = dict(ready_headers or {})
         self.log_verbose = int(log_verbose)
-        self.process: Optional[subprocess.Popen] = None
+        self.process: subprocess.Popen | None = None
         self._log_handle = None
 
     # -- urls -----------------------------------------------------------------------------------
@@ -484,14 +484,14 @@ class TritonServer:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
     @property
-    def pid(self) -> Optional[int]:
+    def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
     @property
-    def returncode(self) -> Optional[int]:
+    def returncode(self) -> int | None:
         return self.process.poll() if self.process else None
 
-    def command(self) -> List[str]:
+    def command(self) -> list[str]:
         cmd = [
             str(self.tritonserver),
             f"--model-repository={self.model_repository}",
@@ -521,7 +521,7 @@ class TritonServer:
         return "\n".join(text.splitlines()[-lines:])
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self, wait: bool = True) -> "TritonServer":
+    def start(self, wait: bool = True) -> TritonServer:
         if self.process is not None and self.process.poll() is None:
             raise TritonServerError(f"server already running (pid {self.process.pid})")
         auto_ports = all(p is None for p in self._fixed_ports)
@@ -583,7 +583,7 @@ class TritonServer:
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
-    def wait_ready(self, timeout_s: Optional[float] = None) -> None:
+    def wait_ready(self, timeout_s: float | None = None) -> None:
         """Block until the server and every model are ready; raise with the log tail otherwise."""
         if self.process is None:
             raise TritonServerError("server not started")
@@ -607,11 +607,11 @@ class TritonServer:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(sig)
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         assert self.process is not None
         return self.process.wait(timeout)
 
-    def stop(self) -> Optional[int]:
+    def stop(self) -> int | None:
         """SIGTERM (Triton drains in-flight requests), wait exit-timeout + margin, then SIGKILL the group."""
         if self.process is None:
             return None
@@ -654,7 +654,7 @@ class TritonServer:
             self._log_handle.close()
             self._log_handle = None
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

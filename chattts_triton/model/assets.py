@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Dict
 
 import torch
 
@@ -40,7 +39,7 @@ def check_folder(folder: Path) -> Path:
     return folder
 
 
-def load_safetensors(path: Path) -> Dict[str, torch.Tensor]:
+def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -63,7 +62,7 @@ def load_json(path: Path) -> dict:
         raise AssetError(f"corrupt asset file {path}: {e}") from e
 
 
-def sha256_files(folder: Path) -> Dict[str, str]:
+def sha256_files(folder: Path) -> dict[str, str]:
     out = {}
     for rel in ASSET_FILES:
         h = hashlib.sha256()
@@ -74,7 +73,7 @@ def sha256_files(folder: Path) -> Dict[str, str]:
     return out
 
 
-def _shape(sd: Dict[str, torch.Tensor], key: str, file: str) -> tuple:
+def _shape(sd: dict[str, torch.Tensor], key: str, file: str) -> tuple:
     if key not in sd:
         raise AssetError(f"{file}: tensor {key!r} is missing (not a ChatTTS {file})")
     return tuple(sd[key].shape)
@@ -108,7 +107,7 @@ def gpt_dims(cfg: dict) -> GPTDims:
         raise AssetError(f"gpt/config.json: not a Llama config ({e})") from e
 
 
-def infer_arch(folder: Path, states: Dict[str, Dict[str, torch.Tensor]] | None = None) -> Arch:
+def infer_arch(folder: Path, states: dict[str, dict[str, torch.Tensor]] | None = None) -> Arch:
     """Derive the architecture from the files and check that all files agree with it."""
     folder = check_folder(folder)
     states = states or {}

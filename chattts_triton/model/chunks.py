@@ -24,7 +24,6 @@ With the later chunks exact, everything after the first chunk's fade equals the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -56,8 +55,8 @@ class ChunkPlanner:
     so a burst never needs a codec graph that was not captured at start-up. `next` then returns the
     next window each time it is called, until it returns None."""
 
-    def __init__(self, first_chunk: int, chunk: int, lookahead: int, first_lookahead: Optional[int] = None,
-                 fade: int = 0, exact: Optional[int] = None, max_window: Optional[int] = None):
+    def __init__(self, first_chunk: int, chunk: int, lookahead: int, first_lookahead: int | None = None,
+                 fade: int = 0, exact: int | None = None, max_window: int | None = None):
         first_lookahead = lookahead if first_lookahead is None else first_lookahead
         if min(first_chunk, chunk, lookahead, first_lookahead) < 1:
             raise ValueError("chunk sizes and lookaheads must be ≥ 1 code frame, got first chunk "
@@ -82,7 +81,7 @@ class ChunkPlanner:
         """Frames that must exist before the next non-final chunk can be sent."""
         return self.sent + (self.first_chunk if self.sent == 0 else self.chunk) + self._right()
 
-    def next(self, frames: int, done: bool) -> Optional[Window]:
+    def next(self, frames: int, done: bool) -> Window | None:
         """The window to send now, given `frames` generated so far (`done`: no more will come)."""
         if self.finished:
             return None
@@ -102,7 +101,7 @@ class ChunkPlanner:
         return w
 
 
-def stream_windows(schedule: Dict[str, int], frames: int) -> List[Window]:
+def stream_windows(schedule: dict[str, int], frames: int) -> list[Window]:
     """The windows one stream of `frames` code frames decodes when they arrive one by one."""
     planner, wins = ChunkPlanner(**schedule), []
     for n in range(1, frames + 1):
@@ -113,14 +112,14 @@ def stream_windows(schedule: Dict[str, int], frames: int) -> List[Window]:
     return wins
 
 
-def largest_window(schedule: Dict[str, int], longest: int) -> int:
+def largest_window(schedule: dict[str, int], longest: int) -> int:
     """The most code frames one window decodes, over the streams of 1 .. `longest` frames arriving one
     by one (frames that arrive in a burst make longer windows unless `max_window` caps them)."""
     return max(w.stop - w.start for frames in range(1, longest + 1) for w in stream_windows(schedule, frames))
 
 
 def stream_schedule(arch, first_chunk: int, chunk: int, lookahead: int = 0, first_lookahead: int = 0,
-                    fade: int = 0) -> Dict[str, int]:
+                    fade: int = 0) -> dict[str, int]:
     """The ChunkPlanner arguments a `chattts_stream` instance runs with, from its config values:
     lookahead 0 is the codec's receptive field (exact chunks), first_lookahead 0 is the later chunks'
     lookahead, and either is capped at the receptive field (more context only delays a chunk).
@@ -149,7 +148,7 @@ def crossfade(held: np.ndarray, new: np.ndarray) -> np.ndarray:
     return out
 
 
-def chunk_samples(w: Window, audio: np.ndarray, held: Optional[np.ndarray]) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+def chunk_samples(w: Window, audio: np.ndarray, held: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
     """What window `w` sends from its decoded `audio` (faded in from the previous window's `held`
     samples), and what it holds for the next window."""
     samples = audio[w.first:w.last]

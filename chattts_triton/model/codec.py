@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -47,13 +47,13 @@ from .assets import AssetError, infer_arch, load_safetensors
 # Symbolic dims: B batch, T code steps, H GPT hidden size, F mel frames, N waveform samples.
 CODEC_NAMES = ("decoder", "dvae_decode", "dvae_encode", "vocos")
 # artifact -> ordered {tensor name: (numpy dtype name, shape)}
-CODEC_INPUTS: Dict[str, Dict[str, Tuple[str, tuple]]] = {
+CODEC_INPUTS: dict[str, dict[str, tuple[str, tuple]]] = {
     "decoder": {"HIDDEN": ("float32", ("B", "T", "H")), "LENGTHS": ("int64", ("B",))},
     "dvae_decode": {"CODES": ("int64", ("B", "T", NUM_VQ)), "LENGTHS": ("int64", ("B",))},
     "dvae_encode": {"AUDIO": ("float32", (1, "N"))},
     "vocos": {"MEL": ("float32", ("B", N_MELS, "F")), "MEL_LENGTHS": ("int64", ("B",))},
 }
-CODEC_OUTPUTS: Dict[str, Dict[str, Tuple[str, tuple]]] = {
+CODEC_OUTPUTS: dict[str, dict[str, tuple[str, tuple]]] = {
     "decoder": {"MEL": ("float32", ("B", N_MELS, "2T"))},
     "dvae_decode": {"MEL": ("float32", ("B", N_MELS, "2T"))},
     "dvae_encode": {"CODES": ("int64", (1, "T", NUM_VQ))},  # T = encode_steps(N)
@@ -191,7 +191,7 @@ class ResidualFSQ(nn.Module):
         x = self.project_in(x)
         x = torch.tanh(x / self.soft_clamp) * self.soft_clamp
         residual = x
-        indices: List[torch.Tensor] = []
+        indices: list[torch.Tensor] = []
         for q in range(self.num_quantizers):
             scale = self.scales[q]
             z = torch.clamp(residual / scale, -1.0, 1.0)
@@ -221,7 +221,7 @@ class GroupedFSQ(nn.Module):
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, dim] -> [B, T, G*R] indices (index g*R + r, upstream's layout)."""
         chunks = x.chunk(self.groups, -1)
-        out: List[torch.Tensor] = []
+        out: list[torch.Tensor] = []
         for g, rvq in enumerate(self.rvqs):
             out.append(rvq.quantize(chunks[g]))
         return torch.cat(out, -1)
@@ -229,7 +229,7 @@ class GroupedFSQ(nn.Module):
     def embed(self, codes: torch.Tensor) -> torch.Tensor:
         """[B, T, G*R] indices -> [B, T, dim]."""
         r = self.num_quantizers
-        out: List[torch.Tensor] = []
+        out: list[torch.Tensor] = []
         for g, rvq in enumerate(self.rvqs):
             out.append(rvq.embed(codes[:, :, g * r : (g + 1) * r]))
         return torch.cat(out, -1)
@@ -456,7 +456,7 @@ class VocosDecode(nn.Module):
 
 # --- loading -------------------------------------------------------------------------------------
 # artifact -> (regex renames upstream key -> ours, upstream key prefixes that the artifact ignores)
-_KEY_MAPS: Dict[str, Tuple[List[Tuple[str, str]], Tuple[str, ...]]] = {
+_KEY_MAPS: dict[str, tuple[list[tuple[str, str]], tuple[str, ...]]] = {
     "decoder": ([], ()),
     "dvae_decode": (
         [(r"^vq_layer\.quantizer\.", "vq."), (r"^(coef|decoder\.|out_conv\.)", r"mel.\1")],
@@ -495,11 +495,11 @@ def build_codec(name: str, arch: Arch) -> nn.Module:
     raise ValueError(f"unknown codec artifact {name!r}; expected one of {', '.join(CODEC_NAMES)}")
 
 
-def load_codec_state(module: nn.Module, name: str, state: Dict[str, torch.Tensor], file: str) -> nn.Module:
+def load_codec_state(module: nn.Module, name: str, state: dict[str, torch.Tensor], file: str) -> nn.Module:
     """Load an upstream state dict into `module`; AssetError names `file` on any mismatch."""
     renames, ignored = _KEY_MAPS[name]
-    mapped: Dict[str, torch.Tensor] = {}
-    origin: Dict[str, str] = {}
+    mapped: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
     for key, tensor in state.items():
         if key.startswith(ignored):
             continue
@@ -534,8 +534,8 @@ def load_codec_state(module: nn.Module, name: str, state: Dict[str, torch.Tensor
 def load_codec(
     name: str,
     assets_dir: Path,
-    arch: Optional[Arch] = None,
-    states: Optional[Dict[str, Dict[str, torch.Tensor]]] = None,
+    arch: Arch | None = None,
+    states: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> nn.Module:
     """The artifact `name` with the upstream weights of `assets_dir` (fp32, CPU, eval mode).
 
@@ -555,10 +555,10 @@ def load_codec(
 
 
 def load_codecs(
-    assets_dir: Path, arch: Optional[Arch] = None, names: Sequence[str] = CODEC_NAMES
-) -> Dict[str, nn.Module]:
+    assets_dir: Path, arch: Arch | None = None, names: Sequence[str] = CODEC_NAMES
+) -> dict[str, nn.Module]:
     """{name: module} for `names`, each file read once."""
-    states: Dict[str, Dict[str, torch.Tensor]] = {}
+    states: dict[str, dict[str, torch.Tensor]] = {}
     return {name: load_codec(name, assets_dir, arch, states) for name in names}
 
 

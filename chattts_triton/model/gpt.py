@@ -12,7 +12,6 @@ Cache layout: k_cache / v_cache [layers, pages, page positions, kv_heads, head_d
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -78,12 +77,12 @@ class DecoderLayer(nn.Module):
         v_cache: Tensor,
         layer: int,
         write_index: Tensor,
-        write_at: List[Optional[Tensor]],
+        write_at: list[Tensor | None],
         tables: Tensor,
         attn_len: int,
         mask: Tensor,
         fresh: bool,
-        lengths: Optional[Tensor],
+        lengths: Tensor | None,
     ) -> Tensor:
         b, t, _ = x.shape
         h = self.input_layernorm(x)
@@ -109,7 +108,7 @@ class DecoderLayer(nn.Module):
             # the compiled step copied the whole cache every step)
             layer_ids = write_at[0]
             assert layer_ids is not None
-            at: List[Optional[Tensor]] = [layer_ids.narrow(0, layer, 1), write_at[1], write_at[2]]
+            at: list[Tensor | None] = [layer_ids.narrow(0, layer, 1), write_at[1], write_at[2]]
             k_cache.index_put_(at, k)
             v_cache.index_put_(at, v)
         if not torch.jit.is_scripting():  # (TorchScript does not compile this branch)
@@ -146,7 +145,7 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(gate) * up)
 
 
-def _concat_linear(parts: List[Optional[nn.Linear]]) -> nn.Linear:
+def _concat_linear(parts: list[nn.Linear | None]) -> nn.Linear:
     ws = [p.weight for p in parts if p is not None]
     w = torch.cat(ws).detach()
     fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
@@ -194,7 +193,7 @@ class ChatTTSGPT(nn.Module):
         )
 
     @torch.jit.ignore
-    def fuse_projections(self) -> "ChatTTSGPT":
+    def fuse_projections(self) -> ChatTTSGPT:
         """Every layer's q/k/v and gate/up as one GEMM each (`DecoderLayer.fuse`)."""
         for layer in self.layers:
             layer.fuse()
@@ -248,7 +247,7 @@ class ChatTTSGPT(nn.Module):
         blocks = torch.where(valid, tables.gather(1, torch.div(pos, page, rounding_mode="floor")), torch.zeros_like(pos))
         places = torch.where(valid, torch.remainder(pos, page), torch.zeros_like(pos))
         write_index = (blocks * page + places).reshape(b * t)  # within a layer (TorchScript)
-        write_at: List[Optional[Tensor]] = []
+        write_at: list[Tensor | None] = []
         if not torch.jit.is_scripting():  # (layer ids, page, place) for torch.compile's index_put_
             layer_ids = torch.arange(self.layers_n, dtype=torch.int64, device=x.device)
             write_at = [layer_ids, blocks.reshape(b * t), places.reshape(b * t)]
@@ -260,7 +259,7 @@ class ChatTTSGPT(nn.Module):
         allowed = key_pos.view(1, 1, attn_len) <= pos.unsqueeze(-1)  # [B, T, attn_len]
         mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
         mask = mask.masked_fill(~allowed, float("-inf")).unsqueeze(1)
-        lengths: Optional[Tensor] = None
+        lengths: Tensor | None = None
         if not torch.jit.is_scripting():
             if self.decode_kernel and t == 1 and not fresh:
                 lengths = pos.select(1, 0) + 1  # keys 0..pos, as the mask allows
@@ -269,14 +268,14 @@ class ChatTTSGPT(nn.Module):
         return self.norm(x)
 
     @torch.jit.export
-    def new_cache(self, pages: int, page: int, dtype: torch.dtype, device: torch.device) -> List[Tensor]:
+    def new_cache(self, pages: int, page: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
         """Keys and values of `pages` pages of `page` positions (page 0: scratch). Zeros: a page's places past
         a row's length are masked, but a masked score times a value must not be NaN."""
         shape = [self.layers_n, pages, page, self.kv_heads, self.head_dim]
         return [torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)]
 
 
-def _fold_weight_norm(sd: Dict[str, Tensor], prefix: str) -> Tensor:
+def _fold_weight_norm(sd: dict[str, Tensor], prefix: str) -> Tensor:
     """weight_norm(dim=0): W = g * v / ||v|| with the norm over each output row."""
     g = sd[f"{prefix}.parametrizations.weight.original0"]
     v = sd[f"{prefix}.parametrizations.weight.original1"]
@@ -291,7 +290,7 @@ def load_gpt(folder: Path, arch: Arch, fused: bool = True) -> ChatTTSGPT:
     llama = load_safetensors(folder / "gpt/model.safetensors")
     llama = {k[len("model."):] if k.startswith("model.") else k: v for k, v in llama.items()}
     emb = load_safetensors(folder / "Embed.safetensors")
-    sd: Dict[str, Tensor] = {
+    sd: dict[str, Tensor] = {
         "emb_text.weight": emb["emb_text.weight"],
         "emb_code": torch.stack([emb[f"emb_code.{i}.weight"] for i in range(arch.num_vq)]),
         "head_text": _fold_weight_norm(emb, "head_text"),

@@ -15,8 +15,8 @@ Matching runs on pyahocorasick's automaton: linear in the text's length whatever
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from .text import TAG_RE, InputError, validate_text
 
@@ -69,8 +69,8 @@ class Lexicon:
     """The entries of one version of a lexicon, ready to apply."""
 
     def __init__(self, entries: Iterable[Entry] = ()):
-        self.exact: Dict[str, Entry] = {}
-        self.folded: Dict[str, Entry] = {}  # ignore_case entries by their ASCII-lowered word
+        self.exact: dict[str, Entry] = {}
+        self.folded: dict[str, Entry] = {}  # ignore_case entries by their ASCII-lowered word
         for e in entries:
             table, key = (self.folded, e.word.translate(_ASCII_LOWER)) if e.ignore_case else (self.exact, e.word)
             if key in table:
@@ -84,7 +84,7 @@ class Lexicon:
     def __len__(self) -> int:
         return len(self.exact) + len(self.folded)
 
-    def entries(self) -> List[Entry]:
+    def entries(self) -> list[Entry]:
         return sorted([*self.exact.values(), *self.folded.values()], key=lambda e: (e.word.casefold(), e.word))
 
     @property
@@ -101,10 +101,10 @@ class Lexicon:
             self._automaton = a
         return self._automaton
 
-    def _entry(self, written: str) -> Optional[Entry]:
+    def _entry(self, written: str) -> Entry | None:
         return self.exact.get(written) or self.folded.get(written.translate(_ASCII_LOWER))
 
-    def matches(self, text: str) -> List[Tuple[int, int, Entry]]:
+    def matches(self, text: str) -> list[tuple[int, int, Entry]]:
         """(start, end, entry) of each replacement in `text` (no control token in it), left to right."""
         if not len(self) or not text:
             return []

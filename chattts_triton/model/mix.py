@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import List, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -48,7 +48,7 @@ def is_mix(voice: str) -> bool:
     return isinstance(voice, str) and _MIX_CHARS.search(voice) is not None
 
 
-def parse(expr: str) -> List[Tuple[str, float]]:
+def parse(expr: str) -> list[tuple[str, float]]:
     """(name, weight) of each term, the weights normalised to sum 1; MixError naming the term at fault."""
     if not isinstance(expr, str):
         raise MixError(f"a voice mix must be a string, got {type(expr).__name__}")
@@ -58,7 +58,7 @@ def parse(expr: str) -> List[Tuple[str, float]]:
     if len(expr) > MAX_CHARS:
         raise MixError(f"the voice mix has {len(expr)} characters, more than {MAX_CHARS}")
     parts = expr.split("+")
-    terms: List[Tuple[str, float]] = []
+    terms: list[tuple[str, float]] = []
     for i, part in enumerate(parts, 1):
         if not part.strip():
             raise MixError(f"term {i} of the voice mix {_shown(expr)} is empty")
@@ -84,7 +84,7 @@ def _shown(text: str) -> str:
     return repr(text if len(text) <= 40 else text[:37] + "...")
 
 
-def canonical(terms: Sequence[Tuple[str, float]]) -> str:
+def canonical(terms: Sequence[tuple[str, float]]) -> str:
     """The mix written back with its normalised weights (what a stored mix records)."""
     return "+".join(f"{name}*{weight:.6g}" for name, weight in terms)
 

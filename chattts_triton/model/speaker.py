@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import lzma
 import math
-from typing import Tuple, Union
 
 import numpy as np
 import pybase16384 as b14
@@ -97,7 +96,7 @@ def _lzma_compress(raw: bytes) -> bytes:
 
 # --- speaker embedding (spk_emb) ------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
-def spk_stat() -> Tuple[torch.Tensor, torch.Tensor]:
+def spk_stat() -> tuple[torch.Tensor, torch.Tensor]:
     """(std, mean), fp16 [768] each, as upstream `Speaker.__init__` reads `Config.spk_stat`."""
     stat = torch.from_numpy(np.frombuffer(b14.decode_from_string(SPK_STAT), dtype=np.float16).copy())
     std, mean = stat.chunk(2)
@@ -119,7 +118,7 @@ def decode_speaker(spk: str, hidden: int = HIDDEN) -> np.ndarray:
     return arr
 
 
-def encode_speaker(emb: Union[torch.Tensor, np.ndarray]) -> str:
+def encode_speaker(emb: torch.Tensor | np.ndarray) -> str:
     """Upstream `Speaker._encode`: any 1-D float vector -> speaker string (stored as fp16)."""
     if isinstance(emb, torch.Tensor):
         arr = emb.detach().to(dtype=torch.float16, device="cpu").numpy()
@@ -165,7 +164,7 @@ def speaker_embedding(
 
 
 # --- reference-audio prompt (spk_smp) -------------------------------------------------------------
-def encode_prompt(codes: Union[torch.Tensor, np.ndarray]) -> str:
+def encode_prompt(codes: torch.Tensor | np.ndarray) -> str:
     """Upstream `Speaker.encode_prompt`: audio codes [NUM_VQ, T] -> prompt string."""
     arr = codes.detach().cpu().numpy() if isinstance(codes, torch.Tensor) else np.asarray(codes)
     if arr.ndim != 2 or arr.shape[0] != NUM_VQ or arr.shape[1] == 0:

@@ -25,7 +25,7 @@ No model, tokenizer or normaliser is needed: the client and the gateway call thi
 from __future__ import annotations
 
 import re
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from ..config import LIMITS, SAMPLE_RATE, SAMPLES_PER_CODE
 
@@ -53,7 +53,7 @@ _SYMBOLS = re.compile(r"[%‰℃$€£¥￥°]")
 _CLAUSE_MARKS = re.compile(r"[，,、;；:：—]")
 _SENTENCE_MARKS = re.compile(r"[。！？!?….]")
 
-Span = Tuple[int, int]
+Span = tuple[int, int]
 
 
 def _syllables(word: str) -> int:
@@ -81,7 +81,7 @@ def estimate_frames(text: str) -> int:
     return frames
 
 
-def _blocked(text: str) -> List[bool]:
+def _blocked(text: str) -> list[bool]:
     """blocked[p]: no cut between text[p-1] and text[p] (inside a control token or a number's spoken form)."""
     blocked = [False] * (len(text) + 1)
     for pattern in (_TOKEN, _NUMBER):
@@ -91,7 +91,7 @@ def _blocked(text: str) -> List[bool]:
     return blocked
 
 
-def _cut(text: str, span: Span, ends: Sequence[int], blocked: List[bool]) -> List[Span]:
+def _cut(text: str, span: Span, ends: Sequence[int], blocked: list[bool]) -> list[Span]:
     """`span` cut at each allowed position of `ends` inside it."""
     out, start = [], span[0]
     for p in ends:
@@ -102,9 +102,9 @@ def _cut(text: str, span: Span, ends: Sequence[int], blocked: List[bool]) -> Lis
     return out
 
 
-def _pack(text: str, parts: List[Span], max_frames: int) -> List[Span]:
+def _pack(text: str, parts: list[Span], max_frames: int) -> list[Span]:
     """Consecutive parts joined greedily while the join fits `max_frames`."""
-    out: List[Span] = []
+    out: list[Span] = []
     for s, e in parts:
         if out and estimate_frames(text[out[-1][0]:e]) <= max_frames:
             out[-1] = (out[-1][0], e)
@@ -113,10 +113,10 @@ def _pack(text: str, parts: List[Span], max_frames: int) -> List[Span]:
     return out
 
 
-def _fit(text: str, span: Span, max_frames: int, blocked: List[bool]) -> List[Span]:
+def _fit(text: str, span: Span, max_frames: int, blocked: list[bool]) -> list[Span]:
     """A sentence over the budget: clauses packed, a clause over the budget cut between words or characters."""
     clauses = _cut(text, span, [m.end() for m in _CLAUSE_END.finditer(text, *span)], blocked)
-    parts: List[Span] = []
+    parts: list[Span] = []
     for clause in clauses:
         if estimate_frames(text[clause[0]:clause[1]]) <= max_frames:
             parts.append(clause)
@@ -128,9 +128,9 @@ def _fit(text: str, span: Span, max_frames: int, blocked: List[bool]) -> List[Sp
     return _pack(text, parts, max_frames)
 
 
-def _merge_short(text: str, pieces: List[Span], min_frames: int, max_frames: int) -> List[Span]:
+def _merge_short(text: str, pieces: list[Span], min_frames: int, max_frames: int) -> list[Span]:
     """A piece under `min_frames` joins the previous piece, else the next, when the join fits `max_frames`."""
-    out: List[Span] = []
+    out: list[Span] = []
     for s, e in pieces:
         if out and (estimate_frames(text[s:e]) < min_frames or estimate_frames(text[out[-1][0]:out[-1][1]]) < min_frames) \
                 and estimate_frames(text[out[-1][0]:e]) <= max_frames:
@@ -140,7 +140,7 @@ def _merge_short(text: str, pieces: List[Span], min_frames: int, max_frames: int
     return out
 
 
-def split_for_synthesis(text: str, max_frames: int = DEFAULT_MAX_FRAMES, min_frames: Optional[int] = None) -> List[str]:
+def split_for_synthesis(text: str, max_frames: int = DEFAULT_MAX_FRAMES, min_frames: int | None = None) -> list[str]:
     """`text` as the pieces to synthesise one request each, in order, stripped, none empty.
 
     max_frames: the frame budget of a piece (`estimate_frames`), 1 .. MAX_NEW_TOKENS (default half of it, ≈ 21.8 s);
@@ -150,7 +150,7 @@ def split_for_synthesis(text: str, max_frames: int = DEFAULT_MAX_FRAMES, min_fra
     return [text[s:e] for s, e in split_spans(text, max_frames, min_frames)]
 
 
-def split_spans(text: str, max_frames: int = DEFAULT_MAX_FRAMES, min_frames: Optional[int] = None) -> List[Span]:
+def split_spans(text: str, max_frames: int = DEFAULT_MAX_FRAMES, min_frames: int | None = None) -> list[Span]:
     """The pieces of `split_for_synthesis` as (start, end) offsets into `text`, whitespace trimmed: what lies between
     two pieces is whitespace only, so a caller that cuts text as it arrives knows exactly what it has consumed."""
     if not isinstance(text, str):
@@ -161,7 +161,7 @@ def split_spans(text: str, max_frames: int = DEFAULT_MAX_FRAMES, min_frames: Opt
     if min_frames < 0:
         raise ValueError(f"min_frames must be ≥ 0, got {min_frames}")
     blocked = _blocked(text)
-    pieces: List[Span] = []
+    pieces: list[Span] = []
     for sentence in _cut(text, (0, len(text)), [m.end() for m in _SENTENCE_END.finditer(text)], blocked):
         if not text[sentence[0]:sentence[1]].strip():
             continue

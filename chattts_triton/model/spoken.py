@@ -26,7 +26,8 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +92,10 @@ class Phone(NamedTuple):
 
     plus: bool
     country: str
-    groups: Tuple[str, ...]
+    groups: tuple[str, ...]
 
 
-def phone_shape(text: str, start: int, end: int) -> Optional[Phone]:
+def phone_shape(text: str, start: int, end: int) -> Phone | None:
     """`text[start:end]` (a `_PHONE` candidate or a run of its space-separated chunks) as a phone number, or None.
 
     Its groups after the country code are joined by one kind of separator (after an area code in parentheses, any)
@@ -142,7 +143,7 @@ def _phone_context(text: str, start: int) -> bool:
     return any(w.lower() in _PHONE_WORDS_EN for w in re.findall(r"[A-Za-z]+", before)[-3:])
 
 
-def _phone_spans(m: "re.Match") -> Iterator[Tuple[int, int, Phone]]:
+def _phone_spans(m: re.Match) -> Iterator[tuple[int, int, Phone]]:
     """The phone numbers in a `_PHONE` candidate: the longest run of its space-separated chunks that is one (the
     leftmost of equals), then the same on what is left either side ("Call 555-0199 2 times": "555-0199")."""
     chunks = [c.span() for c in _CHUNK.finditer(m.string, m.start(), m.end())]
@@ -165,12 +166,12 @@ def _language_around(text: str, start: int, end: int, lang: str) -> str:
     return "zh" if _CJK.search(around) else "en" if _LATIN.search(around) else lang
 
 
-def _windows(text: str, units: List[Tuple[int, int]], tight: bool) -> List[Tuple[int, int]]:
+def _windows(text: str, units: list[tuple[int, int]], tight: bool) -> list[tuple[int, int]]:
     """(first, last) unit index of each window: every unit holding a digit with the unit after it (a unit, "am",
     "%") and the one before it, overlapping windows merged. `tight`: not the unit before when that is an English word
     other than a month (the grammars need "第", "电话", "March" or "$" before a number; "at" or "on" would only cost
     time; the English rewrite needs "in" before a year). A window stops growing at MAX_WINDOW_CHARS."""
-    windows: List[List[int]] = []
+    windows: list[list[int]] = []
     for i, (s, e) in enumerate(units):
         if not _DIGIT.search(text, s, e):
             continue
@@ -188,7 +189,7 @@ def _windows(text: str, units: List[Tuple[int, int]], tight: bool) -> List[Tuple
     return [(lo, hi) for lo, hi in windows]
 
 
-def _or_as_written(words: Callable[["re.Match"], str], m: "re.Match") -> str:
+def _or_as_written(words: Callable[[re.Match], str], m: re.Match) -> str:
     try:
         return words(m)
     except Exception:
@@ -267,7 +268,7 @@ class SpokenForm:
         """`phone` read as a phone number whatever its shape (SSML `say-as interpret-as="telephone"`)."""
         return self._phone(phone, lang)
 
-    def _phones(self, m: "re.Match", lang: str) -> str:
+    def _phones(self, m: re.Match, lang: str) -> str:
         """A `_PHONE` candidate with the phone numbers in it spoken, each in the language of its window."""
         out, pos = [], m.start()
         for start, end, phone in sorted(_phone_spans(m)):
@@ -289,7 +290,7 @@ class SpokenForm:
             groups[0] = ("plus " if lang == "en" else "加") + groups[0]
         return (", " if lang == "en" else "，").join(groups)
 
-    def _north_american(self, phone: Phone) -> Optional[str]:
+    def _north_american(self, phone: Phone) -> str | None:
         """The English grammar's reading of a number of the North American shape (area code, three digits, four
         digits), which its telephone rule reads when written "+1 555-123-4567" or "1-800-555-0199" ("eight hundred");
         None for any other shape."""
@@ -307,7 +308,7 @@ class SpokenForm:
         return None if _DIGIT.search(spoken) else spoken
 
     # -- English numbers through num2words ------------------------------------------------------------------------
-    def _cardinal(self, integer: str, fraction: Optional[str] = None) -> str:
+    def _cardinal(self, integer: str, fraction: str | None = None) -> str:
         words = self._num2words(int(integer), lang="en")
         if fraction:
             words += " point " + " ".join(self._num2words(int(d), lang="en") for d in fraction)
@@ -325,7 +326,7 @@ class SpokenForm:
             text = pattern.sub(lambda m, words=words: _or_as_written(words, m), text)
         return _METRE.sub(" meters", text)
 
-    def _money(self, m: "re.Match") -> str:
+    def _money(self, m: re.Match) -> str:
         symbol, integer, fraction, scale = m.groups()
         one, many, minor_one, minor_many = _CURRENCY[symbol]
         if scale:
@@ -340,20 +341,20 @@ class SpokenForm:
         minor_words = f"{self._cardinal(str(minor))} {minor_one if minor == 1 else minor_many}"
         return minor_words if major == 0 else f"{major_words} and {minor_words}"
 
-    def _decade(self, m: "re.Match") -> str:
+    def _decade(self, m: re.Match) -> str:
         words = self._year(int(m.group(1))).split()
         last = words[-1]
         words[-1] = last[:-1] + "ies" if last.endswith("y") else last + "s"
         return " ".join(words)
 
-    def _big(self, m: "re.Match") -> str:
+    def _big(self, m: re.Match) -> str:
         integer, fraction = m.groups()
         if fraction is None and len(integer) == 4 and 1000 <= int(integer) <= 2999 and self._year_context(m):
             return self._year(int(integer))
         return self._cardinal(integer, fraction)
 
     @staticmethod
-    def _year_context(m: "re.Match") -> bool:
+    def _year_context(m: re.Match) -> bool:
         before = _LAST_WORD.search(m.string, 0, m.start())
         if before:
             word = before.group(1)
@@ -367,7 +368,7 @@ class SpokenForm:
 def _each_window(text: str, lang: str, fn: Callable[[str, str], str], tight: bool) -> str:
     """`text` with each window replaced by fn(window, the window's language)."""
     units = [m.span() for m in _UNIT.finditer(text)]
-    out: List[str] = []
+    out: list[str] = []
     pos = 0
     for lo, hi in _windows(text, units, tight):
         start, end = units[lo][0], units[hi][1]
@@ -378,7 +379,7 @@ def _each_window(text: str, lang: str, fn: Callable[[str, str], str], tight: boo
     return "".join(out)
 
 
-_default: Optional[SpokenForm] = None
+_default: SpokenForm | None = None
 _default_lock = threading.Lock()
 
 
@@ -391,7 +392,7 @@ def default() -> SpokenForm:
         return _default
 
 
-def spoken_form(text: str, lang: Optional[str] = None, spoken: Optional[Callable[[str, str], str]] = None) -> str:
+def spoken_form(text: str, lang: str | None = None, spoken: Callable[[str, str], str] | None = None) -> str:
     """`text` with numbers and symbols in words; control tokens ([uv_break] ...) are kept as they are.
     `lang`: "zh" or "en" (None: upstream's detection on the whole text)."""
     from .text import TAG_RE, detect_language

@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime
 import re
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING
 
 from .text import InputError, detect_language
 
@@ -49,7 +49,7 @@ MIN_RATE, MAX_RATE = 0.25, 4.0
 LANGUAGES = {"zh": "zh", "cmn": "zh", "en": "en"}  # BCP 47 primary subtag -> the normaliser's language
 
 # element -> the attributes it takes ("xml:lang" is the XML namespace's lang, "xsi:schemaLocation" is ignored)
-ELEMENTS: Dict[str, FrozenSet[str]] = {
+ELEMENTS: dict[str, frozenset[str]] = {
     "speak": frozenset({"version", "xml:lang", "xsi:schemaLocation"}),
     "p": frozenset({"xml:lang"}),
     "s": frozenset({"xml:lang"}),
@@ -128,9 +128,9 @@ def with_rate(prompt: str, rate: float) -> str:
 class Context:
     """What an enclosing element decided for the text inside it."""
 
-    voice: Optional[str] = None
+    voice: str | None = None
     rate: float = 1.0
-    lang: Optional[str] = None  # the innermost xml:lang ("zh" / "en")
+    lang: str | None = None  # the innermost xml:lang ("zh" / "en")
     detected: str = "zh"  # upstream's detection on the enclosing s, p or speak: say-as's language without xml:lang
 
     @property
@@ -147,7 +147,7 @@ class Text:
 @dataclass(frozen=True)
 class SayAs:
     kind: str  # one of SAY_AS, aliases resolved: characters, cardinal, ordinal, digits, date, time, telephone
-    value: Tuple  # what the content was parsed into (per kind, see _say_as)
+    value: tuple  # what the content was parsed into (per kind, see _say_as)
     ctx: Context
 
 
@@ -161,12 +161,12 @@ class SentenceEnd:
     """The start or end of a p or s: what came before ends as a sentence."""
 
 
-Item = Union[Text, SayAs, Pause, SentenceEnd]
+Item = Text | SayAs | Pause | SentenceEnd
 
 
 @dataclass(frozen=True)
 class Document:
-    items: Tuple[Item, ...]
+    items: tuple[Item, ...]
 
     @property
     def needs_spoken(self) -> bool:
@@ -180,14 +180,14 @@ class Segment:
     asked, the gateway's usual pause between pieces)."""
 
     text: str
-    voice: Optional[str] = None
+    voice: str | None = None
     rate: float = 1.0
-    pause_after_ms: Optional[int] = None
+    pause_after_ms: int | None = None
 
 
 @dataclass(frozen=True)
 class Speech:
-    segments: Tuple[Segment, ...]
+    segments: tuple[Segment, ...]
     lead_ms: int = 0  # silence before the first segment (breaks before any text)
 
 
@@ -244,7 +244,7 @@ def _name(el) -> str:
     return tag
 
 
-def _attributes(el, name: str) -> Dict[str, str]:
+def _attributes(el, name: str) -> dict[str, str]:
     out = {}
     for key, value in el.attrib.items():
         if key.startswith("{"):
@@ -266,7 +266,7 @@ def _attributes(el, name: str) -> Dict[str, str]:
 class _Walker:
     def __init__(self, root):
         self.root = root
-        self.items: List[Item] = []
+        self.items: list[Item] = []
         self.total_break_ms = 0
 
     def element(self, el, ctx: Context) -> None:
@@ -299,7 +299,7 @@ class _Walker:
             if block:
                 self.items.append(SentenceEnd())
 
-    def context(self, name: str, attrs: Dict[str, str], el, ctx: Context) -> Context:
+    def context(self, name: str, attrs: dict[str, str], el, ctx: Context) -> Context:
         if "xml:lang" in attrs:
             ctx = replace(ctx, lang=_language(attrs["xml:lang"], name))
         if name in ("speak", "p", "s"):
@@ -310,11 +310,11 @@ class _Walker:
             ctx = replace(ctx, rate=ctx.rate * _rate(attrs["rate"]))
         return ctx
 
-    def text(self, text: Optional[str], ctx: Context) -> None:
+    def text(self, text: str | None, ctx: Context) -> None:
         if text:
             self.items.append(Text(_SPACE.sub(" ", text), ctx))
 
-    def pause(self, attrs: Dict[str, str]) -> None:
+    def pause(self, attrs: dict[str, str]) -> None:
         if "time" in attrs:  # SSML: time wins over strength
             ms = _break_time(attrs["time"])
         else:
@@ -372,7 +372,7 @@ def _voice(name: str) -> str:
 
 
 # --- say-as --------------------------------------------------------------------------------------------------
-def _say_as(attrs: Dict[str, str], content: str, ctx: Context) -> SayAs:
+def _say_as(attrs: dict[str, str], content: str, ctx: Context) -> SayAs:
     kind = attrs["interpret-as"]
     fmt = attrs.get("format")
     if kind not in SAY_AS:
@@ -385,7 +385,7 @@ def _say_as(attrs: Dict[str, str], content: str, ctx: Context) -> SayAs:
     if not text:
         raise SSMLError(f"{where} is empty")
     if kind == "characters":
-        value: Tuple = (text,)
+        value: tuple = (text,)
     elif kind == "digits":
         if not _DIGITS_OK.match(text):
             raise SSMLError(f"{where}: {text!r} is not digits")
@@ -410,7 +410,7 @@ def _say_as(attrs: Dict[str, str], content: str, ctx: Context) -> SayAs:
     return SayAs(kind, value, ctx)
 
 
-def _date(text: str, fmt: Optional[str], where: str) -> Tuple[Optional[int], Optional[int], Optional[int]]:
+def _date(text: str, fmt: str | None, where: str) -> tuple[int | None, int | None, int | None]:
     parts = _DATE_PART.findall(text)
     if fmt is None:  # ISO order when the year comes first: 2024-03-05, 2024-03, 2024
         if not parts or not (parts[0].isdigit() and len(parts[0]) == 4) or len(parts) > 3:
@@ -421,7 +421,7 @@ def _date(text: str, fmt: Optional[str], where: str) -> Tuple[Optional[int], Opt
         raise SSMLError(f"{where} format={fmt!r}: use one of {', '.join(DATE_FORMATS)}")
     if len(parts) != len(fmt):
         raise SSMLError(f"{where} format={fmt!r}: {text!r} does not have {len(fmt)} part(s)")
-    found: Dict[str, int] = {}
+    found: dict[str, int] = {}
     for key, part in zip(fmt, parts):
         if key == "m" and not part.isdigit():
             months = [i for i, name in enumerate(_MONTHS, 1) if name.startswith(part.lower()) and len(part) >= 3]
@@ -442,7 +442,7 @@ def _date(text: str, fmt: Optional[str], where: str) -> Tuple[Optional[int], Opt
     return y, m, d
 
 
-def _time(text: str, fmt: Optional[str], where: str) -> Tuple[int, int, Optional[int], Optional[str]]:
+def _time(text: str, fmt: str | None, where: str) -> tuple[int, int, int | None, str | None]:
     if fmt is not None and fmt not in TIME_FORMATS:
         raise SSMLError(f"{where} format={fmt!r}: use one of {', '.join(TIME_FORMATS)}")
     m = _CLOCK.match(text)
@@ -484,7 +484,7 @@ def _characters(text: str, lang: str) -> str:
     return out
 
 
-def say(item: SayAs, spoken: Optional["SpokenForm"]) -> str:
+def say(item: SayAs, spoken: SpokenForm | None) -> str:
     """A say-as element's content in words."""
     lang = item.ctx.say_as_lang
     if item.kind == "characters":
@@ -511,7 +511,7 @@ def say(item: SayAs, spoken: Optional["SpokenForm"]) -> str:
     return spoken.telephone(item.value[0], lang)
 
 
-def _say_date(y: Optional[int], m: Optional[int], d: Optional[int], lang: str, spoken: "SpokenForm") -> str:
+def _say_date(y: int | None, m: int | None, d: int | None, lang: str, spoken: SpokenForm) -> str:
     if lang == "zh":
         return spoken("".join(f"{v}{unit}" for v, unit in ((y, "年"), (m, "月"), (d, "日")) if v is not None), lang)
     month = _MONTHS[m - 1].capitalize() if m is not None else None
@@ -527,8 +527,8 @@ def _say_date(y: Optional[int], m: Optional[int], d: Optional[int], lang: str, s
 # --- rendering -----------------------------------------------------------------------------------------------
 @dataclass
 class _Open:
-    parts: List[str] = field(default_factory=list)
-    voice: Optional[str] = None
+    parts: list[str] = field(default_factory=list)
+    voice: str | None = None
     rate: float = 1.0
 
     @property
@@ -536,13 +536,13 @@ class _Open:
         return _SPACE_BEFORE_MARK.sub(r"\1", _SPACE.sub(" ", "".join(self.parts))).strip()
 
 
-def render(doc: Document, spoken: Optional["SpokenForm"] = None, breaks: str = "silence") -> Speech:
+def render(doc: Document, spoken: SpokenForm | None = None, breaks: str = "silence") -> Speech:
     """The document as segments: a new one where the voice or the rate changes and, with breaks="silence", at each
     break (its silence after the segment before it); with breaks="tokens" a break is a pause token in the text.
     `spoken`: the normaliser say-as needs (required when `doc.needs_spoken`)."""
     if breaks not in ("silence", "tokens"):
         raise ValueError(f"breaks must be 'silence' or 'tokens', got {breaks!r}")
-    segments: List[Segment] = []
+    segments: list[Segment] = []
     lead = 0
     cur = _Open()
 
@@ -553,7 +553,7 @@ def render(doc: Document, spoken: Optional["SpokenForm"] = None, breaks: str = "
         else:
             lead += ms
 
-    def close(pause: Optional[int] = None, final: bool = False) -> None:
+    def close(pause: int | None = None, final: bool = False) -> None:
         nonlocal cur
         text = cur.text
         if text and _only_tokens(text):  # control tokens alone go with the text after them (at the end: before)

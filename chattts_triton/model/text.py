@@ -19,13 +19,21 @@ import json
 import re
 import unicodedata
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..config import LIMITS, NUM_AUDIO_TOKENS, NUM_VQ, REFINE_KEEP_BELOW_TOKEN, SPECIAL_TOKENS, SPK_EMB_TOKEN, TEXT_EOS_TOKEN
+from ..config import (
+    LIMITS,
+    NUM_AUDIO_TOKENS,
+    NUM_VQ,
+    REFINE_KEEP_BELOW_TOKEN,
+    SPECIAL_TOKENS,
+    SPK_EMB_TOKEN,
+    TEXT_EOS_TOKEN,
+)
 from .assets import AssetError
 
 
@@ -77,11 +85,11 @@ _HALF_TO_FULL = str.maketrans(
 )  # fmt: skip
 
 
-def _split_tags(text: str) -> Tuple[List[str], List[str]]:
+def _split_tags(text: str) -> tuple[list[str], list[str]]:
     # Literal port of upstream's numba `_split_tags`, quirks included: an unclosed "[..." is dropped
     # and a stray "]" yields an empty tag.
-    texts: List[str] = []
-    tags: List[str] = []
+    texts: list[str] = []
+    tags: list[str] = []
     current_text = ""
     current_tag = ""
     for c in text:
@@ -101,7 +109,7 @@ def _split_tags(text: str) -> Tuple[List[str], List[str]]:
     return texts, tags
 
 
-def _combine_tags(texts: List[str], tags: List[str]) -> str:
+def _combine_tags(texts: list[str], tags: list[str]) -> str:
     out = []
     for i, t in enumerate(texts):
         out.append(t)
@@ -125,7 +133,7 @@ class Normalized:
     Nothing else is removed: the spoken-form step rewrites, the upstream step maps punctuation and homophones."""
 
     text: str
-    removed: Dict[str, int] = field(default_factory=dict)
+    removed: dict[str, int] = field(default_factory=dict)
 
 
 class Normalizer:
@@ -133,8 +141,8 @@ class Normalizer:
     would have registered (`chat.normalizer.register(lang, fn)`), applied to the text between control tokens first;
     None: none registered, as in a plain `Chat`."""
 
-    def __init__(self, homophones_path: Union[str, Path] = HOMOPHONES_PATH,
-                 spoken: Optional[Callable[[str, str], str]] = None):
+    def __init__(self, homophones_path: str | Path = HOMOPHONES_PATH,
+                 spoken: Callable[[str, str], str] | None = None):
         # Upstream replaces each UTF-16 unit once via table lookup; all keys and values are BMP, so a
         # single-pass str.translate is the same mapping.
         self._homophones = _load_homophones(Path(homophones_path))
@@ -145,7 +153,7 @@ class Normalizer:
         text: str,
         do_text_normalization: bool = True,
         do_homophone_replacement: bool = True,
-        lang: Optional[str] = None,
+        lang: str | None = None,
     ) -> str:
         return self.normalize(text, do_text_normalization, do_homophone_replacement, lang).text
 
@@ -154,7 +162,7 @@ class Normalizer:
         text: str,
         do_text_normalization: bool = True,
         do_homophone_replacement: bool = True,
-        lang: Optional[str] = None,
+        lang: str | None = None,
     ) -> Normalized:
         """`__call__`, also telling which characters were removed."""
         if lang not in (None, "zh", "en"):
@@ -189,7 +197,7 @@ class Normalizer:
         return set(_REJECT.findall(_TAG.sub("", text)))
 
 
-def describe_characters(counts: Dict[str, int], most: int = 10) -> str:
+def describe_characters(counts: dict[str, int], most: int = 10) -> str:
     """"'😀' U+1F600 (GRINNING FACE) ×2, '%' U+0025 (PERCENT SIGN)": the most frequent first, at most `most`."""
     items = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     parts = [f"{ch!r} {_describe(ch)}" + (f" ×{n}" if n > 1 else "") for ch, n in items[:most]]
@@ -203,7 +211,7 @@ def detect_language(text: str) -> str:
     return "zh" if len(_CHINESE_CHAR.findall(text)) > len(_ENGLISH_WORD.findall(text)) else "en"
 
 
-def split_text(text: str, drop_empty: bool = False) -> List[str]:
+def split_text(text: str, drop_empty: bool = False) -> list[str]:
     """Upstream `Chat.infer(split_text=True)` split: on newlines if any, else after "。" and ". ".
 
     Upstream keeps empty pieces of the newline split (and synthesizes them); `drop_empty=True` removes
@@ -234,7 +242,7 @@ def _clean_up_tokenization(text: str) -> str:
 class TextTokenizer:
     """`ChatTTS.model.tokenizer.Tokenizer` over `tokenizer.json` (a file or its folder)."""
 
-    def __init__(self, path: Union[str, Path]):
+    def __init__(self, path: str | Path):
         from tokenizers import Tokenizer
 
         path = Path(path)
@@ -280,7 +288,7 @@ class TextTokenizer:
             raise KeyError(f"token {token!r} is not in the vocabulary")
         return i
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         """Ids without [CLS]/[SEP], as upstream `encode_plus(add_special_tokens=False)`."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -321,7 +329,7 @@ class CodePrompt:
 
 
 def decorate_code_text(
-    text: str, prompt: str = "[speed_5]", txt_smp: Optional[str] = None, spk_emb: bool = False
+    text: str, prompt: str = "[speed_5]", txt_smp: str | None = None, spk_emb: bool = False
 ) -> str:
     """Upstream `Speaker.decorate_code_prompts` for one text."""
     text = text.replace(STTS_TOKEN, "").replace(SPK_EMB_TOKEN, "").replace(EMPTY_SPK_TOKEN, "").strip()
@@ -353,9 +361,9 @@ def build_code_prompt(
     text: str,
     prompt: str = "[speed_5]",
     spk_emb: bool = False,
-    txt_smp: Optional[str] = None,
+    txt_smp: str | None = None,
     spk_smp_codes=None,
-    max_tokens: Optional[int] = None,
+    max_tokens: int | None = None,
 ) -> CodePrompt:
     """Upstream `tokenizer.encode(speaker.decorate_code_prompts([text], prompt, txt_smp, spk_emb),
     NUM_VQ, prompt=spk_smp_codes)` for one text, without batch padding.

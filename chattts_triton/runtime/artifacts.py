@@ -59,7 +59,7 @@ def check_reference_audio(wav: np.ndarray) -> None:
         raise InputError("SPEAKER_AUDIO holds NaN or Inf")
 
 
-def reference_codes(encoder: "Artifact", wav: np.ndarray) -> np.ndarray:
+def reference_codes(encoder: Artifact, wav: np.ndarray) -> np.ndarray:
     """upstream `sample_audio_speaker`'s codes [4, T] of checked reference audio, by the DVAE encoder."""
     codes = encoder(torch.from_numpy(np.ascontiguousarray(wav, dtype=np.float32)).view(1, -1))  # [1, T, 4]
     return codes[0].T.cpu().numpy().astype(np.int64)

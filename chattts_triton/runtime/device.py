@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
 
 import torch
 
@@ -27,8 +26,8 @@ def check_dtype_supported(device: torch.device, dtype: str) -> None:
                          f"--dtype fp16 (or --dtype auto on this machine)")
 
 
-def engine_plan(device: torch.device, arch: Arch, dtype: str, role: str, slots: Optional[int], cache_tokens: Optional[int],
-                max_context: int, max_new_tokens: int, gpu_memory_gb: Optional[float], vocoders: int) -> memory.EnginePlan:
+def engine_plan(device: torch.device, arch: Arch, dtype: str, role: str, slots: int | None, cache_tokens: int | None,
+                max_context: int, max_new_tokens: int, gpu_memory_gb: float | None, vocoders: int) -> memory.EnginePlan:
     """An engine's slots and KV cache on `device`: what the configuration gives, the rest from the GPU's memory
     (memory.plan: every process on the GPU plans alike). On the CPU, memory.CPU_SLOTS unless configured, and a
     cache that holds them all at the full context (slots × context: a request is never suspended)."""
@@ -45,7 +44,7 @@ def engine_plan(device: torch.device, arch: Arch, dtype: str, role: str, slots: 
     return plan
 
 
-def limit_process_memory(device: torch.device, nbytes: int, gpu_memory_gb: Optional[float]) -> None:
+def limit_process_memory(device: torch.device, nbytes: int, gpu_memory_gb: float | None) -> None:
     """Where the deployment names its GPU memory, cap this process's allocator at its planned share (with the
     utilization's headroom): a process past its plan gets an out-of-memory error instead of starving the others."""
     if device.type != "cuda" or gpu_memory_gb is None:

@@ -36,7 +36,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -86,7 +87,7 @@ class _Flight:
         self.inner = inner  # the timing events its graph records, if a graph ran it
         # for each slot now, the row of this step it held then (-1: not in it); compaction keeps it current
         self.slot_of = np.full(slots, -1, dtype=np.int64)
-        self.host: Optional[np.ndarray] = None  # overlap: its flags on the host (valid once `ready` is done)
+        self.host: np.ndarray | None = None  # overlap: its flags on the host (valid once `ready` is done)
         self.ready = None  # overlap on CUDA: the event after the flags' copy
         self.launch_seconds = 0.0
 
@@ -105,15 +106,15 @@ class Engine(Runner, KvPages, WarmUp):
         cache_dtype: torch.dtype = torch.float32,
         compute_dtype: torch.dtype = torch.float32,
         max_prefill_tokens: int = 4096,
-        cache_tokens: Optional[int] = None,
+        cache_tokens: int | None = None,
         cuda_graphs: bool = True,
         admit_batch: int = ADMIT_BATCH,
         admit_wait_steps: int = ADMIT_WAIT_STEPS,
         max_pending: int = 0,
         compile_step: bool = False,
         compile_prefill: bool = False,
-        decode_kernel: Optional[bool] = None,
-        overlap: Optional[bool] = None,
+        decode_kernel: bool | None = None,
+        overlap: bool | None = None,
         start: bool = True,
     ):
         """admit_batch / admit_wait_steps / max_prefill_tokens: the admission policy (`Scheduler`): while
@@ -137,10 +138,10 @@ class Engine(Runner, KvPages, WarmUp):
         if self.device.type == "cuda" and self.device.index is None:  # the engine thread needs the index
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
-        self._flight: Optional[_Flight] = None  # overlap: the step launched and not yet read back
-        self._first: Optional[_Flight] = None  # overlap: the first tokens of an admission, not yet read back
-        self._first_buf: Optional[Tensor] = None  # overlap on CUDA: the pinned buffer their flags go to
-        self._flag_bufs: List[Tensor] = []  # overlap on CUDA: two pinned buffers the steps' flags alternate in
+        self._flight: _Flight | None = None  # overlap: the step launched and not yet read back
+        self._first: _Flight | None = None  # overlap: the first tokens of an admission, not yet read back
+        self._first_buf: Tensor | None = None  # overlap on CUDA: the pinned buffer their flags go to
+        self._flag_bufs: list[Tensor] = []  # overlap on CUDA: two pinned buffers the steps' flags alternate in
         self.decode_kernel = False  # the model's decode steps read each row's own keys (attn_len unused)
         if isinstance(model, torch.jit.ScriptModule) or not hasattr(model, "decode_kernel"):
             if decode_kernel:
@@ -168,31 +169,31 @@ class Engine(Runner, KvPages, WarmUp):
         self._live = 0
         s = max_slots
         # host mirrors, indexed by slot: the step needs no Python loop over the batch for these
-        self.rows: List[Slot] = []
+        self.rows: list[Slot] = []
         self.h_n = np.zeros(s, dtype=np.int64)
         self.h_plen = np.zeros(s, dtype=np.int64)
         self.h_max = np.zeros(s, dtype=np.int64)
         self.h_text = np.zeros(s, dtype=bool)
-        self.streaming: Set[Slot] = set()
+        self.streaming: set[Slot] = set()
         # stream chunks copied to the host, each with the event after its copy (CUDA), delivered after the next sync
-        self._pending: List[tuple] = []
+        self._pending: list[tuple] = []
         self.cv = threading.Condition()
         self.stopping = False
         self.counters = EngineStats()  # cumulative, for metrics: Engine.stats()
         self._graph_timing_failed = False
-        self._step_events: Optional[Tuple[Any, Any]] = None
+        self._step_events: tuple[Any, Any] | None = None
         # when the last few decode steps began: a cancelled row's release counts the steps begun since its cancel
-        self._step_starts: "collections.deque[float]" = collections.deque(maxlen=4)
+        self._step_starts: collections.deque[float] = collections.deque(maxlen=4)
         self.cache_dtype = cache_dtype
         self.cuda_graphs = cuda_graphs
-        self.graphs: Optional[CudaGraphs] = None
-        self.graph_step: Optional[Callable] = None  # compile_step's compiled step_core for graph buckets
-        self.graph_prefill: Optional[Callable] = None  # compile_step(prefill=True)'s compiled prefill_core
+        self.graphs: CudaGraphs | None = None
+        self.graph_step: Callable | None = None  # compile_step's compiled step_core for graph buckets
+        self.graph_prefill: Callable | None = None  # compile_step(prefill=True)'s compiled prefill_core
         self.compiled_frozen = False
         self.allocated = False
         self._ready = threading.Event()
-        self._alloc_error: Optional[BaseException] = None
-        self.thread: Optional[threading.Thread] = None
+        self._alloc_error: BaseException | None = None
+        self.thread: threading.Thread | None = None
         self.event_sync = False  # see _host_sync
         # prompts prefilled by `model.prefill` replayed from CUDA graphs where graphs are on: eagerly a
         # prefill is ~600 kernel launches, many decode steps' time
@@ -200,9 +201,9 @@ class Engine(Runner, KvPages, WarmUp):
         # with a started engine, results reach on_done on their own thread: a consumer's copies to the
         # host and its reply (the GPT model's Triton response) then overlap the next steps instead of
         # stalling the batch (at hundreds of rows that host work was a third of a step)
-        self._results: Optional["queue.SimpleQueue"] = None
-        self._results_thread: Optional[threading.Thread] = None
-        self._tasks: List[Callable[[], None]] = []  # run by the engine thread between steps (graph captures)
+        self._results: queue.SimpleQueue | None = None
+        self._results_thread: threading.Thread | None = None
+        self._tasks: list[Callable[[], None]] = []  # run by the engine thread between steps (graph captures)
         if compile_step:
             self.compile_step(prefill=compile_prefill)
         if start:
@@ -271,10 +272,10 @@ class Engine(Runner, KvPages, WarmUp):
             self.scheduler.add(req, self.counters.steps)
             self.cv.notify()
 
-    def generate(self, req: GenRequest, timeout: Optional[float] = None) -> GenResult:
+    def generate(self, req: GenRequest, timeout: float | None = None) -> GenResult:
         """Blocking helper: submit and wait for the result."""
         done = threading.Event()
-        box: List[GenResult] = []
+        box: list[GenResult] = []
         user_cb = req.on_done
 
         def cb(res: GenResult) -> None:
@@ -290,7 +291,7 @@ class Engine(Runner, KvPages, WarmUp):
             raise TimeoutError("generation timed out")
         return box[0]
 
-    def stats(self) -> Dict[str, float]:
+    def stats(self) -> dict[str, float]:
         """The counters (`EngineStats`) and the gauges read off the engine's state, each named `engine_*`."""
         return {"engine_active": self.active, "engine_waiting": self.pending, **self.counters.report(),
                 "engine_results_pending": self._results.qsize() if self._results is not None else 0,
@@ -310,10 +311,10 @@ class Engine(Runner, KvPages, WarmUp):
         return self.scheduler.full(len(self.rows))
 
     @property
-    def free(self) -> List[int]:
+    def free(self) -> list[int]:
         return list(range(len(self.rows), self.max_slots))
 
-    def stop(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting work; with drain, finish what is queued and running first."""
         with self.cv:
             self.stopping = True
@@ -502,11 +503,11 @@ class Engine(Runner, KvPages, WarmUp):
             ahead |= f.slot_of[:b] >= 0
         return ahead
 
-    def _in_flight(self) -> List["_Flight"]:
+    def _in_flight(self) -> list[_Flight]:
         """The steps launched and not yet read back (overlap): a decode step, an admission's first tokens."""
         return [f for f in (self._flight, self._first) if f is not None]
 
-    def _launch(self) -> Optional["_Flight"]:
+    def _launch(self) -> _Flight | None:
         """Enqueue one decode step of rows 0..B-1 (pages granted, tables synced first). With a step in flight
         the host's counts lag by it: pages and the attention length are taken one position further for the
         rows it runs. None: nothing launched (the rows all end with the step in flight, which was landed)."""
@@ -575,7 +576,7 @@ class Engine(Runner, KvPages, WarmUp):
         c.step_rows += b - int(done_either_way.sum())  # rows that step for a token someone reads
         return f
 
-    def _land(self, f: "_Flight") -> None:
+    def _land(self, f: _Flight) -> None:
         """A launched step's flags on the host (its one host sync, or the wait for its copy), its timings, then
         its bookkeeping: counts, stream chunks, finished rows. Rows that moved since the launch are found
         through `f.slot_of`; rows admitted since (not in the step) stay as they are."""
@@ -618,7 +619,7 @@ class Engine(Runner, KvPages, WarmUp):
         self._advance(0, b, hit, stepped)
 
     # -- host bookkeeping -------------------------------------------------------------------------
-    def _advance(self, lo: int, hi: int, hit: np.ndarray, stepped: Optional[np.ndarray] = None) -> None:
+    def _advance(self, lo: int, hi: int, hit: np.ndarray, stepped: np.ndarray | None = None) -> None:
         """After a step of the rows in slots lo..hi-1: counts, stream chunks, finished requests. `stepped`: which
         of them the step ran (None: all; rows admitted after an overlapped step's launch were not in it)."""
         rows = self.rows
@@ -668,7 +669,7 @@ class Engine(Runner, KvPages, WarmUp):
                 log.exception("streaming callback failed; cancelling that generation")
                 slot.req.cancel()
 
-    def _finish_rows(self, items: List[Tuple[int, str]]) -> None:
+    def _finish_rows(self, items: list[tuple[int, str]]) -> None:
         results = []
         for slot_id, reason in items:
             slot = self.rows[slot_id]

@@ -8,8 +8,9 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,7 +58,7 @@ class GPTService:
     def __init__(self, model_path: Path, arch: Arch, device: torch.device, dtype: str, max_slots: int,
                  max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int, max_pending: int = 0,
                  compile_step: bool = False, admit_batch: int = ADMIT_BATCH, admit_wait_steps: int = ADMIT_WAIT_STEPS,
-                 compile_prefill: bool = False, cache_tokens: Optional[int] = None, overlap: bool = True):
+                 compile_prefill: bool = False, cache_tokens: int | None = None, overlap: bool = True):
         """cache_tokens: positions of the engine's paged KV cache (None: max_slots × max_context).
         overlap: the engine's host bookkeeping overlaps its next step (Engine overlap; CUDA only: nothing to gain
         where the ops are synchronous)."""
@@ -123,7 +124,7 @@ class GPTService:
                 _release_failed_compile(device)
         self.engine = engine or start(plain, False)
 
-    def stats(self) -> Dict[str, float]:
+    def stats(self) -> dict[str, float]:
         """Published as the instance's `chattts_*` gauges (triton/backend.py STAT_HELP)."""
         return self.engine.stats()
 
@@ -167,9 +168,9 @@ class GPTService:
         return GenRequest(ids, params, self._on_done(reply, refine=False), mode="code", audio_codes=audio,
                           spk_emb=spk_emb, spk_emb_id=self.spk_emb_id, eos_id=AUDIO_EOS, want_hidden=want_hidden)
 
-    def call(self, inputs, timeout: Optional[float] = None) -> Outputs:
+    def call(self, inputs, timeout: float | None = None) -> Outputs:
         """A blocking in-process request (refine-text for a model that hosts its own engine)."""
-        box: List[Any] = []
+        box: list[Any] = []
         done = threading.Event()
 
         def reply(result) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -37,7 +38,7 @@ def to_host(t: Tensor) -> Tensor:
     return host
 
 
-def graph_events() -> Optional[Tuple[torch.cuda.Event, torch.cuda.Event]]:
+def graph_events() -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
     """Two timing events that a capture records as nodes of its graph (`external`): each replay then
     stamps its own start and end on the GPU's clock, whatever the host did around the launch. None
     where this torch has no external events."""
@@ -66,13 +67,13 @@ class GraphCache:
     def __init__(self, device: torch.device, capture: bool = True):
         self.device = device
         self.capture = capture
-        self.graphs: Dict[Hashable, Optional[Callable[[], Tensor]]] = {}
+        self.graphs: dict[Hashable, Callable[[], Tensor] | None] = {}
         if capture:
             self.pool = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream(device=device)
 
     def _graph(self, key: Hashable, warm: Callable[[], object], fn: Callable[[], Tensor],
-               timed: bool = False) -> Optional[Callable[[], Tensor]]:
+               timed: bool = False) -> Callable[[], Tensor] | None:
         """The replay of `fn` for `key`, captured on first use; None: run it eagerly. timed: the graph
         also records `graph_events()` around `fn`, as the replay's attribute `events` (None without)."""
         if key not in self.graphs:
@@ -116,7 +117,7 @@ class GraphCache:
         run.events = events  # type: ignore[attr-defined]
         return run
 
-    def _record(self, fn: Callable[[], Tensor], events) -> Tuple[torch.cuda.CUDAGraph, Tensor]:
+    def _record(self, fn: Callable[[], Tensor], events) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of the process (the stream model's codec, the engine) keep
         # running eagerly or replaying during a capture; the default "global" mode fails their
@@ -139,7 +140,7 @@ PREFILL_WARM_LENGTHS = (16, 32, 64, 128)  # ... times prompt-length bucket
 WARM_DECODE_LEN = 512  # warm_graphs: decode graphs of every batch bucket up to this attention length
 
 
-def bucket_sizes(step: int, largest: int) -> List[int]:
+def bucket_sizes(step: int, largest: int) -> list[int]:
     """Every bucket `bucket(n, step, largest)` takes for n = 1 .. largest."""
     return sorted({bucket(n, step, largest) for n in range(1, largest + 1)})
 
@@ -159,23 +160,23 @@ class CudaGraphs(GraphCache):
     same buckets run eagerly.
     """
 
-    def __init__(self, engine: "Engine", capture: bool = True):
+    def __init__(self, engine: Engine, capture: bool = True):
         super().__init__(engine.device, capture)
         self.e = engine
-        self.prefill_inputs: Dict[tuple, Tuple[Tensor, Tensor, Tensor]] = {}
+        self.prefill_inputs: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
         self.last_events = None  # see step
 
-    def buckets(self, b: int, attn_len: int) -> Tuple[int, int]:
+    def buckets(self, b: int, attn_len: int) -> tuple[int, int]:
         e = self.e
         if e.decode_kernel:  # each row reads its own keys whatever attn_len: one graph per batch bucket
             return bucket(b, BATCH_STEP, e.max_slots), LEN_STEP
         return bucket(b, BATCH_STEP, e.max_slots), bucket(max(attn_len, LEN_STEP), LEN_STEP, e.max_context)
 
-    def prefill_buckets(self, k: int, t: int) -> Tuple[int, int]:
+    def prefill_buckets(self, k: int, t: int) -> tuple[int, int]:
         e = self.e
         return bucket(k, BATCH_STEP, e.max_slots), bucket(t, PREFILL_LEN_STEP, e.max_context)
 
-    def step(self, b: int, attn_len: int, mode: str) -> Optional[Tensor]:
+    def step(self, b: int, attn_len: int, mode: str) -> Tensor | None:
         """eos_hit [bucket] of one step of the live rows 0..b-1, or None: run it eagerly.
         `last_events`: the timing events of the graph it replayed (None: eager, or untimed)."""
         self.last_events = None
@@ -186,15 +187,15 @@ class CudaGraphs(GraphCache):
         self.last_events = getattr(run, "events", None)
         return run()
 
-    def decode_graph(self, mode: str, bb: int, lb: int) -> Optional[Callable[[], Tensor]]:
+    def decode_graph(self, mode: str, bb: int, lb: int) -> Callable[[], Tensor] | None:
         return self._graph((mode, bb, lb), lambda: self._warm(mode, bb, lb), lambda: self._step(mode, bb, lb), timed=True)
 
-    def failed_decode_buckets(self) -> List[tuple]:
+    def failed_decode_buckets(self) -> list[tuple]:
         """Decode buckets whose capture failed (they run eagerly); failed prefill buckets are not
         counted (they run eagerly too, and a compiled prefill that fails falls back by itself)."""
         return [key for key, run in self.graphs.items() if run is None and key[0] != "prefill"]
 
-    def prefill(self, b0: int, reqs: Sequence["GenRequest"]) -> Optional[Tensor]:
+    def prefill(self, b0: int, reqs: Sequence[GenRequest]) -> Tensor | None:
         """`Engine.run_prefill` of the prompts `reqs` into slots b0.. from the graph of their bucket:
         [bucket rows, hidden], the first len(reqs) rows theirs; None over PREFILL_GRAPH_TOKENS."""
         e = self.e

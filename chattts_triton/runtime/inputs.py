@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from ..config import LIMITS, RefineTextParams
 from ..model.text import InputError
 from .engine import SamplingParams
 
-Outputs = Dict[str, np.ndarray]
+Outputs = dict[str, np.ndarray]
 Reply = Callable[[Any], None]
 
 
@@ -32,12 +33,12 @@ class Overloaded(RuntimeError):
 
 @dataclass
 class Call:
-    inputs: Dict[str, Any]
+    inputs: dict[str, Any]
     reply: Reply
 
 
 
-def _one(inputs: Dict[str, Any], name: str):
+def _one(inputs: dict[str, Any], name: str):
     """The single value of a [1, 1] input, or None when the request omitted it."""
     v = inputs.get(name)
     if v is None:
@@ -59,7 +60,7 @@ def _integer(v, name: str) -> int:
     return int(v)
 
 
-def get_str(inputs, name: str, default: Optional[str] = None) -> Optional[str]:
+def get_str(inputs, name: str, default: str | None = None) -> str | None:
     v = _one(inputs, name)
     if v is None:
         return default
@@ -145,14 +146,14 @@ def sampling_params(inputs, defaults, max_new_limit: int = LIMITS.max_new_tokens
     )
 
 
-def refine_request(ids: np.ndarray, params: Dict[str, Any]) -> Dict[str, np.ndarray]:
+def refine_request(ids: np.ndarray, params: dict[str, Any]) -> dict[str, np.ndarray]:
     """GPT model inputs of a refine-text generation (`ids` from text.build_refine_prompt)."""
     inputs = {"TEXT_IDS": np.asarray(ids).reshape(1, -1).astype(np.int64), "REFINE": np.array([[True]])}
     inputs.update({k: np.asarray(v) for k, v in params.items()})
     return inputs
 
 
-def refine_params(inputs) -> Dict[str, Any]:
+def refine_params(inputs) -> dict[str, Any]:
     """REFINE_* sampling inputs under the plain names the GPT model takes, range-checked here."""
     params = {k[len("REFINE_"):]: v for k, v in inputs.items()
               if k.startswith("REFINE_") and k not in ("REFINE_TEXT", "REFINE_PROMPT")}

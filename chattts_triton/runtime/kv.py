@@ -7,7 +7,6 @@ which rows to suspend and how many pages a request needs is `scheduler.py`'s."""
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Set
 
 import numpy as np
 import torch
@@ -30,8 +29,8 @@ class KvPages:
         self.block_table = torch.zeros(s, self.table_width, dtype=torch.int64, device=dev)
         self.h_table = np.zeros((s, self.table_width), dtype=np.int64)
         self.h_pages = np.zeros(s, dtype=np.int64)
-        self.free_pages: List[int] = list(range(self.num_pages - 1, 0, -1))
-        self._dirty: Set[int] = set()
+        self.free_pages: list[int] = list(range(self.num_pages - 1, 0, -1))
+        self._dirty: set[int] = set()
 
     def _grant(self, slot_id: int, pages: int) -> None:
         """Give the slot free pages until it holds `pages` (the caller checked there are enough)."""
@@ -59,7 +58,7 @@ class KvPages:
             at = self._h2d(torch.tensor(rows, dtype=torch.int64))
             self.block_table.index_copy_(0, at, self._h2d(torch.from_numpy(self.h_table[rows])))
 
-    def _ensure_pages(self, ahead: Optional[np.ndarray] = None) -> bool:
+    def _ensure_pages(self, ahead: np.ndarray | None = None) -> bool:
         """Before a decode step: every running row holds the page of the position it writes; where the pool
         has too few, the rows the scheduler picks are suspended. `ahead` [B]: tokens each row may have on the
         device beyond the host's count (a step in flight); False, and nothing done, where that would need a
@@ -79,7 +78,7 @@ class KvPages:
             self._grant(int(i), int(want[i]))
         return True
 
-    def _suspend(self, ids: List[int]) -> None:
+    def _suspend(self, ids: list[int]) -> None:
         """Take the rows `ids` out of the batch: their pages' keys and values, tokens, hidden states and
         sampling state to the host (queued before anything reuses the pages), their pages freed; back to
         the head of the queue (the scheduler's `requeue`)."""
@@ -119,7 +118,7 @@ class KvPages:
             self.streaming.add(slot)
         self.counters.resumes += 1
 
-    def _compact(self, done: Set[int]) -> None:
+    def _compact(self, done: set[int]) -> None:
         """Keep the running requests in slots 0..B-1: the last ones move into the freed slots below (their
         state and block table rows; their keys and values stay in their pages). `done` rows hold no pages."""
         b = len(self.rows)

@@ -24,8 +24,8 @@ import os
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional, Tuple
 
 from ..config import LEXICON
 from ..model.lexicon import Lexicon, LexiconError, check_entry, from_json, to_json
@@ -83,10 +83,10 @@ class LexiconRegistry:
     def __init__(self, repo: Path):
         self.path = Path(repo) / LEXICON
         self._lock = threading.Lock()
-        self._key: Optional[Tuple] = ("unread",)
+        self._key: tuple | None = ("unread",)
         self._lexicon = Lexicon()
 
-    def _identity(self) -> Optional[Tuple]:
+    def _identity(self) -> tuple | None:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:

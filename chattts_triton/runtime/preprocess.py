@@ -7,8 +7,9 @@ import concurrent.futures
 import logging
 import os
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,7 +42,7 @@ class PreprocessService:
     """TEXT and speaker inputs → GPT prompt tensors. Refine-text runs on the GPT model (`refine`)."""
 
     def __init__(self, version_dir: Path, arch: Arch, device: torch.device, artifact_format: str,
-                 refine: Optional[Callable[[np.ndarray, Dict[str, Any]], np.ndarray]] = None, workers: int = 4,
+                 refine: Callable[[np.ndarray, dict[str, Any]], np.ndarray] | None = None, workers: int = 4,
                  max_pending: int = 0, voice_store: str = ""):
         """max_pending: requests held (being prepared) at most, beyond which one is answered "server busy"
         at once (0: no bound); the configuration gives what the GPT engines admit together. voice_store: where the
@@ -63,7 +64,7 @@ class PreprocessService:
         # Reference audio is encoded once per request on the CPU: the TorchScript encoder hangs on
         # CUDA with the JIT fuser on (seen with torch 2.11), and it is not on the hot path.
         self.encoder_path = (Path(version_dir) / "dvae_encode", artifact_format, torch.device("cpu"))
-        self._encoder: Optional[Artifact] = None
+        self._encoder: Artifact | None = None
         # named voices: the store the setting names, by default REPO/voices.json beside the model folders (version_dir
         # is REPO/MODEL/1)
         repo = Path(version_dir).parent.parent
@@ -106,7 +107,7 @@ class PreprocessService:
             self._encoder = Artifact(*self.encoder_path)
         return self._encoder
 
-    def reference_codes(self, inputs, voice: Optional[Voice] = None) -> Optional[np.ndarray]:
+    def reference_codes(self, inputs, voice: Voice | None = None) -> np.ndarray | None:
         """spk_smp codes [4, T] from SPEAKER_SAMPLE, SPEAKER_AUDIO or the voice (more than one: an error)."""
         sample = get_str(inputs, "SPEAKER_SAMPLE")
         audio = inputs.get("SPEAKER_AUDIO")
@@ -125,7 +126,7 @@ class PreprocessService:
         check_reference_audio(wav)
         return reference_codes(self.encoder(), wav)
 
-    def voice_inputs(self, inputs, ssml_voice: Optional[str] = None) -> Tuple[Optional[Voice], Optional[str], Optional[str]]:
+    def voice_inputs(self, inputs, ssml_voice: str | None = None) -> tuple[Voice | None, str | None, str | None]:
         """(voice, speaker string, reference transcript): VOICE (or the voice SSML's <voice> names) resolved in the
         repository's registry; an explicit SPEAKER / SPEAKER_TEXT for what the voice also holds is an error naming both."""
         speaker = get_str(inputs, "SPEAKER")
@@ -177,7 +178,7 @@ class PreprocessService:
             "SPOKEN_TEXT": np.array([[text.encode("utf-8")]], dtype=np.object_),  # what the GPT reads
         }
 
-    def from_ssml(self, document: str, prompt: str) -> Tuple[str, str, Optional[str]]:
+    def from_ssml(self, document: str, prompt: str) -> tuple[str, str, str | None]:
         """(text, prompt, voice) of an SSML TEXT (model/ssml.py; docs/ssml.md): one text, so a break is a ChatTTS pause
         token, a prosody rate the prompt's [speed_N], and a document in more than one voice or rate is refused."""
         if len(document) > LIMITS.max_text_chars:
@@ -209,7 +210,7 @@ class PreprocessService:
             raise InputError("TEXT has nothing to speak: only control tokens")
         return result.text
 
-    def stats(self) -> Dict[str, float]:
+    def stats(self) -> dict[str, float]:
         """Published as the instance's `chattts_*` gauges (triton/backend.py STAT_HELP)."""
         with self.text_lock:
             return dict(self.text_counters)

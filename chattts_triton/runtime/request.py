@@ -5,8 +5,9 @@ import them from."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -19,8 +20,8 @@ if TYPE_CHECKING:
 @dataclass
 class SamplingParams:
     temperature: float
-    top_p: Optional[float]  # None: off (upstream passes None to skip the warper)
-    top_k: Optional[int]
+    top_p: float | None  # None: off (upstream passes None to skip the warper)
+    top_k: int | None
     repetition_penalty: float
     max_new_tokens: int
     min_new_tokens: int
@@ -35,20 +36,20 @@ class GenRequest:
 
     text_ids: Tensor  # int64 [N]
     params: SamplingParams
-    on_done: Callable[["GenResult"], None]
+    on_done: Callable[[GenResult], None]
     mode: str = "code"
-    audio_codes: Optional[Tensor] = None  # int64 [P, num_vq] appended after the text (spk_smp)
-    spk_emb: Optional[Tensor] = None  # float [hidden] written at every spk_emb_id position
+    audio_codes: Tensor | None = None  # int64 [P, num_vq] appended after the text (spk_smp)
+    spk_emb: Tensor | None = None  # float [hidden] written at every spk_emb_id position
     spk_emb_id: int = -1
     eos_id: int = AUDIO_EOS
     want_hidden: bool = True
     cancelled: bool = False
-    cancelled_at: Optional[float] = None  # time.perf_counter() of the first cancel(): the engine times the release
+    cancelled_at: float | None = None  # time.perf_counter() of the first cancel(): the engine times the release
     # streaming: on_tokens(tokens, hiddens) gets the tokens generated since its last call once
     # there are at least `stream_every` of them (on the engine thread, one step later, after the
     # step's own host sync: hand off, never block). The consumer may change stream_every at any
     # time; the tail arrives in on_done's result.
-    on_tokens: Optional[Callable[[Tensor, Optional[Tensor]], None]] = None
+    on_tokens: Callable[[Tensor, Tensor | None], None] | None = None
     stream_every: int = 1
 
     @property
@@ -63,16 +64,16 @@ class GenRequest:
 
 @dataclass
 class GenResult:
-    tokens: Optional[Tensor]  # code: int64 [n, num_vq]; text: int64 [n]
-    hiddens: Optional[Tensor]  # float32 [n, hidden] (code mode with want_hidden)
+    tokens: Tensor | None  # code: int64 [n, num_vq]; text: int64 [n]
+    hiddens: Tensor | None  # float32 [n, hidden] (code mode with want_hidden)
     finish_reason: str  # "eos" | "max_tokens" | "cancelled" | "error"
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     steps: int = 0
     # CUDA: tokens/hiddens are pinned host copies, complete once this event has (recorded by the
     # engine right after the copies, so waiting on it never waits for a later step)
-    ready: Optional[Any] = None
+    ready: Any | None = None
 
-    def wait(self) -> "GenResult":
+    def wait(self) -> GenResult:
         if self.ready is not None:
             self.ready.synchronize()
             self.ready = None
@@ -86,13 +87,13 @@ class EngineError(RuntimeError):
 class Slot:
     __slots__ = ("req", "idx", "emitted", "seq", "saved", "_eng")
 
-    def __init__(self, eng: "Engine", req: GenRequest, idx: int, seq: int):
+    def __init__(self, eng: Engine, req: GenRequest, idx: int, seq: int):
         self._eng = eng
         self.req = req
         self.idx = idx  # slot; changes when finished requests below it are compacted away
         self.emitted = 0  # tokens handed to req.on_tokens
         self.seq = seq  # admission order: the newest running requests are suspended first
-        self.saved: Optional[tuple] = None  # while suspended: its pages' keys/values and its slot state
+        self.saved: tuple | None = None  # while suspended: its pages' keys/values and its slot state
 
     @property
     def n(self) -> int:  # tokens generated (kept) so far

@@ -9,7 +9,7 @@ one place a request's fields (`SamplingParams` and the rest) become a row.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -26,7 +26,7 @@ FREE_FLOATS = (1.0, 1.0, 1.0)
 
 
 def _column(kind: str, j: int, doc: str) -> property:
-    def get(self: "RowParams") -> Tensor:
+    def get(self: RowParams) -> Tensor:
         return getattr(self, kind)[:, j]
 
     return property(get, doc=doc)
@@ -54,13 +54,13 @@ class RowParams:
     repetition_penalty = _column("floats", 2, "repetition penalty over the last REPETITION_WINDOW tokens")
 
     @classmethod
-    def free(cls, rows: int, device: torch.device | str = "cpu") -> "RowParams":
+    def free(cls, rows: int, device: torch.device | str = "cpu") -> RowParams:
         """`rows` free slots' state."""
         return cls(torch.tensor(FREE_INTS, dtype=torch.int64, device=device).repeat(rows, 1),
                    torch.tensor(FREE_FLOATS, dtype=torch.float32, device=device).repeat(rows, 1))
 
     @classmethod
-    def of(cls, reqs: Sequence) -> "RowParams":
+    def of(cls, reqs: Sequence) -> RowParams:
         """The host rows of freshly admitted requests (`GenRequest`s): nothing generated yet."""
         ints, floats = [], []
         for r in reqs:
@@ -73,19 +73,19 @@ class RowParams:
             floats.append([frow[f] for f in FLOAT_FIELDS])
         return cls(torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32))
 
-    def narrow(self, start: int, length: int) -> "RowParams":
+    def narrow(self, start: int, length: int) -> RowParams:
         """Rows start..start+length-1, as views (writes land in self)."""
         return RowParams(self.ints.narrow(0, start, length), self.floats.narrow(0, start, length))
 
-    def select(self, rows: Tensor) -> "RowParams":
+    def select(self, rows: Tensor) -> RowParams:
         """A copy of the rows `rows` (int64 indices)."""
         return RowParams(self.ints.index_select(0, rows), self.floats.index_select(0, rows))
 
-    def map(self, fn: Callable[[Tensor], Tensor]) -> "RowParams":
+    def map(self, fn: Callable[[Tensor], Tensor]) -> RowParams:
         """fn applied to both tensors (say, a copy to the device)."""
         return RowParams(fn(self.ints), fn(self.floats))
 
-    def copy_(self, src: "RowParams") -> "RowParams":
+    def copy_(self, src: RowParams) -> RowParams:
         """src's rows into these (src may be one row: it is broadcast)."""
         self.ints.copy_(src.ints)
         self.floats.copy_(src.floats)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -154,7 +154,7 @@ class Runner:
         idx[0, :k] += torch.arange(k)
         idx[1, :k] = torch.tensor(lens) - 1
         spk_row = torch.full((n_text,), -1, dtype=torch.int64)
-        spk: List[Tensor] = []
+        spk: list[Tensor] = []
         ot, oc = 0, n_text
         for i, r in enumerate(reqs):
             nt = int(ids[i].numel())
@@ -188,8 +188,8 @@ class Runner:
             return to_host(hit).numpy()
         return hit.cpu().numpy()
 
-    def step_core(self, start: int, b: int, attn_len: int, mode: str = "code", n_live: Optional[Tensor] = None,
-                  groups: Optional[List[Tuple[str, Tensor]]] = None) -> Tensor:
+    def step_core(self, start: int, b: int, attn_len: int, mode: str = "code", n_live: Tensor | None = None,
+                  groups: list[tuple[str, Tensor]] | None = None) -> Tensor:
         """One decode step of the rows in slots start..start+b-1 (pure tensor work: no host sync,
         CUDA-graph safe). Feeds each row's last token at position prompt_len + n - 1 (both from the
         device state, so a graph replay needs no input), samples the next, records token and hidden
@@ -221,7 +221,7 @@ class Runner:
             hit.index_copy_(0, rows, hm)
         return hit
 
-    def _sampling_logits(self, st: Tensor, p: Tensor, h: Tensor, mode: str) -> Tuple[Tensor, int]:
+    def _sampling_logits(self, st: Tensor, p: Tensor, h: Tensor, mode: str) -> tuple[Tensor, int]:
         """The processed logits [rows × q, vocabulary] of the rows in slots `st` (p: a copy of their `row_params`;
         q: the code rows per request, 1 in text mode), everything upstream does before the draw."""
         b = st.shape[0]
@@ -258,7 +258,7 @@ class Runner:
         self.hiddens[st, n] = h.to(self.hiddens.dtype)  # the compute dtype: exact, the model's output in it
         self.n_dev.index_add_(0, st, keep.long())
 
-    def sample_core(self, st: Tensor, p: Tensor, h: Tensor, mode: str, valid: Optional[Tensor] = None):
+    def sample_core(self, st: Tensor, p: Tensor, h: Tensor, mode: str, valid: Tensor | None = None):
         """Sample the next token of the rows in slots `st` (p: a copy of their `row_params`); record it."""
         b = st.shape[0]
         logits, q = self._sampling_logits(st, p, h, mode)

@@ -21,8 +21,9 @@ opposite ends of one deque.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Sequence, Tuple
+from typing import Any
 
 from ..config import ADMIT_BATCH, ADMIT_WAIT_STEPS, KV_PAGE_TOKENS
 
@@ -42,9 +43,9 @@ class Suspended:
 class Admission:
     """What `Scheduler.admit` decided for one iteration, each in queue order."""
 
-    resume: Tuple[Suspended, ...] = ()  # back where they stopped (they were at the head)
-    prefill: Tuple[Any, ...] = ()  # new requests: one batched prefill
-    cancelled: Tuple[Tuple[Any, int], ...] = ()  # (request, tokens it had): end them "cancelled"
+    resume: tuple[Suspended, ...] = ()  # back where they stopped (they were at the head)
+    prefill: tuple[Any, ...] = ()  # new requests: one batched prefill
+    cancelled: tuple[tuple[Any, int], ...] = ()  # (request, tokens it had): end them "cancelled"
 
 
 NOTHING = Admission()  # an empty queue's answer, every step of a busy engine: made once
@@ -61,15 +62,15 @@ class Scheduler:
         self.admit_batch = max(1, admit_batch)
         self.admit_wait_steps = max(0, admit_wait_steps)
         self.max_pending = max_pending
-        self.waiting: Deque[Tuple[Any, int]] = deque()  # (request, the step it arrived or was suspended at)
-        self.suspended: Dict[int, Suspended] = {}  # id(request) → its record, while it waits to resume
+        self.waiting: deque[tuple[Any, int]] = deque()  # (request, the step it arrived or was suspended at)
+        self.suspended: dict[int, Suspended] = {}  # id(request) → its record, while it waits to resume
 
     # -- the queue --------------------------------------------------------------------------------------
     @property
     def pending(self) -> int:
         return len(self.waiting)
 
-    def requests(self) -> List[Any]:
+    def requests(self) -> list[Any]:
         """The waiting requests, head first."""
         return [req for req, _ in self.waiting]
 
@@ -86,12 +87,12 @@ class Scheduler:
         """Pages that hold `positions` positions (an int, or a numpy array of them)."""
         return -(-positions // self.page_tokens)
 
-    def victims(self, seqs: Sequence[int], held: Sequence[int], short: Sequence[bool], free_pages: int) -> List[int]:
+    def victims(self, seqs: Sequence[int], held: Sequence[int], short: Sequence[bool], free_pages: int) -> list[int]:
         """Which running rows to suspend so that every row short of a page (`short`) gets one: the newest
         (largest admission order `seqs`) first, until the pages free and those the victims hold and no longer
         need cover the rest; never the last row. `held`: pages each row holds. [] if the free pages suffice."""
         b, need = len(seqs), int(sum(short))
-        out: List[int] = []
+        out: list[int] = []
         freed = free_pages
         for i in sorted(range(b), key=lambda i: seqs[i], reverse=True):
             if freed >= need or len(out) == b - 1:
@@ -115,9 +116,9 @@ class Scheduler:
         plus one in reserve for every request that will be running."""
         if not self.waiting:
             return NOTHING
-        resume: List[Suspended] = []
-        prefill: List[Any] = []
-        cancelled: List[Tuple[Any, int]] = []
+        resume: list[Suspended] = []
+        prefill: list[Any] = []
+        cancelled: list[tuple[Any, int]] = []
         while self.waiting and self.waiting[0][0].cancelled:
             cancelled.append(self._drop_head())
         free = self.max_slots - running
@@ -154,7 +155,7 @@ class Scheduler:
         # busy: batch the prefills (each is hundreds of eager kernels between two decode steps)
         return len(self.waiting) >= min(self.admit_batch, free) or step - self.waiting[0][1] >= self.admit_wait_steps
 
-    def _drop_head(self) -> Tuple[Any, int]:
+    def _drop_head(self) -> tuple[Any, int]:
         req, _ = self.waiting.popleft()
         suspended = self.suspended.pop(id(req), None)
         return req, 0 if suspended is None else suspended.steps

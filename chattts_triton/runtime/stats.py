@@ -9,7 +9,6 @@ thread writes them; readers on other threads see each value as of some recent st
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Dict
 
 
 @dataclass
@@ -53,9 +52,9 @@ class EngineStats:
     preemptions: int = 0
     resumes: int = 0
 
-    def report(self) -> Dict[str, float]:
+    def report(self) -> dict[str, float]:
         """Each counter as `engine_<name>`; seconds rounded to the µs."""
-        out: Dict[str, float] = {}
+        out: dict[str, float] = {}
         for f in fields(self):
             v = getattr(self, f.name)
             out[f"engine_{f.name}"] = round(v, 6) if isinstance(v, float) else v

@@ -26,8 +26,8 @@ import logging
 import os
 import sqlite3
 import threading
+from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Callable, Dict, Hashable, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ MAX_DOC_BYTES = 32 << 10  # a voice of 15 s of reference audio with a long trans
 SCHEMES = ("file", "sqlite", "redis", "rediss", "postgresql", "postgres")
 CONNECT_TIMEOUT_S = 5.0
 
-Docs = Dict[str, dict]
+Docs = dict[str, dict]
 
 
 class StoreError(RuntimeError):
@@ -100,7 +100,7 @@ class DocumentStore:
         """A token that changes with every write (cheap); StoreUnavailable when the server is down."""
         raise NotImplementedError
 
-    def snapshot(self) -> Tuple[Hashable, Docs]:
+    def snapshot(self) -> tuple[Hashable, Docs]:
         """(generation, documents) as one consistent read."""
         raise NotImplementedError
 
@@ -112,13 +112,13 @@ class DocumentStore:
         """Removes a document in one transaction; False when there was none."""
         raise NotImplementedError
 
-    def get(self, name: str) -> Optional[dict]:
+    def get(self, name: str) -> dict | None:
         return self.snapshot()[1].get(name)
 
     def close(self) -> None:
         pass
 
-    def _seed(self) -> Dict[str, str]:
+    def _seed(self) -> dict[str, str]:
         return {n: encode_doc(n, d) for n, d in self.initial().items()}
 
 
@@ -151,10 +151,10 @@ class SQLiteStore(DocumentStore):
         if parts.netloc or not parts.path or parts.path == "/":
             raise StoreError(f"voice_store {url!r}: an SQLite store is sqlite:///ABSOLUTE/PATH (three slashes)")
         self.path = Path(parts.path)
-        self._conn: Optional[sqlite3.Connection] = None
+        self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()
 
-    def _connect(self, create: bool) -> Optional[sqlite3.Connection]:
+    def _connect(self, create: bool) -> sqlite3.Connection | None:
         if self._conn is not None:
             return self._conn
         if not create and not self.path.exists():
@@ -187,7 +187,7 @@ class SQLiteStore(DocumentStore):
         rows = self._read(_GENERATION)
         return rows[0][0] if rows else None
 
-    def snapshot(self) -> Tuple[Hashable, Docs]:
+    def snapshot(self) -> tuple[Hashable, Docs]:
         rows = self._read(_SNAPSHOT)  # one statement: one consistent read
         if not rows:
             return None, self.initial()
@@ -309,7 +309,7 @@ class RedisStore(DocumentStore):
     def generation(self) -> Hashable:
         return self._call(lambda: self.client.get(self.keys[1]))
 
-    def snapshot(self) -> Tuple[Hashable, Docs]:
+    def snapshot(self) -> tuple[Hashable, Docs]:
         def read():
             with self.client.pipeline(transaction=True) as p:  # MULTI/EXEC: one consistent read
                 return p.get(self.keys[1]).hgetall(self.keys[0]).execute()
@@ -383,7 +383,7 @@ class PostgresStore(DocumentStore):
         row = self._run(lambda c: c.execute(_GENERATION.format(p="%s"), (self.namespace,)).fetchone())
         return row[0] if row else None
 
-    def snapshot(self) -> Tuple[Hashable, Docs]:
+    def snapshot(self) -> tuple[Hashable, Docs]:
         rows = self._run(lambda c: c.execute(_SNAPSHOT.format(p="%s"), (self.namespace,)).fetchall())
         if not rows:
             return None, self.initial()

@@ -17,8 +17,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,14 +36,14 @@ WARM_STREAM_FRAMES = 256  # codec graphs captured at start-up: every frame bucke
 # of the streams up to this long, for 1, 2, 4 .. CODEC_GRAPH_BATCH streams' windows in one call
 
 
-def set_omp_threads(n: Optional[int]) -> None:
+def set_omp_threads(n: int | None) -> None:
     """This thread's torch intra-op (OpenMP) threads: `n`, or None to leave them."""
     if n is not None and torch.get_num_threads() != n:
         torch.set_num_threads(n)
 
 
 @contextlib.contextmanager
-def omp_threads(n: Optional[int]):
+def omp_threads(n: int | None):
     """The calling thread's torch ops on `n` OpenMP threads inside the block (None: as they are); its count is
     restored after (the count is per thread; the value later threads start from is torch's global, restored too)."""
     before = torch.get_num_threads()
@@ -62,7 +63,7 @@ class StreamCall:
     """One streaming request: `send(outputs, final)` a chunk (final ends it), `fail(exc)` ends it
     with an error, `cancelled()` says whether the client went away."""
 
-    inputs: Dict[str, Any]
+    inputs: dict[str, Any]
     send: Callable[[Outputs, bool], None]
     fail: Callable[[BaseException], None]
     cancelled: Callable[[], bool]
@@ -79,18 +80,18 @@ class _Stream:
                  "t_tokens", "held", "spoken")
 
     def __init__(self, call: StreamCall, planner: ChunkPlanner, use_decoder: bool, t_start: float,
-                 spoken: Optional[np.ndarray] = None):
+                 spoken: np.ndarray | None = None):
         self.call, self.planner, self.use_decoder = call, planner, use_decoder
         self.spoken = spoken  # SPOKEN_TEXT, sent with the stream's first response
         self.t_start = t_start  # when its preprocessing began (monotonic)
-        self.t_tokens: Optional[float] = None  # when its first tokens reached the codec thread
-        self.codes: List[torch.Tensor] = []
-        self.hiddens: List[torch.Tensor] = []
+        self.t_tokens: float | None = None  # when its first tokens reached the codec thread
+        self.codes: list[torch.Tensor] = []
+        self.hiddens: list[torch.Tensor] = []
         self.req = None
         self.done = False
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self.ended = False
-        self.held: Optional[np.ndarray] = None  # the last window's samples past its chunk, to fade from
+        self.held: np.ndarray | None = None  # the last window's samples past its chunk, to fade from
 
     def frames(self) -> int:
         return sum(int(c.shape[0]) for c in self.codes)
@@ -104,9 +105,9 @@ class StreamService:
     """`chattts_stream`: contract inputs → audio chunks, through its own engine and codec."""
 
     def __init__(self, preprocess, gpt, vocoder, first_chunk: int, chunk: int, lookahead: int,
-                 max_streams: int, drain_file: str = "", first_lookahead: Optional[int] = None, fade: int = 0,
-                 exact: Optional[int] = None, codec_stream: bool = False, first_chunks_first: bool = False,
-                 side_threads: Optional[int] = None):
+                 max_streams: int, drain_file: str = "", first_lookahead: int | None = None, fade: int = 0,
+                 exact: int | None = None, codec_stream: bool = False, first_chunks_first: bool = False,
+                 side_threads: int | None = None):
         """side_threads: OpenMP threads of the codec thread and of each preprocess thread a stream starts on
         (None: the process's). On the CPU the factory gives 1, so that the engine's is the process's only OpenMP
         team: libgomp lets a team's idle workers spin only while the process's OpenMP threads fit the cores; with
@@ -129,8 +130,8 @@ class StreamService:
         self.side_threads = side_threads
         self.max_streams = max_streams
         self.drain_file = drain_file
-        self.events: "queue.Queue" = queue.Queue()
-        self.streams: List[_Stream] = []  # owned by the codec thread
+        self.events: queue.Queue = queue.Queue()
+        self.streams: list[_Stream] = []  # owned by the codec thread
         self.admitted = 0  # streams started and not ended (any thread; under lock)
         self.lock = threading.Lock()
         self.stopping = False
@@ -197,7 +198,7 @@ class StreamService:
             else:
                 self._end(call, e)
 
-    def _end(self, call: StreamCall, error: Optional[BaseException] = None, outputs: Optional[Outputs] = None) -> None:
+    def _end(self, call: StreamCall, error: BaseException | None = None, outputs: Outputs | None = None) -> None:
         with self.lock:
             self.admitted -= 1
         try:
@@ -285,7 +286,7 @@ class StreamService:
         for group in ([d for d in due if _is_first(d[1])], [d for d in due if not _is_first(d[1])]):
             self._decode(group)
 
-    def _decode(self, due: List[Tuple[_Stream, Window]]) -> None:
+    def _decode(self, due: list[tuple[_Stream, Window]]) -> None:
         """One codec call for the windows `due` (in order per stream), then their chunks sent; a stream
         an earlier call of this step ended (its codec call failed) is skipped."""
         due = [(s, w) for s, w in due if not s.ended]
@@ -328,7 +329,7 @@ class StreamService:
                         c[first_chunk_bucket(ms)] += 1
                 c["stream_first_tokens_seconds"] += (s.t_tokens or now) - s.t_start
 
-    def _finish(self, s: _Stream, error: Optional[BaseException] = None, outputs: Optional[Outputs] = None) -> None:
+    def _finish(self, s: _Stream, error: BaseException | None = None, outputs: Outputs | None = None) -> None:
         s.ended = True
         self.streams.remove(s)
         self._end(s.call, error, outputs)
@@ -340,7 +341,7 @@ class StreamService:
             self._finish(s, error=error)
 
     # -- stats and lifecycle --------------------------------------------------------------------
-    def stats(self) -> Dict[str, float]:
+    def stats(self) -> dict[str, float]:
         return {"streams": self.admitted, **self.gpt.stats(), **self.pre.stats(),
                 **{k: round(v, 6) for k, v in self.counters.items()}}
 

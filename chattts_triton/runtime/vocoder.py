@@ -5,8 +5,8 @@ its chunks."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ class VocoderService:
         self.decoder = Artifact(d / "decoder", artifact_format, device)
         self.dvae = Artifact(d / "dvae_decode", artifact_format, device)
         self.vocos = Artifact(d / "vocos", artifact_format, device)
-        self.graphs: Optional[CodecGraphs] = None
+        self.graphs: CodecGraphs | None = None
         if graphs and device.type == "cuda" and artifact_format == "torchscript":
             self.graphs = CodecGraphs(self)
         for _ in range(2):  # warm-up, as for the GPT
@@ -81,15 +81,15 @@ class VocoderService:
         mel = (self.decoder if use_decoder else self.dvae)(x, lengths)
         return self.vocos(mel, lengths * MEL_FRAMES_PER_CODE).float()
 
-    def synthesize(self, items: List[tuple]) -> List[np.ndarray]:
+    def synthesize(self, items: list[tuple]) -> list[np.ndarray]:
         """(use_decoder, hidden states [T, H] or codes [T, 4]) per item → its audio."""
         if self.graphs is not None:
             return self.graphs.synthesize(items)
         return self.synthesize_eager(items)
 
-    def synthesize_eager(self, items: List[tuple]) -> List[np.ndarray]:
+    def synthesize_eager(self, items: list[tuple]) -> list[np.ndarray]:
         """`synthesize` as one eager batch per path (any sizes, both paths, empty items)."""
-        mels: List[Optional[torch.Tensor]] = [None] * len(items)
+        mels: list[torch.Tensor | None] = [None] * len(items)
         for use_decoder, net in ((True, self.decoder), (False, self.dvae)):
             idx = [i for i, (u, x) in enumerate(items) if u == use_decoder and x.shape[0] > 0]
             if not idx:
@@ -99,7 +99,7 @@ class VocoderService:
             mel = net(batch, lens)
             for j, i in enumerate(idx):
                 mels[i] = mel[j, :, : 2 * int(lens[j])]
-        out: List[np.ndarray] = [np.zeros(0, np.float32) for _ in items]
+        out: list[np.ndarray] = [np.zeros(0, np.float32) for _ in items]
         idx = [i for i, m in enumerate(mels) if m is not None]
         if idx:
             mel_lens = torch.tensor([mels[i].shape[1] for i in idx], dtype=torch.int64)
@@ -122,21 +122,21 @@ class CodecGraphs(GraphCache):
     (docs/performance.md). Bucket padding: zero frames, and rows of one code frame (their samples are
     dropped with the rest of the padding)."""
 
-    def __init__(self, voc: "VocoderService", capture: bool = True):
+    def __init__(self, voc: VocoderService, capture: bool = True):
         super().__init__(voc.device, capture)
         self.voc = voc
-        self.inputs: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def buckets(self, n: int, frames: int) -> Tuple[int, int]:
+    def buckets(self, n: int, frames: int) -> tuple[int, int]:
         return bucket(n, CODEC_BATCH_STEP, CODEC_GRAPH_FRAMES), bucket(frames, CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES)
 
-    def synthesize(self, items: List[tuple]) -> List[np.ndarray]:
+    def synthesize(self, items: list[tuple]) -> list[np.ndarray]:
         """The items' audio: per path, the items by length in graphs of at most CODEC_GRAPH_BATCH
         (similar lengths share a frame bucket; a call for the stream model's 64 streams is 4 replays
         of buckets captured at start-up); a group over CODEC_GRAPH_FRAMES padded frames or of items
         over CODEC_GRAPH_ITEM_FRAMES runs eagerly, an empty item gets empty audio."""
-        out: List[Optional[np.ndarray]] = [None] * len(items)
-        eager: List[int] = []
+        out: list[np.ndarray | None] = [None] * len(items)
+        eager: list[int] = []
         for use_decoder in (True, False):
             idx = sorted((i for i, (u, x) in enumerate(items) if u == use_decoder and x.shape[0] > 0),
                          key=lambda i: items[i][1].shape[0])
@@ -153,7 +153,7 @@ class CodecGraphs(GraphCache):
                 out[i] = a
         return [np.zeros(0, np.float32) if a is None else a for a in out]
 
-    def _replay(self, use_decoder: bool, xs: List[torch.Tensor]) -> Optional[List[np.ndarray]]:
+    def _replay(self, use_decoder: bool, xs: list[torch.Tensor]) -> list[np.ndarray] | None:
         lens = [int(x.shape[0]) for x in xs]
         bb, tb = self.buckets(len(xs), max(lens))
         if bb * tb > CODEC_GRAPH_FRAMES or tb > CODEC_GRAPH_ITEM_FRAMES:

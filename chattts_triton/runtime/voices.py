@@ -39,9 +39,9 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Hashable, Iterator, List, Optional, Tuple, Union
 from urllib.parse import urlsplit
 
 from ..config import BUILTIN_VOICE_SEEDS, LIMITS, MANIFEST, PREPROCESS, SAMPLE_RATE, VOICE_STORE_ENV, VOICES
@@ -83,13 +83,13 @@ class VoiceFileError(StoreError):
 @dataclass(frozen=True)
 class Voice:
     name: str
-    speaker: Optional[str] = None  # spk_emb string
-    sample: Optional[str] = None  # spk_smp string (reference-audio codes)
-    text: Optional[str] = None  # txt_smp: the transcript of the reference audio
-    seed: Optional[int] = None  # where the speaker came from, when a seed
+    speaker: str | None = None  # spk_emb string
+    sample: str | None = None  # spk_smp string (reference-audio codes)
+    text: str | None = None  # txt_smp: the transcript of the reference audio
+    seed: int | None = None  # where the speaker came from, when a seed
     builtin: bool = False
     description: str = ""
-    mix: Optional[str] = None  # where the speaker came from, when a mix (its terms with normalised weights)
+    mix: str | None = None  # where the speaker came from, when a mix (its terms with normalised weights)
 
     def to_json(self) -> dict:
         d = {k: getattr(self, k) for k in ("speaker", "sample", "text", "seed", "mix") if getattr(self, k) is not None}
@@ -109,7 +109,7 @@ class Voice:
         parts = (["speaker string"] if self.speaker else []) + (["reference audio"] if self.sample else [])
         return " + ".join(parts)
 
-    def materialized(self, hidden: int) -> "Voice":
+    def materialized(self, hidden: int) -> Voice:
         """The voice with its speaker made: a voice stored as its seed alone (a built-in one in a shared store, or one
         added over HTTP) gets the speaker the seed gives for this hidden size."""
         if self.seed is None or self.speaker is not None or self.sample is not None:
@@ -159,11 +159,11 @@ def seed_voice(name: str, seed: int, hidden: int, builtin: bool = False, descrip
                  description=description)
 
 
-def builtin_voices(hidden: int) -> Dict[str, Voice]:
+def builtin_voices(hidden: int) -> dict[str, Voice]:
     return {name: seed_voice(name, seed, hidden, builtin=True) for name, seed in BUILTIN_VOICE_SEEDS.items()}
 
 
-def carried_over(old: Path, hidden: int) -> Tuple[Dict[str, Voice], List[str]]:
+def carried_over(old: Path, hidden: int) -> tuple[dict[str, Voice], list[str]]:
     """The registry a re-export writes: the previous repository's voices.json (`old`) where there is one,
     else the built-ins. Seed voices are made again for this model's hidden size, and so is a stored mix that
     cannot serve it (from its recipe, over the carried voices); a voice that cannot serve this model is dropped,
@@ -227,7 +227,7 @@ def _registry_docs(text: str, path) -> Docs:
     return doc["voices"]
 
 
-def read_voices(path: Path) -> Dict[str, Voice]:
+def read_voices(path: Path) -> dict[str, Voice]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -235,7 +235,7 @@ def read_voices(path: Path) -> Dict[str, Voice]:
     return {name: _voice_from_json(name, d) for name, d in _registry_docs(text, path).items()}
 
 
-def write_voices(path: Path, voices: Dict[str, Voice]) -> None:
+def write_voices(path: Path, voices: dict[str, Voice]) -> None:
     """Atomically: a reader sees the old file or the new one, never half of one."""
     _write_docs(Path(path), {n: voices[n].to_json() for n in voices})
 
@@ -256,7 +256,7 @@ def _write_docs(path: Path, docs: Docs) -> None:
 
 
 @contextlib.contextmanager
-def editing(repo: Path, hidden: int) -> Iterator[Dict[str, Voice]]:
+def editing(repo: Path, hidden: int) -> Iterator[dict[str, Voice]]:
     """The registry of `repo` to change in place; written back when the block ends without an error. Edits
     from several processes are serialised by a lock on the repository folder."""
     repo = Path(repo)
@@ -291,7 +291,7 @@ class FileVoiceStore(DocumentStore):
             return None
         return st.st_ino, st.st_dev, st.st_mtime_ns, st.st_size
 
-    def snapshot(self) -> Tuple[Hashable, Docs]:
+    def snapshot(self) -> tuple[Hashable, Docs]:
         try:
             with open(self.path, "rb") as f:  # the identity of the file read, not of one renamed over it since
                 st = os.fstat(f.fileno())
@@ -342,7 +342,7 @@ def delete_voice(store: DocumentStore, name: str) -> bool:
         return False
 
 
-def open_voice_store(url: str = "", repo: Optional[Path] = None) -> DocumentStore:
+def open_voice_store(url: str = "", repo: Path | None = None) -> DocumentStore:
     """The store `url` names (runtime/stores.py); empty: `repo`'s voices.json."""
     url = (url or "").strip()
     if not url:
@@ -357,7 +357,7 @@ def open_voice_store(url: str = "", repo: Optional[Path] = None) -> DocumentStor
     return open_server_store(url, NAMESPACE, initial_docs)
 
 
-def store_url(repo: Optional[Path] = None, given: Optional[str] = None) -> str:
+def store_url(repo: Path | None = None, given: str | None = None) -> str:
     """The voice store a command uses: `given` (its --voice-store), else env CHATTTS_VOICE_STORE, else the
     repository's own setting (its manifest's deployment), else empty (the repository's voices.json)."""
     if given:
@@ -372,7 +372,7 @@ def store_url(repo: Optional[Path] = None, given: Optional[str] = None) -> str:
     return env_or(configured, VOICE_STORE_ENV)
 
 
-def voices_of(docs: Docs) -> Tuple[Dict[str, Voice], Dict[str, str]]:
+def voices_of(docs: Docs) -> tuple[dict[str, Voice], dict[str, str]]:
     """(voices, why each unreadable one is) of a store's documents, as stored (a seed voice may hold its seed alone)."""
     voices, broken = {}, {}
     for name, d in docs.items():
@@ -392,21 +392,21 @@ class VoiceRegistry:
     voices when it has none), read again when its generation changes; a store that cannot be reached keeps the
     voices last read (logged)."""
 
-    def __init__(self, source: Union[Path, DocumentStore], hidden: int):
+    def __init__(self, source: Path | DocumentStore, hidden: int):
         self.store = source if isinstance(source, DocumentStore) else FileVoiceStore(Path(source) / VOICES)
         self.hidden = hidden
         self._lock = threading.Lock()
         self._key: Hashable = _UNREAD
         self._polled = -float("inf")
-        self._voices: Dict[str, Voice] = {}
-        self._error: Optional[StoreError] = None
-        self._broken: Dict[str, str] = {}
-        self._mixes: "OrderedDict[str, Voice]" = OrderedDict()  # mix expression -> its voice, for this version
+        self._voices: dict[str, Voice] = {}
+        self._error: StoreError | None = None
+        self._broken: dict[str, str] = {}
+        self._mixes: OrderedDict[str, Voice] = OrderedDict()  # mix expression -> its voice, for this version
 
-    def voices(self) -> Dict[str, Voice]:
+    def voices(self) -> dict[str, Voice]:
         return self._load()[0]
 
-    def _build(self, docs: Docs) -> Tuple[Dict[str, Voice], Dict[str, str]]:
+    def _build(self, docs: Docs) -> tuple[dict[str, Voice], dict[str, str]]:
         voices, broken = voices_of(docs)
         for name, voice in list(voices.items()):
             try:
@@ -418,7 +418,7 @@ class VoiceRegistry:
             log.error("voice store %s: unusable voices %s", shown_url(self.store.url), broken)
         return voices, broken
 
-    def _load(self) -> Tuple[Dict[str, Voice], Dict[str, str]]:
+    def _load(self) -> tuple[dict[str, Voice], dict[str, str]]:
         """(voices, why each unusable one is) of the store now, checked once per generation of it."""
         now = time.monotonic()
         with self._lock:
@@ -454,7 +454,7 @@ class VoiceRegistry:
             self._polled = now
             return self._current()
 
-    def _current(self) -> Tuple[Dict[str, Voice], Dict[str, str]]:
+    def _current(self) -> tuple[dict[str, Voice], dict[str, str]]:
         if self._error is not None:
             raise self._error
         return self._voices, self._broken
@@ -496,7 +496,7 @@ class VoiceRegistry:
 MIXES_CACHED = 256  # mixes a registry keeps made (each costs its terms' decoding and one LZMA encoding)
 
 
-def mix_voice(expr: str, resolve: Callable[[str], Voice], hidden: int, name: Optional[str] = None) -> Voice:
+def mix_voice(expr: str, resolve: Callable[[str], Voice], hidden: int, name: str | None = None) -> Voice:
     """The voice a mix expression makes (model/mix.py: grammar and rule): its terms resolved by `resolve` (a
     registry's), each a speaker embedding (a seed, a speaker string or a stored mix; a voice of reference audio has
     none to mix); InputError starting with VOICE for every fault, naming the term."""
@@ -601,7 +601,7 @@ def encode_reference(repo: Path, wav) -> str:
     return spk.encode_prompt(reference_codes(encoder, wav))
 
 
-def _text_arg(value: Optional[str]) -> Optional[str]:
+def _text_arg(value: str | None) -> str | None:
     if value is not None and value.startswith("@"):
         return Path(value[1:]).read_text(encoding="utf-8").strip()
     return value

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, List, Optional
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -26,7 +26,7 @@ from .request import EngineError, GenRequest, GenResult, SamplingParams
 class WarmUp:
     """`Engine.warm_up`, `Engine.warm_graphs` and running a task on the engine thread."""
 
-    def warm_up(self, text_eos_id: Optional[int] = None, freeze: bool = True, timeout: float = 1800.0) -> None:
+    def warm_up(self, text_eos_id: int | None = None, freeze: bool = True, timeout: float = 1800.0) -> None:
         """Run what a server meets first before any client does: TorchScript's specialising runs,
         and with graph buckets, per mode (code; text when `text_eos_id` is given) a request alone and
         two together, so the compiled step (batch 1 and the dynamic batch ≥ 2 variant) and their
@@ -46,7 +46,7 @@ class WarmUp:
         if freeze and self.graph_step is not None:
             self.freeze_compiled()
 
-    def warm_graphs(self, mode: str = "code", max_len: Optional[int] = None, timeout: float = 1800.0) -> int:
+    def warm_graphs(self, mode: str = "code", max_len: int | None = None, timeout: float = 1800.0) -> int:
         """Capture now, before the first client, what a load would otherwise capture as it first reaches
         a bucket (each capture synchronises the device, stalling every running request): the decode
         graph of every batch bucket at every attention bucket up to `max_len` (default
@@ -72,7 +72,7 @@ class WarmUp:
         self._on_engine_thread(capture, deadline)
         return len(self.graphs.graphs)
 
-    def _warm_prefills(self, counts: List[int], deadline: float) -> None:
+    def _warm_prefills(self, counts: list[int], deadline: float) -> None:
         """One prefill (no decode step) of k prompts per PREFILL_WARM_LENGTHS bucket that graphs take,
         for each k in `counts`: their graphs are captured now."""
         if not self.prefill_graphs:
@@ -112,10 +112,10 @@ class WarmUp:
         if box:
             raise box[0]
 
-    def _warm_batch(self, prompts: List[Tensor], tokens: int, deadline: float, mode: str = "code", eos: int = AUDIO_EOS) -> None:
+    def _warm_batch(self, prompts: list[Tensor], tokens: int, deadline: float, mode: str = "code", eos: int = AUDIO_EOS) -> None:
         """Generate `tokens` for each prompt, all waiting before the engine looks (an idle engine admits
         them in one prefill); raise what failed."""
-        results: List[GenResult] = []
+        results: list[GenResult] = []
         with self.cv:  # re-entrant: submit takes it too
             for i, ids in enumerate(prompts):
                 params = SamplingParams(1.0, None, None, 1.0, tokens, tokens, seed=i)

@@ -15,8 +15,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +46,7 @@ log = logging.getLogger("chattts_triton")
 class ModelContext:
     """What a service factory gets: the model's config, its files and where it runs."""
 
-    def __init__(self, args: Dict[str, str], pb_utils):
+    def __init__(self, args: dict[str, str], pb_utils):
         self.config = json.loads(args["model_config"])
         self.name = args["model_name"]
         self.instance_name = args.get("model_instance_name", self.name)
@@ -61,7 +62,7 @@ class ModelContext:
         self.arch = Arch.from_json(self.manifest["arch"])
 
     @classmethod
-    def from_repo(cls, repo: Path, model: str, kind: str = "CPU", device_id: int = 0, **params) -> "ModelContext":
+    def from_repo(cls, repo: Path, model: str, kind: str = "CPU", device_id: int = 0, **params) -> ModelContext:
         """The context Triton would give `model` of an exported repository, outside Triton
         (tests, benches); `params` override its config parameters."""
         from google.protobuf import json_format
@@ -82,7 +83,7 @@ class ModelContext:
         """The model's parameters (triton/params.py)."""
         return schema.read(self.name, self.config.get("parameters", {}))
 
-    def bls(self, model: str, inputs: Dict[str, np.ndarray], outputs) -> Dict[str, np.ndarray]:
+    def bls(self, model: str, inputs: dict[str, np.ndarray], outputs) -> dict[str, np.ndarray]:
         """Synchronous call of another model of the server (used for refine-text)."""
         pb = self.pb_utils
         req = pb.InferenceRequest(
@@ -182,7 +183,7 @@ STAT_HELP = {
 }
 
 
-def gpu_memory_stats() -> Dict[str, float]:
+def gpu_memory_stats() -> dict[str, float]:
     """This process's GPU memory through torch's allocator, where it uses a GPU (no CUDA call otherwise)."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
@@ -270,7 +271,7 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):
                     log.exception("publishing metrics failed")
                     return
 
-        def _stats(self) -> Dict[str, float]:
+        def _stats(self) -> dict[str, float]:
             stats = self.service.stats() if hasattr(self.service, "stats") else {}
             return {**stats, **gpu_memory_stats()}
 
@@ -382,14 +383,14 @@ def preprocess_service(ctx: ModelContext):
 
     p = ctx.params(PreprocessParams)
 
-    def refine(ids: np.ndarray, params: Dict[str, np.ndarray]) -> np.ndarray:
+    def refine(ids: np.ndarray, params: dict[str, np.ndarray]) -> np.ndarray:
         return ctx.bls(p.gpt_model, refine_request(ids, params), ["CODES"])["CODES"][0, :, 0]
 
     return PreprocessService(ctx.version_dir, ctx.arch, device_for(ctx.instance_kind, ctx.device_id), p.artifact_format,
                              refine=refine, max_pending=p.max_pending, voice_store=p.voice_store)
 
 
-def gpt_service(ctx: ModelContext, version_dir: Optional[Path] = None, params: Optional[EngineParams] = None):
+def gpt_service(ctx: ModelContext, version_dir: Path | None = None, params: EngineParams | None = None):
     """A GPT engine's service (`params`: chattts_gpt's unless given); its slots and KV cache as configured, or (auto)
     sized from the GPU's memory."""
     from ..runtime.device import device_for, engine_plan, limit_process_memory

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Dict, List, Mapping, Optional, get_type_hints
+from typing import Any, get_type_hints
 
 from ..config import ADMIT_BATCH, ADMIT_WAIT_STEPS, PENDING_PER_SLOT, PRECISIONS, Arch
 from ..memory import CPU_SLOTS, GPU_MEMORY_UTILIZATION, MAX_SLOTS
@@ -36,15 +37,15 @@ class Setting:
 
     help: str
     auto: bool = False  # None is a value, written `auto` on the command line (sized at load, or worked out)
-    min: Optional[float] = None  # bounds, checked on the command line and by `Deployment.check`
-    max: Optional[float] = None
-    above: Optional[float] = None  # a bound the value must exceed
+    min: float | None = None  # bounds, checked on the command line and by `Deployment.check`
+    max: float | None = None
+    above: float | None = None  # a bound the value must exceed
     choices: tuple = ()
     export_only: bool = False  # fixed by the exported artifacts: export sets it, configure cannot
     reset: bool = False  # configure sets it every time (omitted: the default) instead of keeping the repository's
     flag_default: Any = FIELD  # the flag's default where it is not the field's (a value export resolves)
 
-    def bounds_error(self, name: str, value: Any) -> Optional[str]:
+    def bounds_error(self, name: str, value: Any) -> str | None:
         """Why `value` is out of this setting's bounds, or None."""
         if value is None or isinstance(value, (bool, str, list)):
             return None
@@ -71,12 +72,12 @@ class Deployment:
     """Where instances run and how many, how the queues and engines are bounded, how streams are chunked, and which
     of the served paths' optional accelerations are on. The default of each field is the default of every command."""
 
-    gpus: List[int] = setting(default_factory=list, reset=True,
+    gpus: list[int] = setting(default_factory=list, reset=True,
                               help="comma-separated GPU ids of the instance groups; empty: the CPU (KIND_CPU)")
     instances: int = setting(1, min=1, reset=True,
                              help="instances per GPU (or on the CPU) of the batching python models")
     max_batch_size: int = setting(64, min=1, help="Triton max_batch_size of every batching model")
-    max_queue_size: Optional[int] = setting(
+    max_queue_size: int | None = setting(
         None, auto=True, min=1,
         help="every Triton queue's bound (auto: twice what the engines admit, so that no queue refuses a request the "
              "engine would take: the only overload answer is the engine's \"server busy\")")
@@ -87,19 +88,19 @@ class Deployment:
              "only added latency at low load without raising throughput at high, docs/performance.md). The other "
              "models never wait: the GPT and stream models batch in their engines, the preprocess model prepares "
              "each request on its own")
-    gpt_slots: Optional[int] = setting(
+    gpt_slots: int | None = setting(
         None, auto=True, min=1,
         help=f"engine slots per GPT instance (auto: on a GPU from its memory, {CPU_SLOTS['gpt']} on the CPU)")
-    gpt_cache_tokens: Optional[int] = setting(
+    gpt_cache_tokens: int | None = setting(
         None, auto=True, min=1,
         help="positions of each GPT engine's paged KV cache, all requests together (auto: on a GPU from its memory, "
              "on the CPU slots × context)")
     gpt_context: int = setting(3072, min=1, help="prompt + generated positions of one request")
-    gpt_max_pending: Optional[int] = setting(
+    gpt_max_pending: int | None = setting(
         None, auto=True, min=0,
         help=f"generations running + waiting per GPT engine before UNAVAILABLE (auto: {PENDING_PER_SLOT['gpt']} × "
              "slots; 0: no bound)")
-    gpu_memory_gb: Optional[float] = setting(
+    gpu_memory_gb: float | None = setting(
         None, auto=True, above=0,
         help="GPU memory the models plan with, GiB (auto: the card's; less to share a card or to size for a smaller "
              f"one; they plan within {int(GPU_MEMORY_UTILIZATION * 100)} % of it; memory.py)")
@@ -119,13 +120,13 @@ class Deployment:
     artifact_format: str = setting(
         "torchscript", choices=ARTIFACT_FORMATS, export_only=True,
         help="what the decoder, DVAE and vocoder models load (onnx: export with --formats torchscript,onnx)")
-    stream_slots: Optional[int] = setting(
+    stream_slots: int | None = setting(
         None, auto=True, min=1, help="engine slots of each chattts_stream instance (auto: as --gpt-slots)")
-    stream_cache_tokens: Optional[int] = setting(
+    stream_cache_tokens: int | None = setting(
         None, auto=True, min=1,
         help="positions of each chattts_stream engine's KV cache (auto: on a GPU from its memory, on the CPU slots × "
              "context)")
-    stream_max_pending: Optional[int] = setting(
+    stream_max_pending: int | None = setting(
         None, auto=True, min=0,
         help=f"streams in flight per chattts_stream instance before UNAVAILABLE (auto: {PENDING_PER_SLOT['stream']} × "
              "slots; 0: no bound)")
@@ -169,7 +170,7 @@ class Deployment:
              "where set, in its place; docs/voices.md)")
 
     @classmethod
-    def from_manifest(cls, man: dict) -> "Deployment":
+    def from_manifest(cls, man: dict) -> Deployment:
         """The deployment a repository was exported or configured with; one exported before the early
         first chunk keeps its exact chunks, one exported before the compiled step its TorchScript step, one
         exported before the vocoder's graphs its eager vocoder. One written before the paged cache had every
@@ -188,7 +189,7 @@ class Deployment:
             if why:
                 raise ValueError(why)
 
-    def stream_schedule(self, arch: Arch) -> Dict[str, int]:
+    def stream_schedule(self, arch: Arch) -> dict[str, int]:
         """`chattts_stream`'s ChunkPlanner arguments (ValueError if refused)."""
         return stream_schedule(arch, self.stream_first_chunk_frames, self.stream_chunk_frames,
                                self.stream_lookahead_frames, self.stream_first_lookahead_frames, self.stream_fade_frames)
@@ -197,18 +198,18 @@ class Deployment:
     def kind(self) -> str:
         return "KIND_GPU" if self.gpus else "KIND_CPU"
 
-    def slots(self, role: str = "gpt") -> Optional[int]:
+    def slots(self, role: str = "gpt") -> int | None:
         """An engine's slots (role "gpt" or "stream"); None: sized from the GPU's memory when it loads."""
         n = self.gpt_slots if role == "gpt" else self.stream_slots
         if n is not None or self.gpus:
             return n
         return CPU_SLOTS[role]
 
-    def cache_tokens(self, role: str = "gpt") -> Optional[int]:
+    def cache_tokens(self, role: str = "gpt") -> int | None:
         """Positions of an engine's KV cache; None: on a GPU from its memory, on the CPU slots × context."""
         return self.gpt_cache_tokens if role == "gpt" else self.stream_cache_tokens
 
-    def max_pending(self, role: str = "gpt") -> Optional[int]:
+    def max_pending(self, role: str = "gpt") -> int | None:
         """An engine's admission bound (running + waiting; 0: none); None: PENDING_PER_SLOT × the slots it sizes."""
         n = self.gpt_max_pending if role == "gpt" else self.stream_max_pending
         if n is not None:
@@ -255,7 +256,7 @@ def flag_default(f: dataclasses.Field) -> Any:
     return default(f) if s.flag_default == FIELD else s.flag_default
 
 
-def settings(command: str = EXPORT) -> List[dataclasses.Field]:
+def settings(command: str = EXPORT) -> list[dataclasses.Field]:
     """The fields `command` takes: configure all but those the artifacts fix, export (and bench.run) all."""
     return [f for f in fields(Deployment) if command == EXPORT or not spec(f).export_only]
 
@@ -272,14 +273,14 @@ def _shown(value: Any) -> str:
 
 def _parser(name: str, kind: Any, s: Setting):
     """The argparse `type` of a field: its type, `auto` for None where it takes it, and its bounds."""
-    if kind == List[int]:
-        def parse(text: str) -> List[int]:
+    if kind == list[int]:
+        def parse(text: str) -> list[int]:
             try:
                 return [int(g) for g in text.split(",") if g.strip() != ""]
             except ValueError:
                 raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of GPU ids") from None
         return parse
-    number = float if kind in (float, Optional[float]) else int if kind in (int, Optional[int]) else str
+    number = float if kind in (float, float | None) else int if kind in (int, int | None) else str
 
     def parse(text: str) -> Any:
         if s.auto and text == AUTO:
@@ -322,13 +323,13 @@ def add_flags(ap: argparse.ArgumentParser, command: str = EXPORT, defaults: Mapp
                                help=text)
             continue
         kind = kinds[f.name]
-        metavar = None if s.choices else "IDS" if kind == List[int] else "N" if kind in (int, Optional[int]) else "X"
+        metavar = None if s.choices else "IDS" if kind == list[int] else "N" if kind in (int, int | None) else "X"
         group.add_argument(flag(f.name), type=_parser(f.name, kind, s), default=None if keep else value,
                            choices=s.choices or None, metavar=metavar and metavar + ("|auto" if s.auto else ""),
                            help=text)
 
 
-def from_args(args: argparse.Namespace, base: Optional[Deployment] = None, command: str = EXPORT,
+def from_args(args: argparse.Namespace, base: Deployment | None = None, command: str = EXPORT,
               **given: Any) -> Deployment:
     """The deployment the flags of `add_flags` say: `base` (default: the fields' defaults) with each flag given
     (`auto`: None; CONFIGURE: an omitted flag keeps `base`'s), and `given` over them."""

@@ -11,8 +11,9 @@ in the config; `RENAMED` reads the keys such a repository used.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Mapping, Optional, TypeVar, get_type_hints
+from typing import Any, ClassVar, TypeVar, get_type_hints
 
 from ..config import GPT, Arch
 from ..model.chunks import stream_schedule
@@ -31,8 +32,8 @@ def to_text(value: Any) -> str:
 
 
 def _parse(kind: Any, text: str) -> Any:
-    if kind in (Optional[int], Optional[float]):
-        return None if text == AUTO else (int if kind == Optional[int] else float)(text)
+    if kind in (int | None, float | None):
+        return None if text == AUTO else (int if kind == (int | None) else float)(text)
     if kind is bool:
         return bool(int(text))
     return kind(text)
@@ -40,7 +41,7 @@ def _parse(kind: Any, text: str) -> Any:
 
 @dataclass(frozen=True)
 class Params:
-    RENAMED: ClassVar[Dict[str, str]] = {}  # key in repositories configured before -> field
+    RENAMED: ClassVar[dict[str, str]] = {}  # key in repositories configured before -> field
 
     @classmethod
     def of(cls: type[P], deployment: Any, **derived: Any) -> P:
@@ -58,7 +59,7 @@ class Params:
             raise TypeError(f"{cls.__name__} has no parameter {', '.join(derived)}")
         return cls(**values)
 
-    def texts(self) -> Dict[str, str]:
+    def texts(self) -> dict[str, str]:
         """{key: string_value}, as config.pbtxt holds them."""
         return {f.name: to_text(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
@@ -103,7 +104,7 @@ class EngineParams(Params):
     gpt_context: int  # prompt + generated positions of one request
     max_new_tokens: int
     dtype: str = "fp32"
-    gpu_memory_gb: Optional[float] = None  # None: the card's
+    gpu_memory_gb: float | None = None  # None: the card's
     instances: int = 1  # chattts_vocoder instances per GPU, which the engine's memory plan leaves room for
     gpt_compile: bool = False  # the decode step through torch.compile (GPU instances)
     gpt_compile_prefill: bool = False  # ... and the prefills
@@ -113,15 +114,15 @@ class EngineParams(Params):
     gil_switch_interval_us: int = Deployment.gil_switch_interval_us
 
     @property
-    def slots(self) -> Optional[int]:  # None: sized from the GPU's memory
+    def slots(self) -> int | None:  # None: sized from the GPU's memory
         raise NotImplementedError
 
     @property
-    def cache_tokens(self) -> Optional[int]:  # None: on a GPU from its memory, on the CPU slots × context
+    def cache_tokens(self) -> int | None:  # None: on a GPU from its memory, on the CPU slots × context
         raise NotImplementedError
 
     @property
-    def max_pending(self) -> Optional[int]:  # running + waiting before UNAVAILABLE; 0: no bound; None: per slot
+    def max_pending(self) -> int | None:  # running + waiting before UNAVAILABLE; 0: no bound; None: per slot
         raise NotImplementedError
 
 
@@ -137,9 +138,9 @@ class GPTParams(EngineParams):
     ROLE = "gpt"
     RENAMED = {**_ENGINE_RENAMED, "max_slots": "gpt_slots", "cache_tokens": "gpt_cache_tokens",
                "max_pending": "gpt_max_pending"}
-    gpt_slots: Optional[int]
-    gpt_cache_tokens: Optional[int] = None
-    gpt_max_pending: Optional[int] = 0
+    gpt_slots: int | None
+    gpt_cache_tokens: int | None = None
+    gpt_max_pending: int | None = 0
 
     slots = property(lambda self: self.gpt_slots)
     cache_tokens = property(lambda self: self.gpt_cache_tokens)
@@ -156,9 +157,9 @@ class StreamParams(EngineParams):
                "chunk_frames": "stream_chunk_frames", "lookahead_frames": "stream_lookahead_frames",
                "first_lookahead_frames": "stream_first_lookahead_frames", "fade_frames": "stream_fade_frames",
                "codec_stream": "stream_codec_stream", "first_chunks_first": "stream_first_chunks_first"}
-    stream_slots: Optional[int]
-    stream_cache_tokens: Optional[int] = None
-    stream_max_pending: Optional[int] = 0
+    stream_slots: int | None
+    stream_cache_tokens: int | None = None
+    stream_max_pending: int | None = 0
     artifact_format: str = "torchscript"
     stream_first_chunk_frames: int  # code frames (21.3 ms of audio each) in the first chunk
     stream_chunk_frames: int  # ... in each later chunk (more when generation runs ahead)
@@ -173,7 +174,7 @@ class StreamParams(EngineParams):
     cache_tokens = property(lambda self: self.stream_cache_tokens)
     max_pending = property(lambda self: self.stream_max_pending)
 
-    def schedule(self, arch: Arch) -> Dict[str, int]:
+    def schedule(self, arch: Arch) -> dict[str, int]:
         """The ChunkPlanner arguments (model/chunks.py stream_schedule; ValueError if refused)."""
         return stream_schedule(arch, self.stream_first_chunk_frames, self.stream_chunk_frames,
                                self.stream_lookahead_frames, self.stream_first_lookahead_frames, self.stream_fade_frames)
@@ -187,4 +188,4 @@ class VocoderParams(Params):
     artifact_format: str = "torchscript"
     dtype: str = "fp32"
     vocoder_graphs: bool = False  # replay the codec from CUDA graphs (GPU, TorchScript artifacts)
-    gpu_memory_gb: Optional[float] = None
+    gpu_memory_gb: float | None = None

@@ -13,7 +13,6 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
@@ -59,11 +58,11 @@ GPT_OUTPUTS = {"CODES": ("TYPE_INT64", [-1, NUM_VQ]), "HIDDENS": ("TYPE_FP32", [
 VOCODER_OUTPUTS = {"AUDIO": ENSEMBLE_OUTPUTS["AUDIO"]}
 
 
-def _dims(dims, hidden: int) -> List[int]:
+def _dims(dims, hidden: int) -> list[int]:
     return [hidden if d == "H" else d for d in dims]
 
 
-def _io(msg_list, specs: Dict[str, tuple], hidden: int, optional: Tuple[str, ...] = (), output=False):
+def _io(msg_list, specs: dict[str, tuple], hidden: int, optional: tuple[str, ...] = (), output=False):
     for name, spec in specs.items():
         t = msg_list.add()
         t.name = name
@@ -73,11 +72,11 @@ def _io(msg_list, specs: Dict[str, tuple], hidden: int, optional: Tuple[str, ...
             t.optional = True
 
 
-def _contract(names) -> Dict[str, tuple]:
+def _contract(names) -> dict[str, tuple]:
     return {n: ENSEMBLE_INPUTS[n][:2] for n in names}
 
 
-def model_params(dep: Deployment) -> Dict[str, Params]:
+def model_params(dep: Deployment) -> dict[str, Params]:
     """What each python model reads of the deployment (params.py): its settings, and what is worked out for it."""
     engines = dict(instances=max(1, dep.instances), max_new_tokens=LIMITS.max_new_tokens)
     return {
@@ -124,7 +123,7 @@ def _write(cfg: mc.ModelConfig, params: Params) -> None:
         cfg.parameters[key].string_value = text
 
 
-def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
+def build_configs(arch: Arch, dep: Deployment) -> dict[str, mc.ModelConfig]:
     h = arch.gpt.hidden
     dep.check()  # every field within its bounds
     params = model_params(dep)
@@ -159,7 +158,7 @@ def build_configs(arch: Arch, dep: Deployment) -> Dict[str, mc.ModelConfig]:
     _io(ens.input, {n: s[:2] for n, s in ENSEMBLE_INPUTS.items()}, h, optional_contract)
     _io(ens.output, ENSEMBLE_OUTPUTS, h, output=True)
 
-    def step(model: str, from_ensemble, from_prev: Dict[str, str], outputs: Dict[str, str]):
+    def step(model: str, from_ensemble, from_prev: dict[str, str], outputs: dict[str, str]):
         s = ens.ensemble_scheduling.step.add()
         s.model_name = model
         s.model_version = -1
