@@ -127,9 +127,9 @@ class Gateway:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5):
                     return
-            except OSError:
+            except OSError as e:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the gateway did not start: {log_file.read_text()}")
+                    raise RuntimeError(f"the gateway did not start: {log_file.read_text()}") from e
                 time.sleep(0.2)
 
     @property
@@ -214,7 +214,7 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: 
             t0 = time.perf_counter()
             await via_gateway(body)
             g.append(time.perf_counter() - t0)
-        diff = [x - y for x, y in zip(g, d)]
+        diff = [x - y for x, y in zip(g, d, strict=True)]
         result["c1_wav"] = {"requests": a.requests, "direct_p50_ms": pct(d, 50) * 1e3, "direct_p90_ms": pct(d, 90) * 1e3,
                             "gateway_p50_ms": pct(g, 50) * 1e3, "gateway_p90_ms": pct(g, 90) * 1e3,
                             "overhead_p50_ms": (pct(g, 50) - pct(d, 50)) * 1e3,
@@ -230,7 +230,7 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: 
                 fb.append(await first_byte({**body, "stream": True, "response_format": fmt}))
             rows[fmt] = {"first_chunk_p50_ms": pct(fc, 50) * 1e3, "first_byte_p50_ms": pct(fb, 50) * 1e3,
                          "later_p50_ms": (pct(fb, 50) - pct(fc, 50)) * 1e3,
-                         "paired_later_p50_ms": statistics.median([b - c for b, c in zip(fb, fc)]) * 1e3}
+                         "paired_later_p50_ms": statistics.median([b - c for b, c in zip(fb, fc, strict=True)]) * 1e3}
         result["c1_first_byte"] = rows
         log(f"concurrency 1, first byte: {rows}")
 
@@ -279,7 +279,7 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: 
                                 "gateway_rps": total["gateway"]["rps"],
                                 "ratio": total["gateway"]["rps"] / total["direct"]["rps"],
                                 "errors": {k: v["errors"] for k, v in total.items()},
-                                "phase_ratios": [g["rps"] / d["rps"] for d, g in zip(phases["direct"], phases["gateway"])],
+                                "phase_ratios": [g["rps"] / d["rps"] for d, g in zip(phases["direct"], phases["gateway"], strict=True)],
                                 "counted_ratio": total["gateway"]["counted_rps"] / total["direct"]["counted_rps"],
                                 "gateway_cpu_ms_per_request": 1e3 * gw_cpu / max(1, gw_requests)}
         log(f"throughput: {result['throughput']['gateway_rps']:.1f} / {result['throughput']['direct_rps']:.1f} req/s")

@@ -116,7 +116,7 @@ def cut_times(tokens: Sequence[str], sent: Sequence[float], flushed: float, max_
     from client.realtime import TextChunker
 
     chunker, out = TextChunker(max_frames, min_frames), []
-    for tok, t in zip(tokens, sent):
+    for tok, t in zip(tokens, sent, strict=True):
         out += [t] * len(chunker.push(tok))
     return out + [flushed] * len(chunker.flush())
 
@@ -254,7 +254,7 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: st
             fc.append(await first_chunk(a.seed + index))  # the seed of the piece the session sends next
             fa.append(await ws_first_audio())
         await s.close()
-        diff = [x - y for x, y in zip(fa, fc)]
+        diff = [x - y for x, y in zip(fa, fc, strict=True)]
         result["first_audio"] = {
             "turns": a.turns, "frames": a.frames,
             "ws_p50_ms": pct(fa, 50) * 1e3, "ws_p90_ms": pct(fa, 90) * 1e3, "ws_max_ms": max(fa) * 1e3,
@@ -292,9 +292,9 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: st
             # in time either: the floor is the first chunk's, whatever the load
             floor = result["first_audio"]["ws_p50_ms"] / 1e3
             return {"pieces": len(ends), "errors": errs, "margins": [need - came for need, came in times],
-                    "server_margins": [need - came for (need, came), t in zip(times, texts) if t <= need - floor],
-                    "floor_bound": sum(need - floor < t <= need for (need, _), t in zip(times, texts)),
-                    "cut_to_audio": [came - t for (_, came), t in zip(times, texts) if t > -math.inf],
+                    "server_margins": [need - came for (need, came), t in zip(times, texts, strict=True) if t <= need - floor],
+                    "floor_bound": sum(need - floor < t <= need for (need, _), t in zip(times, texts, strict=True)),
+                    "cut_to_audio": [came - t for (_, came), t in zip(times, texts, strict=True) if t > -math.inf],
                     "frame_margins": frame_margins(frames, rate, bps), "audio_s": sum(n for _, n in frames) / bps / rate,
                     "texts": [e["text"] for e in ends],
                     "piece_s": [round((e["end_sample"] - e["start_sample"]) / rate, 3) for e in ends]}

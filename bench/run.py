@@ -71,7 +71,7 @@ def bench_upstream(assets: Path, device: str, batches: list[int], tokens: int, r
     for b in batches:
         texts = [TEXT] * b
 
-        def once():
+        def once(texts=texts):
             t = time.perf_counter()
             chat.infer(texts, skip_refine_text=True, split_text=False, do_text_normalization=False, params_infer_code=params)
             if device.startswith("cuda"):
@@ -218,7 +218,7 @@ def bench_stream(url: str, tokens, concurrency: int, seconds: float, metrics_url
     counters: list[dict] = []
     split = clients.shares(concurrency, procs)
     bases = [sum(split[:i]) for i in range(len(split))]  # each process's first seed
-    r = clients.run(stream_clients, [(url, tokens, n, seconds, b) for n, b in zip(split, bases)], read_counters)
+    r = clients.run(stream_clients, [(url, tokens, n, seconds, b) for n, b in zip(split, bases, strict=True)], read_counters)
     read_counters()
     first, gaps, total, errors, elapsed = r["first"], r["gaps"], r["total"], r["errors"], r["elapsed_s"]
     messages = r["messages"][:3]
@@ -355,7 +355,7 @@ def burst(url: str, n: int, tokens, seed0: int = 0) -> dict:
     for e, _, _ in got:
         if e is not None:
             errors[e] = errors.get(e, 0) + 1
-    served = [(f, size) for f, (e, _, size) in zip(frames, got) if e is None]
+    served = [(f, size) for f, (e, _, size) in zip(frames, got, strict=True) if e is None]
     row = {"requests": n, "served": len(ok), "refused": n - len(ok), "errors": errors, "wall_s": round(wall, 2),
            "latency_p50_ms": _pct(ok, 50), "latency_p99_ms": _pct(ok, 99),
            "audio_s": round(sum(size for _, size in served) / SAMPLE_RATE, 2),
@@ -651,7 +651,10 @@ def to_markdown(res: dict) -> str:
                 "| server: first chunk ms | server: first chunk p50 / p99 within ms | codec call ms | chunks per codec call |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            f = lambda k, s=".0f": "" if r.get(k) is None else format(r[k], s)  # noqa: E731
+
+            def f(k, s=".0f", r=r):
+                return "" if r.get(k) is None else format(r[k], s)
+
             out.append(f"| {r['concurrency']} | {f('first_chunk_p50_ms')} | {f('first_chunk_p99_ms')} | {f('chunk_gap_p50_ms')} | "
                        f"{f('chunk_gap_p99_ms')} | {f('stream_p50_ms')} | {r['streams']} | {f('streams_per_s', '.1f')} | "
                        f"{f('audio_s_per_s', '.1f')} | {r['errors']} | "
@@ -677,7 +680,10 @@ def to_markdown(res: dict) -> str:
                 "| GIL wait ms | GPT batch | GPT busy |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            f = lambda k, s=".0f": "" if r.get(k) is None else format(r[k], s)  # noqa: E731
+
+            def f(k, s=".0f", r=r):
+                return "" if r.get(k) is None else format(r[k], s)
+
             out.append(f"| {r['concurrency']} | {f('latency_p50_ms')} | {f('latency_p90_ms')} | {f('latency_p99_ms')} | "
                        f"{f('throughput_utt_s', '.1f')} | {f('audio_s_per_s', '.1f')} | {f('rtf_p50', '.3f')} | {r['error_rate']:.1%} | {f('gpu_memory_mib')} | "
                        f"{f('engine_step_ms', '.2f')} | {f('engine_step_device_ms', '.2f')} | {f('engine_step_gpu_ms', '.2f')} | "

@@ -171,7 +171,7 @@ def export_codec(
                 if strict:
                     raise
             else:
-                feeds = {n: t.cpu().numpy() for n, t in zip(input_names, check_args)}
+                feeds = {n: t.cpu().numpy() for n, t in zip(input_names, check_args, strict=True)}
                 got = session.run(output_names, feeds)[0]
                 info["max_error_vs_eager"] = check(fmt, got)
                 if fp32 is not None:

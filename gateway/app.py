@@ -181,7 +181,7 @@ class _Stream:
         except SynthesisError as e:
             metrics.errors.labels(e.status).inc()
             self.reason, failure = e.status.lower(), api_error(e, self.req)
-        except Exception as e:  # noqa: BLE001  a fault here must end the response, not the connection
+        except Exception as e:  # a fault here must end the response, not the connection
             log.exception("stream failed")
             self.reason = "internal"
             failure = api.APIError(500, f"internal error: {type(e).__name__}", "server_error", None, "internal_error")
@@ -191,7 +191,7 @@ class _Stream:
                         self.encoder.samples / SAMPLE_RATE, self.reason, failure.message)
         try:
             tail = await self._encode(self.encoder.close)  # a whole file of what was made, even after a failure
-        except Exception:  # noqa: BLE001  the encoder itself failed: nothing more to send
+        except Exception:  # the encoder itself failed: nothing more to send
             if failure is None:
                 log.exception("stream failed at its end")
                 self.reason = "internal"

@@ -172,7 +172,7 @@ class Connection:
                 await self._send_event(ev)
         except (WebSocketDisconnect, RuntimeError, OSError):  # the client went away: the receiver closes the session
             pass
-        except Exception:  # noqa: BLE001  a fault here ends this connection (the receiver then closes the session)
+        except Exception:  # a fault here ends this connection (the receiver then closes the session)
             log.exception("realtime session: sending failed")
             with contextlib.suppress(Exception):
                 await self.ws.close(1011, "internal error")
@@ -379,7 +379,7 @@ def install(app: FastAPI, gw) -> RealtimeMetrics:
         metrics.sessions.inc()
         try:
             await Connection(gw, ws, metrics).run()
-        except Exception:  # noqa: BLE001  a fault of this module ends its connection, never the app
+        except Exception:  # a fault of this module ends its connection, never the app
             log.exception("realtime session failed")
             with contextlib.suppress(Exception):
                 await ws.close(1011, "internal error")

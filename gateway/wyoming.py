@@ -283,7 +283,7 @@ class WyomingHandler(AsyncEventHandler):
                     break
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away
-        except Exception as e:  # noqa: BLE001  a fault of this server ends the connection it happened on, said and logged
+        except Exception as e:  # a fault of this server ends the connection it happened on, said and logged
             log.exception("internal error")
             with contextlib.suppress(Exception):
                 await self.write_event(Error(text=f"internal error: {type(e).__name__}", code="internal").event())

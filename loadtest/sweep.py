@@ -144,7 +144,7 @@ def diff_model_statistics(before: dict, after: dict) -> dict[str, dict]:
     for name, now in sorted(a.items()):
         then = b.get(name, {})
 
-        def d(key: str) -> int:
+        def d(key: str, now: dict = now, then: dict = then) -> int:
             return now.get(key, 0) - then.get(key, 0)
 
         inferences, executions = d("inference_count"), d("execution_count")

@@ -145,12 +145,12 @@ def assert_counts_agree(eng):
 def check_same_as_alone(alone, batched, hidden_atol=1e-5):
     # tokens and stream chunk boundaries exactly; hidden states to 1e-5: a CPU GEMM rounds a row
     # differently with the number of rows beside it (a few ulp, measured ≤ 5e-7 here)
-    for a, b in zip(alone, batched):
+    for a, b in zip(alone, batched, strict=True):
         assert a.result.finish_reason == b.result.finish_reason
         assert len(a.chunks) == len(b.chunks)
-        for x, y in zip(a.chunks, b.chunks):
+        for x, y in zip(a.chunks, b.chunks, strict=True):
             assert torch.equal(x, y)
-        for x, y in zip(a.hids, b.hids):
+        for x, y in zip(a.hids, b.hids, strict=True):
             assert (x is None) == (y is None) and (x is None or torch.allclose(x, y, atol=hidden_atol, rtol=0))
         for r in (a, b):
             if r.result.tokens is None:  # cancelled: it streamed part of its tokens first
@@ -223,7 +223,7 @@ def assert_served_without_a_new_decode_graph(eng, reqs, want, decode) -> None:
     """`reqs` served by `eng` after its warm-up: no decode graph beyond `decode`, the tokens of `want`."""
     got = [eng.generate(GenRequest(r.text_ids, r.params, None)) for r in reqs]
     assert {k for k in eng.graphs.graphs if k[0] == "code"} == decode
-    for a, b in zip(want, got):
+    for a, b in zip(want, got, strict=True):
         assert torch.equal(a.tokens, b.tokens)
 
 

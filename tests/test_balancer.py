@@ -131,7 +131,7 @@ def test_ties_go_round_robin():
 
 def test_least_outstanding_endpoint_is_chosen():
     gates = [threading.Event() for _ in range(3)]
-    eps = [FakeEndpoint(n, [gate]) for n, gate in zip("abc", gates)]
+    eps = [FakeEndpoint(n, [gate]) for n, gate in zip("abc", gates, strict=True)]
     with balanced(eps) as c:
         try:
             _check_least_outstanding(c, eps, gates)
@@ -202,7 +202,7 @@ def test_batch_fails_over_per_item_and_keeps_order():
     texts = [f"item {i}" for i in range(12)]
     with balanced(eps, max_concurrency=4) as c:
         out = c.synthesize_batch(texts)
-    assert all(np.array_equal(o, audio_for(t)) for o, t in zip(out, texts))
+    assert all(np.array_equal(o, audio_for(t)) for o, t in zip(out, texts, strict=True))
     assert sum(served_by(eps)) == 12 + 1  # the one failed attempt was re-sent
 
 
@@ -347,7 +347,7 @@ def test_async_twin_balances_fails_over_and_recovers():
                 await asyncio.sleep(0)
             assert [s["outstanding"] for s in c.endpoint_stats()] == [1, 0, 0]
             out = await c.synthesize_batch(["p", "q"])  # p: b fails -> c (a is busy); q: c
-            assert [np.array_equal(o, audio_for(t)) for o, t in zip(out, "pq")] == [True, True]
+            assert [np.array_equal(o, audio_for(t)) for o, t in zip(out, "pq", strict=True)] == [True, True]
             assert [s["up"] for s in c.endpoint_stats()] == [True, False, True]
             gate.set()
             assert np.array_equal(await held, audio_for("held"))
@@ -369,7 +369,7 @@ def test_real_transports_fail_over_from_a_dead_port(protocol, servers):
     with BalancedChatTTSClient([dead, servers.url(protocol)], protocol=protocol, timeout_s=5, retries=0) as c:
         texts = [f"hello {i}" for i in range(6)]
         out = c.synthesize_batch(texts)
-        assert all(np.array_equal(o, FakeModel.audio_for(t.encode())) for o, t in zip(out, texts))
+        assert all(np.array_equal(o, FakeModel.audio_for(t.encode())) for o, t in zip(out, texts, strict=True))
         dead_stats, live_stats = c.endpoint_stats()
     assert not dead_stats["up"] and "UNAVAILABLE" in dead_stats["last_error"] and dead in dead_stats["last_error"]
     assert live_stats["served"] == 6
@@ -391,7 +391,7 @@ def test_real_grpc_transport_fails_over_when_a_server_goes_away():
             first.stop()
         second.stop()
     expected = [FakeModel.audio_for(f"{w} {i}".encode()) for w in ("before", "after") for i in range(4)]
-    assert all(np.array_equal(o, e) for o, e in zip(before + after, expected))
+    assert all(np.array_equal(o, e) for o, e in zip(before + after, expected, strict=True))
     assert [s["up"] for s in stats] == [False, True] and [s["served"] for s in stats] == [2, 6]
 
 

@@ -122,7 +122,7 @@ class GrpcServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def ModelInfer(self, request, context):
         inputs = {
             t.name: decode_tensor(t.datatype, list(t.shape), raw)
-            for t, raw in zip(request.inputs, request.raw_input_contents)
+            for t, raw in zip(request.inputs, request.raw_input_contents, strict=True)
         }
         result = self.model.handle(inputs, {t.name: t.datatype for t in request.inputs})
         if isinstance(result, tuple):
@@ -568,7 +568,7 @@ def test_synthesize_batch_keeps_order_reports_progress_and_errors():
     )
     assert sorted(seen) == [0, 1, 2] and len(t.calls) == 3
     assert isinstance(results[0], ChatTTSError)
-    assert [np.array_equal(r, FakeModel.audio_for(x.encode())) for r, x in zip(results[1:], texts[1:])] == [True, True]
+    assert [np.array_equal(r, FakeModel.audio_for(x.encode())) for r, x in zip(results[1:], texts[1:], strict=True)] == [True, True]
     assert all(a["TOP_P"][0, 0] == np.float32(0.5) for a in t.calls)
     with pytest.raises(ChatTTSError):
         ChatTTSClient("x:1", transport=FakeTransport([invalid])).synthesize_batch(["a", "b"])

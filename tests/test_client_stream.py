@@ -230,7 +230,7 @@ def test_other_errors_are_raised_at_once_with_the_server_message():
 
 def test_breaking_out_early_cancels_the_request():
     t = FakeStreamTransport([chunks(5)])
-    for x in ChatTTSClient("x:1", transport=t).stream("hi", split=False):
+    for _ in ChatTTSClient("x:1", transport=t).stream("hi", split=False):
         break
     assert t.sessions[0].closed == "cancel" and t.sessions[0].received == 1
 
@@ -464,7 +464,7 @@ class _StreamServicer(GrpcServicer):
                     error_message=f"Request for unknown model: '{request.model_name}' is not found")
                 continue
             inputs = {t.name: decode_tensor(t.datatype, list(t.shape), raw)
-                      for t, raw in zip(request.inputs, request.raw_input_contents)}  # fmt: skip
+                      for t, raw in zip(request.inputs, request.raw_input_contents, strict=True)}  # fmt: skip
             empty_final = request.parameters["triton_enable_empty_final_response"].bool_param
             with self.model.lock:
                 self.model.params.append(empty_final)
@@ -474,7 +474,7 @@ class _StreamServicer(GrpcServicer):
                 # (a write that fails is not retried): the RPC's termination callback sees every cancel
                 hang = {"timed_out": False}
                 text = inputs["TEXT"][0, 0]
-                context.add_callback(lambda: hang["timed_out"] or self.model.was_cancelled(text))
+                context.add_callback(lambda hang=hang, text=text: hang["timed_out"] or self.model.was_cancelled(text))
             for step in steps:
                 if step[0] == "error":
                     yield service_pb2.ModelStreamInferResponse(error_message=step[1])

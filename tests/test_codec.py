@@ -149,7 +149,7 @@ def _torch_runner(module):
 
 def _onnx_runner(session, name):
     def run(*arrays):
-        return session.run(list(CODEC_OUTPUTS[name]), dict(zip(CODEC_INPUTS[name], arrays)))[0]
+        return session.run(list(CODEC_OUTPUTS[name]), dict(zip(CODEC_INPUTS[name], arrays, strict=True)))[0]
 
     return run
 

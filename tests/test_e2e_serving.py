@@ -47,7 +47,7 @@ def test_concurrent_texts_equal_their_single_request_output(served_tiny):
     alone = [synth(served_tiny, **k) for k in kw]
     with concurrent.futures.ThreadPoolExecutor(len(kw)) as pool:
         together = list(pool.map(lambda k: synth(served_tiny, **k), kw))
-    for a, b in zip(alone, together):
+    for a, b in zip(alone, together, strict=True):
         # same tokens; batched matmuls may round differently in the last bits
         assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5
     assert len({a.tobytes() for a in alone}) == len(alone)
@@ -143,7 +143,7 @@ def test_bad_request_leaves_batchmates_and_server_unaffected(served_tiny):
     jobs = [good, dict(TEXT="", SEED=3), good, dict(TEXT="hi", TOP_K=-1), good]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(synth, served_tiny, **j) for j in jobs]
-    for j, f in zip(jobs, futures):
+    for j, f in zip(jobs, futures, strict=True):
         if j is good:
             assert np.abs(f.result() - expected).max() <= 1e-5
         else:

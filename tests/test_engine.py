@@ -74,7 +74,7 @@ def test_request_output_does_not_depend_on_batchmates(tiny, overlap):
     prompts = [torch.randint(0, 21000, (5 + 7 * i,)) for i in range(6)]
     params = [SamplingParams(0.3, 0.7, 20, 1.05, 30 + 10 * i, 10, seed=100 + i) for i in range(6)]
     try:
-        alone = [eng.generate(GenRequest(text_ids=p, params=sp, on_done=None)) for p, sp in zip(prompts, params)]
+        alone = [eng.generate(GenRequest(text_ids=p, params=sp, on_done=None)) for p, sp in zip(prompts, params, strict=True)]
         results = [None] * 6
         done = threading.Barrier(7)
 
@@ -86,7 +86,7 @@ def test_request_output_does_not_depend_on_batchmates(tiny, overlap):
         for t in threads:
             t.start()
         done.wait(timeout=120)
-        for a, b in zip(alone, results):
+        for a, b in zip(alone, results, strict=True):
             assert torch.equal(a.tokens, b.tokens)
             assert torch.allclose(a.hiddens, b.hiddens, atol=1e-5)
         assert len({tuple(r.tokens.flatten().tolist()) for r in results}) == 6  # seeds matter
@@ -825,7 +825,7 @@ def test_first_token_redraws_drawn_at_once_equal_drawing_them_one_after_another(
             st = rows_of(mode)
             tok, _ = eng.sample_core(st, eng.row_params.select(st), h[st], mode)
             eng.row_params.eos[st] = tok[:, 0]
-        for r, e in zip(reqs, eng.row_params.eos[:k].tolist()):
+        for r, e in zip(reqs, eng.row_params.eos[:k].tolist(), strict=True):
             r.eos_id = e
         expected = {}
         for mode in ("code", "text"):
@@ -846,7 +846,7 @@ def test_first_token_redraws_drawn_at_once_equal_drawing_them_one_after_another(
             st = rows_of(mode)
             ensure = torch.tensor([specs[i][2] for i in st.tolist()])
             got = eng.sample_first(st, eng.row_params.select(st), h[st], mode, ensure, MAX_EMPTY_RETRIES)
-            got_hit.update(zip(st.tolist(), got.tolist()))
+            got_hit.update(zip(st.tolist(), got.tolist(), strict=True))
     assert expected[0][0] >= 1 and expected[1][0] >= 1  # attempt 0 ended them: redrawn
     assert expected[2][:2] == (MAX_EMPTY_RETRIES - 1, True)  # near-greedy: every attempt ends it
     assert expected[3][:2] == (0, True)  # no ensure_non_empty: its first draw, an EOS
@@ -871,7 +871,7 @@ def test_a_request_whose_every_first_draw_ends_it_ends_at_once_and_its_batchmate
     alone = [drive(eng, [s])[0] for s in specs]
     together = drive(eng, specs)
     assert together[1].result.finish_reason == "eos" and together[1].result.steps == 0
-    for a, b in zip(alone, together):
+    for a, b in zip(alone, together, strict=True):
         assert a.result.finish_reason == b.result.finish_reason
         assert (a.result.tokens is None) == (b.result.tokens is None)
         if a.result.tokens is not None and a.result.tokens.numel():

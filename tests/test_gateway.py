@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,7 @@ def test_speed_table_is_monotone_and_follows_the_logarithm():
     speeds = np.geomspace(0.25, 4.0, 400)
     steps = [int(api.speed_token(float(s))[7]) for s in speeds]
     assert steps == sorted(steps) and set(steps) == set(range(10))
-    for s, n in zip(speeds, steps):   # N = 5 + 2.5 log2(speed), rounded
+    for s, n in zip(speeds, steps, strict=True):   # N = 5 + 2.5 log2(speed), rounded
         exact = min(9.0, max(0.0, 5 + 2.5 * math.log2(s)))
         assert abs(n - exact) <= 0.5 + 1e-9, s
     rows = api.speed_table()
@@ -637,7 +638,7 @@ def test_sse_segments_are_each_pieces_exact_place_in_the_audio_after_its_audio(r
         assert seg["start"] == seg["start_sample"] / rate and seg["end"] == seg["end_sample"] / rate
     audio = decode(b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta"), "pcm")
     assert audio.size == out_length(3 * piece + 2 * pause, rate)
-    for a, b in zip(segments, segments[1:]):  # the pause between two pieces is silence, the pieces are not
+    for a, b in pairwise(segments):  # the pause between two pieces is silence, the pieces are not
         assert np.abs(audio[a["end_sample"] + rate // 100: b["start_sample"] - rate // 100]).max() < 1e-3
         assert np.abs(audio[a["start_sample"]: a["end_sample"]]).max() > 0.3
 
@@ -673,7 +674,7 @@ def test_captioned_speech_is_the_audio_with_each_pieces_segment_and_subtitles(fm
     srt, vtt = replies["srt"]["subtitles"], replies["vtt"]["subtitles"]
     cues = srt.strip().split("\n\n")
     assert len(cues) == 3
-    for n, (cue, g) in enumerate(zip(cues, r["segments"]), 1):
+    for n, (cue, g) in enumerate(zip(cues, r["segments"], strict=True), 1):
         number, times, words = cue.split("\n")
         start, end = re.fullmatch(r"(\d\d:\d\d:\d\d,\d{3}) --> (\d\d:\d\d:\d\d,\d{3})", times).groups()
         assert int(number) == n and start == _clock(g["start"], ",") and end == _clock(g["end"], ",")
@@ -1037,7 +1038,7 @@ def test_a_dialogue_is_one_audio_whole_and_streamed_with_each_lines_segment(stre
         audio = np.frombuffer(body, "<i2")
         assert audio.size == 4 * piece + pause + 2 * line
         starts = [0, piece + pause, 2 * piece + pause + line, 3 * piece + pause + 2 * line]
-        for a, b in zip(starts, starts[1:]):
+        for a, b in pairwise(starts):
             assert audio[a:a + piece].any() and not audio[a + piece:b].any()
         s.synth.calls.clear()
         status, _, body = s.request("/v1/audio/speech", {**DIALOGUE, "response_format": "pcm", "stream_format": "sse"})

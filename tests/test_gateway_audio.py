@@ -134,7 +134,7 @@ def test_streamed_resampling_is_continuous_and_equals_the_whole(rate):
     """Chunk sizes of every kind (single samples, empty chunks, long ones) give the whole resampling's samples,
     out_length of them, and out_samples tracks what was written."""
     rng = np.random.default_rng(rate)
-    for trial in range(4):
+    for _ in range(4):
         x = (0.5 * rng.standard_normal(int(rng.integers(1, 30000)))).astype(np.float32)
         enc = StreamEncoder("pcm", rate)
         got, written = [], 0

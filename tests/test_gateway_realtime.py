@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +82,7 @@ def test_text_streamed_in_comes_back_as_ordered_audio_with_exact_segment_times()
     pcm = np.frombuffer(audio, "<i2")
     pause = 240
     assert ends[0]["start_sample"] == 0 and ends[0]["end_sample"] == 1440
-    for a, b in zip(ends, ends[1:]):
+    for a, b in pairwise(ends):
         assert b["start_sample"] == a["end_sample"] + pause and b["end_sample"] - b["start_sample"] == 1440
     for e in ends:  # each segment holds its own piece's samples
         assert np.all(call_of(pcm[e["start_sample"]:e["end_sample"]] / 32767) == e["index"] + 1)

@@ -163,5 +163,5 @@ def test_fused_projections_compute_what_the_separate_ones_do(tiny_assets, script
             h = m.prefill(x, pos, tables, kc, vc)
             step = m(x[:, :1], torch.full((3, 1), 11), tables, kc, vc, 12)
         outs.append((h, step, kc, vc))
-    for a, b in zip(*outs):
+    for a, b in zip(*outs, strict=True):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)

@@ -74,9 +74,9 @@ def test_request_alone_equals_request_in_a_graphed_batch(full_assets, dtype, com
             t.join(120)
     finally:
         eng.stop()
-    same = sum(torch.equal(a.tokens, b.tokens) for a, b in zip(alone, batched))
+    same = sum(torch.equal(a.tokens, b.tokens) for a, b in zip(alone, batched, strict=True))
     first_diff = [next((k for k in range(min(len(a.tokens), len(b.tokens))) if not torch.equal(a.tokens[k], b.tokens[k])), None)
-                  for a, b in zip(alone, batched)]
+                  for a, b in zip(alone, batched, strict=True)]
     print(f"{dtype} compiled={compiled}: {same}/12 requests identical alone vs in a batch of 12; first differing step: {first_diff}")
     if dtype == torch.float32:
         assert same == 12
@@ -144,8 +144,8 @@ def test_graphed_prefill_equals_the_eager_prefill_without_a_sync(full_assets, sc
                     torch.cuda.set_sync_debug_mode(0)
             assert eng.graphs.graphs[("prefill", kb, tb)] is not None
             assert torch.equal(first, eager) and torch.equal(again, eager)
-            assert all(torch.equal(a, e) for a, e in zip(cache_first, cache_eager))
-            assert all(torch.equal(a, e) for a, e in zip(cache(), cache_eager))
+            assert all(torch.equal(a, e) for a, e in zip(cache_first, cache_eager, strict=True))
+            assert all(torch.equal(a, e) for a, e in zip(cache(), cache_eager, strict=True))
             assert not [x for x in w if "called a synchronizing" in str(x.message)]
     assert len([k for k in eng.graphs.graphs if k[0] == "prefill"]) == 2
 
@@ -171,7 +171,7 @@ def test_codec_graphs_give_the_eager_audio_on_gpu(full_repo):
             want = voc.synthesize(items)
         finally:
             voc.graphs = graphs
-        for a, b in zip(got, want):
+        for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape and np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
     assert len(voc.graphs.graphs) == 3 and all(v is not None for v in voc.graphs.graphs.values())
 

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -247,7 +248,7 @@ def test_locust_command(tmp_path):
     )  # fmt: skip
     cmd = lt_run.locust_command(args, "h:8000", tmp_path)
     assert cmd[1:3] == ["-m", "locust"] and "--headless" in cmd and cmd[-1] == "TritonHttpUser"
-    flags = dict(zip(cmd, cmd[1:]))
+    flags = dict(pairwise(cmd))
     assert flags["--users"] == "3" and flags["--run-time"] == "15s" and flags["--host"] == "h:8000"
     assert flags["--csv"] == str(tmp_path / "stats") and flags["--html"] == str(tmp_path / "report.html")
     assert flags["--tts-max-new-tokens"] == "20" and flags["--tts-seed"] == "4" and "--tts-min-new-tokens" not in flags
@@ -256,12 +257,12 @@ def test_locust_command(tmp_path):
         lt_run.build_parser().parse_args(["--duration", "soon"])
     args = lt_run.build_parser().parse_args(["--stream"])
     cmd = lt_run.locust_command(args, "h:8001", tmp_path)
-    flags = dict(zip(cmd, cmd[1:]))
+    flags = dict(pairwise(cmd))
     assert cmd[-1] == "TritonGrpcStreamUser" and flags["--tts-stream-model"] == "chattts_stream"
     assert "--tts-model" not in flags
     args = lt_run.build_parser().parse_args(["--stream", "--protocol", "http", "--model", "m"])
     cmd = lt_run.locust_command(args, "h:8000", tmp_path)
-    assert cmd[-1] == "TritonHttpStreamUser" and dict(zip(cmd, cmd[1:]))["--tts-stream-model"] == "m"
+    assert cmd[-1] == "TritonHttpStreamUser" and dict(pairwise(cmd))["--tts-stream-model"] == "m"
 
 
 def test_locustfile_loads_under_gevent_with_both_users():
@@ -566,7 +567,7 @@ def test_bench_table_puts_each_engine_figure_under_its_header():
     lines = md.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("| concurrency | p50 ms"))
     names = [c.strip() for c in lines[head].strip("|").split("|")]
-    cells = [dict(zip(names, (c.strip() for c in lines[i].strip("|").split("|")))) for i in (head + 2, head + 3)]
+    cells = [dict(zip(names, (c.strip() for c in lines[i].strip("|").split("|")), strict=True)) for i in (head + 2, head + 3)]
     assert all(len(lines[i].strip("|").split("|")) == len(names) for i in (head + 1, head + 2, head + 3))
     assert (cells[0]["GPU clock ms"], cells[0]["graph ms"], cells[0]["prefill ms/step"]) == ("6.15", "3.30", "2.28")
     assert (cells[0]["ms per prefill (prompts)"], cells[0]["GIL wait ms"], cells[0]["GPT batch"]) == ("9.12 (13.0)", "0.092", "485.6")
@@ -583,7 +584,7 @@ def test_bench_stream_table_gives_streams_per_second():
     lines = md.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("| concurrency | first chunk p50 ms"))
     names = [c.strip() for c in lines[head].strip("|").split("|")]
-    cells = dict(zip(names, (c.strip() for c in lines[head + 2].strip("|").split("|"))))
+    cells = dict(zip(names, (c.strip() for c in lines[head + 2].strip("|").split("|")), strict=True))
     assert len(lines[head + 1].strip("|").split("|")) == len(names) == len(lines[head + 2].strip("|").split("|"))
     assert (cells["streams"], cells["streams/s"], cells["first chunk p99 ms"]) == ("2271", "149.6", "254")
 

@@ -27,7 +27,7 @@ HIDDEN = FULL_ARCH.gpt.hidden
 def test_parse_normalises_the_weights(expr, terms):
     got = M.parse(expr)
     assert [n for n, _ in got] == [n for n, _ in terms]
-    assert all(math.isclose(w, v) for (_, w), (_, v) in zip(got, terms))
+    assert all(math.isclose(w, v) for (_, w), (_, v) in zip(got, terms, strict=True))
     assert math.isclose(math.fsum(w for _, w in got), 1.0)
 
 
@@ -86,8 +86,8 @@ def test_a_mix_of_seed_speakers_stays_in_the_speaker_distribution():
         k = len(weights)
         mixed = M.mix(embs[:k], weights, HIDDEN)
         assert mixed.dtype == np.float16 and mixed.shape == (HIDDEN,)
-        average = sum(w * e.astype(np.float64) for w, e in zip(weights, embs[:k]))
-        target = sum(w * n for w, n in zip(weights, norms[:k]))
+        average = sum(w * e.astype(np.float64) for w, e in zip(weights, embs[:k], strict=True))
+        target = sum(w * n for w, n in zip(weights, norms[:k], strict=True))
         assert math.isclose(z_norm(mixed), target, rel_tol=2e-3)
         if max(weights) < 0.9:
             assert z_norm(average) < 0.8 * target  # what the rescaling is for

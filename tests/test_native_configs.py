@@ -81,7 +81,7 @@ def test_configs_parse_and_follow_the_artifact_contract(native_repo):
                 np_dtype, shape = spec[t.name]
                 assert TRITON_TO_NUMPY[_dtype(t)] == np.dtype(np_dtype).type
                 assert len(t.dims) == len(shape)  # max_batch_size 0: full shape, batch dim included
-                for d, s in zip(t.dims, shape):
+                for d, s in zip(t.dims, shape, strict=True):
                     want = s if isinstance(s, int) else (arch.gpt.hidden if s == "H" else -1)
                     assert d == want, (model, t.name, list(t.dims), shape)
         # HIDDEN carries the GPT hidden size; the mel axis is fixed at 100
@@ -98,12 +98,12 @@ def test_onnx_configs_equal_the_onnx_graphs(native_repo):
         graph = onnx.load(str(repo / NATIVE_MODELS[name] / "1" / "model.onnx"), load_external_data=False).graph
         for tensors, values in ((cfg.input, graph.input), (cfg.output, graph.output)):
             assert [t.name for t in tensors] == [v.name for v in values]
-            for t, v in zip(tensors, values):
+            for t, v in zip(tensors, values, strict=True):
                 tt = v.type.tensor_type
                 assert ONNX_TO_TRITON[tt.elem_type] == _dtype(t), (name, t.name)
                 dims = tt.shape.dim
                 assert len(dims) == len(t.dims)
-                for cd, gd in zip(t.dims, dims):
+                for cd, gd in zip(t.dims, dims, strict=True):
                     if gd.HasField("dim_value"):
                         assert cd == gd.dim_value, (name, t.name)
                     else:
@@ -139,10 +139,10 @@ def _feeds_from_config(cfg: mc.ModelConfig, tensors) -> dict:
     """Arrays keyed by the config's input names, checked against the config's dtypes and dims."""
     feeds = {}
     assert len(tensors) == len(cfg.input)
-    for t, x in zip(cfg.input, tensors):
+    for t, x in zip(cfg.input, tensors, strict=True):
         a = x.numpy()
         assert a.dtype == TRITON_TO_NUMPY[_dtype(t)], (t.name, a.dtype)
-        assert a.ndim == len(t.dims) and all(d in (-1, s) for d, s in zip(t.dims, a.shape)), (t.name, a.shape)
+        assert a.ndim == len(t.dims) and all(d in (-1, s) for d, s in zip(t.dims, a.shape, strict=True)), (t.name, a.shape)
         feeds[t.name] = a
     return feeds
 
@@ -168,7 +168,7 @@ def test_onnx_models_fed_by_config_equal_torchscript_artifacts(tiny_repo, native
                 got = torch.jit.load(str(model_file))(*(torch.from_numpy(feeds[t.name]) for t in cfg.input)).numpy()
         out = cfg.output[0]
         assert got.dtype == TRITON_TO_NUMPY[_dtype(out)] and got.ndim == len(out.dims)
-        assert all(d in (-1, s) for d, s in zip(out.dims, got.shape))
+        assert all(d in (-1, s) for d, s in zip(out.dims, got.shape, strict=True))
         assert got.shape == want.shape, name
         err = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
         assert err <= EXPORT_TOLERANCE[name], (name, backend, err)

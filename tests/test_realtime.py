@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -48,7 +49,7 @@ def feed(chunker: TextChunker, deltas):
 def random_split(text: str, cuts) -> list:
     points = sorted({c % (len(text) + 1) for c in cuts})
     bounds = [0] + points + [len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [text[a:b] for a, b in pairwise(bounds) if b > a]
 
 
 @settings(max_examples=150, deadline=None)
@@ -209,7 +210,7 @@ def test_a_turn_is_handed_out_in_order_with_exact_timings_and_the_seed_schedule(
     audio = np.concatenate([e.samples for e in events if isinstance(e, Audio)])
     pause = 240
     assert ends[0].start == 0 and ends[0].end == 3 * 480
-    for a, b in zip(ends, ends[1:]):
+    for a, b in pairwise(ends):
         assert b.start == a.end + pause and b.end == b.start + 3 * 480
     for e in ends:  # the samples between start and end are this piece's (piece_level)
         assert np.all(call_of(audio[e.start:e.end]) == e.index + 1)

@@ -173,7 +173,7 @@ def test_codec_graph_buckets_give_each_item_its_eager_batch_audio(tiny_assets, m
     voc.graphs = CodecGraphs(voc, capture=False)
     got = voc.synthesize(items)
     assert [a.shape for a in got] == [a.shape for a in want] == [(samples_for_codes(n),) for n in (5, 17, 9)]
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert np.abs(a - b).max() <= 1e-5
     key = ("decoder" if use_decoder else "dvae", 4, 32)
     assert list(voc.graphs.graphs) == [key]
@@ -206,13 +206,13 @@ def test_a_codec_call_of_many_items_and_both_paths_replays_graphs_of_similar_len
     voc.graphs = CodecGraphs(voc, capture=False)
     got = voc.synthesize(items)
     assert [a.shape for a in got] == [a.shape for a in alone] == [(samples_for_codes(n),) for n in lens]
-    for a, b in zip(got[:-1], alone[:-1]):  # the last is the empty one
+    for a, b in zip(got[:-1], alone[:-1], strict=True):  # the last is the empty one
         assert np.abs(a - b).max() <= 1e-5
     keys = set(voc.graphs.graphs)
     assert {k[0] for k in keys} == {"decoder", "dvae"} and max(k[1] for k in keys) == CODEC_GRAPH_BATCH
     # sorted by length: the decoder's first group holds its 16 shortest items, so its frame bucket
     # is that of the 16th shortest, not of the longest
-    dec = sorted(n for (u, _), n in zip(items, lens) if u and n)
+    dec = sorted(n for (u, _), n in zip(items, lens, strict=True) if u and n)
     from chattts_triton.runtime.graphs import bucket
     from chattts_triton.runtime.vocoder import CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES
 

@@ -256,7 +256,7 @@ def test_decode_matches_upstream(tok, up_tok):
     seqs += [rng.integers(0, tok.vocab_size, rng.integers(0, 30)).tolist() for _ in range(100)]
     seqs += [rng.integers(tok.vocab_size - len(SPECIAL_TOKENS), tok.vocab_size, 8).tolist() for _ in range(20)]
     up = up_tok.decode([torch.tensor(s, dtype=torch.long) for s in seqs])
-    bad = [(s, u, tok.decode(s)) for s, u in zip(seqs, up) if u != tok.decode(s)]
+    bad = [(s, u, tok.decode(s)) for s, u in zip(seqs, up, strict=True) if u != tok.decode(s)]
     assert not bad, bad[:5]
 
 

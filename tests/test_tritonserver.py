@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,7 @@ DELAYS = {10: 900, 11: 100, 12: 600, 13: 300}
 
 
 def _check_in_flight(results, specs, expected_ids):
-    ok = {spec[0]: out for spec, (out, err) in zip(specs, results) if err is None}
+    ok = {spec[0]: out for spec, (out, err) in zip(specs, results, strict=True) if err is None}
     assert set(ok) == set(expected_ids), results
     for ident, out in ok.items():
         assert out["ID_OUT"] == expected_ids[ident]  # each client got its own answer
@@ -133,7 +134,7 @@ def test_async_execute_is_accepted_but_serialised(spike_server):
     assert all(err is None for _, err in results), results
     assert sorted(o["ID_OUT"] for o in outs) == [1, 2, 3]
     spans = sorted((o["T_START"], o["T_END"]) for o in outs)
-    for (_, end), (next_start, _) in zip(spans, spans[1:]):
+    for (_, end), (next_start, _) in pairwise(spans):
         assert next_start >= end - 0.01  # one after the other
     assert wall >= 1.4
 

@@ -199,12 +199,13 @@ def download_wheels(packages: Iterable[tuple[str, str]], dest: Path, python: str
         try:
             _pip("download", "--no-deps", "--only-binary=:all:", "--python-version", python,
                  "--implementation", "cp", *platform_args, "-d", str(dest), spec)
-        except subprocess.CalledProcessError:
+        except subprocess.CalledProcessError as e:
             with tempfile.TemporaryDirectory() as tmp:
                 _pip("wheel", "--no-deps", "-w", tmp, spec)
                 built = list(Path(tmp).glob("*.whl"))
                 if len(built) != 1 or not built[0].name.endswith("-none-any.whl"):
-                    raise RuntimeError(f"{spec} has no {python} wheel and does not build to a pure-python one: {built}")
+                    raise RuntimeError(
+                        f"{spec} has no {python} wheel and does not build to a pure-python one: {built}") from e
                 shutil.move(str(built[0]), dest / built[0].name)
         if not (set(dest.glob("*.whl")) - before) and not _has_wheel(dest, name, version):
             raise RuntimeError(f"no wheel for {spec} ended up in {dest}")

@@ -71,8 +71,8 @@ def measure(seconds: float, repeats: int, formats: list[str]) -> dict:
             resampled = resample(audio, rate)
             assert resampled.size == out_length(audio.size, rate)
             rows.append({"what": "resample", "rate": rate,
-                         "whole_ms_per_audio_s": cpu_ms(lambda: resample(audio, rate), repeats) / seconds,
-                         "stream_ms_per_audio_s": cpu_ms(lambda: streamed("pcm", rate, audio), repeats) / seconds,
+                         "whole_ms_per_audio_s": cpu_ms(lambda rate=rate: resample(audio, rate), repeats) / seconds,
+                         "stream_ms_per_audio_s": cpu_ms(lambda rate=rate: streamed("pcm", rate, audio), repeats) / seconds,
                          "stream_delay": stream_delay_ms(rate, audio)})
         for fmt in formats:
             try:
@@ -81,8 +81,8 @@ def measure(seconds: float, repeats: int, formats: list[str]) -> dict:
                 continue
             size = len(encode(fmt, audio, rate))
             rows.append({"what": fmt, "rate": rate, "kbit_per_s": size * 8 / seconds / 1e3,
-                         "whole_ms_per_audio_s": cpu_ms(lambda: encode(fmt, audio, rate), repeats) / seconds,
-                         "stream_ms_per_audio_s": cpu_ms(lambda: streamed(fmt, rate, audio), repeats) / seconds})
+                         "whole_ms_per_audio_s": cpu_ms(lambda fmt=fmt, rate=rate: encode(fmt, audio, rate), repeats) / seconds,
+                         "stream_ms_per_audio_s": cpu_ms(lambda fmt=fmt, rate=rate: streamed(fmt, rate, audio), repeats) / seconds})
     return {"audio_seconds": seconds, "repeats": repeats, "chunk_ms": 1e3 * CHUNK / SAMPLE_RATE,
             "cpu": os.uname().machine, "cores": os.cpu_count(), "rows": rows}
 

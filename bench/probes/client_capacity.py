@@ -84,7 +84,7 @@ def _serve(port: int, samples: int, ready, schedule=None) -> None:
         async def ModelStreamInfer(self, request_iterator, context):
             async for request in request_iterator:
                 received = time.monotonic()
-                for i, ((at, n), piece) in enumerate(zip(schedule, pieces)):
+                for i, ((at, n), piece) in enumerate(zip(schedule, pieces, strict=True)):
                     await asyncio.sleep(max(0.0, received + at - time.monotonic()))
                     out = service_pb2.ModelInferResponse.InferOutputTensor(name="AUDIO", datatype="FP32", shape=[1, n])
                     final = i == len(schedule) - 1

@@ -212,7 +212,10 @@ def main(argv=None) -> int:
             row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle, think / 1000)
             row["overlap"] = service.engine.overlap
             rows.append(row)
-            fmt = lambda k, spec=".2f": "n/a" if row.get(k) is None else format(row[k], spec)  # noqa: E731
+
+            def fmt(k, spec=".2f", row=row):
+                return "n/a" if row.get(k) is None else format(row[k], spec)
+
             print(f"[engine_load] concurrency {c}{f' (think {think:g} ms)' if think else ''}, overlap {ov}: "
                   f"{row['throughput_utt_s']:.1f} utt/s, p50 {fmt('latency_p50_ms', '.0f')} ms, "
                   f"step {fmt('engine_step_ms')} ms (device {fmt('engine_step_device_ms')}, GPU clock "

@@ -233,13 +233,13 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
             step = engine.graph_step or engine.step_core  # aoti: its package
             with torch.inference_mode():
                 engine._set_live(0)
-                step_ms = _time_wall(lambda: step(0, b, args.attn_len, "code", engine.n_live), args.iters)
+                step_ms = _time_wall(lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live), args.iters)
                 fwd_ms = _time_wall(_forward(engine, b, args.attn_len), args.iters)
             row = {"step_ms": round(step_ms, 3), "forward_ms": round(fwd_ms, 3), "rest_ms": round(step_ms - fwd_ms, 3)}
             row.update(aoti_times(b))
             if args.profile:
                 with torch.inference_mode():
-                    row["profile"] = _profile(lambda: step(0, b, args.attn_len, "code", engine.n_live), args.profile, cuda)
+                    row["profile"] = _profile(lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live), args.profile, cuda)
             out["batches"][b] = row
             print(f"[{variant}] batch {b:4d}: {row}", flush=True)
             continue
@@ -260,7 +260,7 @@ def run_variant(variant: str, args, arch, dtype) -> dict:
                 row.update(forward_ms=round(fwd_ms, 4), rest_ms=round(step_ms - fwd_ms, 4))
             if args.profile:  # the step's own launches, without the graph (the same kernels)
                 step = engine.graph_step or engine.step_core  # compiled variants: inductor's kernels
-                row["profile"] = _profile(lambda: step(0, b, args.attn_len, "code", engine.n_live), args.profile, cuda)
+                row["profile"] = _profile(lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live), args.profile, cuda)
         out["batches"][b] = row
         print(f"[{variant}] batch {b:4d}: {row}", flush=True)
     out["prefill"] = {}

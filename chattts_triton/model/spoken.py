@@ -27,6 +27,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterator
+from itertools import pairwise
 from typing import NamedTuple
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ def phone_shape(text: str, start: int, end: int) -> Phone | None:
     if country:
         parts = parts[2:] if parts[1].group() == "(0)" else parts[1:]  # +44 (0)20 ...: the trunk 0 is not dialled
     groups = tuple(p.group(1) or p.group(2) for p in parts)
-    separators = {written[a.end():b.start()] for a, b in zip(parts, parts[1:]) if a.group(2)}
+    separators = {written[a.end():b.start()] for a, b in pairwise(parts) if a.group(2)}
     if not groups or len(separators) > 1 or len(groups[-1]) < 2:
         return None
     lengths = [len(g) for g in groups]
@@ -224,7 +225,7 @@ class SpokenForm:
             written = written.replace("-", "")
             if len(spoken) != len(written) or not re.fullmatch(r"[\u4e00-\u9fff]+", spoken):
                 raise RuntimeError(f"the Chinese grammar reads {written!r} as {spoken!r}, not digit by digit")
-            digits["zh"] = dict(zip(written, spoken))
+            digits["zh"] = dict(zip(written, spoken, strict=True))
 
     def __call__(self, text: str, lang: str) -> str:
         if not _DIGIT.search(text):
@@ -302,7 +303,7 @@ class SpokenForm:
         try:
             with self._lock:
                 spoken = self._wetext["en"](written)
-        except Exception:  # noqa: BLE001  the digit words below read it as well
+        except Exception:  # the digit words below read it as well
             log.debug("the English grammar failed on %r", written, exc_info=True)
             return None
         return None if _DIGIT.search(spoken) else spoken

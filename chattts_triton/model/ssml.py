@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import re
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from .text import InputError, detect_language
@@ -87,8 +88,8 @@ _PHONE_GROUP = re.compile(r"\d+")
 _DATE_PART = re.compile(r"\d+|[A-Za-z]+")
 _MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
            "november", "december")
-DIGIT_WORDS = {"zh": dict(zip("0123456789", "零一二三四五六七八九")),
-               "en": dict(zip("0123456789", "zero one two three four five six seven eight nine".split()))}
+DIGIT_WORDS = {"zh": dict(zip("0123456789", "零一二三四五六七八九", strict=True)),
+               "en": dict(zip("0123456789", "zero one two three four five six seven eight nine".split(), strict=True))}
 
 
 class SSMLError(InputError):
@@ -422,7 +423,7 @@ def _date(text: str, fmt: str | None, where: str) -> tuple[int | None, int | Non
     if len(parts) != len(fmt):
         raise SSMLError(f"{where} format={fmt!r}: {text!r} does not have {len(fmt)} part(s)")
     found: dict[str, int] = {}
-    for key, part in zip(fmt, parts):
+    for key, part in zip(fmt, parts, strict=True):
         if key == "m" and not part.isdigit():
             months = [i for i, name in enumerate(_MONTHS, 1) if name.startswith(part.lower()) and len(part) >= 3]
             if len(months) != 1:
@@ -620,7 +621,7 @@ def single(speech: Speech) -> Segment:
         raise SSMLError("SSML has nothing to speak")
     if len(segments) == 1:
         return segments[0]
-    for a, b in zip(segments, segments[1:]):  # segments are cut where the voice or the rate changes
+    for a, b in pairwise(segments):  # segments are cut where the voice or the rate changes
         if a.voice != b.voice:
             raise SSMLError(f"SSML switches voice ({a.voice or 'the request’s'} to {b.voice or 'the request’s'}): one "
                             f"request speaks in one voice; send each voice's part as a request of its own (the "

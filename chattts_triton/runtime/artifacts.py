@@ -42,7 +42,7 @@ class Artifact:
         if self.fmt == "torchscript":
             with torch.inference_mode():
                 return self.module(*[a.to(self.device) for a in args])
-        feeds = {n: a.detach().cpu().numpy() for n, a in zip(self.names, args)}
+        feeds = {n: a.detach().cpu().numpy() for n, a in zip(self.names, args, strict=True)}
         return torch.from_numpy(self.session.run(None, feeds)[0]).to(self.device)
 
 

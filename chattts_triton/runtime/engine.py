@@ -645,7 +645,7 @@ class Engine(Runner, KvPages, WarmUp):
         done = np.flatnonzero(hit | cancelled | maxed)
         if done.size:
             reasons = ["cancelled" if cancelled[j] else "eos" if hit[j] else "max_tokens" for j in done]
-            self._finish_rows([(lo + int(j), r) for j, r in zip(done, reasons)])
+            self._finish_rows([(lo + int(j), r) for j, r in zip(done, reasons, strict=True)])
 
     def _emit(self, slot_id: int, slot: Slot) -> tuple:
         """The slot's tokens since its last chunk, copies queued; on_tokens gets them after the next host sync

@@ -207,7 +207,7 @@ class CudaGraphs(GraphCache):
         static = self.prefill_inputs.get(key)
         if static is None:
             static = self.prefill_inputs[key] = tuple(torch.empty_like(t) for t in inputs)
-        for buf, t in zip(static, inputs):
+        for buf, t in zip(static, inputs, strict=True):
             buf.copy_(t)
         # warm-up and capture runs compute this very prefill (the same writes each time)
         run = self._graph(key, lambda: [e.run_prefill(*static) for _ in range(3)], lambda: e.run_prefill(*static))

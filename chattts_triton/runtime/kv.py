@@ -137,7 +137,7 @@ class KvPages:
             self.h_table[src_h] = 0
             self.h_pages[src_h] = 0
             self._dirty.update(holes + movers)
-            for s, d in zip(movers, holes):
+            for s, d in zip(movers, holes, strict=True):
                 slot = self.rows[s]
                 slot.idx = d
                 self.rows[d] = slot

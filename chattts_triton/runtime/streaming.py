@@ -305,7 +305,7 @@ class StreamService:
         c = self.counters
         c["stream_codec_calls"] += 1
         c["stream_codec_seconds"] += time.monotonic() - t0
-        for (s, w), audio in zip(due, audios):
+        for (s, w), audio in zip(due, audios, strict=True):
             samples, s.held = chunk_samples(w, audio, s.held)
             chunk = {"AUDIO": samples.reshape(1, -1)}
             if _is_first(w) and s.spoken is not None:

@@ -60,7 +60,7 @@ class VocoderService:
             for c, _ in items:
                 c.reply(e)
             return
-        for (c, _), a in zip(items, audios):
+        for (c, _), a in zip(items, audios, strict=True):
             c.reply({"AUDIO": a.reshape(1, -1)})
 
     def parse(self, inputs):
@@ -146,10 +146,10 @@ class CodecGraphs(GraphCache):
                 if audio is None:
                     eager += group
                     continue
-                for i, a in zip(group, audio):
+                for i, a in zip(group, audio, strict=True):
                     out[i] = a
         if eager:  # what did not fit a graph: one eager batch per path
-            for i, a in zip(eager, self.voc.synthesize_eager([items[i] for i in eager])):
+            for i, a in zip(eager, self.voc.synthesize_eager([items[i] for i in eager]), strict=True):
                 out[i] = a
         return [np.zeros(0, np.float32) if a is None else a for a in out]
 
@@ -167,7 +167,7 @@ class CodecGraphs(GraphCache):
         static = self.inputs.get(key)
         if static is None:
             static = self.inputs[key] = (torch.zeros_like(batch, device=self.device), torch.ones_like(lengths, device=self.device))
-        for buf, t in zip(static, (batch, lengths)):
+        for buf, t in zip(static, (batch, lengths), strict=True):
             buf.copy_(t.pin_memory() if self.device.type == "cuda" else t, non_blocking=True)
 
         def decode() -> torch.Tensor:

@@ -640,7 +640,7 @@ def main(argv=None) -> int:
         store = open_voice_store(store_url(repo, a.voice_store), repo)
         if a.command == "list":
             voices, broken = voices_of(store.snapshot()[1])
-            for name, why in sorted(broken.items()):
+            for _, why in sorted(broken.items()):
                 print(f"error: {why}", file=sys.stderr)
             if a.json:
                 print(json.dumps({n: voices[n].to_json() for n in sorted(voices)}, indent=2, ensure_ascii=False))
