@@ -57,7 +57,7 @@ def pct(values: list[float], q: float) -> float:
 def pyav_missing() -> str | None:
     """Why PyAV cannot be imported here (and so in the gateway this starts), or None."""
     try:
-        import av  # noqa: F401
+        import av  # noqa: F401  imported only to see whether it can be
     except ImportError as e:
         return f"{type(e).__name__}: {e}"
     return None
@@ -142,7 +142,7 @@ class Gateway:
         self.out.close()
 
 
-async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: bool = True) -> dict[str, object]:
+async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: bool = True) -> dict[str, object]:  # noqa: C901  a benchmark's script, its stages one after another
     """1-3 through `gateway` against direct gRPC, and 4 where `encoding`."""
     import aiohttp
 

@@ -382,7 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--tokens and --seconds must be > 0, --warmup >= 0")
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
-    stop = lambda: None  # noqa: E731
+    def stop():
+        return None
     if a.repo:  # the shipped path, as a container starts it
         from chattts_triton.launcher.serve import Launched
 

@@ -152,7 +152,8 @@ def parse_csv(path: Path) -> dict:
     """perf_analyzer's -f CSV row: requests/s and client latency percentiles (µs → ms)."""
     with open(path, newline="") as f:
         row = next(csv.DictReader(f))
-    ms = lambda k: float(row[k]) / 1000 if row.get(k) not in (None, "") else None  # noqa: E731
+    def ms(k):
+        return float(row[k]) / 1000 if row.get(k) not in (None, "") else None
     return {"concurrency": int(row["Concurrency"]), "throughput_utt_s": float(row["Inferences/Second"]),
             "latency_p50_ms": ms("p50 latency"), "latency_p90_ms": ms("p90 latency"),
             "latency_p99_ms": ms("p99 latency"), "latency_avg_ms": ms("Avg latency")}
@@ -189,7 +190,8 @@ def to_markdown(rows: list[dict], frames, url: str) -> str:
     out = [f"perf_analyzer against `chattts` at {url}, {what}, gRPC, time windows; audio s/s = utterances/s × "
            f"the entries' mean audio ({mean_audio_s(frames):.2f} s).", "",
            "| concurrency | utterances/s | audio s/s | p50 ms | p90 ms | p99 ms |", "|---|---|---|---|---|---|"]
-    f = lambda v: "" if v is None else f"{v:.0f}"  # noqa: E731
+    def f(v):
+        return "" if v is None else f"{v:.0f}"
     out += [f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | {r['throughput_utt_s'] * mean_audio_s(frames):.1f} | "
             f"{f(r['latency_p50_ms'])} | {f(r['latency_p90_ms'])} | {f(r['latency_p99_ms'])} |" for r in rows]
     return "\n".join(out) + "\n"

@@ -199,7 +199,7 @@ def errors_in(events) -> list[dict]:
     return [ev for _, ev in events if ev.get("type") == "error"]
 
 
-async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: str | None) -> dict[str, object]:
+async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: str | None) -> dict[str, object]:  # noqa: C901  a benchmark's script, its stages one after another
     from client import AsyncChatTTSClient
     from gateway.api import contract_options
     from gateway.realtime import parse_settings
@@ -480,7 +480,7 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> int:  # noqa: C901  a command's main: its flags checked and its stages run in order
     ap = argparse.ArgumentParser(prog="python -m bench.realtime", description=__doc__.split("\n\n")[0])
     ap.add_argument("--repo", type=Path, help="the exported repository, served here through the launcher (without --grpc-url)")
     ap.add_argument("--grpc-url", help="a running server's gRPC HOST:PORT")

@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     from client.audio import save_wav
     from client.client import ChatTTSClient, split_sentences
 
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    def say(m):
+        print(m, file=sys.stderr, flush=True)
     if a.synthetic:
         say(WARNING)
     log = a.out.with_suffix(".tritonserver.log")

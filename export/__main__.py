@@ -195,7 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="device used to trace/check the export (cpu or cuda)")
     add_flags(ap, EXPORT)  # --dtype, --gpus, --instances, ... (each a Deployment field)
     a = ap.parse_args(argv)
-    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    def log(m):
+        print(m, file=sys.stderr, flush=True)
     try:
         assets = hf_assets() if a.hf else a.assets
         formats = [f.strip() for f in a.formats.split(",") if f.strip()]

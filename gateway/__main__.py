@@ -73,7 +73,7 @@ def api_keys(a: argparse.Namespace) -> list[str]:
     return keys
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> int:  # noqa: C901  a command's main: its flags checked in order, then uvicorn started
     p = build_parser()
     a = p.parse_args(argv)
     for name in ("channels", "max_concurrency", "piece_concurrency", "workers"):

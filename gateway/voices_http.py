@@ -282,7 +282,7 @@ class VoicesAPI:
             raise _store_failed(e) from None
         return V.Voice(name, speaker=mixed.speaker, mix=mixed.mix, description=description)
 
-    async def _from_form(self, request: Request) -> tuple[V.Voice, bool]:
+    async def _from_form(self, request: Request) -> tuple[V.Voice, bool]:  # noqa: C901  a form's checks, one after another: each is one branch that refuses
         body = await _bounded_body(request, MAX_FORM_BYTES, "audio")
 
         async def replay() -> dict[str, Any]:

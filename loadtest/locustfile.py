@@ -22,7 +22,7 @@ streams), --tts-stats-out (also as CHATTTS_* env variables).
 
 # Order matters: locust monkey-patches the standard library with gevent on import, and gRPC must be
 # switched to gevent before any channel exists. Nothing here imports torch.
-import locust  # noqa: F401,I001
+import locust  # noqa: F401, I001  imported first, for its gevent monkey-patching (see above)
 from locust import User, constant, events, task
 from locust.runners import WorkerRunner
 
@@ -30,18 +30,18 @@ import grpc.experimental.gevent as grpc_gevent
 
 grpc_gevent.init_gevent()
 
-import random  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import random
+import sys
+import time
+from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # locust only adds this file's folder
 
-import tritonclient.grpc as grpcclient  # noqa: E402
-import tritonclient.http as httpclient  # noqa: E402
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 
-from client.client import DEFAULT_URLS, ChatTTSClient  # noqa: E402
-from client.contract import (  # noqa: E402
+from client.client import DEFAULT_URLS, ChatTTSClient
+from client.contract import (
     MODEL,
     SAMPLE_RATE,
     STREAM_MODEL,
@@ -50,9 +50,9 @@ from client.contract import (  # noqa: E402
     requested_outputs,
     to_infer_inputs,
 )
-from client.errors import to_chattts_error  # noqa: E402
-from loadtest.corpus import DEFAULT_CORPUS, length_bucket, load_corpus  # noqa: E402
-from loadtest.tts_stats import TTSStats, format_summary, write_json  # noqa: E402
+from client.errors import to_chattts_error
+from loadtest.corpus import DEFAULT_CORPUS, length_bucket, load_corpus
+from loadtest.tts_stats import TTSStats, format_summary, write_json
 
 TTS = TTSStats()
 _state = {"started": None, "wall_s": None, "corpus": None, "rng": random.Random()}

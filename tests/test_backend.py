@@ -112,7 +112,8 @@ def test_gauges_are_written_by_the_metrics_thread_only_and_follow_the_in_flight_
     writes for many requests, and the service's stats every STATS_PERIOD_S; finalize drains."""
     pb, service = FakePb(), HeldService()
     model = _model(tiny_repo, pb, service)
-    inflight = lambda: [v for n, v, _ in pb.writes if n == backend.INFLIGHT_METRIC]  # noqa: E731
+    def inflight():
+        return [v for n, v, _ in pb.writes if n == backend.INFLIGHT_METRIC]
     requests = [FakeRequest(pb, i) for i in range(200)]
     for lo in range(0, 200, 8):  # batches of 8, as Triton's dynamic batcher hands them over
         assert model.execute(requests[lo:lo + 8]) is None
@@ -143,7 +144,8 @@ def test_a_stats_gauge_is_written_when_its_value_changes_only(tiny_repo):
     gauge when its value changed, not every STATS_PERIOD_S."""
     pb, service = FakePb(), HeldService()
     model = _model(tiny_repo, pb, service)
-    active = lambda: [v for n, v, _ in pb.writes if n == "chattts_engine_active"]  # noqa: E731
+    def active():
+        return [v for n, v, _ in pb.writes if n == "chattts_engine_active"]
     time.sleep(6 * backend.STATS_PERIOD_S)  # six periods, one value
     assert active() == [0]
     requests = [FakeRequest(pb, i) for i in range(3)]

@@ -132,7 +132,8 @@ def test_locust_group_carries_what_locust_needs_beside_the_hosts_own():
 
     from packaging.requirements import Requirement
 
-    norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731
+    def norm(name):
+        return re.sub(r"[-_.]+", "-", name).lower()
     carried = {norm(n) for g in ("locust", "http") for n, _, _ in bundle.IF_MISSING_GROUPS[g]}
     not_carried = {norm(n) for n in bundle.LOCUST_NOT_CARRIED}
     assert "locust" in bundle.DEFAULT_GROUPS and bundle.GROUP_NEEDS["locust"] == ("http",)

@@ -317,7 +317,7 @@ def test_request_on_the_wire_and_audio_back(fake, protocol):
     assert all(sent[n].shape == (1, 1) for n in sent if n != "SPEAKER_AUDIO")
     assert sent["TEXT"][0, 0] == b"Hello there" and sent["SPEAKER"][0, 0] == b"spk"
     assert sent["SEED"][0, 0] == 3 and sent["TOP_K"][0, 0] == 20 and sent["TEMPERATURE"][0, 0] == np.float32(0.5)
-    assert sent["REFINE_TEXT"][0, 0] == True and sent["USE_DECODER"][0, 0] == False  # noqa: E712
+    assert sent["REFINE_TEXT"][0, 0] == True and sent["USE_DECODER"][0, 0] == False  # noqa: E712  numpy bools: == compares the value
     assert np.array_equal(sent["SPEAKER_AUDIO"], ref[None])
     assert audio.dtype == np.float32 and audio.ndim == 1 and audio.flags.writeable
     assert np.array_equal(audio, FakeModel.audio_for(b"Hello there", ref.size))
@@ -682,7 +682,7 @@ def test_cli_text_to_wav_sends_the_flags(fake, protocol, tmp_path):
     assert rc == 0
     (sent,) = fake.model.requests
     assert set(sent) == {"TEXT", "TOP_P", "REFINE_TEXT", "MAX_NEW_TOKENS"}
-    assert sent["TOP_P"][0, 0] == np.float32(0.5) and sent["REFINE_TEXT"][0, 0] == False  # noqa: E712
+    assert sent["TOP_P"][0, 0] == np.float32(0.5) and sent["REFINE_TEXT"][0, 0] == False  # noqa: E712  numpy bools: == compares the value
     audio, rate = read_wav(out)
     assert rate == C.SAMPLE_RATE and np.array_equal(audio, FakeModel.audio_for(b"Hello"))
 

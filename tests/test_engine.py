@@ -486,7 +486,8 @@ def test_an_engine_task_fails_its_caller_not_the_engine(tiny):
         with pytest.raises(ValueError, match="bad bucket"):
             eng._on_engine_thread(lambda: (_ for _ in ()).throw(ValueError("bad bucket")), time.monotonic() + 30)
         names, t0 = [], time.monotonic()
-        inner = lambda: names.append(threading.current_thread().name)  # noqa: E731
+        def inner():
+            names.append(threading.current_thread().name)
         eng._on_engine_thread(lambda: eng._on_engine_thread(inner, time.monotonic() + 30), time.monotonic() + 30)
         assert names == ["chattts-engine"] and time.monotonic() - t0 < 10
         r = eng.generate(GenRequest(torch.arange(1, 9), SamplingParams(0.3, 0.7, 20, 1.05, 5, 5, seed=1), None))

@@ -74,7 +74,8 @@ def test_only_a_failed_decode_graph_sends_a_compiled_engine_back_to_torchscript(
     def warm_up(self, *args, **kw):
         real_warm_up(self, *args, **kw)
         if self.graph_step is not None:
-            ok = lambda: None  # noqa: E731
+            def ok():
+                return None
             self.graphs = CudaGraphs(self, capture=False)
             self.graphs.graphs.update({("prefill", 1, 16): None if failed == "prefill" else ok,
                                        ("code", 1, 128): None if failed == "code" else ok})

@@ -169,7 +169,8 @@ def test_sweep_step_forces_each_request_its_drawn_length(short):
 def _stats(inference, execution, queue_ns, infer_ns, batches, as_strings=False):
     """A `get_inference_statistics` answer in Triton's layout (gRPC JSON carries uint64 as strings)."""
     v = str if as_strings else int
-    stat = lambda n, ns: {"count": v(n), "ns": v(ns)}  # noqa: E731
+    def stat(n, ns):
+        return {"count": v(n), "ns": v(ns)}
     model = {
         "name": "chattts_gpt", "version": "1", "inference_count": v(inference), "execution_count": v(execution),
         "inference_stats": {"success": stat(inference, 1), "fail": {}, "queue": stat(inference, queue_ns),

@@ -262,7 +262,8 @@ def test_configure_gil_switch_interval_reaches_the_engine_processes_and_refuses_
 
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)
-    params = lambda model: rc.parse_pbtxt((repo / model / "config.pbtxt").read_text()).parameters  # noqa: E731
+    def params(model):
+        return rc.parse_pbtxt((repo / model / "config.pbtxt").read_text()).parameters
     assert params(GPT)["gil_switch_interval_us"].string_value == str(GIL_SWITCH_INTERVAL_US)
     old = sys.getswitchinterval()
     try:

@@ -156,7 +156,8 @@ def test_speaker_embedding_rejects_unnormalizable():
 def test_concatenated_streams_decode_like_upstream():
     # upstream lzma.decompress concatenates streams and ignores trailing garbage after the first one
     half = np.arange(384, dtype=np.float16)
-    c = lambda a: lzma.compress(a.tobytes(), format=lzma.FORMAT_RAW, filters=FILTERS)  # noqa: E731
+    def c(a):
+        return lzma.compress(a.tobytes(), format=lzma.FORMAT_RAW, filters=FILTERS)
     for blob in (c(half) + c(half + 1), c(np.r_[half, half]) + b"\x07garbage"):
         s = b14.encode_to_string(blob)
         np.testing.assert_array_equal(spk.decode_speaker(s), UpSpeaker._decode(s))

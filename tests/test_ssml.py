@@ -401,7 +401,7 @@ def test_ssml_over_grpc_and_the_stream_model(served_tiny):
 
 
 @pytest.mark.e2e
-def test_ssml_through_the_gateway_speaks_each_segment_as_its_own_grpc_call(served_tiny, gateway):  # noqa: F811
+def test_ssml_through_the_gateway_speaks_each_segment_as_its_own_grpc_call(served_tiny, gateway):  # noqa: F811  the fixture imported above
     from client import ChatTTSClient
     from gateway.audio import decode, to_int16
     from tests.test_gateway_e2e import FIXED, post

@@ -37,8 +37,8 @@ from chattts_triton.model.text import (
 from tests.spoken_cases import EN_CASES, ZH_CASES
 
 ChatTTS = pytest.importorskip("ChatTTS")
-from ChatTTS.model.speaker import Speaker as UpSpeaker  # noqa: E402
-from ChatTTS.model.tokenizer import Tokenizer as UpTokenizer  # noqa: E402
+from ChatTTS.model.speaker import Speaker as UpSpeaker  # noqa: E402  after the importorskip above
+from ChatTTS.model.tokenizer import Tokenizer as UpTokenizer  # noqa: E402  after the importorskip above
 
 UPSTREAM_RES = Path(ChatTTS.__file__).parent / "res"
 # upstream's numba helpers warn about reflected lists on first compile

@@ -148,7 +148,8 @@ def summary(rows: list[dict]) -> dict[str, dict]:
     out = {}
     for name in dict.fromkeys(r["variant"] for r in rows):
         mine = [r for r in rows if r["variant"] == name]
-        med = lambda xs: round(statistics.median(xs), 4)  # noqa: E731
+        def med(xs):
+            return round(statistics.median(xs), 4)
         out[name] = {
             "pairs": len(mine),
             "unary_s": med([r["unary"]["total_s"] for r in mine]),

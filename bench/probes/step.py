@@ -192,7 +192,7 @@ def _time_prefill(engine, k: int, t: int, graphed: bool, iters: int) -> float:
     return _time_wall(_prefill_once(engine, k, t, graphed), iters)
 
 
-def run_variant(variant: str, args, arch, dtype) -> dict:
+def run_variant(variant: str, args, arch, dtype) -> dict:  # noqa: C901  a probe's script: every variant's branches in one run, read top to bottom
     from chattts_triton.model.gpt import load_gpt
     from chattts_triton.runtime.engine import PREFILL_GRAPH_TOKENS, Engine
 

@@ -27,6 +27,7 @@ themselves after start-up) are not watched.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import shutil
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..config import DRAIN_FILE_ENV, ENSEMBLE, INFLIGHT_METRIC
@@ -198,6 +199,29 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _watch(server: TritonServer, stubs: set[int], stopping: list[int], drain: Callable[[], None], drain_file: Path,
+           exit_timeout: float) -> list[int]:
+    """Until tritonserver exits or is stopped: a signal drains it (waiting up to its exit timeout), a python backend
+    stub that dies kills it. The stubs that died, or none."""
+    while server.returncode is None:
+        if stopping:
+            quiesce(server, drain_file, exit_timeout)
+            drain()  # the signal may have come before the process existed
+            deadline = time.monotonic() + exit_timeout + 15
+            while server.returncode is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return []
+        dead = sorted(stubs - set(python_stubs(server.pid)))
+        if dead:  # Triton 2.51 never restarts it: its requests hang, later ones fail, yet /ready says 200
+            print(f"error: python backend stub(s) {dead} died; stopping so that the supervisor restarts "
+                  f"the server; last log lines:\n{server.log_tail(10)}", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                os.killpg(server.pid, signal.SIGKILL)  # what the dead stub held can never finish
+            return dead
+        time.sleep(0.2)
+    return []
+
+
 def _serve(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     if args.host not in (LOCALHOST, "localhost"):
         print(f"warning: binding to {args.host}: the server is reachable from other hosts", file=sys.stderr)
@@ -234,10 +258,8 @@ def _serve(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
         stopping.append(signum)
         if len(stopping) > 1 and server.pid is not None:
             print("second signal: killing tritonserver", file=sys.stderr, flush=True)
-            try:
+            with contextlib.suppress(OSError):
                 os.killpg(server.pid, signal.SIGKILL)
-            except OSError:
-                pass
         if not serving:  # still loading: nothing in flight, stop at once
             drain()
 
@@ -259,24 +281,7 @@ def _serve(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     serving.append(True)
     dead: list[int] = []
     try:
-        while server.returncode is None:
-            if stopping:
-                quiesce(server, drain_file, args.exit_timeout)
-                drain()  # the signal may have come before the process existed
-                deadline = time.monotonic() + args.exit_timeout + 15
-                while server.returncode is None and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                break
-            dead = sorted(stubs - set(python_stubs(server.pid)))
-            if dead:  # Triton 2.51 never restarts it: its requests hang, later ones fail, yet /ready says 200
-                print(f"error: python backend stub(s) {dead} died; stopping so that the supervisor restarts "
-                      f"the server; last log lines:\n{server.log_tail(10)}", file=sys.stderr, flush=True)
-                try:
-                    os.killpg(server.pid, signal.SIGKILL)  # what the dead stub held can never finish
-                except OSError:
-                    pass
-                break
-            time.sleep(0.2)
+        dead = _watch(server, stubs, stopping, drain, drain_file, args.exit_timeout)
     finally:
         code = server.stop()  # kills whatever is left (stubs, a server past its drain time)
         remove_shm_regions(regions)

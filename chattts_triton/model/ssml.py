@@ -537,7 +537,7 @@ class _Open:
         return _SPACE_BEFORE_MARK.sub(r"\1", _SPACE.sub(" ", "".join(self.parts))).strip()
 
 
-def render(doc: Document, spoken: SpokenForm | None = None, breaks: str = "silence") -> Speech:
+def render(doc: Document, spoken: SpokenForm | None = None, breaks: str = "silence") -> Speech:  # noqa: C901  its two closures (silence, close) count in: the body is one pass over the items
     """The document as segments: a new one where the voice or the rate changes and, with breaks="silence", at each
     break (its silence after the segment before it); with breaks="tokens" a break is a pause token in the text.
     `spoken`: the normaliser say-as needs (required when `doc.needs_spoken`)."""

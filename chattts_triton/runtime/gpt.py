@@ -134,7 +134,7 @@ class GPTService:
                 if self.engine.full():
                     raise Overloaded(f"server busy: {self.max_pending} generations in flight, retry later")
                 self.engine.submit(self.request(c.inputs, c.reply))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001  every failure becomes this request's error
                 c.reply(e)
 
     def request(self, inputs, reply: Reply) -> GenRequest:

@@ -30,7 +30,7 @@ def paged_interface(model) -> bool:
             names = [a.name for a in model.forward.schema.arguments]
         else:
             names = list(inspect.signature(model.forward).parameters)
-    except Exception:  # noqa: BLE001 - an unusual wrapper: let the first step tell
+    except Exception:  # noqa: BLE001  an unusual wrapper: let the first step tell
         return True
     return "tables" in names
 

@@ -241,26 +241,30 @@ class StreamService:
                 self._fail_all(Overloaded("stream model is shutting down"))
                 return
 
+    def _take(self, stream: _Stream, kind: str, payload) -> None:
+        """One event of the engine's for `stream`: its start, tokens, error or whole result."""
+        if kind == "start":
+            self.streams.append(stream)
+        elif kind == "tokens":
+            toks, hid = payload
+            if stream.t_tokens is None:
+                stream.t_tokens = time.monotonic()
+            stream.codes.append(toks)
+            if hid is not None:
+                stream.hiddens.append(hid)
+        elif isinstance(payload, BaseException):
+            stream.done, stream.error = True, payload
+        else:  # the engine's whole result: keep the tail past what was streamed
+            n = stream.frames()
+            stream.codes.append(torch.from_numpy(payload["CODES"][0, n:]))
+            if stream.use_decoder:
+                stream.hiddens.append(torch.from_numpy(payload["HIDDENS"][0, n:]))
+            stream.done = True
+
     def _step(self, events) -> None:
         touched = []
         for stream, kind, payload in events:
-            if kind == "start":
-                self.streams.append(stream)
-            elif kind == "tokens":
-                toks, hid = payload
-                if stream.t_tokens is None:
-                    stream.t_tokens = time.monotonic()
-                stream.codes.append(toks)
-                if hid is not None:
-                    stream.hiddens.append(hid)
-            elif isinstance(payload, BaseException):
-                stream.done, stream.error = True, payload
-            else:  # the engine's whole result: keep the tail past what was streamed
-                n = stream.frames()
-                stream.codes.append(torch.from_numpy(payload["CODES"][0, n:]))
-                if stream.use_decoder:
-                    stream.hiddens.append(torch.from_numpy(payload["HIDDENS"][0, n:]))
-                stream.done = True
+            self._take(stream, kind, payload)
             touched.append(stream)
         now = time.monotonic()
         if now - self.polled >= CANCEL_POLL_S:  # each poll is a round trip to Triton: not per event

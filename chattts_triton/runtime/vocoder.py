@@ -49,7 +49,7 @@ class VocoderService:
         for c in calls:
             try:
                 items.append((c, self.parse(c.inputs)))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001  every failure becomes this request's error
                 c.reply(e)
         if not items:
             return
