@@ -117,7 +117,8 @@ class Gateway:
         from chattts_triton.launcher.tritonserver import free_port, set_parent_death_signal
 
         self.port = free_port()
-        cmd = [sys.executable, "-m", "gateway", "--grpc-url", grpc_url, "--port", str(self.port), "--log-level", "warning",
+        cmd = [sys.executable, "-m", "gateway", "--grpc-url", grpc_url, "--port", str(self.port), "--log-level",
+               "warning",
                *(["--repo", str(repo)] if repo else []), *args]
         self.out = open(log_file, "wb")
         # SIGTERM when this process dies, as the server gets: no gateway left behind by an interrupted bench
@@ -167,7 +168,8 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: 
         why = f"PyAV cannot be imported ({no_pyav}): FFmpeg makes these"
         result["skipped"] = [
             {"what": "concurrency 1, first mp3 byte", "why": why},
-            {"what": "encoding, whole files: " + ", ".join(f for f in FORMATS if f not in WHOLE_WITHOUT_PYAV), "why": why},
+            {"what": "encoding, whole files: " + ", ".join(f for f in FORMATS if f not in WHOLE_WITHOUT_PYAV),
+             "why": why},
             {"what": "encoding, streams: " + ", ".join(f for f in FORMATS if f not in STREAM_WITHOUT_PYAV), "why": why},
         ]
         log(f"without PyAV ({no_pyav}): wav and pcm only")
@@ -215,7 +217,8 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: 
             await via_gateway(body)
             g.append(time.perf_counter() - t0)
         diff = [x - y for x, y in zip(g, d, strict=True)]
-        result["c1_wav"] = {"requests": a.requests, "direct_p50_ms": pct(d, 50) * 1e3, "direct_p90_ms": pct(d, 90) * 1e3,
+        result["c1_wav"] = {"requests": a.requests, "direct_p50_ms": pct(d, 50) * 1e3,
+                            "direct_p90_ms": pct(d, 90) * 1e3,
                             "gateway_p50_ms": pct(g, 50) * 1e3, "gateway_p90_ms": pct(g, 90) * 1e3,
                             "overhead_p50_ms": (pct(g, 50) - pct(d, 50)) * 1e3,
                             "paired_overhead_p50_ms": statistics.median(diff) * 1e3}
@@ -257,7 +260,8 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: 
             await asyncio.gather(*(loop() for _ in range(a.concurrency)))
             cpu = cpu_seconds(gateway.proc.pid) - cpu0
             return {**closed_loop_rate(spans, a.concurrency, steady, stop), "requests": len(spans), "errors": errors[0],
-                    "error_kinds": kinds, "gateway_cpu_s": cpu, "gateway_cpu_ms_per_request": 1e3 * cpu / max(1, len(spans)),
+                    "error_kinds": kinds, "gateway_cpu_s": cpu,
+                    "gateway_cpu_ms_per_request": 1e3 * cpu / max(1, len(spans)),
                     "loadavg": [load0, os.getloadavg()[0]]}
 
         phases = {"direct": [], "gateway": []}
@@ -279,7 +283,8 @@ async def run(a: argparse.Namespace, grpc_url: str, gateway: Gateway, encoding: 
                                 "gateway_rps": total["gateway"]["rps"],
                                 "ratio": total["gateway"]["rps"] / total["direct"]["rps"],
                                 "errors": {k: v["errors"] for k, v in total.items()},
-                                "phase_ratios": [g["rps"] / d["rps"] for d, g in zip(phases["direct"], phases["gateway"], strict=True)],
+                                "phase_ratios": [g["rps"] / d["rps"]
+                                                 for d, g in zip(phases["direct"], phases["gateway"], strict=True)],
                                 "counted_ratio": total["gateway"]["counted_rps"] / total["direct"]["counted_rps"],
                                 "gateway_cpu_ms_per_request": 1e3 * gw_cpu / max(1, gw_requests)}
         log(f"throughput: {result['throughput']['gateway_rps']:.1f} / {result['throughput']['direct_rps']:.1f} req/s")
@@ -330,8 +335,8 @@ def _variant_lines(v: dict, seconds: float, label: str) -> tuple[list[str], str]
             "move by a whole wave of requests finishing together: "
             f"{tp['counted_ratio'] * 100:.1f} %); "
             f"gateway/direct per pair: {', '.join(f'{100 * r:.0f} %' for r in tp['phase_ratios'])} (mean "
-            f"{100 * statistics.mean(tp['phase_ratios']):.0f} %, sd {100 * statistics.pstdev(tp['phase_ratios']):.0f}). "
-            f"Errors: {tp['errors']}. The gateway's processes used "
+            f"{100 * statistics.mean(tp['phase_ratios']):.0f} %, sd "
+            f"{100 * statistics.pstdev(tp['phase_ratios']):.0f}). Errors: {tp['errors']}. The gateway's processes used "
             f"**{tp['gateway_cpu_ms_per_request']:.2f} ms of CPU per request** at that load "
             "(HTTP, JSON, gRPC, wav encoding).")
     return rows, text
@@ -391,7 +396,8 @@ def main(argv=None) -> int:
                     "the gateway's)")
     ap.add_argument("--gateway-arg", action="append", default=[], help="a flag for python -m gateway (repeatable)")
     ap.add_argument("--serve-arg", action="append", default=[],
-                    help="a flag for python -m chattts_triton.serve, without --grpc-url (repeatable, e.g. --serve-arg=--mps)")
+                    help="a flag for python -m chattts_triton.serve, without --grpc-url (repeatable, e.g. "
+                         "--serve-arg=--mps)")
     ap.add_argument("--machine", default=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores")
     a = ap.parse_args(argv)
     if a.grpc_url and a.serve_arg:
@@ -421,7 +427,8 @@ def main(argv=None) -> int:
         load0, variants, res = os.getloadavg(), [], {}
         for i, n in enumerate(workers):
             log_file = a.out.with_suffix(".gateway.log" if len(workers) == 1 else f".gateway-{n}.log")
-            gateway = Gateway(grpc_url, a.repo, log_file, ["--channels", str(a.channels), "--workers", str(n), *a.gateway_arg])
+            gateway = Gateway(grpc_url, a.repo, log_file,
+                              ["--channels", str(a.channels), "--workers", str(n), *a.gateway_arg])
             try:
                 got = asyncio.run(run(a, grpc_url, gateway, encoding=i == 0))
             finally:
@@ -438,7 +445,8 @@ def main(argv=None) -> int:
     if launcher is not None:
         launcher["exit_status"] = launcher_exit
     res.update(machine=a.machine, command=" ".join(["python -m bench.gateway", *(argv or sys.argv[1:])]),
-               repo=str(a.repo), tokens=a.tokens, channels=a.channels, seconds=a.seconds, weights=f"hidden {man['arch']['gpt']['hidden']}, {man.get('dtype')}",
+               repo=str(a.repo), tokens=a.tokens, channels=a.channels, seconds=a.seconds,
+               weights=f"hidden {man['arch']['gpt']['hidden']}, {man.get('dtype')}",
                deployment=man.get("deployment"), launcher=launcher, grpc_url=grpc_url)
     a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     a.out.with_suffix(".md").write_text(to_markdown(res))

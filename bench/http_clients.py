@@ -220,7 +220,8 @@ def _locust_started(history_csv: Path) -> bool:
     seconds on a small host, more with --processes)."""
     try:
         with open(history_csv, newline="") as f:
-            return any(r.get("Name") == "Aggregated" and int(r["Total Request Count"] or 0) > 0 for r in csv.DictReader(f))
+            return any(r.get("Name") == "Aggregated" and int(r["Total Request Count"] or 0) > 0
+                       for r in csv.DictReader(f))
     except (OSError, ValueError, KeyError):
         return False
 
@@ -297,8 +298,8 @@ def to_markdown(res: dict) -> str:
     lines = [f"# HTTP clients beside perf_analyzer over HTTP: {res['server']}", "",
              f"{res['machine']}; every request forces {res['tokens']} frames of one sentence; closed loops, "
              f"ours measured {res['seconds']:g} s after {res['warmup']:g} s; perf_analyzer its own time windows "
-             f"({res['window_ms']} ms, within {res['stability']} %). Prompts/prefill and GPT batch: the engine's, from the metrics over the "
-             "window; model batch: Triton's statistics of the model the requests name.", "",
+             f"({res['window_ms']} ms, within {res['stability']} %). Prompts/prefill and GPT batch: the engine's, from "
+             "the metrics over the window; model batch: Triton's statistics of the model the requests name.", "",
              "| concurrency | path | utt/s | of perf_analyzer | p50 ms | p99 ms | errors | prompts/prefill | GPT batch "
              "| model batch |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
@@ -307,7 +308,8 @@ def to_markdown(res: dict) -> str:
         lines.append(
             f"| {r['concurrency']} | {r['path']} | {r['throughput_utt_s']:.1f} | "
             f"{'' if share is None else f'{100 * share:.0f} %{mark}'} | {_cell(r.get('latency_p50_ms'), '.0f')} | "
-            f"{_cell(r.get('latency_p99_ms'), '.0f')} | {r.get('errors', 0)} | {_cell(r.get('engine_prefill_prompts'), '.1f')} | "
+            f"{_cell(r.get('latency_p99_ms'), '.0f')} | {r.get('errors', 0)} | "
+            f"{_cell(r.get('engine_prefill_prompts'), '.1f')} | "
             f"{_cell(r.get('engine_batch'), '.1f')} | {_cell(r.get('model_batch'), '.1f')} |")
     lines += ["", f"command: `{res['command']}`"]
     return "\n".join(lines) + "\n"
@@ -326,7 +328,8 @@ def measure(server: Server, paths: Sequence[str], levels: Sequence[int], a: argp
                     log(f"perf_analyzer at {n}: {e}")
                     continue
             elif path in ("asyncio", "tritonclient-aio", "grpc"):
-                row = run_asyncio(server, n, a.tokens, perf.TEXT, a.warmup, a.seconds, as_shipped=path == "tritonclient-aio",
+                row = run_asyncio(server, n, a.tokens, perf.TEXT, a.warmup, a.seconds,
+                                  as_shipped=path == "tritonclient-aio",
                                   protocol="grpc" if path == "grpc" else "http")
             elif path == "sync":
                 row = run_sync(server, n, a.tokens, perf.TEXT, a.warmup, a.seconds)
@@ -339,7 +342,8 @@ def measure(server: Server, paths: Sequence[str], levels: Sequence[int], a: argp
             row = {"concurrency": n, "path": path, **row}
             log(f"{path} at {n}: {row['throughput_utt_s']:.1f} utt/s, errors {row.get('errors', 0)}, "
                 f"prompts/prefill {_cell(row.get('engine_prefill_prompts'), '.1f')}, "
-                f"GPT batch {_cell(row.get('engine_batch'), '.1f')}, model batch {_cell(row.get('model_batch'), '.1f')}")
+                f"GPT batch {_cell(row.get('engine_batch'), '.1f')}, "
+                f"model batch {_cell(row.get('model_batch'), '.1f')}")
             rows.append(row)
             time.sleep(a.pause)  # the last requests drain before the next path starts
     add_ratios(rows)
@@ -354,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     where.add_argument("--standin", action="store_true", help="serve loadtest.standin's model (no GPU work) here")
     ap.add_argument("--metrics-url", help="the running server's metrics HOST:PORT (with --url)")
     ap.add_argument("--grpc-url", help="the running server's gRPC HOST:PORT (with --url, for the grpc path)")
-    ap.add_argument("--serve-arg", action="append", default=[], help="a flag for python -m chattts_triton.serve (--repo)")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="a flag for python -m chattts_triton.serve (--repo)")
     ap.add_argument("--paths", default=",".join(DEFAULT_PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
     ap.add_argument("--concurrency", default="64,256", help="comma-separated levels")
     ap.add_argument("--tokens", type=int, default=150, help="frames every request forces (MIN = MAX)")
@@ -405,7 +410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         stop()
     res = {"server": what, "machine": a.machine, "tokens": a.tokens, "seconds": a.seconds, "warmup": a.warmup,
-           "window_ms": a.window_ms, "stability": a.stability, "command": " ".join(["python -m bench.http_clients", *(argv or sys.argv[1:])]),
+           "window_ms": a.window_ms, "stability": a.stability,
+           "command": " ".join(["python -m bench.http_clients", *(argv or sys.argv[1:])]),
            "rows": rows}
     (a.out / "http-clients.json").write_text(json.dumps(res, indent=1))
     md = to_markdown(res)

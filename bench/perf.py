@@ -1,6 +1,7 @@
 """Triton's own load tool, `perf_analyzer`, against the `chattts` ensemble: the cross-check of bench.run's figures.
 
-    python -m bench.perf --url 127.0.0.1:8001 [--concurrency 1,8,64,256] [--frames 150 | --frames 50-400] [--out build/perf]
+    python -m bench.perf --url 127.0.0.1:8001 [--concurrency 1,8,64,256] [--frames 150 | --frames 50-400] \
+        [--out build/perf]
     make perf GRPC_PORT=8001 PERF_CONCURRENCY=1,64 FRAMES=50-400
 
 Each level is one perf_analyzer run over gRPC (`--concurrency-range N`, time windows, its own stability
@@ -172,11 +173,12 @@ def run(url: str, levels: list[int], frames, out: Path, window_ms: int = 5000, b
         r = subprocess.run(cmd, capture_output=True, text=True, env=environment(binary),
                            timeout=60 + 8 * window_ms / 1000)
         if r.returncode != 0 or not csv_path.is_file():
-            raise PerfError(f"perf_analyzer at concurrency {c} failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-1500:]}")
+            raise PerfError(f"perf_analyzer at concurrency {c} failed ({r.returncode}): "
+                            f"{(r.stderr or r.stdout).strip()[-1500:]}")
         row = parse_csv(csv_path)
         row["audio_s_per_s"] = row["throughput_utt_s"] * mean_audio_s(frames)
-        log(f"perf_analyzer concurrency {c}: {row['throughput_utt_s']:.1f} utt/s ({row['audio_s_per_s']:.1f} s of audio/s), "
-            f"p50 {row['latency_p50_ms']:.0f} ms, "
+        log(f"perf_analyzer concurrency {c}: {row['throughput_utt_s']:.1f} utt/s ({row['audio_s_per_s']:.1f} s of "
+            f"audio/s), p50 {row['latency_p50_ms']:.0f} ms, "
             f"p99 {row['latency_p99_ms']:.0f} ms")
         rows.append(row)
     return rows
@@ -192,7 +194,8 @@ def to_markdown(rows: list[dict], frames, url: str) -> str:
            "| concurrency | utterances/s | audio s/s | p50 ms | p90 ms | p99 ms |", "|---|---|---|---|---|---|"]
     def f(v):
         return "" if v is None else f"{v:.0f}"
-    out += [f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | {r['throughput_utt_s'] * mean_audio_s(frames):.1f} | "
+    out += [f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | "
+            f"{r['throughput_utt_s'] * mean_audio_s(frames):.1f} | "
             f"{f(r['latency_p50_ms'])} | {f(r['latency_p90_ms'])} | {f(r['latency_p99_ms'])} |" for r in rows]
     return "\n".join(out) + "\n"
 
@@ -202,7 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--url", default="127.0.0.1:8001", help="gRPC host:port of a running server")
     ap.add_argument("--concurrency", default="1,8,64,256", help="comma-separated levels, one run each")
     ap.add_argument("--frames", type=lengths_arg, default=Lengths(150, 150),
-                    help=f"code frames per request (≈ 21.3 ms of audio each): N, or A-B for {ENTRIES} lengths spread over it")
+                    help=f"code frames per request (≈ 21.3 ms of audio each): N, or A-B for {ENTRIES} lengths spread "
+                         "over it")
     ap.add_argument("--window-ms", type=int, default=5000, help="perf_analyzer's measurement window")
     ap.add_argument("--stability", type=int, default=25, help="perf_analyzer's --stability-percentage")
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "perf")
@@ -224,7 +228,8 @@ def main(argv=None) -> int:
     except PerfError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    (a.out / "perf.json").write_text(json.dumps({"url": a.url, "frames": str(a.frames), "entry_frames": entry_frames(a.frames),
+    (a.out / "perf.json").write_text(json.dumps({"url": a.url, "frames": str(a.frames),
+                                                 "entry_frames": entry_frames(a.frames),
                                                  "rows": rows}, indent=1))
     md = to_markdown(rows, a.frames, a.url)
     (a.out / "perf.md").write_text(md)

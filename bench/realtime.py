@@ -175,7 +175,8 @@ class Session:
     async def send(self, **msg) -> None:
         await self.ws.send(json.dumps(msg, ensure_ascii=False))
 
-    async def turn(self, until: tuple[str, ...] = ("turn.done", "turn.cancelled"), first_audio: asyncio.Event | None = None):
+    async def turn(self, until: tuple[str, ...] = ("turn.done", "turn.cancelled"),
+                   first_audio: asyncio.Event | None = None):
         """(audio frames [(arrival, bytes)], events [(arrival, event)]) up to the turn's end."""
         frames, events = [], []
         while True:
@@ -287,15 +288,18 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: st
             # a piece whose text was not all sent before the audio ahead of it had played out cannot be in time on any
             # server (the random weights end some pieces early): its gap is the text's, not the server's
             cuts = cut_times(toks, sent, flushed, DEFAULT_PIECE_FRAMES, gap_settings["min_piece_frames"])
-            texts = cuts[1:] if len(cuts) == len(ends) else [-math.inf] * len(times)  # an error's piece: all the server's
+            # an error's piece: all the server's
+            texts = cuts[1:] if len(cuts) == len(ends) else [-math.inf] * len(times)
             # a piece cut with less time left than the server's unloaded first audio (the 1-session p50 above) cannot be
             # in time either: the floor is the first chunk's, whatever the load
             floor = result["first_audio"]["ws_p50_ms"] / 1e3
             return {"pieces": len(ends), "errors": errs, "margins": [need - came for need, came in times],
-                    "server_margins": [need - came for (need, came), t in zip(times, texts, strict=True) if t <= need - floor],
+                    "server_margins": [need - came for (need, came), t in zip(times, texts, strict=True)
+                                       if t <= need - floor],
                     "floor_bound": sum(need - floor < t <= need for (need, _), t in zip(times, texts, strict=True)),
                     "cut_to_audio": [came - t for (_, came), t in zip(times, texts, strict=True) if t > -math.inf],
-                    "frame_margins": frame_margins(frames, rate, bps), "audio_s": sum(n for _, n in frames) / bps / rate,
+                    "frame_margins": frame_margins(frames, rate, bps),
+                    "audio_s": sum(n for _, n in frames) / bps / rate,
                     "texts": [e["text"] for e in ends],
                     "piece_s": [round((e["end_sample"] - e["start_sample"]) / rate, 3) for e in ends]}
 
@@ -325,7 +329,8 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: st
             "server_negative": sum(x < 0 for x in sm),
             "worst_frame_margin_ms": min(fm) * 1e3 if fm else float("nan"), "negative_frames": sum(x < 0 for x in fm),
             "frames": len(fm),
-            "per_session": [{"texts": g["texts"], "piece_s": g["piece_s"], "margins_ms": [round(x * 1e3, 1) for x in g["margins"]]} for g in ok]}
+            "per_session": [{"texts": g["texts"], "piece_s": g["piece_s"],
+                             "margins_ms": [round(x * 1e3, 1) for x in g["margins"]]} for g in ok]}
         log(f"no gaps: {({k: v for k, v in result['no_gaps'].items() if k != 'per_session'})}")
 
         # 3. barge-in
@@ -347,7 +352,8 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: st
             errors.extend(f"barge-in: {e}" for e in errors_in(events))
             # no audio after the cancel: 0 (what came before it was sent before it)
             row = {"last_audio_ms": max((t - t0 for t, _ in frames if t > t0), default=0.0) * 1e3,
-                   "cancelled_ms": (cancelled - t0) * 1e3, "audio_after_cancel_bytes": sum(n for t, n in frames if t > t0)}
+                   "cancelled_ms": (cancelled - t0) * 1e3,
+                   "audio_after_cancel_bytes": sum(n for t, n in frames if t > t0)}
             if metrics_url:
                 before = busy(scrape(metrics_url))
                 deadline, inflight_freed = time.perf_counter() + 10, None
@@ -370,7 +376,8 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: st
             step_ms = 1e3 * m.get("chattts_engine_step_seconds", 0.0) / steps if steps else None
             # the engine's own clock: cancel() (the stream stub saw the cancellation) → the row's slot released
             n_rel = m.get("chattts_engine_cancel_releases", 0.0) - released0.get("chattts_engine_cancel_releases", 0.0)
-            rel_s = m.get("chattts_engine_cancel_release_seconds", 0.0) - released0.get("chattts_engine_cancel_release_seconds", 0.0)
+            rel_s = m.get("chattts_engine_cancel_release_seconds",
+                          0.0) - released0.get("chattts_engine_cancel_release_seconds", 0.0)
             released = {"rows": n_rel, "mean_ms": 1e3 * rel_s / n_rel if n_rel else None,
                         "max_ms": 1e3 * m.get("chattts_engine_cancel_release_max_seconds", 0.0) if n_rel else None,
                         "late": m.get("chattts_engine_cancel_release_late", 0.0)
@@ -385,7 +392,8 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: st
             "cancelled_p50_ms": pct([r["cancelled_ms"] for r in rows], 50),
             "cancelled_max_ms": max(r["cancelled_ms"] for r in rows),
             "metrics_url": metrics_url, "freed_p50_ms": pct(freed, 50) if freed else None,
-            "inflight_freed_p50_ms": pct([r["inflight_freed_ms"] for r in rows if r.get("inflight_freed_ms") is not None], 50)
+            "inflight_freed_p50_ms": pct([r["inflight_freed_ms"] for r in rows
+                                          if r.get("inflight_freed_ms") is not None], 50)
             if metrics_url else None,
             "freed_max_ms": max(freed) if freed else None, "not_freed": len(rows) - len(freed) if metrics_url else None,
             "step_ms": step_ms, "freed_max_steps": max(freed) / step_ms if freed and step_ms else None,
@@ -423,7 +431,8 @@ def to_markdown(res: dict) -> str:
     fa, ng, bi = res["first_audio"], res["no_gaps"], res["barge_in"]
     served = res["served"]
     freed = (f"{_ms(bi['freed_p50_ms'])} p50, {_ms(bi['freed_max_ms'])} max"
-             + (f" (≤ {bi['freed_max_steps']:.1f} decode steps of {bi['step_ms']:.2f} ms)" if bi["freed_max_steps"] else "")
+             + (f" (≤ {bi['freed_max_steps']:.1f} decode steps of {bi['step_ms']:.2f} ms)"
+                if bi["freed_max_steps"] else "")
              + f"; in-flight requests alone {_ms(bi['inflight_freed_p50_ms'])} p50"
              if bi["metrics_url"] else "not measured (no --metrics-url)")
     lines = [
@@ -454,17 +463,18 @@ def to_markdown(res: dict) -> str:
         f"{ng.get('cut_to_audio_max_ms', float('nan')):.0f} ms | |",
         f"| pieces cut in time for the server: worst margin, late | **{ng['server_worst_margin_ms']:.0f} ms**, "
         f"**{ng['server_negative']}** | worst ≥ 0, 0 |",
-        f"| every audio frame (stalls inside a piece too): worst margin, late frames | {ng['worst_frame_margin_ms']:.0f} ms, "
-        f"{ng['negative_frames']} of {ng['frames']} | |",
+        "| every audio frame (stalls inside a piece too): worst margin, late frames | "
+        f"{ng['worst_frame_margin_ms']:.0f} ms, {ng['negative_frames']} of {ng['frames']} | |",
         f"| barge-in ({bi['runs']} cancels in turns of {bi['long_frames']}-frame pieces): cancel → last audio byte, "
         f"p50 / max | **{bi['last_audio_p50_ms']:.1f}** / {bi['last_audio_max_ms']:.1f} ms | ≤ 50 ms |",
         f"| cancel → turn.cancelled, p50 / max | {bi['cancelled_p50_ms']:.1f} / {bi['cancelled_max_ms']:.1f} ms | |",
-        f"| cancel → the stream model's in-flight requests, streams and engine slots at 0 in Triton's metrics | {freed} "
-        "| |",
+        "| cancel → the stream model's in-flight requests, streams and engine slots at 0 in Triton's metrics | "
+        f"{freed} | |",
         f"| the engine's own clock, the stub's cancel → the row's slot released: rows, mean / max, released after more "
         f"than one decode step had begun | {released_row(bi)} | late 0 |",
         "",
-        f"No gaps: {ng['audio_s']:.0f} s of audio in {ng['wall_s']:.1f} s, natural lengths up to {ng['max_new_tokens']} "
+        f"No gaps: {ng['audio_s']:.0f} s of audio in {ng['wall_s']:.1f} s, natural lengths up to "
+        f"{ng['max_new_tokens']} "
         "frames per piece. A piece's margin: when the audio before it has played out (playback from the first byte, "
         "in real time at the output rate) minus when its first byte came; a pause before a piece is that piece's "
         "audio. Freed slots are read from gauges Triton publishes every 50 ms (in-flight) and 0.25 s (engine, "
@@ -473,7 +483,8 @@ def to_markdown(res: dict) -> str:
         f"Errors: {len(res['errors'])}" + ("" if not res["errors"] else " — " + "; ".join(res["errors"][:5])),
         "",
         f"Resampling (libsoxr) and G.711, CPU per second of audio (bench.probes.audio_cost, "
-        f"{res['audio_cost']['audio_seconds']:g} s of speech-like audio, least of {res['audio_cost']['repeats']} runs):",
+        f"{res['audio_cost']['audio_seconds']:g} s of speech-like audio, "
+        f"least of {res['audio_cost']['repeats']} runs):",
         "",
         table(res["audio_cost"]),
     ]
@@ -482,12 +493,15 @@ def to_markdown(res: dict) -> str:
 
 def main(argv=None) -> int:  # noqa: C901  a command's main: its flags checked and its stages run in order
     ap = argparse.ArgumentParser(prog="python -m bench.realtime", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repo", type=Path, help="the exported repository, served here through the launcher (without --grpc-url)")
+    ap.add_argument("--repo", type=Path, help="the exported repository, served here through the launcher (without "
+                                              "--grpc-url)")
     ap.add_argument("--grpc-url", help="a running server's gRPC HOST:PORT")
     ap.add_argument("--metrics-url", help="its metrics, http://HOST:PORT/metrics (default: the launched server's)")
-    ap.add_argument("--gateway-url", help="a running gateway's ws://HOST:PORT/v1/audio/speech/stream (needs --grpc-url)")
+    ap.add_argument("--gateway-url",
+                    help="a running gateway's ws://HOST:PORT/v1/audio/speech/stream (needs --grpc-url)")
     ap.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
-    ap.add_argument("--frames", type=int, default=96, help="forced frames per piece for first audio (default %(default)s)")
+    ap.add_argument("--frames", type=int, default=96, help="forced frames per piece for first audio (default "
+                                                           "%(default)s)")
     ap.add_argument("--long-frames", type=int, default=600, help="forced frames per piece for barge-in")
     ap.add_argument("--max-new-tokens", type=int, default=384, help="the no-gaps pieces' bound (natural lengths)")
     ap.add_argument("--sessions", type=int, default=64)
@@ -565,7 +579,8 @@ def main(argv=None) -> int:  # noqa: C901  a command's main: its flags checked a
               "restarts)" if launcher else f"served at {grpc_url}")
     gw = (f"at {a.gateway_url}" if a.gateway_url
           else "`python -m gateway" + "".join(f" {g}" for g in a.gateway_arg) + "` started here")
-    res.update(machine=a.machine, command=" ".join(["python -m bench.realtime", *(argv if argv is not None else sys.argv[1:])]),
+    res.update(machine=a.machine, command=" ".join(["python -m bench.realtime",
+                                                    *(argv if argv is not None else sys.argv[1:])]),
                repo=str(a.repo) if a.repo else None, launcher=launcher, grpc_url=grpc_url, served=served, gateway=gw,
                response_format=a.response_format, sample_rate=a.sample_rate, loadavg=os.getloadavg())
     a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))

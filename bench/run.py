@@ -1,7 +1,8 @@
 """The served pipeline as users run it, and upstream `Chat.infer` beside it: same weights, same GPU/CPU.
 
     python -m bench.run --assets build/assets-full --out bench/results [--device cuda] \
-        [--tokens 150 | --tokens 50-400 --skip-upstream] [--upstream-batches 1,8,32,128] [--upstream-compile-batches ...] \
+        [--tokens 150 | --tokens 50-400 --skip-upstream] [--upstream-batches 1,8,32,128] \
+        [--upstream-compile-batches ...] \
         [--max-concurrency 512] [--dtype auto] [--step-seconds 10] [--burst] [--perf-concurrency 1,512] \
         [--soak-seconds 600] [--gpu-memory-gb 15]
 
@@ -53,7 +54,8 @@ def device_name(device: str) -> str:
     return f"{platform.processor() or platform.machine()} ({__import__('os').cpu_count()} cores)"
 
 
-def bench_upstream(assets: Path, device: str, batches: list[int], tokens: int, repeats: int, compile: bool) -> list[dict]:
+def bench_upstream(assets: Path, device: str, batches: list[int], tokens: int, repeats: int,
+                   compile: bool) -> list[dict]:
     import ChatTTS
     import torch
 
@@ -73,7 +75,8 @@ def bench_upstream(assets: Path, device: str, batches: list[int], tokens: int, r
 
         def once(texts=texts):
             t = time.perf_counter()
-            chat.infer(texts, skip_refine_text=True, split_text=False, do_text_normalization=False, params_infer_code=params)
+            chat.infer(texts, skip_refine_text=True, split_text=False, do_text_normalization=False,
+                       params_infer_code=params)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             return time.perf_counter() - t
@@ -184,7 +187,8 @@ async def stream_clients(url: str, tokens, concurrency: int, seconds: float, see
                 mismatched += got != samples_for_codes(frames)
 
         warm = lengths.draw(concurrency, "stream warm-up", seed_base)
-        await asyncio.gather(*(one(seed_base + i, False, warm[i]) for i in range(concurrency)))  # warm-up: graphs of every batch size
+        # warm-up: graphs of every batch size
+        await asyncio.gather(*(one(seed_base + i, False, warm[i]) for i in range(concurrency)))
         await asyncio.to_thread(sync)
         started = time.monotonic()
         stop = started + seconds
@@ -218,7 +222,8 @@ def bench_stream(url: str, tokens, concurrency: int, seconds: float, metrics_url
     counters: list[dict] = []
     split = clients.shares(concurrency, procs)
     bases = [sum(split[:i]) for i in range(len(split))]  # each process's first seed
-    r = clients.run(stream_clients, [(url, tokens, n, seconds, b) for n, b in zip(split, bases, strict=True)], read_counters)
+    r = clients.run(stream_clients, [(url, tokens, n, seconds, b) for n, b in zip(split, bases, strict=True)],
+                    read_counters)
     read_counters()
     first, gaps, total, errors, elapsed = r["first"], r["gaps"], r["total"], r["errors"], r["elapsed_s"]
     messages = r["messages"][:3]
@@ -230,8 +235,10 @@ def bench_stream(url: str, tokens, concurrency: int, seconds: float, metrics_url
            "stream_p50_ms": _pct(total, 50), "stream_p99_ms": _pct(total, 99), "error_messages": messages}
     row.update(stream_window(counters[0], counters[1]))
     log(f"stream concurrency {concurrency}: first chunk p50 {row['first_chunk_p50_ms']} ms, "
-        f"p99 {row['first_chunk_p99_ms']} ms, whole stream p50 {row['stream_p50_ms']} ms, {row['streams_per_s']:.1f} streams/s, errors {errors}; server: "
-        f"first tokens {row['server_first_tokens_ms']} ms, first chunk {row['server_first_chunk_ms']} ms (means), first chunk "
+        f"p99 {row['first_chunk_p99_ms']} ms, whole stream p50 {row['stream_p50_ms']} ms, {row['streams_per_s']:.1f} "
+        f"streams/s, errors {errors}; server: "
+        f"first tokens {row['server_first_tokens_ms']} ms, first chunk {row['server_first_chunk_ms']} ms (means), "
+        "first chunk "
         f"p50 ≤ {row['server_first_chunk_p50_within_ms']} ms, p99 ≤ {row['server_first_chunk_p99_within_ms']} ms, "
         f"codec call {row['codec_call_ms']} ms for {row['chunks_per_codec_call']} chunks")
     return row
@@ -245,7 +252,8 @@ def allocator_rows(metrics_text: str) -> dict[str, dict]:
 
     rows: dict[str, dict] = {}
     for model in MODELS + (STREAM,):
-        for inst, c in parse_counters(metrics_text, ("gpu_memory_reserved_bytes", "gpu_memory_peak_reserved_bytes"), model).items():
+        for inst, c in parse_counters(metrics_text, ("gpu_memory_reserved_bytes", "gpu_memory_peak_reserved_bytes"),
+                                      model).items():
             rows[inst or model] = {"allocator_mib": round(c.get("gpu_memory_reserved_bytes", 0) / 2**20),
                                    "allocator_peak_mib": round(c.get("gpu_memory_peak_reserved_bytes", 0) / 2**20)}
     return rows
@@ -269,7 +277,8 @@ def gpu_processes(server) -> dict[str, dict]:
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30).stdout
         rows["nvidia-smi (pid: MiB)"] = {"processes": {pid.strip(): float(mib) for pid, mib in
-                                                       (line.split(",") for line in out.splitlines() if line.count(",") == 1)}}
+                                                       (line.split(",") for line in out.splitlines()
+                                                        if line.count(",") == 1)}}
     except (OSError, subprocess.TimeoutExpired, ValueError):
         pass
     return rows
@@ -307,7 +316,8 @@ def engine_slots(metrics_url: str) -> int:
     from loadtest.sweep import fetch_metrics, parse_counters
 
     time.sleep(2 * 0.25)  # a gauge refresh
-    return int(sum(c["engine_slots"] for c in parse_counters(fetch_metrics(metrics_url), ("engine_slots",), GPT).values()))
+    return int(sum(c["engine_slots"] for c in parse_counters(fetch_metrics(metrics_url), ("engine_slots",),
+                                                             GPT).values()))
 
 
 def burst(url: str, n: int, tokens, seed0: int = 0) -> dict:
@@ -324,7 +334,8 @@ def burst(url: str, n: int, tokens, seed0: int = 0) -> dict:
 
     def inputs(seed: int, frames: int):
         out = []
-        for name, arr, wire in (("TEXT", np.array([[TEXT.encode()]], object), "BYTES"), ("SEED", np.array([[seed]], np.int64), "INT64"),
+        for name, arr, wire in (("TEXT", np.array([[TEXT.encode()]], object), "BYTES"),
+                                ("SEED", np.array([[seed]], np.int64), "INT64"),
                                 ("MAX_NEW_TOKENS", np.array([[frames]], np.int32), "INT32"),
                                 ("MIN_NEW_TOKENS", np.array([[frames]], np.int32), "INT32")):
             out.append(aioclient.InferInput(name, list(arr.shape), wire))
@@ -402,7 +413,8 @@ async def hold(url: str, metrics_url: str, tokens, concurrency: int, seconds: fl
     t_start = time.monotonic()
     stop = t_start + seconds
     messages: dict[str, int] = {}
-    async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=600, max_concurrency=concurrency, retries=0) as client:
+    async with AsyncChatTTSClient(url, protocol="grpc", timeout_s=600, max_concurrency=concurrency,
+                                  retries=0) as client:
         async def worker(i: int) -> None:
             nonlocal done, errors, audio
             k = 0
@@ -426,14 +438,16 @@ async def hold(url: str, metrics_url: str, tokens, concurrency: int, seconds: fl
             while time.monotonic() < stop:
                 text = await asyncio.to_thread(fetch_metrics, metrics_url)
                 mem = parse_gpu_memory_bytes(text)
-                samples.append({"t_s": round(time.monotonic() - t_start, 1), "gpu_memory_mib": None if mem is None else mem / 2**20,
+                samples.append({"t_s": round(time.monotonic() - t_start, 1),
+                                "gpu_memory_mib": None if mem is None else mem / 2**20,
                                 "server_allocators_mib": server_allocators_mib(text), "utterances": done})
                 log(f"hold: t={samples[-1]['t_s']} s, GPU {samples[-1]['gpu_memory_mib']} MiB, the server's allocators "
                     f"{samples[-1]['server_allocators_mib']} MiB, {done} utterances, {errors} errors")
                 await asyncio.sleep(max(0.0, min(every_s, stop - time.monotonic())))
 
         await asyncio.gather(sampler(), *(worker(i) for i in range(concurrency)))
-    return {"concurrency": concurrency, "seconds": seconds, "utterances": done, "errors": errors, "error_messages": messages,
+    return {"concurrency": concurrency, "seconds": seconds, "utterances": done, "errors": errors,
+            "error_messages": messages,
             "throughput_utt_s": done / seconds, "audio_s_per_s": audio / SAMPLE_RATE / seconds, "samples": samples,
             "latency_p50_ms_second_half": _pct(late, 50), "latency_p99_ms_second_half": _pct(late, 99),
             **memory_span([(s["t_s"], s) for s in samples], seconds / 2)}
@@ -474,7 +488,8 @@ def bench_served(repo: Path, tokens, max_concurrency: int, step_s: float, start:
     t_start = time.monotonic()
     server.start()
     ready = time.monotonic()
-    out["launcher"] = {"command": f"python -m chattts_triton.serve --repo {repo} " + " ".join(args), "ready_s": round(ready - t_start, 1)}
+    out["launcher"] = {"command": f"python -m chattts_triton.serve --repo {repo} " + " ".join(args),
+                       "ready_s": round(ready - t_start, 1)}
     log(f"launcher ready in {ready - t_start:.0f} s: tritonserver pid {server.server_pid}, {server.grpc_url}")
 
     def launcher_state() -> dict:
@@ -492,7 +507,8 @@ def bench_served(repo: Path, tokens, max_concurrency: int, step_s: float, start:
             save(out)
             time.sleep(5.0)
         if max_concurrency:
-            forced = {"max_new_tokens": tokens.low, "min_new_tokens": tokens.low} if tokens.fixed else {"lengths": tokens}
+            forced = ({"max_new_tokens": tokens.low, "min_new_tokens": tokens.low} if tokens.fixed
+                      else {"lengths": tokens})
             cfg = SweepConfig(
                 url=server.grpc_url, max_concurrency=max_concurrency, start_concurrency=start, step_seconds=step_s,
                 warmup_seconds=min(3.0, step_s), window_seconds=min(3.0, step_s), max_settle_seconds=3 * step_s,
@@ -504,7 +520,8 @@ def bench_served(repo: Path, tokens, max_concurrency: int, step_s: float, start:
         if perf_levels:
             from bench import perf
 
-            out["perf_analyzer"] = perf.run(server.grpc_url, list(perf_levels), tokens, (out_dir or repo.parent) / "perf",
+            out["perf_analyzer"] = perf.run(server.grpc_url, list(perf_levels), tokens,
+                                            (out_dir or repo.parent) / "perf",
                                             log=log, stability=perf_stability)
             save(out)
         out["stream"] = [bench_stream(server.grpc_url, tokens, c, stream_s, server.metrics_url, stream_procs)
@@ -562,32 +579,42 @@ def _served_path(res: dict) -> list[str]:
     mem = res.get("memory") or []
     if mem:
         names = sorted({n for m in mem for n, v in m["processes"].items() if "allocator_mib" in v})
-        out += ["## GPU memory", "", "| when | GPU MiB (Triton) | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        out += ["## GPU memory", "", "| when | GPU MiB (Triton) | " + " | ".join(names) + " |",
+                "|---|---|" + "---|" * len(names)]
         for m in mem:
-            cells = [f"{p['allocator_mib']} ({p['allocator_peak_mib']})" if (p := m["processes"].get(n)) else "" for n in names]
+            cells = [f"{p['allocator_mib']} ({p['allocator_peak_mib']})" if (p := m["processes"].get(n)) else ""
+                     for n in names]
             out.append(f"| {m['when']} | {m['gpu_memory_mib']} | " + " | ".join(cells) + " |")
-        out += ["", "Per model instance: MiB its process's allocator holds (peak so far); the GPU total is Triton's gauge "
+        out += ["", "Per model instance: MiB its process's allocator holds (peak so far); the GPU total is Triton's "
+                    "gauge "
                 "(every process, CUDA contexts included).", ""]
     b = res.get("burst")
     if b:
-        out += [f"Burst of {b['requests']} requests from idle (twice the GPT slots): **{b['served']} served, {b['refused']} "
-                f"refused** in {b['wall_s']} s, latency p50 {_ms(b['latency_p50_ms'])} ms, p99 {_ms(b['latency_p99_ms'])} ms"
+        out += [f"Burst of {b['requests']} requests from idle (twice the GPT slots): **{b['served']} served, "
+                f"{b['refused']} refused** in {b['wall_s']} s, latency p50 {_ms(b['latency_p50_ms'])} ms, p99 "
+                f"{_ms(b['latency_p99_ms'])} ms"
                 + (f", {b['audio_s']} s of audio" if b.get("audio_s") is not None else "")
-                + (f"; **{b['frames_mismatched']} answers not of the forced length**" if b.get("frames_mismatched") else "")
+                + (f"; **{b['frames_mismatched']} answers not of the forced length**"
+                   if b.get("frames_mismatched") else "")
                 + (f"; refusals: {b['errors']}" if b["errors"] else "") + ".", ""]
     rows = res.get("perf_analyzer") or []
     if rows:
         out += ["## perf_analyzer (Triton's load tool, gRPC)", "",
                 "| concurrency | utterances/s | audio s/s | p50 ms | p90 ms | p99 ms |", "|---|---|---|---|---|---|"]
-        out += [f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | {_f1(r.get('audio_s_per_s'))} | {_ms(r['latency_p50_ms'])} | "
+        out += [f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | {_f1(r.get('audio_s_per_s'))} | "
+                f"{_ms(r['latency_p50_ms'])} | "
                 f"{_ms(r['latency_p90_ms'])} | {_ms(r['latency_p99_ms'])} |" for r in rows]
-        out += ["", "perf_analyzer sends its input file's entries in turn (bench/perf.py: one per length); audio s/s is "
+        out += ["",
+                "perf_analyzer sends its input file's entries in turn (bench/perf.py: one per length); audio s/s is "
                 "utterances/s × the entries' mean audio.", ""]
     sk = res.get("soak")
     if sk:
-        out += [f"## Soak through the launcher: {sk['bursts']} cycles of idle, a burst from idle and a minute of closed-loop load", "",
-                f"Bursts: {sk['burst_requests']} requests, {sk['burst_refused']} refused; closed loop: {sk['hold_utterances']} "
-                f"utterances, {sk['hold_errors']} errors; GPU memory {_mib_span(sk, 'gpu_memory')} (Triton's gauge, the whole GPU); "
+        out += [f"## Soak through the launcher: {sk['bursts']} cycles of idle, a burst from idle and a minute of "
+                "closed-loop load", "",
+                f"Bursts: {sk['burst_requests']} requests, {sk['burst_refused']} refused; closed loop: "
+                f"{sk['hold_utterances']} "
+                f"utterances, {sk['hold_errors']} errors; GPU memory {_mib_span(sk, 'gpu_memory')} (Triton's gauge, "
+                "the whole GPU); "
                 f"the server's own allocators {_mib_span(sk, 'server_allocators')}.", ""]
     return out
 
@@ -630,36 +657,44 @@ def to_markdown(res: dict) -> str:
     wrong = sum(r.get("frames_mismatched") or 0 for r in [*(res.get("served") or []), *(res.get("stream") or []),
                                                            res.get("burst") or {}])
     if wrong:
-        out += [f"**{wrong} answers were not of the length their request forced**: the work was not what was asked.", ""]
+        out += [f"**{wrong} answers were not of the length their request forced**: the work was not what was asked.",
+                ""]
     out += _served_path(res)
     for name in ("upstream_eager", "upstream_compile"):
         rows = res.get(name) or []
         if rows:
-            out += [f"## {name.replace('_', ' ')}", "", "| batch | latency s | utterances/s | RTF | GPU MiB |", "|---|---|---|---|---|"]
+            out += [f"## {name.replace('_', ' ')}", "", "| batch | latency s | utterances/s | RTF | GPU MiB |",
+                    "|---|---|---|---|---|"]
             out += [f"| {r['batch']} | {r['latency_s']:.3f} | {r['throughput_utt_s']:.1f} | {r['rtf']:.3f} | "
                     f"{'' if r['gpu_memory_mib'] is None else round(r['gpu_memory_mib'])} |" for r in rows]
             out.append("")
     rows = res.get("stream") or []
     if rows:
         sched = (f"lookahead {res.get('stream_lookahead_frames', 'exact')}, first chunk's lookahead "
-                 f"{res.get('stream_first_lookahead_frames', 'as later chunks')}, fade {res.get('stream_fade_frames', 0)} frames"
+                 f"{res.get('stream_first_lookahead_frames', 'as later chunks')}, fade "
+                 f"{res.get('stream_fade_frames', 0)} frames"
                  f"{'; codec on its own CUDA stream' if res.get('stream_codec_stream') else ''}"
                  f"{'; first chunks in a codec call of their own' if res.get('stream_first_chunks_first') else ''}"
                  f"{f'; clients spread over up to {p} processes' if (p := res.get('stream_procs', 1)) > 1 else ''}")
-        out += ["## streaming (`chattts_stream`, gRPC)", "", f"Schedule: {sched}.", "", "| concurrency | first chunk p50 ms | first chunk p99 ms | "
-                "chunk gap p50 ms | chunk gap p99 ms | whole stream p50 ms | streams | streams/s | audio s/s | errors | server: first tokens ms "
-                "| server: first chunk ms | server: first chunk p50 / p99 within ms | codec call ms | chunks per codec call |",
+        out += ["## streaming (`chattts_stream`, gRPC)", "", f"Schedule: {sched}.", "",
+                "| concurrency | first chunk p50 ms | first chunk p99 ms | "
+                "chunk gap p50 ms | chunk gap p99 ms | whole stream p50 ms | streams | streams/s | audio s/s | errors "
+                "| server: first tokens ms "
+                "| server: first chunk ms | server: first chunk p50 / p99 within ms | codec call ms | chunks per codec "
+                "call |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
 
             def f(k, s=".0f", r=r):
                 return "" if r.get(k) is None else format(r[k], s)
 
-            out.append(f"| {r['concurrency']} | {f('first_chunk_p50_ms')} | {f('first_chunk_p99_ms')} | {f('chunk_gap_p50_ms')} | "
-                       f"{f('chunk_gap_p99_ms')} | {f('stream_p50_ms')} | {r['streams']} | {f('streams_per_s', '.1f')} | "
+            out.append(f"| {r['concurrency']} | {f('first_chunk_p50_ms')} | {f('first_chunk_p99_ms')} | "
+                       f"{f('chunk_gap_p50_ms')} | {f('chunk_gap_p99_ms')} | {f('stream_p50_ms')} | {r['streams']} | "
+                       f"{f('streams_per_s', '.1f')} | "
                        f"{f('audio_s_per_s', '.1f')} | {r['errors']} | "
                        f"{f('server_first_tokens_ms')} | {f('server_first_chunk_ms')} | "
-                       f"{f('server_first_chunk_p50_within_ms')} / {f('server_first_chunk_p99_within_ms')} | {f('codec_call_ms', '.1f')} | "
+                       f"{f('server_first_chunk_p50_within_ms')} / {f('server_first_chunk_p99_within_ms')} | "
+                       f"{f('codec_call_ms', '.1f')} | "
                        f"{f('chunks_per_codec_call', '.1f')} |")
         out.append("")
     h = res.get("hold")
@@ -669,37 +704,47 @@ def to_markdown(res: dict) -> str:
                 + (f" ({h['audio_s_per_s']:.1f} s of audio/s)" if h.get("audio_s_per_s") is not None else "")
                 + f", {h['errors']} errors"
                 + (f"; over the second half latency p50 {h['latency_p50_ms_second_half']:.0f} ms, p99 "
-                   f"{h['latency_p99_ms_second_half']:.0f} ms" if h.get("latency_p99_ms_second_half") is not None else "")
-                + f"; GPU memory {_mib_span(h, 'gpu_memory')} (Triton's gauge, the whole GPU); the server's own allocators "
+                   f"{h['latency_p99_ms_second_half']:.0f} ms"
+                   if h.get("latency_p99_ms_second_half") is not None else "")
+                + f"; GPU memory {_mib_span(h, 'gpu_memory')} (Triton's gauge, the whole GPU); the server's own "
+                  "allocators "
                 f"{_mib_span(h, 'server_allocators')}.", ""]
     rows = res.get("served") or []
     if rows:
-        out += ["## served (chattts-triton)", "", "| concurrency | p50 ms | p90 ms | p99 ms | utterances/s | audio s/s | RTF p50 "
+        out += ["## served (chattts-triton)", "", "| concurrency | p50 ms | p90 ms | p99 ms | utterances/s | audio s/s "
+                                                  "| RTF p50 "
                 "| errors | GPU MiB "
-                "| GPT step ms | of it device ms | GPU clock ms | graph ms | prefill ms/step | ms per prefill (prompts) "
-                "| GIL wait ms | GPT batch | GPT busy |",
+                "| GPT step ms | of it device ms | GPU clock ms | graph ms | prefill ms/step | ms per prefill "
+                "(prompts) | GIL wait ms | GPT batch | GPT busy |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
 
             def f(k, s=".0f", r=r):
                 return "" if r.get(k) is None else format(r[k], s)
 
-            out.append(f"| {r['concurrency']} | {f('latency_p50_ms')} | {f('latency_p90_ms')} | {f('latency_p99_ms')} | "
-                       f"{f('throughput_utt_s', '.1f')} | {f('audio_s_per_s', '.1f')} | {f('rtf_p50', '.3f')} | {r['error_rate']:.1%} | {f('gpu_memory_mib')} | "
-                       f"{f('engine_step_ms', '.2f')} | {f('engine_step_device_ms', '.2f')} | {f('engine_step_gpu_ms', '.2f')} | "
+            out.append(f"| {r['concurrency']} | {f('latency_p50_ms')} | {f('latency_p90_ms')} | "
+                       f"{f('latency_p99_ms')} | "
+                       f"{f('throughput_utt_s', '.1f')} | {f('audio_s_per_s', '.1f')} | {f('rtf_p50', '.3f')} | "
+                       f"{r['error_rate']:.1%} | {f('gpu_memory_mib')} | "
+                       f"{f('engine_step_ms', '.2f')} | {f('engine_step_device_ms', '.2f')} | "
+                       f"{f('engine_step_gpu_ms', '.2f')} | "
                        f"{f('engine_step_graph_ms', '.2f')} | {f('engine_prefill_ms_per_step', '.2f')} | "
                        f"{_prefills(r)} | {f('engine_gil_wait_ms', '.3f')} | "
                        f"{f('engine_batch', '.1f')} | {f('engine_busy', '.0%')} |")
         out += ["", "audio s/s: seconds of audio served per second (compares runs of different mean lengths); "
-                "GPT step ms: mean wall time of one decode step of the GPT engines (host work included); of it device ms: "
+                "GPT step ms: mean wall time of one decode step of the GPT engines (host work included); of it device "
+                "ms: "
                 "from the step's launch to its host sync (the GPU's part as the host waits for it, the rest is host "
                 "bookkeeping); GPU clock ms: the step's span on the GPU's own clock (CUDA events, one step in 8): "
                 "far below device ms means the host came back late (launch, GIL), near it a slow GPU (kernels, other "
-                "processes' time slices) or a host late around the launch (its events are recorded from Python); graph ms: "
+                "processes' time slices) or a host late around the launch (its events are recorded from Python); graph "
+                "ms: "
                 "the same steps on events the step's CUDA graph records itself (the replay alone); prefill ms/step: "
-                "prefill wall time per decode step; ms per prefill (prompts): one batched prefill's wall time and the prompts it "
+                "prefill wall time per decode step; ms per prefill (prompts): one batched prefill's wall time and the "
+                "prompts it "
                 "admitted; GIL wait ms: how long the engine thread took to get the GIL back after letting it go in a "
-                "time.sleep(0) (one step in 64; in 8 up to and including the eleventh session's runs; ≈ 0.07 ms with no wait, Linux's timer slack); GPT batch: "
+                "time.sleep(0) (one step in 64; in 8 up to and including the eleventh session's runs; ≈ 0.07 ms with "
+                "no wait, Linux's timer slack); GPT batch: "
                 "mean rows per step, GPT busy: share of the window the engine loops were stepping or prefilling."]
     return "\n".join(out) + "\n"
 
@@ -714,8 +759,10 @@ def plot(res: dict, path: Path) -> None:
     for name, style in (("upstream_eager", "s--"), ("upstream_compile", "^--")):
         rows = res.get(name) or []
         if rows:
-            a1.plot([r["batch"] for r in rows], [r["latency_s"] * 1000 for r in rows], style, label=name.replace("_", " ") + " (batch)")
-            a2.plot([r["batch"] for r in rows], [r["throughput_utt_s"] for r in rows], style, label=name.replace("_", " "))
+            a1.plot([r["batch"] for r in rows], [r["latency_s"] * 1000 for r in rows], style,
+                    label=name.replace("_", " ") + " (batch)")
+            a2.plot([r["batch"] for r in rows], [r["throughput_utt_s"] for r in rows], style,
+                    label=name.replace("_", " "))
     rows = [r for r in res.get("served") or [] if r.get("latency_p50_ms") is not None]
     if rows:
         c = [r["concurrency"] for r in rows]
@@ -751,27 +798,35 @@ def main(argv=None) -> int:
     ap.add_argument("--step-seconds", type=float, default=10.0)
     ap.add_argument("--repo", type=Path, default=Path("build/bench-repo"))
     ap.add_argument("--name", default=None, help="result file stem (default: <date>-<device>)")
-    ap.add_argument("--append", action="store_true", help="add to the result file of the same name (runs split over calls)")
+    ap.add_argument("--append", action="store_true", help="add to the result file of the same name (runs split over "
+                                                          "calls)")
     ap.add_argument("--stream-concurrency", default="1,64", help="closed-loop stream clients per run (empty: skip)")
     ap.add_argument("--stream-seconds", type=float, default=15.0)
     ap.add_argument("--stream-procs", type=int, default=STREAM_CLIENT_PROCS,
                     help="client processes the streams are spread over (1: one asyncio process, as before 2026-12-02)")
-    ap.add_argument("--hold-seconds", type=float, default=0.0, help="then this long at --hold-concurrency (GPU memory over time)")
+    ap.add_argument("--hold-seconds", type=float, default=0.0,
+                    help="then this long at --hold-concurrency (GPU memory over time)")
     ap.add_argument("--hold-concurrency", type=int, default=512)
-    ap.add_argument("--burst", action="store_true", help="a burst from idle of twice the GPT engines' slots, before the sweep")
-    ap.add_argument("--perf-concurrency", default="", help="Triton's perf_analyzer at these levels after the sweep (bench/perf.py)")
+    ap.add_argument("--burst", action="store_true", help="a burst from idle of twice the GPT engines' slots, before "
+                                                         "the sweep")
+    ap.add_argument("--perf-concurrency", default="", help="Triton's perf_analyzer at these levels after the sweep "
+                                                           "(bench/perf.py)")
     ap.add_argument("--soak-seconds", type=float, default=0.0,
-                    help="then cycles of idle, a burst from idle and a minute at --hold-concurrency until this long after ready")
+                    help="then cycles of idle, a burst from idle and a minute at --hold-concurrency until this long "
+                         "after ready")
     ap.add_argument("--mps", action="store_true",
-                    help="serve under a CUDA MPS daemon (chattts_triton.launcher.mps): the model processes share the GPU")
+                    help="serve under a CUDA MPS daemon (chattts_triton.launcher.mps): the model processes share the "
+                         "GPU")
     # the served repository's settings: each flag a Deployment field's, its default the field's (what
     # `python -m export` writes), but the GPUs: GPU 0 where the device is CUDA
     add_flags(ap, EXPORT, defaults=SERVED_DEFAULTS,
               title="the served repository's settings (chattts_triton/triton/deployment.py; --dtype is the export's)")
     a = ap.parse_args(argv)
     a.tokens = Lengths(a.tokens.low, a.tokens.high, a.tokens_seed)
-    if not a.tokens.fixed and not a.skip_upstream and (a.upstream_batches.strip(",") or a.upstream_compile_batches.strip(",")):
-        ap.error("--tokens A-B needs --skip-upstream: upstream's Chat.infer forces one length per batch, not per utterance")
+    if not a.tokens.fixed and not a.skip_upstream and (a.upstream_batches.strip(",")
+                                                       or a.upstream_compile_batches.strip(",")):
+        ap.error("--tokens A-B needs --skip-upstream: upstream's Chat.infer forces one length per batch, not per "
+                 "utterance")
     if a.stream_procs < 1:
         ap.error("--stream-procs must be at least 1")
     if any(not c.strip().isdigit() or int(c) < 1 for c in a.stream_concurrency.split(",") if c):
@@ -782,7 +837,8 @@ def main(argv=None) -> int:
     dev = a.device if (a.device == "cpu" or torch.cuda.is_available()) else "cpu"
     res: dict = {"date": dt.date.today().isoformat(), "device": dev, "device_name": device_name(dev),
                  "tokens": a.tokens.low if a.tokens.fixed else str(a.tokens), "tokens_seed": a.tokens.seed,
-                 "lengths": a.tokens.to_json(), "dtype": a.dtype, "torch": torch.__version__, "command": " ".join(sys.argv)}
+                 "lengths": a.tokens.to_json(), "dtype": a.dtype, "torch": torch.__version__,
+                 "command": " ".join(sys.argv)}
     a.out.mkdir(parents=True, exist_ok=True)
     stem = a.name or f"{res['date']}-{'h200' if 'H200' in res['device_name'] else dev}"
     path = a.out / f"{stem}.json"
@@ -805,7 +861,8 @@ def main(argv=None) -> int:
                 "stream_first_lookahead_frames": dep.stream_first_lookahead_frames or "as later chunks",
                 "stream_fade_frames": dep.stream_fade_frames, "gpt_compile": dep.gpt_compile,
                 "gpt_compile_prefill": dep.gpt_compile_prefill, "vocoder_graphs": dep.vocoder_graphs,
-                "stream_codec_stream": dep.stream_codec_stream, "stream_first_chunks_first": dep.stream_first_chunks_first,
+                "stream_codec_stream": dep.stream_codec_stream,
+                "stream_first_chunks_first": dep.stream_first_chunks_first,
                 "stream_procs": a.stream_procs, "mps": a.mps,
                 "gpt_admit": {"batch": dep.gpt_admit_batch, "wait_steps": dep.gpt_admit_wait_steps},
                 "max_queue_delay_us": dep.max_queue_delay_us, "gil_switch_interval_us": dep.gil_switch_interval_us,
@@ -829,7 +886,8 @@ def main(argv=None) -> int:
 
         perf_levels = [int(c) for c in a.perf_concurrency.split(",") if c.strip()]
         served = bench_served(a.repo, a.tokens, a.max_concurrency, a.step_seconds, a.start_concurrency, streams,
-                              a.stream_seconds, a.hold_concurrency, a.hold_seconds, mps=a.mps, stream_procs=a.stream_procs,
+                              a.stream_seconds, a.hold_concurrency, a.hold_seconds, mps=a.mps,
+                              stream_procs=a.stream_procs,
                               burst_from_idle=a.burst, perf_levels=perf_levels, soak_s=a.soak_seconds,
                               save=save_served)
         save_served(served)

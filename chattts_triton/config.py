@@ -198,7 +198,8 @@ PREPROCESS = "chattts_preprocess"
 GPT = "chattts_gpt"
 VOCODER = "chattts_vocoder"
 MANIFEST = "manifest.json"  # beside the model folders: the architecture, tokens and deployment it was exported with
-VOICES = "voices.json"  # the voice registry (runtime/voices.py), shared by every model and replica that reads the repository
+# the voice registry (runtime/voices.py), shared by every model and replica that reads the repository
+VOICES = "voices.json"
 # the voice store's URL in place of the deployment's `voice_store` setting, where set (runtime/stores.py): a URL with a
 # password then stays out of the configs
 VOICE_STORE_ENV = "CHATTTS_VOICE_STORE"

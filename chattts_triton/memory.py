@@ -2,8 +2,8 @@
 
 Every process on a GPU (the GPT model, the stream model, each vocoder instance; the preprocess model runs
 on the CPU) plans with the same inputs, so they agree without talking to each other: the budget (the
-card's memory, or `gpu_memory_gb` of the deployment where it names less, × `GPU_MEMORY_UTILIZATION`), minus what each process
-needs besides its engine (`PROCESS_CONTEXT_BYTES` outside torch's allocator, `VOCODER_BYTES` for a codec,
+card's memory, or `gpu_memory_gb` of the deployment where it names less, × `GPU_MEMORY_UTILIZATION`), minus what each
+process needs besides its engine (`PROCESS_CONTEXT_BYTES` outside torch's allocator, `VOCODER_BYTES` for a codec,
 `ENGINE_WORKSPACE_BYTES` and the weights for an engine), is split between the two engines
 (`GPT_SHARE`); an engine then takes as many slots as fit with `AVG_TOKENS_PER_SLOT` positions of KV cache
 each (the paged cache lends a long request the pages short ones leave), up to its largest batch.
@@ -24,7 +24,9 @@ VOCODER_BYTES = 1536 << 20  # a codec's weights, CUDA graphs and the activations
 ENGINE_WORKSPACE_BYTES = 1 * GIB  # an engine's graph pool, prefill and sampling activations (allocator)
 AVG_TOKENS_PER_SLOT = 512  # KV positions per slot: a 150-frame utterance and its prompt hold ≈ 260
 GPT_SHARE = 0.75  # of the memory left for the engines' caches and slot state, the GPT model's
-MAX_SLOTS = {"gpt": 1024, "stream": 128}  # the largest batch an engine runs (its CUDA graph buckets); docs/performance.md: where the step grows slower than the rows
+# the largest batch an engine runs (its CUDA graph buckets); docs/performance.md: where the step
+# grows slower than the rows
+MAX_SLOTS = {"gpt": 1024, "stream": 128}
 CPU_SLOTS = {"gpt": 8, "stream": 2}  # an engine's slots on the CPU (the GPU's are planned)
 MIN_SLOTS = 8
 SLOT_ROUND = 8  # slot counts are multiples of this
@@ -99,7 +101,8 @@ def plan(budget_bytes: int, arch: Arch, dtype: str, max_context: int, max_new_to
                 need = procs * PROCESS_CONTEXT_BYTES + vocoders * VOCODER_BYTES + sum(fixed[r] for r in roles) + \
                     sum(MIN_SLOTS * (state + AVG_TOKENS_PER_SLOT * per_token) / shares[r] for r in roles) / len(roles)
                 raise MemoryPlanError(f"a GPU memory budget of {budget_bytes / GIB:.1f} GiB cannot hold {MIN_SLOTS} "
-                                      f"{role} slots beside the other models' processes (about {need / GIB:.1f} GiB needed)")
+                                      f"{role} slots beside the other models' processes (about {need / GIB:.1f} GiB "
+                                      "needed)")
         tokens = cache_tokens.get(role)
         if tokens is None:
             # the slots' average, within what the share holds, and never below one request at the full context

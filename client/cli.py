@@ -42,7 +42,8 @@ def _flag(keyword: str) -> str:
 
 
 def _add_contract_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("synthesis options (SynthesisOptions fields, contract inputs; omitted = server default)")
+    group = parser.add_argument_group("synthesis options (SynthesisOptions fields, contract inputs; omitted = server "
+                                      "default)")
     server_defaults = SynthesisOptions.server_defaults()
     for keyword in OPTION_FIELDS:
         name = OPTION_INPUTS[keyword]
@@ -94,9 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not use the first sentence as the voice reference of the others",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
-    p.add_argument("--stream", action="store_true", help="with TEXT: stream from --stream-model, WAV written as it comes")
+    p.add_argument("--stream", action="store_true", help="with TEXT: stream from --stream-model, WAV written as it "
+                                                         "comes")
     p.add_argument("--stream-model", default=STREAM_MODEL)
-    p.add_argument("--chunk-timeout", type=float, metavar="S", help="with --stream: seconds per chunk (default --timeout)")
+    p.add_argument("--chunk-timeout", type=float, metavar="S",
+                   help="with --stream: seconds per chunk (default --timeout)")
     p.add_argument("--show-spoken-text", action="store_true",
                    help="with TEXT: print the text the server voices for each piece (SPOKEN_TEXT: numbers, dates and "
                         "money in words, characters it cannot say removed)")
@@ -164,7 +167,8 @@ def _run_text(client: ChatTTSClient, args, options, out) -> int:
                               on_spoken_text=_spoken_printer(args, out))
     path = save_wav(args.output, audio, fmt=args.format)
     if not args.quiet:
-        print(f"wrote {path}: {audio.size / SAMPLE_RATE:.2f} s of audio in {time.perf_counter() - start:.2f} s", file=out)
+        print(f"wrote {path}: {audio.size / SAMPLE_RATE:.2f} s of audio in {time.perf_counter() - start:.2f} s",
+              file=out)
     return EXIT_OK
 
 

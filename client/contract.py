@@ -53,7 +53,8 @@ OPTION_INPUTS: dict[str, str] = {
 for _name, (_dtype, _dims, _req) in C.ENSEMBLE_INPUTS.items():
     if list(_dims) not in ([1], [-1]):
         raise ImportError(f"client.contract cannot build input {_name} with dims {_dims}")
-if REQUIRED_INPUTS != [TEXT_INPUT] or AUDIO_OUTPUT not in C.ENSEMBLE_OUTPUTS or SPOKEN_TEXT_OUTPUT not in C.ENSEMBLE_OUTPUTS:
+if (REQUIRED_INPUTS != [TEXT_INPUT] or AUDIO_OUTPUT not in C.ENSEMBLE_OUTPUTS
+        or SPOKEN_TEXT_OUTPUT not in C.ENSEMBLE_OUTPUTS):
     raise ImportError("client.contract expects exactly TEXT required, an AUDIO and a SPOKEN_TEXT output")
 
 

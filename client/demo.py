@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("build/demo.wav"))
     ap.add_argument("--text", default=DEFAULT_TEXT)
     ap.add_argument("--seed", type=int, default=2024)
-    ap.add_argument("--synthetic", action="store_true", help="the repository holds random weights: warn, cap the length")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="the repository holds random weights: warn, cap the length")
     ap.add_argument("--no-gateway", dest="gateway", action="store_false", help="skip the speech gateway's part")
     a = ap.parse_args(argv)
 
@@ -121,14 +122,16 @@ def main(argv=None) -> int:
             took = time.perf_counter() - t1
             save_wav(a.out, audio)
             seconds = audio.size / SAMPLE_RATE
-            say(f"[demo] {a.text!r} → {a.out}: {seconds:.2f} s of audio in {took:.2f} s (RTF {took / max(seconds, 1e-9):.2f})")
+            say(f"[demo] {a.text!r} → {a.out}: {seconds:.2f} s of audio in {took:.2f} s (RTF "
+                f"{took / max(seconds, 1e-9):.2f})")
             t2 = time.perf_counter()
             chunks, first = [], None
             for chunk in client.stream(a.text, **options):  # chattts_stream: the same audio in chunks
                 first = first if first is not None else time.perf_counter() - t2
                 chunks.append(chunk)
             streamed = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-            say(f"[demo] streamed: {len(chunks)} chunks, first after {first or 0:.2f} s, all after {time.perf_counter() - t2:.2f} s")
+            say(f"[demo] streamed: {len(chunks)} chunks, first after {first or 0:.2f} s, all after "
+                f"{time.perf_counter() - t2:.2f} s")
             if len(split_sentences(a.text)) == 1:  # several: the voice of sentence 1 is re-used differently
                 man = read_manifest(a.repo)
                 plan = Deployment.from_manifest(man).stream_schedule(Arch.from_json(man["arch"]))

@@ -342,7 +342,8 @@ class SpeechSession:
                 while True:
                     sent = False
                     chunks = self.client.stream(piece.text, split=False, voice_from_first=False,
-                                                on_spoken_text=piece.spoken.append, chunk_timeout_s=self.chunk_timeout_s,
+                                                on_spoken_text=piece.spoken.append,
+                                                chunk_timeout_s=self.chunk_timeout_s,
                                                 **options)
                     try:
                         async with contextlib.aclosing(chunks):
@@ -394,11 +395,13 @@ class SpeechSession:
                 out.put_nowait(Audio(piece.turn, piece.index, chunk))
                 self._turn_samples += chunk.size
             if started:
-                out.put_nowait(SegmentEnd(piece.turn, piece.index, piece.text, piece.spoken[0] if piece.spoken else None,
+                out.put_nowait(SegmentEnd(piece.turn, piece.index, piece.text,
+                                          piece.spoken[0] if piece.spoken else None,
                                           start, self._turn_samples))
             elif not speakable(piece.text):  # nothing to say: consumed, silent, in its place
                 out.put_nowait(SegmentStart(piece.turn, piece.index, piece.text, self._turn_samples, piece.cut_at))
-                out.put_nowait(SegmentEnd(piece.turn, piece.index, piece.text, "", self._turn_samples, self._turn_samples))
+                out.put_nowait(SegmentEnd(piece.turn, piece.index, piece.text, "", self._turn_samples,
+                                          self._turn_samples))
 
     def _halt(self, drop_events: bool = True):
         """Stops the sequencer and every piece at once (no await: nothing more is handed out from here) and drops

@@ -184,13 +184,16 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m export", description="Export ChatTTS weights into a Triton model repository.")
+    ap = argparse.ArgumentParser(prog="python -m export",
+                                 description="Export ChatTTS weights into a Triton model repository.")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--assets", type=Path, help="upstream asset folder (Vocos/DVAE/Decoder/Embed.safetensors, gpt/, tokenizer/)")
+    src.add_argument("--assets", type=Path, help="upstream asset folder (Vocos/DVAE/Decoder/Embed.safetensors, gpt/, "
+                                                 "tokenizer/)")
     src.add_argument("--hf", action="store_true", help="download the 2Noise/ChatTTS snapshot from Hugging Face")
     ap.add_argument("--out", type=Path, required=True, help="model repository to write")
     ap.add_argument("--formats", default="torchscript",
-                    help="artifact formats, comma-separated: torchscript (served), onnx (for --artifact-format onnx and "
+                    help="artifact formats, comma-separated: torchscript (served), onnx (for --artifact-format onnx "
+                         "and "
                          "python -m export.native)")
     ap.add_argument("--device", default="cpu", help="device used to trace/check the export (cpu or cuda)")
     add_flags(ap, EXPORT)  # --dtype, --gpus, --instances, ... (each a Deployment field)

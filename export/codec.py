@@ -181,7 +181,8 @@ def export_codec(
             raise ValueError(f"unknown export format {fmt!r}; expected one of {', '.join(FORMATS)}")
         info["seconds"] = round(time.perf_counter() - t0, 2)
         entry["files"][fmt] = info
-        progress(f"[codec] {name}.{'pt' if fmt == 'torchscript' else 'onnx'}: {info['bytes'] / 1e6:.1f} MB, {info['seconds']} s")
+        progress(f"[codec] {name}.{'pt' if fmt == 'torchscript' else 'onnx'}: {info['bytes'] / 1e6:.1f} MB, "
+                 f"{info['seconds']} s")
     return entry
 
 
@@ -210,7 +211,8 @@ def export_codecs(
     if dtype not in _DTYPES.values():
         raise ValueError(f"unsupported dtype {dtype}; expected one of {', '.join(_DTYPES)}")
     if dtype == torch.bfloat16 and "onnx" in formats:
-        raise ValueError("ONNX Conv has no bfloat16 type (opset 17): export bfloat16 as torchscript only, or use float16")
+        raise ValueError("ONNX Conv has no bfloat16 type (opset 17): export bfloat16 as torchscript only, or use "
+                         "float16")
     assets_dir = Path(assets_dir)
     states: dict[str, dict[str, torch.Tensor]] = {}
     for name in out_dirs:

@@ -86,7 +86,8 @@ def write_assets(out: Path, seed: int = 0, size: str = "full", progress=print) -
         progress(f"[synthetic] Vocos ({size})")
         fe = asdict(cfg.vocos.feature_extractor)
         bb = asdict(cfg.vocos.backbone)
-        bb["init_args"].update(dim=arch.vocos.dim, intermediate_dim=arch.vocos.intermediate, num_layers=arch.vocos.layers)
+        bb["init_args"].update(dim=arch.vocos.dim, intermediate_dim=arch.vocos.intermediate,
+                               num_layers=arch.vocos.layers)
         hd = asdict(cfg.vocos.head)
         hd["init_args"].update(dim=arch.vocos.dim)
         vocos = Vocos(

@@ -30,9 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = Settings()
     p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split("\n\n")[0])
     p.add_argument("--grpc-url", default=d.grpc_url, help="Triton's gRPC HOST:PORT (default %(default)s)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s; 0.0.0.0 for every interface)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s; 0.0.0.0 for every "
+                                                       "interface)")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--repo", type=Path, help="the served model repository: its voice store setting (else its voices.json) "
+    p.add_argument("--repo", type=Path, help="the served model repository: its voice store setting (else its "
+                                             "voices.json) "
                                              "for /v1/audio/voices, and its model's speaker size")
     p.add_argument("--voice-store", metavar="URL", default=None,
                    help=f"the voice store /v1/audio/voices reads and writes, the one the server reads (sqlite:///PATH, "
@@ -43,10 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{ADMIN_KEY_ENV}; without one, writes are taken only on a loopback --host")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY", help="accept 'Authorization: Bearer KEY'")
     p.add_argument("--api-key-file", type=Path, help="API keys, one per line")
-    p.add_argument("--require-api-key", action="store_true", help="refuse to start on a non-loopback host without a key")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, metavar="S", help="a whole synthesis; a stream: each chunk")
+    p.add_argument("--require-api-key", action="store_true",
+                   help="refuse to start on a non-loopback host without a key")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, metavar="S",
+                   help="a whole synthesis; a stream: each chunk")
     p.add_argument("--channels", type=int, default=d.channels, help="gRPC connections to Triton")
-    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency, help="speech requests in flight before 429")
+    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency,
+                   help="speech requests in flight before 429")
     p.add_argument("--piece-concurrency", type=int, default=d.piece_concurrency,
                    help="pieces (sentences) of one long input synthesised at once")
     p.add_argument("--pause-ms", type=int, default=d.pause_ms, help="silence between the pieces of a long input")
@@ -88,7 +93,8 @@ def main(argv=None) -> int:  # noqa: C901  a command's main: its flags checked i
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not is_loopback(a.host) and not keys:
         if a.require_api_key:
-            p.error(f"--host {a.host} is not loopback and --require-api-key is set: give --api-key, --api-key-file or {KEYS_ENV}")
+            p.error(f"--host {a.host} is not loopback and --require-api-key is set: give --api-key, --api-key-file or "
+                    f"{KEYS_ENV}")
         log.warning("binding %s without an API key: anyone who reaches this port can synthesise speech "
                     "(set --api-key / %s, or --require-api-key to refuse this)", a.host, KEYS_ENV)
     if a.repo is not None and not (a.repo / "manifest.json").is_file():

@@ -93,9 +93,11 @@ def _voice_kind(value: Any) -> str | None:
     return None
 
 
-Voice = Annotated[Annotated[str, Tag("voice-name")] | Annotated[VoiceRef, Tag("voice-id")] | Annotated[VoiceAudio, Tag("voice-audio")],
+Voice = Annotated[Annotated[str, Tag("voice-name")] | Annotated[VoiceRef, Tag("voice-id")]
+                  | Annotated[VoiceAudio, Tag("voice-audio")],
                   Discriminator(_voice_kind, custom_error_type="voice_type",
-                                custom_error_message="Input should be a valid string (a voice name or mix), {\"id\": ...} "
+                                custom_error_message="Input should be a valid string (a voice name or mix), "
+                                                     "{\"id\": ...} "
                                                      "or {\"audio\": ..., \"transcript\": ...}")]
 
 
@@ -136,8 +138,8 @@ def _body_field(name: str) -> tuple[Any, Any]:
 ChatTTSOptions = create_model(
     "ChatTTSOptions", __config__=ConfigDict(strict=True, extra="ignore"), __module__=__name__,
     __doc__="What a speech request and a realtime session (gateway.realtime) share: OpenAI's `speed`, the output "
-            "rate (`sample_rate`, of the audio sent: one of audio.SAMPLE_RATES), and the ChatTTS inputs (`BODY_OPTIONS`;"
-            " omitted: the server's default).",
+            "rate (`sample_rate`, of the audio sent: one of audio.SAMPLE_RATES), and the ChatTTS inputs "
+            "(`BODY_OPTIONS`; omitted: the server's default).",
     speed=(float, Field(1.0, ge=0.25, le=4.0)), sample_rate=(int, SAMPLE_RATE),
     **{name: _body_field(name) for name in BODY_OPTIONS},
 )  # fmt: skip
@@ -250,7 +252,8 @@ def _describe(err: dict[str, Any]) -> tuple[str, str | None]:
 
 def parse(body: bytes, model: type = SpeechRequest, max_body_bytes: int | None = None) -> SpeechRequest:
     """The request (a `model`), or APIError(400) naming the first field at fault. `max_body_bytes`: the body limit
-    beside a voice's reference audio (a body with it may be larger by the audio's base64, up to MAX_VOICE_AUDIO_BASE64)."""
+    beside a voice's reference audio (a body with it may be larger by the audio's base64, up to
+    MAX_VOICE_AUDIO_BASE64)."""
     context: dict[str, Any] = {}
     try:
         req = model.model_validate_json(body, context=context)
@@ -306,7 +309,8 @@ def parse_dialogue(text: str, voices: dict[str, str] | None) -> list[tuple[str, 
     for label, voice in voices.items():
         name = label.strip()
         if not name or len(name) > MAX_LABEL_CHARS or re.search(r"[:：\n\r]", name):
-            raise invalid(f"'voices': a speaker label is 1-{MAX_LABEL_CHARS} characters without ':' or a line break, got "
+            raise invalid(f"'voices': a speaker label is 1-{MAX_LABEL_CHARS} characters without ':' or a line break, "
+                          "got "
                           f"{label[:80]!r}", "voices")
         if not voice.strip():
             raise invalid(f"'voices.{name}' is empty", "voices")
@@ -323,8 +327,8 @@ def parse_dialogue(text: str, voices: dict[str, str] | None) -> list[tuple[str, 
         shown = raw.strip() if len(raw.strip()) <= 60 else raw.strip()[:57] + "..."
         m = _DIALOGUE_LINE.match(raw)
         if m is None:
-            raise invalid(f"'input' line {n} ({shown!r}) has no speaker label: each line of a dialogue is 'LABEL: text'",
-                          "input", "invalid_dialogue")
+            raise invalid(f"'input' line {n} ({shown!r}) has no speaker label: each line of a dialogue is "
+                          "'LABEL: text'", "input", "invalid_dialogue")
         label, said = m.group(1).strip(), m.group(2).strip()
         if label not in labels:
             raise invalid(f"'input' line {n}: speaker {label[:80]!r} is not in 'voices' (known: "
@@ -332,7 +336,8 @@ def parse_dialogue(text: str, voices: dict[str, str] | None) -> list[tuple[str, 
         if not speakable(said):
             raise invalid(f"'input' line {n} ({shown!r}) has nothing to speak", "input", "empty_line")
         if len(lines) == MAX_DIALOGUE_LINES:
-            raise invalid(f"the dialogue in 'input' has more than {MAX_DIALOGUE_LINES} lines", "input", "too_many_lines")
+            raise invalid(f"the dialogue in 'input' has more than {MAX_DIALOGUE_LINES} lines", "input",
+                          "too_many_lines")
         lines.append((labels[label], said))
     if not lines:
         raise invalid("'input' has no dialogue line", "input")

@@ -95,7 +95,8 @@ def api_error(err: SynthesisError, req: api.SpeechRequest | None = None) -> api.
     if status == 400:
         return api.invalid(err.message, api.field_of(err.field, req))
     if status == 503:
-        return api.APIError(503, f"the TTS server is overloaded or not ready, retry later ({err.message})", "server_error",
+        return api.APIError(503, f"the TTS server is overloaded or not ready, retry later ({err.message})",
+                            "server_error",
                             None, "server_unavailable", {"Retry-After": "1"})
     if status == 504:
         return api.APIError(504, f"synthesis timed out ({err.message})", "server_error", None, "timeout")
@@ -196,7 +197,8 @@ class _Stream:
                 log.exception("stream failed at its end")
                 self.reason = "internal"
                 metrics.stream_aborts.labels(self.reason).inc()
-                failure = api.APIError(500, "internal error at the stream's end", "server_error", None, "internal_error")
+                failure = api.APIError(500, "internal error at the stream's end", "server_error", None,
+                                       "internal_error")
             tail = b""
         if tail:
             yield tail
@@ -302,7 +304,8 @@ class Gateway:
         # a FLAC stream cannot carry its length (libsndfile's readers refuse it): whole unless asked for
         default = self.settings.stream_default and fmt not in WHOLE_BY_DEFAULT
         streamed = not captioned and (req.stream_format == "sse" or (req.stream if req.stream is not None else default))
-        mode = "captioned" if captioned else "sse" if req.stream_format == "sse" else ("stream" if streamed else "whole")
+        mode = ("captioned" if captioned else "sse" if req.stream_format == "sse"
+                else ("stream" if streamed else "whole"))
         if not self.pyav and needs_pyav(fmt, streamed):
             can = [f for f in FORMATS if not needs_pyav(f, streamed)]
             raise api.invalid(f"response_format {fmt!r} {'streamed ' if streamed else ''}is not available on this "
@@ -401,7 +404,8 @@ class Gateway:
         try:
             done, _ = await asyncio.wait((first, checks), timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
             for task in (first, checks):  # the first piece's error before the others'
-                if task in done and task.exception() is not None and not isinstance(task.exception(), StopAsyncIteration):
+                failed = task in done and task.exception() is not None
+                if failed and not isinstance(task.exception(), StopAsyncIteration):
                     raise task.exception()
             if len(done) < 2:
                 raise asyncio.TimeoutError()
@@ -475,7 +479,8 @@ def create_app(settings: Settings, synthesizer: Synthesizer | None = None) -> Fa
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
         log.exception("internal error")
-        return _error_response(api.APIError(500, f"internal error: {type(e).__name__}", "server_error", None, "internal_error"))
+        return _error_response(api.APIError(500, f"internal error: {type(e).__name__}", "server_error", None,
+                                            "internal_error"))
 
     @app.post("/v1/audio/speech")
     async def speech(request: Request):
@@ -497,7 +502,8 @@ def create_app(settings: Settings, synthesizer: Synthesizer | None = None) -> Fa
     async def model(model: str, request: Request):
         gw.authenticate(request)
         if model not in api.MODELS:
-            raise api.APIError(404, f"the model {model!r} does not exist", "invalid_request_error", "model", "model_not_found")
+            raise api.APIError(404, f"the model {model!r} does not exist", "invalid_request_error", "model",
+                               "model_not_found")
         return model_card(model)
 
     @app.get("/v1/audio/models")
@@ -523,7 +529,8 @@ def create_app(settings: Settings, synthesizer: Synthesizer | None = None) -> Fa
     return app
 
 
-# glibc gives a freed block above its mmap threshold (128 KiB at first) back to the kernel, and trims the heap's top past
+# glibc gives a freed block above its mmap threshold (128 KiB at first) back to the kernel, and
+# trims the heap's top past
 # 128 KiB: every request's audio (a few 100 KiB per second of it, in several copies: the gRPC message, the array, the
 # encoded file) then costs mmap/munmap calls and page faults again. Kept instead: blocks up to 32 MiB come from the
 # heap, and up to 256 MiB of freed heap stays for the next request.
@@ -541,7 +548,8 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    return bool(mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
+    return (bool(mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD))
+            and bool(mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD)))
 
 
 def app_from_env() -> FastAPI:

@@ -15,8 +15,8 @@ OpenAI's.
 | wav_ulaw, wav_alaw | RIFF / G.711 (WAVE_FORMAT_MULAW / ALAW) | libsndfile | FFmpeg's muxer, libsndfile's G.711 |
 
 Every format is made from the same 16-bit samples (`to_int16`), G.711 from them by libsndfile alone, so a stream
-of PCM, FLAC or G.711 carries its whole file's samples. At another rate than 24 kHz the audio is resampled first by libsoxr
-(HQ), whole or as a stream (`soxr.ResampleStream`: continuous across chunks, the same samples as the whole), and
+of PCM, FLAC or G.711 carries its whole file's samples. At another rate than 24 kHz the audio is resampled first by
+libsoxr (HQ), whole or as a stream (`soxr.ResampleStream`: continuous across chunks, the same samples as the whole), and
 cut or padded to `out_length` samples at the end. A stream holds the resampler's delay (tens of ms, the most at
 8 kHz) until its next chunk or its close.
 """

@@ -35,7 +35,8 @@ class Metrics:
         self.errors = Counter("chattts_gateway_triton_errors", "failed Triton calls, by canonical status",
                               ["status"], registry=r)
         self.stream_aborts = Counter("chattts_gateway_stream_aborts",
-                                     "streamed responses ended before their audio was complete, by reason (client_gone, "
+                                     "streamed responses ended before their audio was complete, by reason "
+                                     "(client_gone, "
                                      "a Triton status in lower case, internal)", ["reason"], registry=r)
 
     def exposition(self) -> bytes:

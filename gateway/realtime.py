@@ -134,7 +134,8 @@ class Connection:
         self.encoder: StreamEncoder | None = None
         self.open_turns = 0  # turns with text whose end (done or cancelled) has not been sent
         self.text_in_turn = False
-        self.first_cut: dict[int, float] = {}  # turn → when the text that completed its first piece came, until its first byte
+        # turn → when the text that completed its first piece came, until its first byte
+        self.first_cut: dict[int, float] = {}
         self.send_lock = asyncio.Lock()
         self.busy: asyncio.Future | None = None
 
@@ -238,7 +239,8 @@ class Connection:
         session = SpeechSession(self.gw.synth.client, options, s.seed, max_frames=s.max_piece_frames,
                                 min_frames=min(s.min_piece_frames, s.max_piece_frames), pause_s=pause_ms / 1000,
                                 piece_concurrency=min(DEFAULT_PIECE_CONCURRENCY, self.gw.settings.piece_concurrency),
-                                idle_flush_s=(s.idle_flush_ms / 1000) or None, chunk_timeout_s=self.gw.settings.timeout_s)
+                                idle_flush_s=(s.idle_flush_ms / 1000) or None,
+                                chunk_timeout_s=self.gw.settings.timeout_s)
         self.session = session
         self.sender = asyncio.ensure_future(self._send_events(session))
         return session

@@ -375,7 +375,8 @@ class Synthesizer:
                 except ChatTTSError as e:
                     raise synthesis_error(e) from None
             if conditions:
-                job.set_reference(np.concatenate(first) if first else np.zeros(0, np.float32), told[0] if told else None)
+                job.set_reference(np.concatenate(first) if first else np.zeros(0, np.float32),
+                                  told[0] if told else None)
             if not started or conditions:
                 rest = self._start(job, 1, spoken_text)
             if not started and lead.size:

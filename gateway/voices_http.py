@@ -1,9 +1,10 @@
-"""The named voices over HTTP: the voice store every gateway and Triton instance reads (chattts_triton/runtime/stores.py,
-the `voice_store` URL; docs/voices.md).
+"""The named voices over HTTP: the voice store every gateway and Triton instance reads
+(chattts_triton/runtime/stores.py, the `voice_store` URL; docs/voices.md).
 
     GET    /v1/audio/voices          the voices VOICE can name: id, source, builtin, description
     GET    /v1/audio/voices/{id}     one voice in full, with its speaker (or reference sample) string to keep elsewhere
-    POST   /v1/audio/voices          add one (admin): JSON {"name", "seed" | "speaker" | "mix", "description", "replace"},
+    POST   /v1/audio/voices          add one (admin): JSON {"name", "seed" | "speaker" | "mix", "description",
+                                     "replace"},
                                      or multipart/form-data: name, audio (a recording in any common format), transcript
                                      (what it says), description, replace: stored as the speaker sample, as upstream's
                                      `sample_audio_speaker`
@@ -108,7 +109,8 @@ def checked_name(name: Any, param: str = "name") -> str:
 
 def voice_json(name: str, voice: V.Voice, full: bool = False) -> dict[str, Any]:
     """A voice as the API shows it: its listing entry, and with `full` what it is made of."""
-    out: dict[str, Any] = {"id": name, "name": name, "object": "voice", "source": voice.source, "builtin": voice.builtin}
+    out: dict[str, Any] = {"id": name, "name": name, "object": "voice", "source": voice.source,
+                           "builtin": voice.builtin}
     if voice.description:
         out["description"] = voice.description
     if full:
@@ -246,7 +248,8 @@ class VoicesAPI:
                 raise _invalid(f"'{field}' is not a field of a voice (fields: name, seed, speaker, mix, description, "
                                f"replace; a recording goes as multipart/form-data)", field) from None
             got = err.get("input")
-            shown = repr(got) if isinstance(got, (int, float, bool, type(None))) or (isinstance(got, str) and len(got) < 60) \
+            shown = repr(got) if isinstance(got, (int, float, bool,
+                                                  type(None))) or (isinstance(got, str) and len(got) < 60) \
                 else type(got).__name__
             raise _invalid(f"'{field}': {err.get('msg')}, got {shown}", field) from None
         given = [k for k in _SOURCES if getattr(req, k) is not None]
@@ -397,7 +400,8 @@ class VoicesAPI:
             failure = api_error(err)
             if failure.status == 400:
                 field = {"SPEAKER_AUDIO": "audio", "SPEAKER_TEXT": "transcript"}.get(err.field or "", "audio")
-                failure = _invalid(err.message.replace("SPEAKER_AUDIO", "'audio'").replace("SPEAKER_TEXT", "'transcript'"),
+                failure = _invalid(err.message.replace("SPEAKER_AUDIO",
+                                                       "'audio'").replace("SPEAKER_TEXT", "'transcript'"),
                                    field, "invalid_voice_audio" if field == "audio" else None)
             raise failure from None
         finally:

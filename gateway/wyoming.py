@@ -53,7 +53,8 @@ log = logging.getLogger("chattts_wyoming")
 DEFAULT_PORT = 10200  # the port Home Assistant's Wyoming TTS services use (wyoming-piper)
 DEFAULT_VOICE = "alloy"  # spoken when an event names no voice: one stable voice, not a random one per reply
 WIDTH, CHANNELS = 2, 1  # 16-bit mono
-MAX_EVENT_BYTES = 1 << 20  # an event's data or payload above this is refused (a text event of the longest text is < 50 KB)
+# an event's data or payload above this is refused (a text event of the longest text is < 50 KB)
+MAX_EVENT_BYTES = 1 << 20
 DISCARD_S = 2.0  # how long the rest of a refused stream of bytes is read before the connection closes
 LANGUAGES = ["en", "zh"]  # what ChatTTS speaks
 PROGRAM = "chattts-triton"
@@ -322,7 +323,8 @@ class WyomingHandler(AsyncEventHandler):
             await self.write_event(info(self.settings).event())
             return True
         if Ping.is_type(kind):
-            await self.write_event(Pong(text=event.data.get("text") if isinstance(event.data.get("text"), str) else None).event())
+            await self.write_event(Pong(text=event.data.get("text") if isinstance(event.data.get("text"), str)
+                                        else None).event())
             return True
         if Synthesize.is_type(kind):
             if self.stream is not None:
@@ -390,7 +392,8 @@ class WyomingHandler(AsyncEventHandler):
         return turn.started or not turn.errors
 
 
-# --- the server ---------------------------------------------------------------------------------------------------------
+# --- the server
+# ---------------------------------------------------------------------------------------------------------
 class WyomingServer:
     """The TCP server and the gRPC client its connections share."""
 
@@ -398,7 +401,8 @@ class WyomingServer:
                  client_factory: Callable[[], Any] | None = None):
         self.settings = settings
         self.host, self.port = host, port
-        self._synth = Synthesizer(settings.grpc_url, settings.timeout_s, settings.channels) if client_factory is None else None
+        self._synth = (Synthesizer(settings.grpc_url, settings.timeout_s, settings.channels) if client_factory is None
+                       else None)
         self._client_factory = client_factory
         self._client: Any = None
         self.tcp = AsyncTcpServer(host, port)
@@ -428,7 +432,8 @@ def _option(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip().lower()
     if not sep or key not in OPTION_INPUTS:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(OPTION_INPUTS))}")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE with KEY one of "
+                                         f"{', '.join(sorted(OPTION_INPUTS))}")
     if key in ("seed", "voice"):
         raise argparse.ArgumentTypeError(f"{key}: give it as --{key}")
     if input_datatype(OPTION_INPUTS[key]) == "BYTES":
@@ -452,26 +457,31 @@ def build_parser() -> argparse.ArgumentParser:
     d = Settings()
     p = argparse.ArgumentParser(prog="python -m gateway.wyoming", description=__doc__.split("\n\n")[0])
     p.add_argument("--grpc-url", default=d.grpc_url, help="Triton's gRPC HOST:PORT (default %(default)s)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s; 0.0.0.0 for every interface)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s; 0.0.0.0 for every "
+                                                       "interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (default %(default)s)")
     p.add_argument("--repo", type=Path, help="the served model repository: describe lists its voices (voices.json)")
     p.add_argument("--voice", default=d.voice, help="the voice of an event that names none (default %(default)s)")
     p.add_argument("--sample-rate", type=int, default=d.sample_rate,
                    help=f"output rate in Hz, one of {', '.join(map(str, SAMPLE_RATES))} (default %(default)s)")
-    p.add_argument("--seed", type=int, help="seed of every synthesis (piece n gets seed + n): the same text always gives "
+    p.add_argument("--seed", type=int, help="seed of every synthesis (piece n gets seed + n): the same text always "
+                                            "gives "
                                             "the same audio (default: random)")
     p.add_argument("--option", action="append", type=_option, default=[], metavar="KEY=VALUE",
                    help="a contract keyword every piece is sent with, e.g. prompt=[speed_3], temperature=0.2, "
                         "max_new_tokens=1024 (repeatable; prompt defaults to [speed_5])")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, metavar="S", help="the longest wait for a stream's next chunk")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, metavar="S",
+                   help="the longest wait for a stream's next chunk")
     p.add_argument("--channels", type=int, default=d.channels, help="gRPC connections to Triton")
     p.add_argument("--piece-concurrency", type=int, default=d.piece_concurrency,
                    help="pieces (sentences) of one synthesis made at once")
     p.add_argument("--pause-ms", type=int, default=int(round(d.pause_s * 1000)), help="silence between pieces")
     p.add_argument("--idle-flush-s", type=float, default=d.idle_flush_s, metavar="S",
-                   help="a stream's text left this long without a new chunk is spoken as it is (0: only at a sentence's "
+                   help="a stream's text left this long without a new chunk is spoken as it is (0: only at a "
+                        "sentence's "
                         "end and at synthesize-stop)")
-    p.add_argument("--samples-per-chunk", type=int, default=d.samples_per_chunk, help="samples of one audio-chunk event")
+    p.add_argument("--samples-per-chunk", type=int, default=d.samples_per_chunk,
+                   help="samples of one audio-chunk event")
     p.add_argument("--max-text-chars", type=int, default=d.max_text_chars, help="the longest text of one synthesis")
     p.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=d.streaming,
                    help="advertise and serve streamed synthesis (synthesize-start/-chunk/-stop)")
@@ -500,7 +510,8 @@ def settings_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> Set
         p.error(f"--option: {e}")
     return Settings(grpc_url=a.grpc_url, repo=a.repo, voice=a.voice, sample_rate=a.sample_rate, seed=a.seed,
                     options=options, timeout_s=a.timeout, channels=a.channels, piece_concurrency=a.piece_concurrency,
-                    pause_s=a.pause_ms / 1000, idle_flush_s=a.idle_flush_s or None, samples_per_chunk=a.samples_per_chunk,
+                    pause_s=a.pause_ms / 1000, idle_flush_s=a.idle_flush_s or None,
+                    samples_per_chunk=a.samples_per_chunk,
                     max_text_chars=a.max_text_chars, streaming=a.streaming)
 
 

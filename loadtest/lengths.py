@@ -28,7 +28,8 @@ class Lengths:
 
     def __post_init__(self) -> None:
         if not 1 <= self.low <= self.high <= LIMITS.max_new_tokens:
-            raise ValueError(f"need 1 <= A <= B <= {LIMITS.max_new_tokens} (LIMITS.max_new_tokens), got {self.low}-{self.high}")
+            raise ValueError(f"need 1 <= A <= B <= {LIMITS.max_new_tokens} (LIMITS.max_new_tokens), got "
+                             f"{self.low}-{self.high}")
 
     @classmethod
     def parse(cls, text: str | int, seed: int = 0) -> Lengths:

@@ -64,14 +64,16 @@ def _add_arguments(parser):
     g.add_argument("--tts-model", default=MODEL, env_var="CHATTTS_MODEL", help="Triton model name")
     g.add_argument("--tts-stream-model", default=STREAM_MODEL, env_var="CHATTTS_STREAM_MODEL",
                    help="decoupled model of the streaming users")  # fmt: skip
-    g.add_argument("--tts-corpus", default=str(DEFAULT_CORPUS), env_var="CHATTTS_CORPUS", help="utterances, one per line")
+    g.add_argument("--tts-corpus", default=str(DEFAULT_CORPUS), env_var="CHATTTS_CORPUS",
+                   help="utterances, one per line")
     g.add_argument("--tts-max-new-tokens", type=int, default=None, env_var="CHATTTS_MAX_NEW_TOKENS",
                    help="MAX_NEW_TOKENS of every request (with --tts-min-new-tokens: force a length)")  # fmt: skip
     g.add_argument("--tts-min-new-tokens", type=int, default=None, env_var="CHATTTS_MIN_NEW_TOKENS")
     g.add_argument("--tts-seed", type=int, default=None, env_var="CHATTTS_SEED",
                    help="SEED of every request; also makes the order of utterances reproducible")  # fmt: skip
     g.add_argument("--tts-timeout", type=float, default=300.0, env_var="CHATTTS_TIMEOUT_S", help="seconds per request")
-    g.add_argument("--tts-stats-out", default="", env_var="CHATTTS_TTS_STATS_OUT", help="write the TTS summary JSON here")
+    g.add_argument("--tts-stats-out", default="", env_var="CHATTTS_TTS_STATS_OUT",
+                   help="write the TTS summary JSON here")
 
 
 @events.init.add_listener
@@ -211,7 +213,8 @@ class _TritonStreamUser(_TritonUser):
     def make_client(self):
         opts = self.environment.parsed_options
         self.model = opts.tts_stream_model if opts else STREAM_MODEL
-        return ChatTTSClient(self.url, protocol=self.protocol, stream_model=self.model, timeout_s=self.timeout_s, retries=0)
+        return ChatTTSClient(self.url, protocol=self.protocol, stream_model=self.model, timeout_s=self.timeout_s,
+                             retries=0)
 
     def _fire(self, name: str, seconds: float, length: int = 0, error=None, **context) -> None:
         self.environment.events.request.fire(

@@ -40,7 +40,8 @@ def _duration(value: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--host", help=f"HOST:PORT (default {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['http']} for http)")
+    p.add_argument("--host", help=f"HOST:PORT (default {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['http']} for "
+                                  "http)")
     p.add_argument("--protocol", choices=PROTOCOLS, default="grpc")
     p.add_argument("--users", type=int, default=4, help="concurrent users (one request in flight each)")
     p.add_argument("--spawn-rate", type=float, default=1.0, help="users started per second")
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-new-tokens", type=int, help="MIN_NEW_TOKENS of every request (equal to max: fixed length)")
     p.add_argument("--seed", type=int, help="SEED of every request and of the utterance order")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (per chunk with --stream)")
-    p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds to let in-flight requests finish at the end")
+    p.add_argument("--stop-timeout", type=float, default=30.0,
+                   help="seconds to let in-flight requests finish at the end")
     p.add_argument("--wait-ready", type=float, default=30.0, help="seconds to wait for the server to be ready")
     p.add_argument("--locustfile", default=str(LOCUSTFILE))
     p.add_argument("locust_args", nargs=argparse.REMAINDER, help="after --: passed to locust unchanged")

@@ -31,7 +31,8 @@ import numpy as np
 
 from loadtest.lengths import Lengths, lengths_arg
 
-TEXTS = ["你好。", "今天天气很好，我们去公园散步吧。", "hello world", "四川美食确实以辣闻名。", "the weather is good today"]
+TEXTS = ["你好。", "今天天气很好，我们去公园散步吧。", "hello world", "四川美食确实以辣闻名。",
+         "the weather is good today"]
 TARGETS = {"rss_growth_mb": 100.0, "failed": 0, "p99_drift": 0.10}
 
 
@@ -193,7 +194,8 @@ def soak(url: str, pgid: int, duration_s: float, load_fraction: float = 0.7, fra
 
 
 def summary(r: SoakResult) -> str:
-    return (f"soak {r.duration_s:.0f} s at {r.load:.0%} of {r.saturation_rps:.2f} req/s ({r.frames} frames each): {r.completed} ok, "
+    return (f"soak {r.duration_s:.0f} s at {r.load:.0%} of {r.saturation_rps:.2f} req/s ({r.frames} frames each): "
+            f"{r.completed} ok, "
             f"{r.failed} failed; RSS {r.rss_mb[0][1]:.0f} → {r.rss_mb[-1][1]:.0f} MB, growth over the second half "
             f"{r.rss_growth_second_half_mb:+.1f} MB; p99 first {r.window_s:.0f} s {r.p99_first_s:.3f} s, last "
             f"{r.p99_last_s:.3f} s (drift {r.p99_drift:+.1%}); p50 {r.p50_s:.3f} s; targets met: {r.passed}")

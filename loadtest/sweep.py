@@ -215,7 +215,8 @@ def engine_window(before: dict[str, dict[str, float]], after: dict[str, dict[str
     """Over a window: mean wall ms of a decode step, mean rows per step, and the share of the
     window the engines were busy (stepping or prefilling; 1.0 = the GPT loop never waited)."""
     if not after or seconds <= 0:
-        return {"engine_step_ms": None, "engine_step_device_ms": None, "engine_step_gpu_ms": None, "engine_prefill_ms_per_step": None,
+        return {"engine_step_ms": None, "engine_step_device_ms": None, "engine_step_gpu_ms": None,
+                "engine_prefill_ms_per_step": None,
                 "engine_step_graph_ms": None, "engine_gil_wait_ms": None, "engine_prefill_ms": None,
                 "engine_prefill_prompts": None, "engine_batch": None, "engine_busy": None}
     d = {k: 0.0 for k in ENGINE_COUNTERS}
@@ -235,7 +236,8 @@ def engine_window(before: dict[str, dict[str, float]], after: dict[str, dict[str
         if d["engine_step_graph_samples"] else None,
         "engine_prefill_ms_per_step": 1000.0 * d["engine_prefill_seconds"] / steps if steps else None,
         # per prefill: its wall ms and the prompts it admitted (few large prefills or many small ones)
-        "engine_prefill_ms": 1000.0 * d["engine_prefill_seconds"] / d["engine_prefills"] if d["engine_prefills"] else None,
+        "engine_prefill_ms": 1000.0 * d["engine_prefill_seconds"] / d["engine_prefills"] if d["engine_prefills"]
+        else None,
         "engine_prefill_prompts": d["engine_prefill_rows"] / d["engine_prefills"] if d["engine_prefills"] else None,
         # the engine thread's time to get the GIL back after a time.sleep(0) (sampled steps; ≈ 0.07 ms with no wait)
         "engine_gil_wait_ms": 1000.0 * d["engine_gil_wait_seconds"] / d["engine_gil_wait_samples"]
@@ -417,20 +419,25 @@ async def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
             row = await run_step(client, cfg, c, texts, log)
             rows.append(row)
             log(
-                f"concurrency {c}: p50 {_f(row['latency_p50_ms'], '.0f')} ms  p90 {_f(row['latency_p90_ms'], '.0f')} ms  "
-                f"{row['throughput_utt_s']:.2f} utt/s  RTF p50 {_f(row['rtf_p50'])}  errors {row['error_rate']:.1%}"
-                + (f"  GPT step {_f(row['engine_step_ms'], '.2f')} ms (device {_f(row.get('engine_step_device_ms'), '.2f')}"
-                   + (f", GPU clock {row['engine_step_gpu_ms']:.2f}" if row.get("engine_step_gpu_ms") is not None else "")
-                   + (f", graph {row['engine_step_graph_ms']:.2f}" if row.get("engine_step_graph_ms") is not None else "")
+                f"concurrency {c}: p50 {_f(row['latency_p50_ms'], '.0f')} ms  p90 {_f(row['latency_p90_ms'], '.0f')} "
+                f"ms  {row['throughput_utt_s']:.2f} utt/s  RTF p50 {_f(row['rtf_p50'])}  errors {row['error_rate']:.1%}"
+                + (f"  GPT step {_f(row['engine_step_ms'], '.2f')} ms (device "
+                   f"{_f(row.get('engine_step_device_ms'), '.2f')}"
+                   + (f", GPU clock {row['engine_step_gpu_ms']:.2f}"
+                      if row.get("engine_step_gpu_ms") is not None else "")
+                   + (f", graph {row['engine_step_graph_ms']:.2f}"
+                      if row.get("engine_step_graph_ms") is not None else "")
                    + ", "
                    f"prefill/step {_f(row.get('engine_prefill_ms_per_step'), '.2f')}"
                    + (f", {row['engine_prefill_ms']:.2f} ms per prefill of {row['engine_prefill_prompts']:.1f}"
                       if row.get("engine_prefill_ms") is not None else "")
-                   + (f", GIL wait {row['engine_gil_wait_ms']:.3f}" if row.get("engine_gil_wait_ms") is not None else "")
+                   + (f", GIL wait {row['engine_gil_wait_ms']:.3f}"
+                      if row.get("engine_gil_wait_ms") is not None else "")
                    + f") batch {_f(row['engine_batch'], '.1f')} "
                    f"busy {_f(row['engine_busy'], '.0%')}" if row.get("engine_step_ms") is not None else "")
                 + ("" if row["stable"] else "  (unstable)")
-                + (f"  {row['frames_mismatched']} answers not of the forced length" if row.get("frames_mismatched") else "")
+                + (f"  {row['frames_mismatched']} answers not of the forced length"
+                   if row.get("frames_mismatched") else "")
             )
             if row["error_rate"] > cfg.max_error_rate:
                 log(f"stopping: error rate {row['error_rate']:.1%} > {cfg.max_error_rate:.0%}")
@@ -567,7 +574,8 @@ def write_outputs(out: Path, rows: Sequence[dict], cfg: SweepConfig) -> dict[str
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.sweep", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", help=f"HOST:PORT (default {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['http']} for http)")
+    p.add_argument("--url",
+                   help=f"HOST:PORT (default {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['http']} for http)")
     p.add_argument("--protocol", choices=PROTOCOLS, default="grpc")
     p.add_argument("--model", default=MODEL)
     p.add_argument("--max-concurrency", type=int, default=64)
@@ -579,11 +587,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-settle-seconds", type=float, default=60.0)
     p.add_argument("--max-error-rate", type=float, default=0.5, help="stop the sweep above this error rate")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
-    p.add_argument("--metrics-url", help=f"Triton metrics, HOST:PORT or URL (default: url host, port {DEFAULT_METRICS_PORT}); '' disables")
+    p.add_argument("--metrics-url", help="Triton metrics, HOST:PORT or URL (default: url host, port "
+                                         f"{DEFAULT_METRICS_PORT}); '' disables")
     p.add_argument("--corpus", help="utterances, one per line (default loadtest/corpus.txt)")
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--min-new-tokens", type=int)
-    p.add_argument("--tokens", type=lengths_arg, help="force N frames (MIN = MAX), or each request its own drawn from A-B "
+    p.add_argument("--tokens", type=lengths_arg, help="force N frames (MIN = MAX), or each request its own drawn from "
+                                                      "A-B "
                    "(instead of --max/--min-new-tokens)")
     p.add_argument("--tokens-seed", type=int, default=0, help="seed of the lengths drawn from --tokens A-B")
     p.add_argument("--seed", type=int)

@@ -131,7 +131,8 @@ def format_summary(s: dict) -> str:
         f"  requests {s['requests']}  ok {s['successes']}  failed {s['failures']}"
         + (f"  by status {s['failures_by_status']}" if s["failures"] else ""),
         f"  audio produced {s['audio_seconds']:.1f} s"
-        + (f"  ({_fmt(s.get('audio_seconds_per_second'), '.2f')} s of audio per wall second)" if "wall_seconds" in s else ""),
+        + (f"  ({_fmt(s.get('audio_seconds_per_second'), '.2f')} s of audio per wall second)"
+           if "wall_seconds" in s else ""),
         f"  real-time factor (wall / audio seconds, per request)  p50 {_fmt(s['rtf_p50'])}  p90 {_fmt(s['rtf_p90'])}",
         "  latency ms  " + "  ".join(f"p{q} {_fmt(s[f'latency_p{q}_ms'], '.0f')}" for q in PERCENTILES),
     ]

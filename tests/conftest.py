@@ -36,7 +36,8 @@ def export_repo(assets: Path, out: Path, **deployment) -> Path:
     from chattts_triton.triton.repo_config import Deployment
     from export.__main__ import export_repository
 
-    return export_repository(assets, out, ["torchscript", "onnx"], deployment=Deployment(**deployment), progress=lambda m: None)
+    return export_repository(assets, out, ["torchscript", "onnx"], deployment=Deployment(**deployment),
+                             progress=lambda m: None)
 
 
 @pytest.fixture(scope="session")
@@ -126,7 +127,8 @@ def _wait_until(ready, proc, log: Path, what: str, timeout_s: float = 60.0) -> N
     deadline = time.monotonic() + timeout_s
     while not ready():
         assert proc.poll() is None, f"{what} exited: {log.read_text(errors='replace')[-2000:]}"
-        assert time.monotonic() < deadline, f"{what} not ready in {timeout_s:g} s: {log.read_text(errors='replace')[-2000:]}"
+        assert time.monotonic() < deadline, (f"{what} not ready in {timeout_s:g} s: "
+                                             f"{log.read_text(errors='replace')[-2000:]}")
         time.sleep(0.1)
 
 

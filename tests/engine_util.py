@@ -95,13 +95,15 @@ def scenario_specs(seed=7):
     streaming consumer that cancels mid-way, and streaming with several chunk sizes."""
     g = torch.Generator().manual_seed(seed)
     lim = [(12, 12), (40, 5), (25, 25), (33, 0), (18, 18), (50, 20), (40, 40), (9, 9), (28, 10)]
-    specs = [dict(ids=torch.randint(0, 21000, (4 + 5 * i,), generator=g), params=SamplingParams(0.3, 0.7, 20, 1.05, n, m, seed=200 + i))
+    specs = [dict(ids=torch.randint(0, 21000, (4 + 5 * i,), generator=g),
+                  params=SamplingParams(0.3, 0.7, 20, 1.05, n, m, seed=200 + i))
              for i, (n, m) in enumerate(lim)]
     specs[1]["every"] = 1
     specs[3]["every"] = 4
     specs[5].update(every=7, every_then=2)
     specs[6].update(every=3, cancel_after=10)  # cancels itself from its stream callback
-    specs.append(dict(ids=torch.randint(0, 21000, (11,), generator=g), params=SamplingParams(0.7, 0.7, 20, 1.0, 30, 5, seed=9),
+    specs.append(dict(ids=torch.randint(0, 21000, (11,), generator=g),
+                      params=SamplingParams(0.7, 0.7, 20, 1.0, 30, 5, seed=9),
                       mode="text", eos=21140, every=3))
     return specs
 

@@ -75,7 +75,8 @@ def make_ngc_tree(dest: Path, record: Path, stub_python: Sequence[int] | None = 
     stub_program.parent.mkdir()
     stub_program.symlink_to(os.path.realpath(sys.executable))
     server = root / "bin" / "tritonserver"
-    server.write_text(f"#!{sys.executable}\nRECORD = {str(record)!r}\nSTUB_PROGRAM = {str(stub_program)!r}\n{FAKE_SERVER}")
+    server.write_text(f"#!{sys.executable}\nRECORD = {str(record)!r}\nSTUB_PROGRAM = "
+                      f"{str(stub_program)!r}\n{FAKE_SERVER}")
     server.chmod(0o755)
     return server
 

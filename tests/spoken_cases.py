@@ -64,7 +64,8 @@ ZH_CASES = [
     ("生于1998年", ["生于一九九八年"]),
     ("12月25日是圣诞节", ["十二月二十五日是圣诞节", "十二月二十五号是圣诞节"]),
     ("今天是10月1日", ["今天是十月一日", "今天是十月一号"]),
-    ("2020-2025年", ["二零二零到二零二五年", "二零二零至二零二五年", "二零二零年到二零二五年", "二零二零年至二零二五年"]),
+    ("2020-2025年", ["二零二零到二零二五年", "二零二零至二零二五年", "二零二零年到二零二五年",
+                     "二零二零年至二零二五年"]),
     ("2024年是闰年", ["二零二四年是闰年"]),
     # times
     ("下午3:30见", ["下午三点三十分见", "下午三点半见", "下午三点三十见"]),
@@ -87,7 +88,8 @@ ZH_CASES = [
                           "请拨打零一零一二三四五六七八。", "请拨打零幺零幺二三四五六七八。"]),
     ("客服热线400-820-8820", ["客服热线四零零，八二零，八八二零", "客服热线四零零八二零八八二零"]),
     ("电话87654321", ["电话八七六五四三二幺", "电话八七六五四三二一"]),
-    ("联系方式：+86 10 8765 4321", ["联系方式：加八六，幺零，八七六五，四三二幺", "联系方式：加八六，一零，八七六五，四三二一"]),
+    ("联系方式：+86 10 8765 4321", ["联系方式：加八六，幺零，八七六五，四三二幺",
+                                  "联系方式：加八六，一零，八七六五，四三二一"]),
     ("座机号码是020-8765-4321", ["座机号码是零二零，八七六五，四三二幺", "座机号码是零二零，八七六五，四三二一",
                              "座机号码是零二零八七六五四三二幺"]),
     ("传真：(010) 8765 4321", ["传真：零幺零，八七六五，四三二幺", "传真：零一零，八七六五，四三二一"]),
@@ -159,7 +161,8 @@ EN_CASES = [
     ("Only 1/3 remained.", ["Only one third remained.", "Only a third remained."]),
     # negatives
     ("The result is -7.", ["The result is minus seven.", "The result is negative seven."]),
-    ("It fell to -3.5 degrees.", ["It fell to minus three point five degrees.", "It fell to negative three point five degrees."]),
+    ("It fell to -3.5 degrees.", ["It fell to minus three point five degrees.",
+                                  "It fell to negative three point five degrees."]),
     # percentages
     ("Sales grew 45%.", ["Sales grew forty five percent."]),
     ("A rate of 12.5% applies.", ["A rate of twelve point five percent applies."]),
@@ -170,7 +173,8 @@ EN_CASES = [
                            "Only one ninety nine today.", "Only one dollar ninety nine today."]),
     ("The fee is €20.", ["The fee is twenty euros.", "The fee is twenty euro."]),
     ("He paid £15.", ["He paid fifteen pounds."]),
-    ("It was ¥100.", ["It was one hundred yen.", "It was a hundred yen.", "It was one hundred yuan.", "It was a hundred yuan."]),
+    ("It was ¥100.", ["It was one hundred yen.", "It was a hundred yen.", "It was one hundred yuan.",
+                      "It was a hundred yuan."]),
     ("Rent is $1,000.", ["Rent is one thousand dollars.", "Rent is a thousand dollars."]),
     ("A coffee is £2.50.", ["A coffee is two pounds fifty.", "A coffee is two pounds and fifty pence.",
                             "A coffee is two pounds fifty pence.", "A coffee is two pounds and fifty p."]),
@@ -185,7 +189,8 @@ EN_CASES = [
     ("It closed in 2008.", ["It closed in two thousand eight.", "It closed in twenty oh eight.",
                             "It closed in two thousand and eight."]),
     ("Music of the 1990s.", ["Music of the nineteen nineties."]),
-    ("From 2019 to 2020.", ["From twenty nineteen to twenty twenty.", "From two thousand nineteen to two thousand twenty."]),
+    ("From 2019 to 2020.", ["From twenty nineteen to twenty twenty.",
+                            "From two thousand nineteen to two thousand twenty."]),
     ("Happy 4th of July!", ["Happy fourth of July!"]),
     # times
     ("The train leaves at 7:45.", ["The train leaves at seven forty five."]),
@@ -198,7 +203,8 @@ EN_CASES = [
     # phone numbers: digit by digit, 0 as "oh" or "zero", a pause between the groups as written
     ("Call 555-123-4567.", ["Call five five five, one two three, four five six seven."]),
     ("Call (555) 123-4567 now.", ["Call five five five, one two three, four five six seven now."]),
-    ("Call 555-0199 now.", ["Call five five five, oh one nine nine now.", "Call five five five, zero one nine nine now."]),
+    ("Call 555-0199 now.", ["Call five five five, oh one nine nine now.",
+                            "Call five five five, zero one nine nine now."]),
     ("Call +1 555 123 4567 now.", ["Call plus one, five five five, one two three, four five six seven now."]),
     ("Call 1-800-555-0199 today.", ["Call one eight hundred, five five five, oh one nine nine today.",
                                     "Call one eight hundred, five five five, zero one nine nine today.",
@@ -212,11 +218,14 @@ EN_CASES = [
     ("Tel: 020 7946 0958", ["Tel: oh two oh, seven nine four six, oh nine five eight",
                             "Tel: zero two zero, seven nine four six, zero nine five eight"]),
     ("Call 5550199.", ["Call five five five, oh one nine nine.", "Call five five five, zero one nine nine."]),
-    ("+86 138 1234 5678 is my number.", ["plus eight six, one three eight, one two three four, five six seven eight is my "
+    ("+86 138 1234 5678 is my number.",
+     ["plus eight six, one three eight, one two three four, five six seven eight is my "
                                          "number."]),
     # ... and what is not a phone number, even after a phone word
-    ("It sold 1234567 copies.", ["It sold one million two hundred thirty four thousand five hundred sixty seven copies.",
-                                 "It sold one million two hundred and thirty four thousand five hundred and sixty seven "
+    ("It sold 1234567 copies.",
+     ["It sold one million two hundred thirty four thousand five hundred sixty seven copies.",
+                                 "It sold one million two hundred and thirty four thousand five hundred and sixty "
+                                 "seven "
                                  "copies."]),
     ("Call me on 2026-12-02.", ["Call me on December second, twenty twenty six.",
                                 "Call me on the second of December, twenty twenty six."]),

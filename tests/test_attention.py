@@ -129,10 +129,13 @@ def test_with_the_decode_kernel_one_graph_per_batch_bucket_serves_every_attentio
 
     arch, _, _, ours = tiny
     g = torch.Generator().manual_seed(3)
-    reqs = [GenRequest(torch.randint(0, 21000, (90,), generator=g), SamplingParams(0.3, 0.7, 20, 1.05, 460, 460, seed=1), None),
-            GenRequest(torch.randint(0, 21000, (7,), generator=g), SamplingParams(0.3, 0.7, 20, 1.05, 40, 40, seed=2), None)]
+    reqs = [GenRequest(torch.randint(0, 21000, (90,), generator=g),
+                       SamplingParams(0.3, 0.7, 20, 1.05, 460, 460, seed=1), None),
+            GenRequest(torch.randint(0, 21000, (7,), generator=g),
+                       SamplingParams(0.3, 0.7, 20, 1.05, 40, 40, seed=2), None)]
     assert 90 + 460 > WARM_DECODE_LEN
-    plain = make_engine(ours, arch, max_slots=40, max_context=640, max_new_tokens=500, cuda_graphs=False, decode_kernel=False)
+    plain = make_engine(ours, arch, max_slots=40, max_context=640, max_new_tokens=500, cuda_graphs=False,
+                        decode_kernel=False)
     try:
         want = [plain.generate(r) for r in reqs]
     finally:

@@ -60,7 +60,8 @@ class FakePb:
             def __init__(self, output_tensors=None, error=None):
                 self.output_tensors, self.error = output_tensors, error
 
-        self.TritonError, self.MetricFamily, self.Tensor, self.InferenceResponse = TritonError, MetricFamily, Tensor, InferenceResponse
+        self.TritonError, self.MetricFamily = TritonError, MetricFamily
+        self.Tensor, self.InferenceResponse = Tensor, InferenceResponse
 
 
 
@@ -214,8 +215,10 @@ def test_package_logs_reach_tritons_log_at_their_level():
         log.info("warm")
         log.warning("slow")
         log.error("broken")
-        assert calls == [("verbose", "chattts_triton.runtime.preprocess: removed 3"), ("info", "chattts_triton.runtime.preprocess: warm"),
-                         ("warn", "chattts_triton.runtime.preprocess: slow"), ("error", "chattts_triton.runtime.preprocess: broken")]
+        assert calls == [("verbose", "chattts_triton.runtime.preprocess: removed 3"),
+                         ("info", "chattts_triton.runtime.preprocess: warm"),
+                         ("warn", "chattts_triton.runtime.preprocess: slow"),
+                         ("error", "chattts_triton.runtime.preprocess: broken")]
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)

@@ -100,12 +100,14 @@ def test_bench_gateway_without_pyav_measures_wav_and_pcm_through_the_launcher(ti
     tp = v["throughput"]
     assert tp["errors"] == {"direct": 0, "gateway": 0} and tp["gateway_rps"] > 0  # the gateway served wav without PyAV
     enc = res["encoding"]["formats"]
-    assert set(enc) == set(WHOLE_WITHOUT_PYAV) and all(f["decoded_samples"] >= res["encoding"]["samples"] for f in enc.values())
+    assert (set(enc) == set(WHOLE_WITHOUT_PYAV) and all(f["decoded_samples"] >= res["encoding"]["samples"]
+                                                        for f in enc.values()))
     assert enc["pcm"]["stream_ms_per_audio_s"] > 0 and enc["wav"]["stream_ms_per_audio_s"] is None
     skipped = " | ".join(s["what"] for s in res["skipped"])
     assert "first mp3 byte" in skipped and "mp3, opus, aac" in skipped and "mp3, opus, aac, flac, wav" in skipped
     md = out.with_suffix(".md").read_text()
-    assert "**Not measured** (PyAV cannot be imported (ImportError: PyAV hidden by the test)" in md and "first mp3 byte" in md
+    assert ("**Not measured** (PyAV cannot be imported (ImportError: PyAV hidden by the test)" in md
+            and "first mp3 byte" in md)
     assert "| wav |" in md and "not measured" in md and "| mp3 |" not in md
     assert "python -m chattts_triton.serve --repo" in md and "| concurrency 4, whole wav |" in md
 

@@ -23,7 +23,8 @@ def test_summarize_counts_the_window_only():
 def _history(path, rows):
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["Timestamp", "User Count", "Type", "Name", "50%", "99%", "Total Request Count", "Total Failure Count"])
+        w.writerow(["Timestamp", "User Count", "Type", "Name", "50%", "99%", "Total Request Count",
+                    "Total Failure Count"])
         w.writerows(rows)
 
 
@@ -57,7 +58,8 @@ def test_ratios_and_marks_against_perf_analyzer():
 
 
 @pytest.mark.parametrize("argv", [["--url", "h:1", "--paths", "asyncio,nope"], ["--url", "h:1", "--paths", "grpc"],
-                                  ["--url", "h:1", "--concurrency", "0"], ["--standin", "--tokens", "0"], ["--paths", "sync"]])
+                                  ["--url", "h:1", "--concurrency", "0"], ["--standin", "--tokens", "0"],
+                                  ["--paths", "sync"]])
 def test_bad_arguments_exit_2(argv, tmp_path):
     with pytest.raises(SystemExit) as e:
         hc.main([*argv, "--out", str(tmp_path)])

@@ -66,7 +66,8 @@ def test_launched_counts_and_recovers_an_exit_as_a_supervisor_does(tiny_repo, tm
         first = server.server_pid
         stub = next(iter(python_stubs(first)))
         os.kill(stub, signal.SIGKILL)
-        assert wait_for(lambda: server.restarts == 1 and server.server_pid not in (None, first), 180, 0.2), server.output[-5:]
+        assert wait_for(lambda: server.restarts == 1 and server.server_pid not in (None, first), 180,
+                        0.2), server.output[-5:]
         assert [code for _, code in server.exits] == [STUB_DIED_EXIT]
         assert grpc_synth(server.grpc_url, TEXT="你好", MAX_NEW_TOKENS=4, MIN_NEW_TOKENS=4).size > 0
     assert not server.alive
@@ -91,7 +92,8 @@ def test_the_servers_own_memory_is_read_apart_from_the_whole_gpus():
     samples = [(t, {"gpu_memory_mib": g, "server_allocators_mib": a})
                for t, g, a in [(0, 30000, 1300), (10, 60000, 1320), (20, 45000, 1320), (30, 90000, 1330)]]
     span = memory_span(samples, 20)
-    assert (span["gpu_memory_min_mib"], span["gpu_memory_max_mib"], span["gpu_memory_growth_second_half_mib"]) == (30000, 90000, 45000)
+    assert (span["gpu_memory_min_mib"], span["gpu_memory_max_mib"],
+            span["gpu_memory_growth_second_half_mib"]) == (30000, 90000, 45000)
     assert (span["server_allocators_min_mib"], span["server_allocators_max_mib"],
             span["server_allocators_growth_second_half_mib"]) == (1300, 1330, 10)
     none = memory_span([(0, {"gpu_memory_mib": None, "server_allocators_mib": None})], 0)

@@ -62,7 +62,8 @@ def test_stored_wheel_has_the_same_members_and_pip_installs_it(tmp_path):
         assert all(a.read(n) == b.read(n) for n in a.namelist())
         assert {i.compress_type for i in b.infolist()} == {zipfile.ZIP_STORED}
     assert stored.stat().st_size > src.stat().st_size
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--disable-pip-version-check",
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--disable-pip-version-check",
                     "--target", str(tmp_path / "site"), str(stored)], check=True)
     assert (tmp_path / "site" / "gwfake" / "__init__.py").read_text() == "VALUE = 42\n" * 50
 
@@ -87,7 +88,8 @@ def test_install_script_installs_what_the_host_lacks_or_has_older(tmp_path):
     out = tmp_path / "bundle"
     (out / "w").mkdir(parents=True)
     always = _wheel(out / "w", "gwalways", "1.0", {"gwalways/__init__.py": ""})
-    alone = _wheel(out / "w", "gwalone", "1.0", {"gwalone/__init__.py": "import sys\nassert 'ssl' not in sys.modules\n"})
+    alone = _wheel(out / "w", "gwalone", "1.0",
+                   {"gwalone/__init__.py": "import sys\nassert 'ssl' not in sys.modules\n"})
     missing = _wheel(out / "w", "gwmissing", "1.0", {"gwmissing/__init__.py": ""})
     older = _wheel(out / "w", "typing_extensions", "99.0", {"typing_extensions.py": "NEWER = True\n"})
     newer = _wheel(out / "w", "click", "0.1", {"click/__init__.py": "OLDER = True\n"})
@@ -162,5 +164,6 @@ def test_leaving_http_out_leaves_locust_out_and_says_so():
     said = []
     assert bundle.select_groups(list(bundle.DEFAULT_GROUPS), {"http"}, said.append) == ["gateway"]
     assert said == ["note: leaving the locust group out too: it needs http"]
-    assert bundle.select_groups([*bundle.DEFAULT_GROUPS, "grpc", "http"], {"gateway"}, said.append) == ["http", "locust", "grpc"]
+    assert bundle.select_groups([*bundle.DEFAULT_GROUPS, "grpc", "http"], {"gateway"},
+                                said.append) == ["http", "locust", "grpc"]
     assert len(said) == 1

@@ -38,7 +38,8 @@ def plan_all(planner: ChunkPlanner, total: int, arrivals):
                          [(8, 32, 53, None, 0), (1, 1, 1, None, 0), (3, 5, 14, None, 0), (8, 32, 53, 8, 4),
                           (3, 5, 14, 3, 2), (2, 3, 4, 2, 1)])
 @pytest.mark.parametrize("burst,cap", [(9, None), (90, None), (90, 0), (90, 7)])
-def test_planned_chunks_tile_the_utterance_and_see_their_context(total, first, chunk, look, first_look, fade, burst, cap):
+def test_planned_chunks_tile_the_utterance_and_see_their_context(total, first, chunk, look, first_look, fade,
+                                                                 burst, cap):
     """Frames arrive in random bursts of up to `burst`; `cap`: max_window above the smallest allowed."""
     rng = random.Random(total * 7 + first)
     smallest = ChunkPlanner(first, chunk, look, first_look, fade).min_window

@@ -170,7 +170,8 @@ def fake_http_handler(model: FakeModel):
             if isinstance(result, tuple):
                 return self._reply(HTTP_CODES[result[0]], json.dumps({"error": result[1]}).encode())
             data = result.astype("<f4").tobytes()
-            out = {"name": "AUDIO", "datatype": "FP32", "shape": [1, result.size], "parameters": {"binary_data_size": len(data)}}
+            out = {"name": "AUDIO", "datatype": "FP32", "shape": [1, result.size],
+                   "parameters": {"binary_data_size": len(data)}}
             head = json.dumps({"model_name": "chattts", "outputs": [out]}).encode()
             self._reply(200, head + data, [("Inference-Header-Content-Length", str(len(head))),
                                            ("Content-Type", "application/octet-stream")])  # fmt: skip
@@ -232,7 +233,8 @@ def test_every_contract_input_is_a_keyword_of_synthesize_and_a_cli_flag():
     assert set(OPTION_INPUTS) == expected
     for method in (ChatTTSClient.synthesize, AsyncChatTTSClient.synthesize):
         params = inspect.signature(method).parameters
-        keywords = {k for k, p in params.items() if p.kind is p.KEYWORD_ONLY} - {"split", "voice_from_first", "on_spoken_text"}
+        keywords = {k for k, p in params.items() if p.kind is p.KEYWORD_ONLY} - {"split",
+                                                                                 "voice_from_first", "on_spoken_text"}
         assert keywords == expected, method.__qualname__
         assert all(params[k].default is None for k in expected)
     flags = {a.dest for a in cli.build_parser()._actions}
@@ -312,7 +314,8 @@ def test_request_on_the_wire_and_audio_back(fake, protocol):
             speaker="spk", speaker_audio=ref, split=False,
         )  # fmt: skip
     (sent,), (types,) = fake.model.requests, fake.model.datatypes
-    assert set(sent) == {"TEXT", "SEED", "TEMPERATURE", "TOP_K", "REFINE_TEXT", "USE_DECODER", "SPEAKER", "SPEAKER_AUDIO"}
+    assert set(sent) == {"TEXT", "SEED", "TEMPERATURE", "TOP_K", "REFINE_TEXT", "USE_DECODER", "SPEAKER",
+                         "SPEAKER_AUDIO"}
     assert types == {n: input_datatype(n) for n in sent}
     assert all(sent[n].shape == (1, 1) for n in sent if n != "SPEAKER_AUDIO")
     assert sent["TEXT"][0, 0] == b"Hello there" and sent["SPEAKER"][0, 0] == b"spk"
@@ -356,7 +359,8 @@ def test_other_server_errors_are_not_retried(fake, protocol):
 def test_gives_up_after_the_retries(fake, protocol):
     fake.model.script = ["UNAVAILABLE"] * 3
     sleeps = Sleeps()
-    with ChatTTSClient(fake.url(protocol), protocol=protocol, retries=2, backoff_s=1.0, max_backoff_s=1.5, sleep=sleeps) as c:
+    with ChatTTSClient(fake.url(protocol), protocol=protocol, retries=2, backoff_s=1.0, max_backoff_s=1.5,
+                       sleep=sleeps) as c:
         with pytest.raises(ChatTTSUnavailableError, match=r"gave up after 3 attempt"):
             c.synthesize("hi")
     assert len(fake.model.requests) == 3 and sleeps == [1.0, 1.5]  # capped
@@ -494,14 +498,16 @@ def test_retry_policy_with_a_fake_transport():
     )[0].status == "UNAVAILABLE"
 
 
-# sentences long enough not to be joined (chattts_triton.model.split.DEFAULT_MIN_FRAMES), short enough to fit one request
+# sentences long enough not to be joined (chattts_triton.model.split.DEFAULT_MIN_FRAMES), short
+# enough to fit one request
 LONG_TEXT = ("The first sentence is long enough to stand alone. The second one is here as well. 第三句话也足够长了。"
              "And the fourth one closes the text. ")
 
 
 def test_long_text_is_split_at_sentences_sent_concurrently_and_joined_in_order():
     sentences = split_sentences(LONG_TEXT)
-    assert sentences == [p.strip() for p in split_text(LONG_TEXT, drop_empty=True)] and len(sentences) == 4  # as upstream
+    # as upstream
+    assert sentences == [p.strip() for p in split_text(LONG_TEXT, drop_empty=True)] and len(sentences) == 4
     t = FakeTransport(barrier=threading.Barrier(len(sentences), timeout=10))
     with ChatTTSClient("x:1", transport=t, max_concurrency=8) as c:
         audio = c.synthesize(LONG_TEXT, seed=1)
@@ -568,7 +574,8 @@ def test_synthesize_batch_keeps_order_reports_progress_and_errors():
     )
     assert sorted(seen) == [0, 1, 2] and len(t.calls) == 3
     assert isinstance(results[0], ChatTTSError)
-    assert [np.array_equal(r, FakeModel.audio_for(x.encode())) for r, x in zip(results[1:], texts[1:], strict=True)] == [True, True]
+    assert [np.array_equal(r, FakeModel.audio_for(x.encode()))
+            for r, x in zip(results[1:], texts[1:], strict=True)] == [True, True]
     assert all(a["TOP_P"][0, 0] == np.float32(0.5) for a in t.calls)
     with pytest.raises(ChatTTSError):
         ChatTTSClient("x:1", transport=FakeTransport([invalid])).synthesize_batch(["a", "b"])
@@ -596,7 +603,8 @@ def test_async_long_text_matches_sync():
 
 
 def test_constructor_errors():
-    for kwargs in ({"protocol": "udp"}, {"url": "http://h:1"}, {"timeout_s": 0}, {"retries": -1}, {"max_concurrency": 0},
+    for kwargs in ({"protocol": "udp"}, {"url": "http://h:1"}, {"timeout_s": 0}, {"retries": -1},
+                   {"max_concurrency": 0},
                    {"stream_model": ""}):  # fmt: skip
         with pytest.raises(ValueError):
             ChatTTSClient(**{"url": "h:1", **kwargs})
@@ -610,7 +618,8 @@ def test_pcm16_wav_round_trip_with_stdlib_reader(tmp_path):
     audio = np.concatenate([np.linspace(-1, 1, 999, dtype=np.float32), [1.5, -1.5, 0.0]]).astype(np.float32)
     path = save_wav(tmp_path / "sub" / "a.wav", audio)
     with wave.open(str(path)) as w:
-        assert (w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()) == (1, 2, C.SAMPLE_RATE, audio.size)
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()) == (1, 2,
+                                                                                          C.SAMPLE_RATE, audio.size)
         pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
     assert np.array_equal(pcm, to_pcm16(audio)) and pcm[-3:].tolist() == [32767, -32767, 0]
     back, rate = read_wav(path)
@@ -703,7 +712,8 @@ def test_cli_reads_speaker_strings_and_reference_audio_from_files(fake, tmp_path
     (tmp_path / "spk.txt").write_text("SPEAKER-STRING\n", encoding="utf-8")
     ref = np.linspace(-0.5, 0.5, 100, dtype=np.float32)
     save_wav(tmp_path / "ref.wav", ref, fmt="float32")
-    rc = cli.main(["Hi", "-o", str(tmp_path / "a.wav"), "--url", fake.grpc_url, "-q", "--speaker", f"@{tmp_path / 'spk.txt'}",
+    rc = cli.main(["Hi", "-o", str(tmp_path / "a.wav"), "--url", fake.grpc_url, "-q", "--speaker",
+                   f"@{tmp_path / 'spk.txt'}",
                    "--speaker-audio", str(tmp_path / "ref.wav"), "--speaker-text", "ref words"])  # fmt: skip
     assert rc == 0
     (sent,) = fake.model.requests

@@ -35,7 +35,8 @@ def check_audio(audio: np.ndarray, max_samples: int) -> None:
 def test_cli_writes_a_valid_wav(served_tiny, protocol, tmp_path):
     out = tmp_path / "hello.wav"
     cmd = [sys.executable, "-m", "client", "Hello world.", "-o", str(out), "--url", url_of(served_tiny, protocol),
-           "--protocol", protocol, "--seed", "1", "--max-new-tokens", str(TOKENS), "--min-new-tokens", str(TOKENS)]  # fmt: skip
+           "--protocol", protocol, "--seed", "1",
+           "--max-new-tokens", str(TOKENS), "--min-new-tokens", str(TOKENS)]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert out.read_bytes()[:4] == b"RIFF" and out.read_bytes()[8:12] == b"WAVE"
@@ -47,7 +48,8 @@ def test_cli_writes_a_valid_wav(served_tiny, protocol, tmp_path):
 def test_cli_server_error_exits_1(served_tiny, tmp_path):
     too_long = "a" * (LIMITS.max_text_chars + 1)
     run = subprocess.run(
-        [sys.executable, "-m", "client", too_long, "-o", str(tmp_path / "x.wav"), "--url", served_tiny.grpc_url, "--no-split"],
+        [sys.executable, "-m", "client", too_long, "-o", str(tmp_path / "x.wav"), "--url", served_tiny.grpc_url,
+         "--no-split"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 1 and "INVALID_ARGUMENT" in run.stderr and not (tmp_path / "x.wav").exists()
@@ -126,12 +128,14 @@ def test_spoken_text_of_each_piece_reaches_the_caller(served_tiny, protocol):
     assert audio.size > 0 and chunks
     assert got == streamed and len(got) == 2
     assert got[0] == "我有三个苹果，价格是十二点五元，增长了百分之四十五。"
-    assert "ten thirty" in got[1] and "twelve dollars and fifty cents" in got[1] and not any(ch.isdigit() for ch in got[1])
+    assert ("ten thirty" in got[1] and "twelve dollars and fifty cents" in got[1]
+            and not any(ch.isdigit() for ch in got[1]))
 
 
 def test_cli_shows_the_spoken_text(served_tiny, tmp_path):
     for extra in ([], ["--stream"]):
-        cmd = [sys.executable, "-m", "client", "价格是12.5元。", "-o", str(tmp_path / "x.wav"), "--url", served_tiny.grpc_url,
+        cmd = [sys.executable, "-m", "client", "价格是12.5元。", "-o", str(tmp_path / "x.wav"), "--url",
+               served_tiny.grpc_url,
                "--show-spoken-text", "--max-new-tokens", str(TOKENS), "--min-new-tokens", str(TOKENS), *extra]
         run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr

@@ -251,7 +251,8 @@ def test_server_defaults_come_from_config():
 
 @pytest.mark.parametrize("field, value, match", [
     ("top_k", "20", "expected an int"), ("seed", True, "expected an int"), ("top_k", 2**40, "out of INT32 range"),
-    ("temperature", float("nan"), "finite"), ("refine_text", 1, "expected a bool"), ("speaker", b"raw", "expected a str"),
+    ("temperature", float("nan"), "finite"), ("refine_text", 1, "expected a bool"),
+    ("speaker", b"raw", "expected a str"),
     ("speaker_audio", [[0.1, 0.2], [0.3, 0.4]], "1-D"), ("speaker_audio", [], "non-empty"),
 ])  # fmt: skip
 def test_a_bad_value_is_refused_when_the_options_are_made_naming_the_field(field, value, match):

@@ -60,12 +60,14 @@ def test_the_staging_check_refuses_a_server_import(tmp_path):
     (root / "chattts_triton" / "model").mkdir(parents=True)
     shutil.copyfile(ROOT / "chattts_triton" / "config.py", root / "chattts_triton" / "config.py")
     shutil.copyfile(ROOT / "chattts_triton" / "model" / "split.py", root / "chattts_triton" / "model" / "split.py")
-    (root / "client" / "errors.py").write_text("def f():\n    from chattts_triton.runtime import engine\n", encoding="utf-8")
+    (root / "client" / "errors.py").write_text("def f():\n    from chattts_triton.runtime import engine\n",
+                                               encoding="utf-8")
     with pytest.raises(SystemExit, match=r"errors.py:2 imports chattts_triton"):
         setup["stage"](root, tmp_path / "out")
     (root / "client" / "errors.py").write_text("X = 1\n", encoding="utf-8")
     (root / "chattts_triton" / "config.py").write_text("from .deployment import Deployment\n", encoding="utf-8")
-    with pytest.raises(SystemExit, match=r"_shared/config.py:1 imports .deployment, which is not in the client package"):
+    with pytest.raises(SystemExit,
+                       match=r"_shared/config.py:1 imports .deployment, which is not in the client package"):
         setup["stage"](root, tmp_path / "out")
 
 
@@ -75,7 +77,8 @@ def _pyproject(path: Path) -> dict:
 
 
 def test_the_client_version_is_the_projects():
-    assert _pyproject(PROJECT / "pyproject.toml")["project"]["version"] == _pyproject(ROOT / "pyproject.toml")["project"]["version"]
+    assert (_pyproject(PROJECT / "pyproject.toml")["project"]["version"]
+            == _pyproject(ROOT / "pyproject.toml")["project"]["version"])
 
 
 def test_the_server_distribution_installs_no_bench_or_loadtest_and_keeps_torch_behind_an_extra():
@@ -93,7 +96,8 @@ def test_the_server_distribution_installs_no_bench_or_loadtest_and_keeps_torch_b
 
 
 def requirement_closure(requirements: Iterable[str]) -> dict[str, md.Distribution]:
-    """The installed distributions that `requirements` need, by canonical name, markers evaluated for this interpreter."""
+    """The installed distributions that `requirements` need, by canonical name, markers evaluated for this
+    interpreter."""
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
@@ -126,7 +130,8 @@ def repack(dist: md.Distribution, out: Path) -> Path:
     metadata = next(f for f in dist.files if f.name == "METADATA" and f.parent.name.endswith(".dist-info"))
     info_dir = Path(dist.locate_file(metadata)).parent
     site = info_dir.parent
-    tags = [line.split(":", 1)[1].strip() for line in (info_dir / "WHEEL").read_text().splitlines() if line.startswith("Tag:")]
+    tags = [line.split(":", 1)[1].strip() for line in (info_dir / "WHEEL").read_text().splitlines()
+            if line.startswith("Tag:")]
     parts = [sorted({t.split("-")[i] for t in tags}) for i in range(3)]
     name = re.sub(r"[-_.]+", "_", dist.metadata["Name"])
     path = out / f"{name}-{dist.version}-{'-'.join('.'.join(p) for p in parts)}.whl"
@@ -164,8 +169,10 @@ def client_venv(tmp_path_factory):
     for name in ("pyproject.toml", "setup.py", "README.md", "MANIFEST.in"):
         shutil.copyfile(PROJECT / name, project / name)
     # built as `pip install -e .` builds the project (make setup): setuptools from the configured index
-    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work / "dist"), str(project)],
-                         env={**os.environ, "CHATTTS_TRITON_ROOT": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work / "dist"),
+                          str(project)],
+                         env={**os.environ, "CHATTTS_TRITON_ROOT": str(ROOT)}, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (wheel,) = (work / "dist").glob("chattts_triton_client-*.whl")
     with zipfile.ZipFile(wheel) as z:
@@ -181,7 +188,8 @@ def client_venv(tmp_path_factory):
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    run = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-index", "--no-cache-dir",
+    run = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-index",
+                          "--no-cache-dir",
                           "--find-links", str(wheels), str(wheel)], env=_clean_env(), capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -195,7 +203,8 @@ def _in_venv(python: Path, code: str, *args: str, cwd: Path) -> subprocess.Compl
 
 def test_the_client_installs_without_torch_or_the_server(client_venv, tmp_path):
     python, _, closure = client_venv
-    listing = _in_venv(python, "import importlib.metadata as m, json; print(json.dumps(sorted(d.metadata['Name'].lower() "
+    listing = _in_venv(python, "import importlib.metadata as m, json; "
+                               "print(json.dumps(sorted(d.metadata['Name'].lower() "
                                "for d in m.distributions())))", cwd=tmp_path)
     assert listing.returncode == 0, listing.stderr
     installed = set(json.loads(listing.stdout))
@@ -204,9 +213,10 @@ def test_the_client_installs_without_torch_or_the_server(client_venv, tmp_path):
         return {re.sub(r"[-_.]+", "-", n) for n in names}
 
     assert canonical(installed) <= canonical(closure) | {CLIENT_DIST}, canonical(installed) - canonical(closure)
-    probe = _in_venv(python, "import sys, chattts_client, chattts_client.cli, chattts_client.realtime, chattts_client.balancer\n"
-                             "assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'chattts_triton', 'client')]\n"
-                             "for name in ('torch', 'chattts_triton', 'client'):\n"
+    probe = _in_venv(python, "import sys, chattts_client, chattts_client.cli, chattts_client.realtime, "
+                             "chattts_client.balancer\n"
+                             "assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'chattts_triton', "
+                             "'client')]\nfor name in ('torch', 'chattts_triton', 'client'):\n"
                              "    try:\n        __import__(name)\n    except ImportError:\n        continue\n"
                              "    raise SystemExit(name + ' is importable')\n"
                              "print(chattts_client.ChatTTSClient.__name__, chattts_client.SAMPLE_RATE)", cwd=tmp_path)
@@ -248,11 +258,13 @@ def test_the_installed_client_synthesises_against_the_server(client_venv, served
     run = _in_venv(python, SYNTHESISE, served_tiny.grpc_url, served_tiny.http_url, str(TOKENS), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     sizes = json.loads(run.stdout)
-    assert set(sizes) == {"grpc", "http", "grpc stream", "http stream", "balanced", "async", "async stream", "async balanced"}
+    assert set(sizes) == {"grpc", "http", "grpc stream", "http stream", "balanced", "async", "async stream",
+                          "async balanced"}
     # one seed, MIN = MAX new tokens: every path returns the same length
     assert len(set(sizes.values())) == 1 and 0 < sizes["grpc"] <= samples_for_codes(TOKENS), sizes
     out = tmp_path / "hello.wav"
-    cli = subprocess.run([str(bin_dir / "chattts-client"), "Hello world.", "-o", str(out), "--url", served_tiny.grpc_url,
+    cli = subprocess.run([str(bin_dir / "chattts-client"), "Hello world.", "-o", str(out), "--url",
+                          served_tiny.grpc_url,
                           "--seed", "1", "--max-new-tokens", str(TOKENS), "--min-new-tokens", str(TOKENS)],
                          cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert cli.returncode == 0, cli.stderr[-3000:]

@@ -60,7 +60,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROTOCOLS = pytest.mark.parametrize("protocol", ["grpc", "http"])
 CHUNK = 64  # samples per chunk of the fake servers
 # How the server words each status: Triton 2.51 sends a stream's error as a message only.
-STREAM_MESSAGES = {"UNAVAILABLE": "server busy: 2 streams in flight, retry later", "INTERNAL": "internal error: scripted"}
+STREAM_MESSAGES = {"UNAVAILABLE": "server busy: 2 streams in flight, retry later",
+                   "INTERNAL": "internal error: scripted"}
 
 
 def unavailable(msg="busy, retry later"):

@@ -19,7 +19,8 @@ def test_the_full_architecture_is_upstreams():
     up, a = Config(), C.FULL_ARCH
     gpt = up.gpt
     assert (a.gpt.hidden, a.gpt.intermediate, a.gpt.heads, a.gpt.layers, a.gpt.max_positions) == (
-        gpt.hidden_size, gpt.intermediate_size, gpt.num_attention_heads, gpt.num_hidden_layers, gpt.max_position_embeddings)
+        gpt.hidden_size, gpt.intermediate_size, gpt.num_attention_heads, gpt.num_hidden_layers,
+        gpt.max_position_embeddings)
     assert (a.num_audio_tokens, a.num_text_tokens, a.num_vq) == (gpt.num_audio_tokens, gpt.num_text_tokens, gpt.num_vq)
     assert (C.NUM_AUDIO_TOKENS, C.NUM_TEXT_TOKENS, C.NUM_VQ) == (gpt.num_audio_tokens, gpt.num_text_tokens, gpt.num_vq)
     for ours, theirs in ((a.decoder, up.decoder), (a.dvae_decoder, up.dvae.decoder), (a.dvae_encoder, up.dvae.encoder)):
@@ -27,7 +28,8 @@ def test_the_full_architecture_is_upstreams():
     vq = up.dvae.vq
     assert (a.vq_dim, a.vq_levels, a.vq_groups, a.vq_residual) == (vq.dim, tuple(vq.levels), vq.G, vq.R)
     backbone = up.vocos.backbone.init_args
-    assert (a.vocos.dim, a.vocos.intermediate, a.vocos.layers) == (backbone.dim, backbone.intermediate_dim, backbone.num_layers)
+    assert (a.vocos.dim, a.vocos.intermediate, a.vocos.layers) == (backbone.dim, backbone.intermediate_dim,
+                                                                   backbone.num_layers)
 
 
 def test_the_audio_framing_is_upstreams():

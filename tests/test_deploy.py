@@ -93,7 +93,8 @@ def dockerfile_problems(text: str) -> list[str]:  # noqa: C901  a checklist: one
     if not m:
         problems.append(f"final base image {final!r} is not an NGC tritonserver <yy.mm>-py3 release")
     elif (int(m.group(1)), int(m.group(2))) < floor:
-        problems.append(f"base release {m.group(1)}.{m.group(2)} predates {floor[0]}.{floor[1]:02d}, the newest CVE fix")
+        problems.append(f"base release {m.group(1)}.{m.group(2)} predates {floor[0]}.{floor[1]:02d}, "
+                        "the newest CVE fix")
     final_stage = []
     for ins in p.structure:  # instructions of the last stage only
         if ins["instruction"] == "FROM":
@@ -138,12 +139,14 @@ def dockerfile_problems(text: str) -> list[str]:  # noqa: C901  a checklist: one
     if '".[gateway]"' not in runs or "import gateway.app" not in runs:
         problems.append("the package is not installed with its gateway extra (and imported): no python3 -m gateway")
     if "gateway.wyoming" not in runs:
-        problems.append("gateway.wyoming is not imported at build: python3 -m gateway.wyoming may lack the wyoming package")
+        problems.append("gateway.wyoming is not imported at build: python3 -m gateway.wyoming may lack the wyoming "
+                        "package")
     copied = [i["value"].split()[-1] for i in final_stage if i["instruction"] == "COPY"]
     if "/opt/chattts/src/gateway" not in copied:
         problems.append("gateway/ is not copied into the image")
     if not all(pkg in runs for pkg in ("gcc", "python3-dev")):
-        problems.append("no gcc/python3-dev: the compiled GPT step (the GPU default) cannot build its kernels' launcher")
+        problems.append("no gcc/python3-dev: the compiled GPT step (the GPU default) cannot build its kernels' "
+                        "launcher")
     entry = [i["value"] for i in final_stage if i["instruction"] == "ENTRYPOINT"]
     if entry and not (_exec_form(entry[-1]) or [""])[0].startswith("/"):
         problems.append("ENTRYPOINT is not an exec-form absolute path (signals would not reach the launcher)")
@@ -241,7 +244,8 @@ def test_image_installs_the_text_normaliser_and_checks_its_grammars_load():
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert {"wetext", "num2words"} <= set(extras["server"]) and "chattts-triton[server]" in extras["gateway"]
-    runs = " ".join(i["value"] for i in _parse_dockerfile(DOCKERFILE.read_text()).structure if i["instruction"] == "RUN")
+    runs = " ".join(i["value"] for i in _parse_dockerfile(DOCKERFILE.read_text()).structure
+                    if i["instruction"] == "RUN")
     assert "from chattts_triton.model.spoken import default" in runs and "-c /tmp/constraints.txt" in runs
 
 
@@ -434,7 +438,8 @@ def test_container_cmd_serves_through_the_launcher_and_drains_on_sigterm(tmp_pat
         assert flags["--http-address"] == flags["--grpc-address"] == flags["--metrics-address"] == "0.0.0.0"
         assert flags["--model-control-mode"] == "none" and flags["--exit-timeout-secs"] == "60"
         assert flags["--strict-readiness"] == "true" and "--disable-auto-complete-config" in rec["argv"]
-        assert flags["--http-restricted-api"] == "shared-memory,model-repository,logging,trace:chattts-admin-key=legacy-s3cret"
+        assert flags["--http-restricted-api"] == ("shared-memory,model-repository,logging,"
+                                                  "trace:chattts-admin-key=legacy-s3cret")
         assert flags["--grpc-restricted-protocol"] == flags["--http-restricted-api"]
         assert not rec["env_has_admin_key"]  # the models do not see it
         assert (tmp_path / "cache" / "triton-pyenv").is_dir()  # generated files in $CHATTTS_TRITON_CACHE
@@ -594,7 +599,8 @@ SCENARIOS = {
         "podAnnotations": {"a": "b"},
     },
     "wyoming-cpu": {"wyoming": {"enabled": True, "extraArgs": ["--voice", "nova"]}, "gpu": {"count": 0}},
-    "fixed-replicas": {"autoscaling": {"enabled": False}, "replicaCount": 3, "monitoring": {"serviceMonitor": {"enabled": False}}},
+    "fixed-replicas": {"autoscaling": {"enabled": False}, "replicaCount": 3,
+                       "monitoring": {"serviceMonitor": {"enabled": False}}},
     "shared-voice-store": {"voiceStore": {"urlSecret": "voice-store"}, "gateway": {"adminKeySecret": "voices-admin"},
                            "server": {"adminKeySecret": "triton-admin"}},
 }
@@ -706,9 +712,11 @@ def test_the_voice_store_reaches_the_models_and_the_gateway_and_writes_need_the_
     server, gw = _container(dep), _container(dep, "gateway")
     secret = {"secretKeyRef": {"name": "voice-store", "key": "url"}}
     assert {e["name"]: e["valueFrom"] for e in server["env"]} == {
-        "CHATTTS_ADMIN_KEY": {"secretKeyRef": {"name": "triton-admin", "key": "admin-key"}}, "CHATTTS_VOICE_STORE": secret}
+        "CHATTTS_ADMIN_KEY": {"secretKeyRef": {"name": "triton-admin", "key": "admin-key"}},
+        "CHATTTS_VOICE_STORE": secret}
     assert {e["name"]: e["valueFrom"] for e in gw["env"]} == {
-        "CHATTTS_ADMIN_KEY": {"secretKeyRef": {"name": "voices-admin", "key": "admin-key"}}, "CHATTTS_VOICE_STORE": secret}
+        "CHATTTS_ADMIN_KEY": {"secretKeyRef": {"name": "voices-admin", "key": "admin-key"}},
+        "CHATTTS_VOICE_STORE": secret}
     with pytest.raises(Exception, match="voiceStore"):  # the schema: a URL of a known store or nothing
         render({"voiceStore": {"url": "mysql://h/db"}})
 
@@ -902,7 +910,8 @@ def test_validation_rejects_a_broken_template(tmp_path, template, old, new, comp
 
 
 def test_template_errors_and_bad_values_fail_rendering(tmp_path):
-    broken = _broken_chart(tmp_path, "deployment.yaml", "{{ include \"chattts-triton.terminationGracePeriodSeconds\" . }}",
+    broken = _broken_chart(tmp_path, "deployment.yaml",
+                           "{{ include \"chattts-triton.terminationGracePeriodSeconds\" . }}",
                            "{{ include \"chattts-triton.terminationGracePeriodSecond\" . }}")
     with pytest.raises(helm.HelmError, match="terminationGracePeriodSecond"):
         render(chart=broken)

@@ -42,7 +42,8 @@ def test_forced_length_gives_exactly_that_many_samples(served_tiny):
 
 
 def test_concurrent_texts_equal_their_single_request_output(served_tiny):
-    texts = ["你好。", "今天天气很好，我们去公园散步吧。", "hello world", "四川美食确实以辣闻名，但也有不辣的选择，比如甜水面、赖汤圆。", "好", "the weather is good today"]
+    texts = ["你好。", "今天天气很好，我们去公园散步吧。", "hello world",
+             "四川美食确实以辣闻名，但也有不辣的选择，比如甜水面、赖汤圆。", "好", "the weather is good today"]
     kw = [dict(TEXT=t, SEED=100 + i, MAX_NEW_TOKENS=24 + 8 * i) for i, t in enumerate(texts)]
     alone = [synth(served_tiny, **k) for k in kw]
     with concurrent.futures.ThreadPoolExecutor(len(kw)) as pool:
@@ -199,7 +200,8 @@ def test_spoken_text_shows_what_is_voiced_over_grpc_and_http(served_tiny, protoc
         bad = [b for b in pool.map(check, cases) if b]
     assert not bad
     # without normalisation the GPT reads the text as sent
-    assert spoken(served_tiny, protocol, TEXT="It costs $12.50.", NORMALIZE_TEXT=False, MAX_NEW_TOKENS=2) == "It costs $12.50."
+    assert spoken(served_tiny, protocol, TEXT="It costs $12.50.", NORMALIZE_TEXT=False,
+                  MAX_NEW_TOKENS=2) == "It costs $12.50."
 
 
 def test_removed_characters_are_counted_per_model_and_a_text_removed_entirely_is_named(served_tiny):
@@ -224,8 +226,10 @@ def test_removed_characters_are_counted_per_model_and_a_text_removed_entirely_is
 # --- parity with upstream ChatTTS on the same full-size weights ---------------------------------
 def upstream_raw_wav(chat, text, spk, use_decoder, n_max, n_min):
     """Upstream `Chat._infer` (what `Chat.infer` strips afterwards), batch of one."""
-    params = chat.InferCodeParams(spk_emb=spk, temperature=1e-5, max_new_token=n_max, min_new_token=n_min, show_tqdm=False)
-    gen = chat._infer([text], False, None, True, False, use_decoder, True, True, False, 4, chat.RefineTextParams(), params)
+    params = chat.InferCodeParams(spk_emb=spk, temperature=1e-5, max_new_token=n_max, min_new_token=n_min,
+                                  show_tqdm=False)
+    gen = chat._infer([text], False, None, True, False, use_decoder, True, True, False, 4,
+                      chat.RefineTextParams(), params)
     return next(gen)[0], params
 
 
@@ -244,7 +248,8 @@ def test_served_audio_equals_upstream_chat_infer(served_full, upstream_full, use
     assert ours.shape == raw.shape
     assert np.abs(ours - raw).max() <= 1e-3
     # Chat.infer additionally drops every sample with |x| <= 1e-5 (upstream's trim)
-    stripped = chat.infer(text, skip_refine_text=True, split_text=False, use_decoder=use_decoder, params_infer_code=params)[0]
+    stripped = chat.infer(text, skip_refine_text=True, split_text=False, use_decoder=use_decoder,
+                          params_infer_code=params)[0]
     ours_stripped = ours[np.abs(ours) > 1e-5]
     assert ours_stripped.shape == stripped.shape and np.abs(ours_stripped - stripped).max() <= 1e-3
 

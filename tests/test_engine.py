@@ -74,7 +74,8 @@ def test_request_output_does_not_depend_on_batchmates(tiny, overlap):
     prompts = [torch.randint(0, 21000, (5 + 7 * i,)) for i in range(6)]
     params = [SamplingParams(0.3, 0.7, 20, 1.05, 30 + 10 * i, 10, seed=100 + i) for i in range(6)]
     try:
-        alone = [eng.generate(GenRequest(text_ids=p, params=sp, on_done=None)) for p, sp in zip(prompts, params, strict=True)]
+        alone = [eng.generate(GenRequest(text_ids=p, params=sp, on_done=None))
+                 for p, sp in zip(prompts, params, strict=True)]
         results = [None] * 6
         done = threading.Barrier(7)
 
@@ -118,7 +119,8 @@ def test_context_overflow_and_cancel(tiny, overlap):
             eng.submit(GenRequest(text_ids=torch.arange(1, 5), params=greedy(61, 0), on_done=lambda r: None))
         got = []
         ev = threading.Event()
-        req = GenRequest(text_ids=torch.arange(1, 5), params=greedy(55, 55), on_done=lambda r: (got.append(r), ev.set()))
+        req = GenRequest(text_ids=torch.arange(1, 5), params=greedy(55, 55),
+                         on_done=lambda r: (got.append(r), ev.set()))
         eng.submit(req)
         req.cancel()
         assert ev.wait(30)
@@ -173,7 +175,8 @@ def test_with_overlap_compaction_moves_the_rows_of_the_step_in_flight(tiny):
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, start=False, overlap=True)
     done = {}
-    reqs = [GenRequest(torch.arange(1, 6 + i), greedy(30, 30, seed=i), lambda r, i=i: done.__setitem__(i, r)) for i in range(4)]
+    reqs = [GenRequest(torch.arange(1, 6 + i), greedy(30, 30, seed=i), lambda r, i=i: done.__setitem__(i, r))
+            for i in range(4)]
     for r in reqs:
         eng.submit(r)
     while eng._flight is None or len(eng.rows) < 4:
@@ -193,7 +196,8 @@ def test_with_overlap_compaction_moves_the_rows_of_the_step_in_flight(tiny):
     plain = make_engine(ours, arch, start=False)
     for i in (0, 2, 3):
         assert done[i].finish_reason == "max_tokens"
-        assert torch.equal(done[i].tokens, drive(plain, [dict(ids=reqs[i].text_ids, params=reqs[i].params)])[0].result.tokens)
+        assert torch.equal(done[i].tokens, drive(plain,
+                                                 [dict(ids=reqs[i].text_ids, params=reqs[i].params)])[0].result.tokens)
 
 
 @pytest.mark.slow
@@ -216,7 +220,8 @@ def test_slot_reused_after_refine_text_request(tiny):
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, max_slots=1)
     try:
-        text = eng.generate(GenRequest(text_ids=torch.arange(1, 9), params=SamplingParams(1.0, None, None, 1.0, 20, 20, seed=5),
+        text = eng.generate(GenRequest(text_ids=torch.arange(1, 9),
+                                       params=SamplingParams(1.0, None, None, 1.0, 20, 20, seed=5),
                                        on_done=None, mode="text", eos_id=21140, want_hidden=False))
         assert text.tokens.max() >= 626  # text ids beyond the audio vocabulary were left in the slot
         code = eng.generate(GenRequest(text_ids=torch.arange(1, 9), params=greedy(10, 10), on_done=None))
@@ -276,7 +281,8 @@ def test_requests_suspended_for_want_of_pages_resume_exactly_where_they_stopped(
     check_same_as_alone(alone, batched)
     assert eng.counters.preemptions >= 3 and eng.counters.resumes == eng.counters.preemptions, eng.counters.preemptions
     stats = eng.stats()
-    assert stats["engine_preemptions"] == eng.counters.preemptions and stats["engine_kv_pages_free"] == stats["engine_kv_pages"] == 5
+    assert (stats["engine_preemptions"] == eng.counters.preemptions
+            and stats["engine_kv_pages_free"] == stats["engine_kv_pages"] == 5)
     assert_pool_whole(eng)
 
 
@@ -305,7 +311,8 @@ def test_a_request_cancelled_while_suspended_ends_cancelled_and_frees_nothing_tw
     arch, _, _, ours = tiny
     eng = make_engine(ours, arch, max_slots=4, max_context=64, cache_tokens=64, start=False, overlap=overlap)
     g = torch.Generator().manual_seed(5)
-    specs = [dict(ids=torch.randint(0, 21000, (8,), generator=g), params=SamplingParams(0.3, 0.7, 20, 1.05, 40, 40, seed=i))
+    specs = [dict(ids=torch.randint(0, 21000, (8,), generator=g),
+                  params=SamplingParams(0.3, 0.7, 20, 1.05, 40, 40, seed=i))
              for i in range(3)]  # 3 × 48 positions (3 pages) in a pool of 4 pages: two start, one is suspended
     recs = [Rec(spec) for spec in specs]
     for r in recs:
@@ -333,7 +340,8 @@ def test_admission_waits_for_pages_and_a_pool_below_one_full_context_is_refused(
     eng = make_engine(ours, arch, max_slots=8, max_context=128, cache_tokens=128, start=False)
     g = torch.Generator().manual_seed(6)
     for i in range(4):  # 4 prompts of 3 pages each in a pool of 8 pages
-        eng.submit(GenRequest(torch.randint(0, 21000, (40,), generator=g), SamplingParams(0.3, 0.7, 20, 1.05, 8, 8, seed=i),
+        eng.submit(GenRequest(torch.randint(0, 21000, (40,), generator=g),
+                              SamplingParams(0.3, 0.7, 20, 1.05, 8, 8, seed=i),
                               lambda r: None))
     eng._run_once(block=False)
     assert len(eng.rows) == 2 and eng.pending == 2  # 2 × 3 pages, and one in reserve for each of them
@@ -446,7 +454,8 @@ def test_warm_graphs_captures_every_bucket_a_load_reaches_on_the_engine_thread(t
     )
 
     arch, _, _, ours = tiny
-    reqs = [GenRequest(torch.arange(3 + i, 20 + 2 * i), SamplingParams(0.3, 0.7, 20, 1.05, 30, 30, seed=i), None) for i in range(5)]
+    reqs = [GenRequest(torch.arange(3 + i, 20 + 2 * i), SamplingParams(0.3, 0.7, 20, 1.05, 30, 30, seed=i), None)
+            for i in range(5)]
     plain = make_engine(ours, arch, max_slots=80, max_context=640)
     try:
         want = [plain.generate(r) for r in reqs]
@@ -539,10 +548,12 @@ def test_frozen_compiled_step_runs_an_unwarmed_bucket_plainly_instead_of_compili
 
     arch, _, _, ours = tiny
     if case == "text_mode":
-        spec = [dict(ids=torch.arange(3, 14), params=SamplingParams(0.7, 0.7, 20, 1.0, 12, 4, seed=9), mode="text", eos=21140)]
+        spec = [dict(ids=torch.arange(3, 14), params=SamplingParams(0.7, 0.7, 20, 1.0, 12, 4, seed=9), mode="text",
+                     eos=21140)]
     else:
         g = torch.Generator().manual_seed(5)
-        spec = [dict(ids=torch.randint(0, 21000, (150,), generator=g), params=SamplingParams(0.3, 0.7, 20, 1.05, 12, 12, seed=8))]
+        spec = [dict(ids=torch.randint(0, 21000, (150,), generator=g),
+                     params=SamplingParams(0.3, 0.7, 20, 1.05, 12, 12, seed=8))]
     plain = make_engine(ours, arch, start=False)
     plain.graphs = CudaGraphs(plain, capture=False)
     expected = drive(plain, spec)
@@ -567,8 +578,10 @@ def test_padding_row_over_a_slot_left_by_refine_text(tiny):
     eng = make_engine(ours, arch, max_slots=4, start=False)
     eng.graphs = CudaGraphs(eng, capture=False)
     seen = instrument(eng)
-    code = [dict(ids=torch.arange(1 + i, 9 + i), params=SamplingParams(0.3, 0.7, 20, 1.05, 30, 30, seed=i)) for i in range(3)]
-    text = dict(ids=torch.arange(1, 9), params=SamplingParams(1.0, None, None, 1.0, 10, 10, seed=5), mode="text", eos=21140)
+    code = [dict(ids=torch.arange(1 + i, 9 + i), params=SamplingParams(0.3, 0.7, 20, 1.05, 30, 30, seed=i))
+            for i in range(3)]
+    text = dict(ids=torch.arange(1, 9), params=SamplingParams(1.0, None, None, 1.0, 10, 10, seed=5), mode="text",
+                eos=21140)
     recs = drive(eng, code + [text])
     assert recs[3].result.tokens.max() >= 626 and seen["padded"] > 0  # slot 3 held text ids, then padded
     alone = [drive(eng, [c])[0] for c in code]
@@ -633,7 +646,8 @@ def test_admission_batches_prefills_when_busy_and_admits_at_once_when_idle(tiny,
 def test_bucket_sizes():
     from chattts_triton.runtime.graphs import bucket as _bucket
 
-    assert [_bucket(n, 32, 512) for n in (1, 2, 3, 5, 32, 33, 64, 65, 500, 512)] == [1, 2, 4, 8, 32, 64, 64, 96, 512, 512]
+    assert [_bucket(n, 32, 512) for n in (1, 2, 3, 5, 32, 33, 64, 65, 500, 512)] == [1, 2, 4, 8,
+                                                                                     32, 64, 64, 96, 512, 512]
     assert _bucket(300, 32, 300) == 300 and _bucket(129, 128, 200) == 200
 
 

@@ -151,5 +151,6 @@ def test_server_survived_the_fuzzing(served_tiny):
         assert SEEN.get("http 200", 0) >= 1 and SEEN.get("http 400", 0) >= 10, SEEN
     client = grpcclient.InferenceServerClient(served_tiny.grpc_url)
     assert client.is_server_live() and client.is_server_ready()
-    audio = client.infer("chattts", contract_inputs(grpcclient, TEXT="你好", MAX_NEW_TOKENS=4, SEED=1)).as_numpy("AUDIO")
+    inputs = contract_inputs(grpcclient, TEXT="你好", MAX_NEW_TOKENS=4, SEED=1)
+    audio = client.infer("chattts", inputs).as_numpy("AUDIO")
     assert np.isfinite(audio).all() and audio.size > 0

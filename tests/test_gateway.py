@@ -43,7 +43,8 @@ def parse(**fields) -> api.SpeechRequest:
     ({"voice": 7}, "voice", "valid string"),
     ({"voice": " "}, "voice", "empty"),
     ({"voice": {"name": "x"}}, "voice", "id"),
-    ({"response_format": "ogg"}, "response_format", "'mp3', 'opus', 'aac', 'flac', 'wav', 'pcm', 'ulaw', 'alaw', 'wav_ulaw' or 'wav_alaw'"),
+    ({"response_format": "ogg"}, "response_format", "'mp3', 'opus', 'aac', 'flac', 'wav', 'pcm', 'ulaw', 'alaw', "
+                                                    "'wav_ulaw' or 'wav_alaw'"),
     ({"speed": 0.1}, "speed", "greater than or equal to 0.25"),
     ({"speed": 4.5}, "speed", "less than or equal to 4"),
     ({"speed": "1.0"}, "speed", "valid number"),
@@ -117,7 +118,8 @@ def test_every_synthesis_option_is_a_body_field_that_reaches_the_request_tensors
 
 
 def test_speed_table_is_monotone_and_follows_the_logarithm():
-    assert api.speed_token(1.0) == "[speed_5]" and api.speed_token(0.25) == "[speed_0]" and api.speed_token(4.0) == "[speed_9]"
+    assert (api.speed_token(1.0) == "[speed_5]" and api.speed_token(0.25) == "[speed_0]"
+            and api.speed_token(4.0) == "[speed_9]")
     speeds = np.geomspace(0.25, 4.0, 400)
     steps = [int(api.speed_token(float(s))[7]) for s in speeds]
     assert steps == sorted(steps) and set(steps) == set(range(10))
@@ -149,7 +151,8 @@ def test_server_errors_keep_their_message_and_field():
     err = synthesis_error(ChatTTSError("INVALID_ARGUMENT", "grpc://127.0.0.1:1 model 'chattts': in ensemble "
                                        "'chattts', VOICE 'x' is not a voice of this server; known: alloy"))
     assert (err.status, err.field) == ("INVALID_ARGUMENT", "VOICE") and err.message.startswith("VOICE 'x' is not")
-    assert synthesis_error(ChatTTSError("INVALID_ARGUMENT", "INVALID_ARGUMENT: REFINE_TOP_P must be")).field == "REFINE_TOP_P"
+    assert synthesis_error(ChatTTSError("INVALID_ARGUMENT",
+                                        "INVALID_ARGUMENT: REFINE_TOP_P must be")).field == "REFINE_TOP_P"
     assert api.field_of("VOICE") == "voice" and api.field_of("TEXT") == "input" and api.field_of("TOP_P") == "top_p"
 
 
@@ -170,7 +173,8 @@ def samples16(decoded: np.ndarray) -> np.ndarray:
 
 
 # samples a decoder may add: encoder priming and the last frame's padding (a stream has no gapless header)
-SLACK = {"mp3": 2 * 1152, "aac": 2 * 1024, "opus": 0, "flac": 0, "wav": 0, "pcm": 0, "ulaw": 0, "alaw": 0, "wav_ulaw": 0,
+SLACK = {"mp3": 2 * 1152, "aac": 2 * 1024, "opus": 0, "flac": 0, "wav": 0, "pcm": 0, "ulaw": 0, "alaw": 0,
+         "wav_ulaw": 0,
          "wav_alaw": 0}
 
 
@@ -196,7 +200,8 @@ def test_int16_samples_are_the_plain_formulas_in_range_and_past_it(size):
     """to_int16 skips the clip for audio in range: the same samples as clip × 32767 rounded half to even, for
     float32 and float64, audio past ±1 clipped, NaN as the clip leaves it."""
     x = (1.3 * np.sin(np.arange(size) * 0.01)).astype(np.float32)
-    cases = [x, np.clip(x, -0.9, 0.9), x.astype(np.float64), np.array([0.5 / 32767, 1.5 / 32767, -1.0, 1.0], np.float32)]
+    cases = [x, np.clip(x, -0.9, 0.9), x.astype(np.float64),
+             np.array([0.5 / 32767, 1.5 / 32767, -1.0, 1.0], np.float32)]
     for audio in cases:
         plain = (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2")
         got = to_int16(audio)
@@ -336,7 +341,8 @@ class Served:
     def request(self, path: str, body: Any = None, headers: dict[str, str] | None = None, raw: bytes | None = None):
         """(status, headers, body bytes)."""
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+        req = urllib.request.Request(self.url + path, data=data,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
                 return r.status, r.headers, r.read()
@@ -357,7 +363,8 @@ def test_api_keys_are_checked_on_the_api_not_on_health_or_the_playground():
         status, headers, body = s.request("/v1/audio/speech", OK, {"Authorization": "Bearer nope"})
         assert status == 401 and error_of(body)["code"] == "invalid_api_key" and headers["WWW-Authenticate"] == "Bearer"
         assert s.request("/v1/models", headers={"Authorization": "Bearer nope"})[0] == 401
-        status, headers, body = s.request("/v1/audio/speech", {**OK, "response_format": "wav"}, {"Authorization": "Bearer k2"})
+        status, headers, body = s.request("/v1/audio/speech", {**OK, "response_format": "wav"},
+                                          {"Authorization": "Bearer k2"})
         assert status == 200 and headers["Content-Type"] == "audio/wav" and decode(body).size == SAMPLE_RATE // 2
         assert s.request("/health")[0] == 200 and s.request("/")[0] == 200
 
@@ -370,7 +377,8 @@ def test_openai_client_gets_openai_errors():
         with pytest.raises(openai.BadRequestError) as e:  # 10 MB of input: refused, the connection intact
             client.audio.speech.create(model="chattts", voice="alloy", input="x" * (10 << 20))
         assert e.value.body["param"] == "input" and "larger than" in e.value.body["message"]
-        s.synth.error = SynthesisError("INVALID_ARGUMENT", "VOICE 'zz' is not a voice of this server; known: alloy", "VOICE")
+        s.synth.error = SynthesisError("INVALID_ARGUMENT",
+                                       "VOICE 'zz' is not a voice of this server; known: alloy", "VOICE")
         with pytest.raises(openai.BadRequestError) as e:
             client.audio.speech.create(model="chattts", voice="zz", input="hi")
         assert e.value.body["param"] == "voice" and "known: alloy" in e.value.body["message"]
@@ -388,7 +396,8 @@ def test_overload_and_timeouts_of_the_gateway_itself():
     with Served(Settings(max_concurrency=2, timeout_s=0.5, stream_default=False)) as s:
         s.synth.delay_s = 0.3
         results: list[int] = []
-        threads = [threading.Thread(target=lambda: results.append(s.request("/v1/audio/speech", OK)[0])) for _ in range(4)]
+        threads = [threading.Thread(target=lambda: results.append(s.request("/v1/audio/speech", OK)[0]))
+                   for _ in range(4)]
         for t in threads:
             t.start()
         for t in threads:
@@ -438,7 +447,8 @@ def test_streamed_and_sse_responses(fmt):
     with Served(Settings()) as s:
         status, headers, body = s.request("/v1/audio/speech", {**OK, "input": f"{S1} {S2}", "response_format": fmt})
         assert status == 200 and headers["Content-Type"] == CONTENT_TYPES[fmt]
-        assert 0 <= decode(body, fmt).size - (SAMPLE_RATE + 0) <= 2 * 1152  # two pieces of 0.5 s (the fake's pause: none)
+        # two pieces of 0.5 s (the fake's pause: none)
+        assert 0 <= decode(body, fmt).size - (SAMPLE_RATE + 0) <= 2 * 1152
         status, headers, body = s.request("/v1/audio/speech", {**OK, "response_format": fmt, "stream_format": "sse"})
         events = [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: ")]
         assert headers["Content-Type"].startswith("text/event-stream") and events[-1] == {"type": "speech.audio.done"}
@@ -464,7 +474,8 @@ def test_make_gateway_runs_the_gateway_against_the_given_server():
     out = subprocess.run(["make", "-n", "gateway", "GRPC_URL=10.0.0.5:9001", "GATEWAY_PORT=9090", "REPO=/nonexistent"],
                          cwd=root, capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if "-m gateway" in x)
-    assert line.split("-m gateway", 1)[1].split() == ["--grpc-url", "10.0.0.5:9001", "--host", "127.0.0.1", "--port", "9090"]
+    assert line.split("-m gateway", 1)[1].split() == ["--grpc-url", "10.0.0.5:9001", "--host", "127.0.0.1",
+                                                      "--port", "9090"]
 
 
 def _leave_early(port: int, body: dict, read: int) -> None:
@@ -626,7 +637,8 @@ def test_sse_segments_are_each_pieces_exact_place_in_the_audio_after_its_audio(r
         if e["type"] == "speech.audio.delta":
             received += len(base64.b64decode(e["audio"])) // 2
         elif e["type"] == "speech.segment":
-            assert received >= e["end_sample"] - out_length(2400, rate)  # sent once its audio was (the resampler's delay)
+            # sent once its audio was (the resampler's delay)
+            assert received >= e["end_sample"] - out_length(2400, rate)
             segments.append(e)
     piece, pause = SAMPLE_RATE // 2, 4800  # the stand-in's piece and the pause, at 24 kHz
     assert [seg["text"] for seg in segments] == [S1, S2, S3]
@@ -733,7 +745,8 @@ def test_command_line_binds_loopback_unless_told_and_guards_a_public_host(tmp_pa
     keys = tmp_path / "keys"
     keys.write_text("k2\n\nk3\n")
     monkeypatch.setenv("CHATTTS_GATEWAY_API_KEYS", "k4, k5")
-    assert api_keys(build_parser().parse_args(["--api-key", "k1", "--api-key-file", str(keys)])) == ["k1", "k2", "k3", "k4", "k5"]
+    assert api_keys(build_parser().parse_args(["--api-key", "k1", "--api-key-file",
+                                               str(keys)])) == ["k1", "k2", "k3", "k4", "k5"]
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in __import__("os").environ.items() if k != "CHATTTS_GATEWAY_API_KEYS"}
     run = subprocess.run([sys.executable, "-m", "gateway", "--host", "0.0.0.0", "--require-api-key"], cwd=root, env=env,
@@ -786,16 +799,19 @@ def test_command_line_with_workers_hands_every_setting_to_the_worker_processes(m
     seen = {}
 
     def run(app, **kw):
-        seen.update(kw, app=app, settings=Settings.from_json(os.environ[SETTINGS_ENV]), folder=os.environ[MULTIPROC_ENV])
+        seen.update(kw, app=app, settings=Settings.from_json(os.environ[SETTINGS_ENV]),
+                    folder=os.environ[MULTIPROC_ENV])
         assert Path(seen["folder"]).is_dir()
 
     monkeypatch.setattr(uvicorn, "run", run)
     monkeypatch.delenv(MULTIPROC_ENV, raising=False)
     monkeypatch.delenv(SETTINGS_ENV, raising=False)
     monkeypatch.setenv("CHATTTS_GATEWAY_API_KEYS", "k1")
-    assert main(["--workers", "3", "--grpc-url", "h:1", "--max-concurrency", "7", "--pause-ms", "0", "--no-stream-default"]) == 0
+    assert main(["--workers", "3", "--grpc-url", "h:1", "--max-concurrency", "7", "--pause-ms", "0",
+                 "--no-stream-default"]) == 0
     assert seen["app"] == "gateway.app:app_from_env" and seen["factory"] and seen["workers"] == 3
-    assert seen["settings"] == Settings(grpc_url="h:1", api_keys=("k1",), max_concurrency=7, pause_ms=0, stream_default=False)
+    assert seen["settings"] == Settings(grpc_url="h:1", api_keys=("k1",), max_concurrency=7, pause_ms=0,
+                                        stream_default=False)
     assert not Path(seen["folder"]).exists()  # the run's own folder goes with it
     assert MULTIPROC_ENV not in os.environ and SETTINGS_ENV not in os.environ  # nor leaks into what starts later
     assert callable(app_from_env)
@@ -820,7 +836,8 @@ def test_without_pyav_the_ffmpeg_formats_are_refused_naming_the_field(monkeypatc
     monkeypatch.setattr(gapp, "pyav_available", lambda: False)
     with Served(Settings(stream_default=False)) as s:
         for body, ok in (({**OK, "response_format": "mp3"}, False), ({**OK, "response_format": "wav"}, True),
-                         ({**OK, "response_format": "flac"}, True), ({**OK, "response_format": "pcm", "stream": True}, True),
+                         ({**OK, "response_format": "flac"}, True),
+                         ({**OK, "response_format": "pcm", "stream": True}, True),
                          ({**OK, "response_format": "wav", "stream": True}, False)):
             status, _, data = s.request("/v1/audio/speech", body)
             if ok:
@@ -880,9 +897,11 @@ def speech_job_error(voice) -> api.APIError:
 @pytest.mark.parametrize("voice, param, words", [
     ({"audio": "!!!not base64!!!", "transcript": "x"}, "voice.audio", "not base64"),
     ({"audio": "", "transcript": "x"}, "voice.audio", "empty"),
-    ({"audio": __import__("base64").b64encode(b"hello world, no audio " * 40).decode(), "transcript": "x"}, "voice.audio",
+    ({"audio": __import__("base64").b64encode(b"hello world, no audio " * 40).decode(), "transcript": "x"},
+     "voice.audio",
      "not readable audio"),
-    ({"audio": "data:image/png;base64,iVBORw0KGgo=", "transcript": "x"}, "voice.audio", "data URL of 'image/png', not audio"),
+    ({"audio": "data:image/png;base64,iVBORw0KGgo=", "transcript": "x"}, "voice.audio",
+     "data URL of 'image/png', not audio"),
     ({"audio": "data:audio/wav,RIFF", "transcript": "x"}, "voice.audio", "must be base64"),
     ({"audio": "data:audio/wav;base64," + __import__("base64").b64encode(b"\x89PNG\r\n\x1a\n" + bytes(3000)).decode(),
       "transcript": "x"}, "voice.audio", "not a recording in a common audio format"),
@@ -933,8 +952,10 @@ def test_the_body_limit_makes_room_for_voice_audio_only():
         assert status == 400 and error_of(body)["param"] == "input" and "larger than 65536" in error_of(body)["message"]
         huge = {**OK, "voice": {"audio": "A" * (50 << 20), "transcript": "x"}}  # 50 MB of base64
         status, _, body = s.request("/v1/audio/speech", huge)
-        assert status == 400 and error_of(body)["param"] == "voice.audio" and error_of(body)["code"] == "voice_audio_too_large"
-        status, _, body = s.request("/v1/audio/speech", {**OK, "voice": {"audio": "bm9pc2Uh" * 1000, "transcript": "x"}})
+        assert (status == 400 and error_of(body)["param"] == "voice.audio"
+                and error_of(body)["code"] == "voice_audio_too_large")
+        status, _, body = s.request("/v1/audio/speech",
+                                    {**OK, "voice": {"audio": "bm9pc2Uh" * 1000, "transcript": "x"}})
         assert status == 400 and error_of(body)["param"] == "voice.audio"
         assert s.request("/health")[0] == 200
 
@@ -1032,7 +1053,8 @@ def test_a_dialogue_is_one_audio_whole_and_streamed_with_each_lines_segment(stre
 
     with Served(Settings(stream_default=stream)) as s:
         s.synth.pause = np.zeros(SAMPLE_RATE // 10, np.float32)  # --pause-ms 100, between a line's pieces
-        status, headers, body = s.request("/v1/audio/speech", {**DIALOGUE, "response_format": "pcm", "line_pause_ms": 300})
+        status, headers, body = s.request("/v1/audio/speech",
+                                          {**DIALOGUE, "response_format": "pcm", "line_pause_ms": 300})
         assert status == 200 and headers["X-ChatTTS-Pieces"] == "4"
         piece, pause, line = SAMPLE_RATE // 2, SAMPLE_RATE // 10, int(0.3 * SAMPLE_RATE)
         audio = np.frombuffer(body, "<i2")
@@ -1111,7 +1133,8 @@ def test_a_conditioned_piece_in_a_voice_of_a_recording_is_sent_as_it_is():
         async def infer_one(self, text, options, spoken_text=False):
             sent.append(options)
             if options.get("speaker_audio") is not None:
-                raise ChatTTSError("INVALID_ARGUMENT", "in ensemble 'chattts', VOICE 'reader' holds a reference sample: "
+                raise ChatTTSError("INVALID_ARGUMENT",
+                                   "in ensemble 'chattts', VOICE 'reader' holds a reference sample: "
                                    "give VOICE or SPEAKER_AUDIO, not both")
             return (tone(0.5), text) if spoken_text else tone(0.5)
 

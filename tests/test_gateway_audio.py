@@ -68,7 +68,8 @@ def samples16(decoded: np.ndarray) -> np.ndarray:
 def within_g711(decoded16: np.ndarray, expected16: np.ndarray) -> bool:
     """G.711's quantisation: half a step of the sample's segment, at most 1/32 of its size plus the smallest step."""
     expected16 = expected16.astype(np.int32)
-    return decoded16.size == expected16.size and bool(np.all(np.abs(decoded16 - expected16) <= np.abs(expected16) / 32 + 16))
+    return (decoded16.size == expected16.size and bool(np.all(np.abs(decoded16 - expected16) <= np.abs(expected16) / 32
+                                                              + 16)))
 
 
 def random_chunks(audio: np.ndarray, rng: np.random.Generator):
@@ -187,7 +188,8 @@ def test_raw_g711_reads_the_same_by_libsndfile_and_ffmpeg(fmt, rate):
 @pytest.mark.parametrize("fmt,codec,tag", [("wav_ulaw", "pcm_mulaw", 7), ("wav_alaw", "pcm_alaw", 6)])
 @pytest.mark.parametrize("rate", [8000, 22050, 44100])
 @pytest.mark.parametrize("streamed", [False, True])
-def test_g711_wav_files_carry_their_format_tag_rate_and_length_for_libsndfile_and_ffmpeg(fmt, codec, tag, rate, streamed):
+def test_g711_wav_files_carry_their_format_tag_rate_and_length_for_libsndfile_and_ffmpeg(fmt,
+                                                                                         codec, tag, rate, streamed):
     import av
 
     x = speechlike(0.6, seed=4)

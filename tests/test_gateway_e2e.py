@@ -42,8 +42,10 @@ def gateway(served_tiny, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port", str(port),
-                                 "--repo", str(served_tiny.model_repository)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port",
+                                 str(port),
+                                 "--repo", str(served_tiny.model_repository)], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT,
                                 preexec_fn=set_parent_death_signal)  # no gateway outlives an interrupted run
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -96,14 +98,16 @@ def test_speech_create_in_every_format_is_the_audio_of_the_same_grpc_call(oai, g
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_streamed_speech_is_the_stream_of_the_same_grpc_call(oai, grpc, fmt):
     with oai.audio.speech.with_streaming_response.create(model="chattts", voice="nova", input="你好，世界。",
-                                                          response_format=fmt, extra_body={**FIXED, "seed": 3, "stream": True}) as r:
+                                                          response_format=fmt,
+                                                         extra_body={**FIXED, "seed": 3, "stream": True}) as r:
         parts = list(r.iter_bytes())
     expected = np.concatenate(list(grpc.stream("你好，世界。", voice="nova", seed=3, prompt="[speed_5]", **FIXED)))
     check_decoded(fmt, decode(b"".join(parts), fmt), expected, exact_length=False)
 
 
 def test_sse_events_carry_the_stream(oai, grpc):
-    with oai.audio.speech.with_streaming_response.create(model="chattts", voice="echo", input="Hello.", response_format="pcm",
+    with oai.audio.speech.with_streaming_response.create(model="chattts", voice="echo", input="Hello.",
+                                                         response_format="pcm",
                                                           stream_format="sse", extra_body={**FIXED, "seed": 5}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
@@ -118,7 +122,8 @@ def test_sse_events_carry_the_stream(oai, grpc):
 @pytest.mark.parametrize("stream", [False, True])
 def test_long_text_is_spoken_in_pieces_with_one_voice_and_the_seed_schedule(oai, grpc, stream):
     text = "The first sentence. Then a second one. 最后是第三句。"
-    with oai.audio.speech.with_streaming_response.create(model="chattts", voice="fable", input=text, response_format="pcm",
+    with oai.audio.speech.with_streaming_response.create(model="chattts", voice="fable", input=text,
+                                                         response_format="pcm",
                                                           extra_body={**FIXED, "seed": 40, "stream": stream}) as r:
         assert r.headers["x-chattts-pieces"] == "3"
         audio = np.frombuffer(r.read(), "<i2")
@@ -267,7 +272,8 @@ def test_sse_segments_and_the_captioned_response_time_each_piece_exactly(gateway
             assert g["start"] == g["start_sample"] / rate and g["spoken_text"]
         assert "三" in segments[2]["spoken_text"]  # what the server read: the number in words
     status, headers, data = post(gateway, "/v1/audio/speech/captioned", {**base, "response_format": "wav",
-                                                                         "sample_rate": 16000, "subtitle_format": "vtt"})
+                                                                         "sample_rate": 16000,
+                                                                         "subtitle_format": "vtt"})
     reply = json.loads(data)
     assert status == 200 and reply["sample_rate"] == 16000 and reply["samples"] == out_length(3 * N + 2 * PAUSE, 16000)
     assert decode(base64.b64decode(reply["audio"]), "wav", 16000).size == reply["samples"]
@@ -324,19 +330,22 @@ def test_health_voices_models_and_metrics(gateway, oai, served_tiny):
             return r.read()
 
     health = json.loads(get("/health"))
-    assert health == {"status": "ok", "triton": served_tiny.grpc_url, "ready": {"chattts": True, "chattts_stream": True}}
+    assert health == {"status": "ok", "triton": served_tiny.grpc_url,
+                      "ready": {"chattts": True, "chattts_stream": True}}
     voices = {v["id"]: v for v in json.loads(get("/v1/audio/voices"))["voices"]}
     assert voices["alloy"]["source"] == "seed 2222" and voices["alloy"]["builtin"]
     assert {m["id"] for m in json.loads(get("/v1/models"))["data"]} >= {"chattts", "tts-1"}
     metrics = get("/metrics").decode()
     assert 'chattts_gateway_requests_total{format="pcm",mode="whole",status="200"}' in metrics
     assert 'chattts_gateway_requests_total{format="pcm",mode="stream",status="200"}' in metrics
-    assert 'chattts_gateway_first_byte_seconds_bucket{format="pcm"' in metrics and "chattts_gateway_pieces_total" in metrics
+    assert ('chattts_gateway_first_byte_seconds_bucket{format="pcm"' in metrics
+            and "chattts_gateway_pieces_total" in metrics)
 
 
 def test_playground_plays_streamed_audio_in_chromium(gateway):
     if not os.path.exists(CHROMIUM):  # CI installs it (.ci/run): there a missing browser is a failure
-        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"needs Debian's chromium at {CHROMIUM}: apt-get install chromium")
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"needs Debian's chromium at {CHROMIUM}: apt-get "
+                                                               "install chromium")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -378,7 +387,8 @@ def test_two_worker_processes_share_the_port_and_their_metrics(served_tiny, tmp_
     port, folder, log = free_port(), tmp_path / "metrics", tmp_path / "gateway.log"
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder)}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port",
+                                 str(port),
                                  "--workers", "2"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 preexec_fn=set_parent_death_signal)
     url = f"http://127.0.0.1:{port}"
@@ -419,8 +429,10 @@ def test_sigterm_lets_the_requests_in_flight_finish(served_tiny, tmp_path):
     port, log = free_port(), tmp_path / "gateway.log"
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port", str(port)],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=set_parent_death_signal)
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port",
+                                 str(port)],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=set_parent_death_signal)
     url, long = f"http://127.0.0.1:{port}", 400  # frames: long enough to be in flight when the signal comes
     try:
         deadline = time.monotonic() + 180
@@ -621,7 +633,8 @@ def test_condition_on_first_piece_reaches_the_gpt_as_the_first_pieces_audio(oai,
     text, pieces = "The first sentence. Then a second one.", ["The first sentence.", "Then a second one."]
     body = {**FIXED, "seed": 30, "stream": stream}
     got = {on: pcm(oai.audio.speech.create(model="chattts", voice="echo", input=text, response_format="pcm",
-                                           extra_body={**body, "condition_on_first_piece": on})) for on in (False, True)}
+                                           extra_body={**body, "condition_on_first_piece": on}))
+           for on in (False, True)}
     assert got[True].size == got[False].size == 2 * N + PAUSE
     assert np.abs(got[True][:N].astype(np.int32) - got[False][:N]).max() <= 1  # the first piece is the same either way
     told: list = []

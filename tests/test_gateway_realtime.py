@@ -244,7 +244,8 @@ def gateway_url(served_tiny, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("gateway-ws") / "gateway.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", served_tiny.grpc_url, "--port",
+                                 str(port),
                                  "--workers", "1"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 preexec_fn=set_parent_death_signal)
     deadline = time.monotonic() + 120

@@ -139,7 +139,8 @@ def test_eager_module_from_the_exported_torchscript_computes_the_same(tiny, fuse
         if fused_export:
             assert torch.equal(outs[0], outs[1])
         else:
-            assert torch.allclose(outs[0].float(), outs[1].float(), atol=1e-5 if dtype == torch.float32 else 0.1, rtol=0)
+            assert torch.allclose(outs[0].float(), outs[1].float(),
+                                  atol=1e-5 if dtype == torch.float32 else 0.1, rtol=0)
 
 
 @pytest.mark.parametrize("scripted", [False, True])

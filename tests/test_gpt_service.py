@@ -81,7 +81,8 @@ def test_only_a_failed_decode_graph_sends_a_compiled_engine_back_to_torchscript(
                                        ("code", 1, 128): None if failed == "code" else ok})
 
     monkeypatch.setattr(Engine, "warm_up", warm_up)
-    svc = gpt_runtime.GPTService(tiny_repo / GPT / "1" / "gpt.pt", Arch.from_json(man["arch"]), torch.device("cpu"), "fp32",
+    svc = gpt_runtime.GPTService(tiny_repo / GPT / "1" / "gpt.pt", Arch.from_json(man["arch"]),
+                                 torch.device("cpu"), "fp32",
                               max_slots=2, max_context=256, max_new_tokens=32, text_eos_id=man["tokens"]["text_eos_id"],
                               spk_emb_id=man["tokens"]["spk_emb_id"], compile_step=True)
     try:

@@ -23,7 +23,8 @@ def _engine(model, arch, graphs, dtype=torch.float32, slots=8, max_context=512, 
         # one compiled engine per process, as served: dynamo's caches from an earlier test's engine
         # make a second one fail its guards (torch 2.11: "sources must not be empty for symbol")
         torch._dynamo.reset()
-    return Engine(model, max_slots=slots, max_context=max_context, max_new_tokens=max_new_tokens, hidden=arch.gpt.hidden,
+    return Engine(model, max_slots=slots, max_context=max_context, max_new_tokens=max_new_tokens,
+                  hidden=arch.gpt.hidden,
                   num_vq=arch.num_vq, device="cuda", cache_dtype=dtype, compute_dtype=dtype, cuda_graphs=graphs, **kw)
 
 
@@ -47,7 +48,8 @@ def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets, compiled):
         for i, (n, m) in enumerate([(100, 50), (37, 0)]):
             ids = torch.randint(0, 21000, (20 + 7 * i,), generator=gen)
             up_ids, up_h = upstream_generate(emb, g, ids.cuda(), n, m)
-            r = eng.generate(GenRequest(text_ids=ids, params=SamplingParams(1e-5, 0.7, 20, 1.05, n, m, seed=0), on_done=None))
+            r = eng.generate(GenRequest(text_ids=ids, params=SamplingParams(1e-5, 0.7, 20, 1.05, n, m, seed=0),
+                                        on_done=None))
             assert torch.equal(r.tokens.cpu(), up_ids.cpu())
             assert (r.hiddens - up_h.cpu()).abs().max().item() <= 1e-3
         assert compiled != "prefill" or eng.graph_prefill is not None
@@ -67,7 +69,9 @@ def test_request_alone_equals_request_in_a_graphed_batch(full_assets, dtype, com
             eng.warm_up()
         alone = [eng.generate(GenRequest(prompts[i], params[i], None)) for i in range(12)]
         batched = [None] * 12
-        threads = [threading.Thread(target=lambda i=i: batched.__setitem__(i, eng.generate(GenRequest(prompts[i], params[i], None)))) for i in range(12)]
+        threads = [threading.Thread(
+                       target=lambda i=i: batched.__setitem__(i, eng.generate(GenRequest(prompts[i], params[i], None))))
+                   for i in range(12)]
         for t in threads:
             t.start()
         for t in threads:
@@ -75,9 +79,11 @@ def test_request_alone_equals_request_in_a_graphed_batch(full_assets, dtype, com
     finally:
         eng.stop()
     same = sum(torch.equal(a.tokens, b.tokens) for a, b in zip(alone, batched, strict=True))
-    first_diff = [next((k for k in range(min(len(a.tokens), len(b.tokens))) if not torch.equal(a.tokens[k], b.tokens[k])), None)
+    first_diff = [next((k for k in range(min(len(a.tokens), len(b.tokens)))
+                        if not torch.equal(a.tokens[k], b.tokens[k])), None)
                   for a, b in zip(alone, batched, strict=True)]
-    print(f"{dtype} compiled={compiled}: {same}/12 requests identical alone vs in a batch of 12; first differing step: {first_diff}")
+    print(f"{dtype} compiled={compiled}: {same}/12 requests identical alone vs in a batch of 12; first differing step: "
+          f"{first_diff}")
     if dtype == torch.float32:
         assert same == 12
 
@@ -196,13 +202,15 @@ def test_decode_step_syncs_the_host_once(full_assets, overlap):
     got = []
     for i in range(6):
         n = 28 if i == 0 else 60  # slot 0 finishes inside the counted steps: the last slot moves into it
-        eng.submit(GenRequest(torch.randint(0, 21000, (20,)), SamplingParams(0.3, 0.7, 20, 1.05, n, n, seed=i), got.append,
+        eng.submit(GenRequest(torch.randint(0, 21000, (20,)), SamplingParams(0.3, 0.7, 20, 1.05, n, n, seed=i),
+                              got.append,
                               on_tokens=(lambda t, h: None) if i % 2 else None, stream_every=1 + i))
     for _ in range(20):  # admission, graph capture
         eng._run_once(block=False)
 
     def admit_one(seed):
-        eng.submit(GenRequest(torch.randint(0, 21000, (20,)), SamplingParams(0.3, 0.7, 20, 1.05, 60, 60, seed=seed), got.append))
+        eng.submit(GenRequest(torch.randint(0, 21000, (20,)), SamplingParams(0.3, 0.7, 20, 1.05, 60, 60, seed=seed),
+                              got.append))
 
     admit_one(10)  # captures the one-prompt prefill's graph (a capture synchronises) before the count
     while eng.pending:
@@ -243,7 +251,8 @@ def test_stream_first_chunk_leaves_while_the_utterance_is_generated_on_gpu(tiny_
     from chattts_triton.triton.backend import ModelContext, stream_service
     from tests.test_streaming import first_chunk_steps
 
-    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", stream_first_chunk_frames=4, stream_chunk_frames=8,
+    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", stream_first_chunk_frames=4,
+                                                stream_chunk_frames=8,
                                                 stream_slots=4, stream_max_pending=8))
     try:
         first_chunk_steps(svc)  # warm-up: graph capture, first codec calls
@@ -263,8 +272,10 @@ def test_stream_codec_on_its_own_cuda_stream_gives_the_offline_audio_on_gpu(tiny
     from chattts_triton.triton.backend import ModelContext, stream_service
     from tests.test_streaming import Recorder, contract, offline
 
-    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", stream_first_chunk_frames=4, stream_chunk_frames=8,
-                                                stream_first_lookahead_frames=0, stream_fade_frames=4, stream_slots=4, stream_max_pending=8,
+    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", stream_first_chunk_frames=4,
+                                                stream_chunk_frames=8,
+                                                stream_first_lookahead_frames=0, stream_fade_frames=4, stream_slots=4,
+                                                stream_max_pending=8,
                                                 stream_codec_stream=1))
     try:
         assert svc.codec_stream is not None
@@ -321,7 +332,8 @@ def test_stream_codec_captures_nothing_after_start_up_on_gpu(tiny_repo):
     from chattts_triton.triton.backend import ModelContext, stream_service
     from tests.test_streaming import Recorder, contract
 
-    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", stream_first_chunk_frames=4, stream_chunk_frames=8,
+    svc = stream_service(ModelContext.from_repo(tiny_repo, STREAM, kind="GPU", stream_first_chunk_frames=4,
+                                                stream_chunk_frames=8,
                                                 stream_slots=32, stream_max_pending=32))
     try:
         warmed = set(svc.voc.graphs.graphs)
@@ -353,7 +365,8 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets, overlap):
 
         def wave():
             for i in range(4):
-                eng.submit(GenRequest(torch.arange(1, 12), SamplingParams(0.3, 0.7, 20, 1.05, 120, 120, seed=i), done.put))
+                eng.submit(GenRequest(torch.arange(1, 12), SamplingParams(0.3, 0.7, 20, 1.05, 120, 120, seed=i),
+                                      done.put))
             assert [done.get(timeout=300).wait().finish_reason for _ in range(4)] == ["max_tokens"] * 4
 
         wave()  # graph captures happen here: a sampled step holding one would dwarf the others
@@ -361,7 +374,8 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets, overlap):
         wave()
         s1 = eng.stats()
         s = {k: s1[k] - s0[k] for k in ("engine_steps", "engine_step_gpu_samples", "engine_step_gpu_seconds",
-                                        "engine_step_device_seconds", "engine_step_seconds", "engine_step_graph_samples",
+                                        "engine_step_device_seconds", "engine_step_seconds",
+                                        "engine_step_graph_samples",
                                         "engine_step_graph_seconds")}
         assert abs(s["engine_step_gpu_samples"] - s["engine_steps"] / GPU_TIMING_EVERY) <= 1
         assert s["engine_step_gpu_samples"] >= 10
@@ -377,7 +391,8 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets, overlap):
         eng.stop()
 
 
-@pytest.mark.parametrize("dtype,kv_heads", [(torch.float32, 12), (torch.bfloat16, 12), (torch.float16, 12), (torch.float32, 4)])
+@pytest.mark.parametrize("dtype,kv_heads", [(torch.float32, 12), (torch.bfloat16, 12), (torch.float16, 12),
+                                            (torch.float32, 4)])
 def test_decode_kernel_reads_each_rows_own_keys_as_the_reference_does(dtype, kv_heads):
     """The Triton decode attention against `attention.reference` on the page pool as the model passes it
     (one layer; block table rows from an offset, pages in shuffled order), lengths 1..context incl. block and

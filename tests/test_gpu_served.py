@@ -62,7 +62,8 @@ def test_a_16gb_card_plan_serves_64_concurrent_utterances_through_the_launcher(f
         time.sleep(max(0.0, 90 - (time.monotonic() - ready)))
         restarts = server.restarts
     used = sum(ours.values())
-    print(f"\n{SMALL_CARD_GIB} GiB plan: {slots} GPT slots; 64 clients: {len(ok)} served, {len(bad)} errors; GPU MiB per process "
+    print(f"\n{SMALL_CARD_GIB} GiB plan: {slots} GPT slots; 64 clients: {len(ok)} served, {len(bad)} errors; GPU MiB "
+          "per process "
           f"{ours} = {used:.0f} MiB")
     assert slots >= 64 and not bad and len(ok) >= 64 and set(ok) == {samples_for_codes(150)}
     # the preprocess stub holds no CUDA context; the others must be listed (pids of another namespace would sum to 0)

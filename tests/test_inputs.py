@@ -133,7 +133,8 @@ def test_an_integer_out_of_bounds_is_an_error_naming_the_input(value):
 @pytest.mark.parametrize("value", [np.float32(2.0), np.float32(2.5), NAN, INF, b"3", "3", True, np.bool_(True)])
 def test_a_float_text_or_boolean_where_an_integer_is_read_is_an_error_naming_the_input(value):
     """Never truncated (2.5 → 2) nor crashing on int(nan) with a message that names nothing."""
-    msg = raises_naming("MAX_NEW_TOKENS", I.get_int, {"MAX_NEW_TOKENS": one(value, object)}, "MAX_NEW_TOKENS", 2048, 1, 2048)
+    msg = raises_naming("MAX_NEW_TOKENS", I.get_int, {"MAX_NEW_TOKENS": one(value, object)}, "MAX_NEW_TOKENS",
+                        2048, 1, 2048)
     assert "an integer" in msg, msg
 
 
@@ -173,7 +174,8 @@ def test_sampling_params_defaults_are_upstreams():
     p = I.sampling_params({"SEED": one(7, np.int64)}, InferCodeParams)
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (
         InferCodeParams.temperature, InferCodeParams.top_P, InferCodeParams.top_K, InferCodeParams.repetition_penalty)
-    assert (p.max_new_tokens, p.min_new_tokens, p.seed) == (InferCodeParams.max_new_token, InferCodeParams.min_new_token, 7)
+    assert (p.max_new_tokens, p.min_new_tokens, p.seed) == (InferCodeParams.max_new_token,
+                                                            InferCodeParams.min_new_token, 7)
     # a smaller engine limit caps the default rather than refusing it
     assert I.sampling_params({"SEED": one(7, np.int64)}, InferCodeParams, max_new_limit=16).max_new_tokens == 16
 
@@ -188,13 +190,15 @@ def test_sampling_params_read_every_override():
 
 
 SAMPLING_BAD = [
-    ("TEMPERATURE", one(0.0, np.float32)), ("TEMPERATURE", one(100.5, np.float32)), ("TEMPERATURE", one(NAN, np.float32)),
+    ("TEMPERATURE", one(0.0, np.float32)), ("TEMPERATURE", one(100.5, np.float32)),
+    ("TEMPERATURE", one(NAN, np.float32)),
     ("TOP_P", one(-INF, np.float32)), ("TOP_P", one(1.5, np.float32)), ("TOP_P", one(b"0.5", object)),
     ("TOP_K", one(0, np.int32)), ("TOP_K", one((1 << 30) + 1, np.int64)), ("TOP_K", one(2.0, np.float32)),
     ("REPETITION_PENALTY", one(0.0, np.float32)), ("REPETITION_PENALTY", one(INF, np.float32)),
     ("MAX_NEW_TOKENS", one(0, np.int32)), ("MAX_NEW_TOKENS", one(LIMITS.max_new_tokens + 1, np.int32)),
     ("MIN_NEW_TOKENS", one(-1, np.int32)), ("MIN_NEW_TOKENS", one(LIMITS.max_new_tokens + 1, np.int32)),
-    ("SEED", one(0.5, np.float64)), ("SEED", np.array([[1, 2]], np.int64)), ("TEMPERATURE", np.array([[0.3, 0.3]], np.float32)),
+    ("SEED", one(0.5, np.float64)), ("SEED", np.array([[1, 2]], np.int64)),
+    ("TEMPERATURE", np.array([[0.3, 0.3]], np.float32)),
 ]
 
 
@@ -218,7 +222,8 @@ def test_min_new_tokens_above_max_new_tokens_names_both():
 # --- refine-text inputs -----------------------------------------------------------------------------------------------
 def test_refine_params_are_the_refine_inputs_under_plain_names():
     inputs = {"TEXT": one(b"hi", object), "REFINE_TEXT": one(True), "REFINE_PROMPT": one(b"[oral_2]", object),
-              "REFINE_TEMPERATURE": one(0.5, np.float32), "REFINE_TOP_K": one(5, np.int32), "TEMPERATURE": one(0.1, np.float32)}
+              "REFINE_TEMPERATURE": one(0.5, np.float32), "REFINE_TOP_K": one(5, np.int32),
+              "TEMPERATURE": one(0.1, np.float32)}
     params = I.refine_params(inputs)
     assert sorted(params) == ["TEMPERATURE", "TOP_K"]
     assert params["TEMPERATURE"] is inputs["REFINE_TEMPERATURE"] and params["TOP_K"] is inputs["REFINE_TOP_K"]

@@ -14,7 +14,8 @@ RANK = {"ground": 0, "model": 1, "runtime": 2, "triton": 3, "launcher": 4, "face
 # the paths of the commands (python -m chattts_triton.serve | repo_config | voices | lexicon) and of the adapter that
 # repositories exported before the wings import (chattts_triton.backend): nothing of the package imports them
 FACES = {"serve", "repo_config", "voices", "lexicon", "backend"}
-CONFIG_WRITER = {"chattts_triton.triton.repo_config", "chattts_triton.triton.params", "chattts_triton.triton.deployment"}
+CONFIG_WRITER = {"chattts_triton.triton.repo_config", "chattts_triton.triton.params",
+                 "chattts_triton.triton.deployment"}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -84,7 +85,8 @@ def test_the_layer_check_sees_imports_inside_functions_and_relative_ones(tmp_pat
     (pkg / "serve.py").write_text("from .launcher.serve import main\n")
     (pkg / "launcher" / "serve.py").write_text("from ..config import X\n\ndef main():\n    pass\n")
     (pkg / "model" / "gpt.py").write_text("def f():\n    from ..runtime import engine\n")
-    (pkg / "runtime" / "engine.py").write_text("from chattts_triton.launcher.serve import main\nfrom ..model import gpt\n")
+    (pkg / "runtime" / "engine.py").write_text("from chattts_triton.launcher.serve import main\nfrom ..model import "
+                                               "gpt\n")
     (pkg / "triton" / "repo_config.py").write_text("import chattts_triton.runtime.engine\n")
     (pkg / "triton" / "backend.py").write_text("from .. import serve\nfrom ..runtime.engine import x\n")
     found = violations(tmp_path)
@@ -105,9 +107,11 @@ def test_the_commands_and_the_adapter_keep_their_paths():
     for name in ("make_model", "preprocess_service", "gpt_service", "vocoder_service", "stream_service"):
         assert getattr(backend, name) is getattr(adapter, name)
     for command in ("serve", "repo_config", "voices"):
-        run = subprocess.run([sys.executable, "-m", f"chattts_triton.{command}", "--help"], cwd=ROOT, capture_output=True,
+        run = subprocess.run([sys.executable, "-m", f"chattts_triton.{command}", "--help"], cwd=ROOT,
+                             capture_output=True,
                              text=True, timeout=120)
-        assert run.returncode == 0 and f"python -m chattts_triton.{command}" in run.stdout, (command, run.stderr[-2000:])
+        assert (run.returncode == 0
+                and f"python -m chattts_triton.{command}" in run.stdout), (command, run.stderr[-2000:])
 
 
 # The client (client/, shipped alone as `chattts_client` by packaging/client) runs where only numpy and tritonclient
@@ -115,7 +119,8 @@ def test_the_commands_and_the_adapter_keep_their_paths():
 # packaging/client/setup.py copies into it, both plain Python.
 CLIENT_MAY_IMPORT = {"chattts_triton.config", "chattts_triton.model.split"}
 CLIENT_LEFT_OUT = {"demo.py"}  # python -m client.demo exports and starts a server: not in the client package
-NOT_IN_THE_CLIENT = {"torch", "torchaudio", "tokenizers", "safetensors", "export", "gateway", "loadtest", "bench", "tools",
+NOT_IN_THE_CLIENT = {"torch", "torchaudio", "tokenizers", "safetensors", "export", "gateway", "loadtest",
+                     "bench", "tools",
                      "tests", "fastapi", "av"}
 
 
@@ -127,7 +132,8 @@ def client_violations(root: Path = ROOT) -> list[str]:
         where = path.relative_to(root)
         for line, target in imports(path, root):
             if target not in CLIENT_MAY_IMPORT:
-                out.append(f"{where}:{line} imports {target}: the client package carries only {sorted(CLIENT_MAY_IMPORT)}")
+                out.append(f"{where}:{line} imports {target}: the client package carries only "
+                           f"{sorted(CLIENT_MAY_IMPORT)}")
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
@@ -150,13 +156,15 @@ def test_the_client_check_sees_torch_and_server_imports(tmp_path):
     (client / "audio.py").write_text("import numpy as np\nfrom chattts_triton.config import SAMPLE_RATE\n"
                                      "from chattts_triton.model.split import split_spans\n\n"
                                      "def f():\n    import torch\n    from chattts_triton.runtime import engine\n")
-    (client / "contract.py").write_text("from chattts_triton import config as C\nfrom chattts_triton.triton import params\n"
+    (client / "contract.py").write_text("from chattts_triton import config as C\nfrom chattts_triton.triton import "
+                                        "params\n"
                                         "from gateway.audio import encode\n")
     (client / "demo.py").write_text("from chattts_triton.launcher.tritonserver import TritonServer\n")
     found = client_violations(tmp_path)
     assert [v.split(": ")[0] for v in found] == [
         "client/audio.py:7 imports chattts_triton.runtime.engine", "client/audio.py:6 imports torch",
-        "client/contract.py:2 imports chattts_triton.triton.params", "client/contract.py:3 imports gateway.audio"], found
+        "client/contract.py:2 imports chattts_triton.triton.params",
+        "client/contract.py:3 imports gateway.audio"], found
 
 
 def test_the_client_imports_without_torch():
@@ -232,11 +240,13 @@ def test_the_private_import_check_sees_absolute_relative_and_local_imports(tmp_p
     (pkg / "runtime").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "runtime" / "__init__.py").write_text("from .engine import _Slot\n")
-    (pkg / "runtime" / "engine.py").write_text("import numpy as np\nfrom numpy import _globals\nfrom ..config import LIMITS\n"
+    (pkg / "runtime" / "engine.py").write_text("import numpy as np\nfrom numpy import _globals\nfrom ..config import "
+                                               "LIMITS\n"
                                                "from .request import __all__, _Slot, Public\n")
     (pkg / "runtime" / "kv.py").write_text("def f():\n    from chattts_triton.runtime.request import _check\n")
     (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "test_kv.py").write_text("from tests.conftest import _export\nfrom chattts_triton.runtime import kv\n")
+    (tmp_path / "tests" / "test_kv.py").write_text("from tests.conftest import _export\nfrom chattts_triton.runtime "
+                                                   "import kv\n")
     found = private_import_violations(tmp_path, allowed={("tests/test_kv.py", "tests.conftest._export"): "a reason"})
     assert [v.split(": ")[0] for v in found] == [
         "chattts_triton/runtime/__init__.py:1 imports chattts_triton.runtime.engine._Slot",

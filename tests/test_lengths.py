@@ -1,4 +1,5 @@
-"""loadtest.lengths: the code frames each request of a load tool forces, N or drawn from A-B, and the flags that take them."""
+"""loadtest.lengths: the code frames each request of a load tool forces, N or drawn from A-B, and the flags that take
+them."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def test_a_single_length_and_a_range_parse():
     assert Lengths.parse(f"1-{LIMITS.max_new_tokens}").high == LIMITS.max_new_tokens
 
 
-@pytest.mark.parametrize("bad", ["0", "0-5", "9-3", f"1-{LIMITS.max_new_tokens + 1}", "a", "", "5-", "-5", "1.5", "3-4-5"])
+@pytest.mark.parametrize("bad", ["0", "0-5", "9-3", f"1-{LIMITS.max_new_tokens + 1}", "a", "", "5-", "-5",
+                                 "1.5", "3-4-5"])
 def test_a_bad_length_is_refused(bad):
     with pytest.raises(ValueError):
         Lengths.parse(bad)
@@ -46,7 +48,8 @@ def test_the_report_says_which_lengths_and_how_much_audio():
     assert Lengths(50, 400).to_json()["frames"] == "50-400"
 
 
-@pytest.mark.parametrize("tool,flag", [("bench.run", "--tokens"), ("bench.perf", "--frames"), ("loadtest.soak", "--frames"),
+@pytest.mark.parametrize("tool,flag", [("bench.run", "--tokens"), ("bench.perf", "--frames"),
+                                       ("loadtest.soak", "--frames"),
                                        ("loadtest.sweep", "--tokens")])
 @pytest.mark.parametrize("value", ["0", "300-200", f"10-{LIMITS.max_new_tokens + 1}", "x"])
 def test_every_flag_that_takes_lengths_refuses_a_bad_one_by_name(tool, flag, value, capsys):
@@ -79,4 +82,5 @@ def test_bench_report_names_a_range_and_flags_answers_not_of_the_forced_length()
     assert md.splitlines()[2].startswith("Forced code frames drawn per utterance uniformly from 50–400 (seed 4;")
     assert "**4 answers were not of the length their request forced**" in md and ", 4.2 s of audio" in md
     assert "| 1 |  |  |  | 2.0 | 9.6 |" in md  # audio s/s beside utterances/s
-    assert "not of the length" not in to_markdown({**res, "served": [], "burst": {**res["burst"], "frames_mismatched": 0}})
+    assert "not of the length" not in to_markdown({**res, "served": [],
+                                                   "burst": {**res["burst"], "frames_mismatched": 0}})

@@ -62,7 +62,8 @@ def test_polyphones_and_brand_names(text, expected):
 
 def test_control_tokens_are_never_matched_into_and_replacements_may_hold_them():
     lex = lexicon(**{"break": ("brake", True), "uv": ("you vee", False), "OK": ("okay [uv_break]", False)})
-    assert lex.apply("[uv_break] break BREAK[uv_break]uv OK") == "[uv_break] brake brake[uv_break]you vee okay [uv_break]"
+    assert (lex.apply("[uv_break] break BREAK[uv_break]uv OK")
+            == "[uv_break] brake brake[uv_break]you vee okay [uv_break]")
 
 
 def test_an_exact_entry_wins_over_an_ignore_case_one_of_the_same_letters():
@@ -101,8 +102,10 @@ def test_a_word_given_twice_is_refused():
 
 
 @pytest.mark.parametrize("doc, words", [
-    ([], "a lexicon is"), ({"format": 2, "entries": {}}, "a lexicon is"), ({"format": 1, "entries": []}, "a lexicon is"),
-    ({"format": 1, "entries": {"x": "y"}}, "an entry is"), ({"format": 1, "entries": {"x": {"say": "y", "z": 1}}}, "an entry is"),
+    ([], "a lexicon is"), ({"format": 2, "entries": {}}, "a lexicon is"),
+    ({"format": 1, "entries": []}, "a lexicon is"),
+    ({"format": 1, "entries": {"x": "y"}}, "an entry is"),
+    ({"format": 1, "entries": {"x": {"say": "y", "z": 1}}}, "an entry is"),
     ({"format": 1, "entries": {"x": {"say": "y", "ignore_case": "yes"}}}, "ignore_case must be true or false"),
 ])
 def test_bad_documents_are_refused(doc, words):
@@ -127,9 +130,11 @@ def test_file_round_trip_and_registry_follows_edits_without_a_restart(repo, capl
     assert doc == {"format": 1, "entries": {"重庆": {"say": "虫庆"}}}
     with L.editing(repo) as entries:
         entries["AWS"] = check_entry("AWS", "A W S", True)
-    assert reg.apply("重庆 aws") == "虫庆 A W S" and L.read_lexicon(repo / LEXICON).entries()[0] == Entry("AWS", "A W S", True)
+    assert (reg.apply("重庆 aws") == "虫庆 A W S"
+            and L.read_lexicon(repo / LEXICON).entries()[0] == Entry("AWS", "A W S", True))
     (repo / LEXICON).write_text("{broken", encoding="utf-8")  # a hand edit gone wrong: the last good one stays
-    assert reg.apply("重庆 aws") == "虫庆 A W S" and "cannot be read" in caplog.text and "last good one (2 entries)" in caplog.text
+    assert (reg.apply("重庆 aws") == "虫庆 A W S" and "cannot be read" in caplog.text
+            and "last good one (2 entries)" in caplog.text)
     (repo / LEXICON).unlink()
     assert reg.apply("重庆") == "重庆"
 
@@ -161,11 +166,13 @@ def test_cli_adds_lists_applies_and_removes_entries(repo, capsys):
     assert cli(capsys, repo, "add", "重庆", "虫庆")[0] == 0
     assert cli(capsys, repo, "add", "nginx", "engine x", "--ignore-case")[0] == 0
     assert cli(capsys, repo, "list")[1] == "nginx\tengine x\t(any case)\n重庆\t虫庆\n"
-    assert json.loads(cli(capsys, repo, "list", "--json")[1]) == json.loads((repo / LEXICON).read_text(encoding="utf-8"))
+    assert json.loads(cli(capsys, repo, "list",
+                          "--json")[1]) == json.loads((repo / LEXICON).read_text(encoding="utf-8"))
     assert cli(capsys, repo, "apply", "重庆的NGINX")[1] == "虫庆的engine x\n"
     code, _, err = cli(capsys, repo, "add", "重庆", "重亲")
     assert code == 1 and "--force" in err
-    assert cli(capsys, repo, "add", "重庆", "虫亲", "--force")[0] == 0 and cli(capsys, repo, "apply", "重庆")[1] == "虫亲\n"
+    assert (cli(capsys, repo, "add", "重庆", "虫亲", "--force")[0] == 0
+            and cli(capsys, repo, "apply", "重庆")[1] == "虫亲\n")
     code, _, err = cli(capsys, repo, "add", "two words", "x")
     assert code == 1 and "holds ' '" in err
     assert cli(capsys, repo, "remove", "重庆")[0] == 0
@@ -178,7 +185,8 @@ def test_cli_adds_lists_applies_and_removes_entries(repo, capsys):
 def test_cli_runs_as_a_module(repo):
     run = subprocess.run([sys.executable, "-m", "chattts_triton.lexicon", "--repo", str(repo), "add", "AWS", "A W S"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0 and run.stdout == "added AWS -> A W S\n" and L.read_lexicon(repo / LEXICON).apply("AWS") == "A W S"
+    assert (run.returncode == 0 and run.stdout == "added AWS -> A W S\n"
+            and L.read_lexicon(repo / LEXICON).apply("AWS") == "A W S")
 
 
 # --- preprocess -------------------------------------------------------------------------------------------

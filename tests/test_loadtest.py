@@ -113,7 +113,8 @@ def test_rates_agree_needs_work_in_both_windows():
 
 def test_summarize_window():
     C = sweep.Completion
-    done = [C(0.0, 1.0, None, SAMPLE_RATE), C(0.0, 2.0, None, SAMPLE_RATE), C(1.0, 1.5, "UNAVAILABLE"), C(0, 9, None, 1)]
+    done = [C(0.0, 1.0, None, SAMPLE_RATE), C(0.0, 2.0, None, SAMPLE_RATE), C(1.0, 1.5, "UNAVAILABLE"),
+            C(0, 9, None, 1)]
     window = sweep.completions_between(done, 0.5, 5.0)
     assert len(window) == 3
     s = sweep.summarize_window(window, duration_s=4.0)
@@ -223,7 +224,8 @@ def test_sweep_reports(tmp_path):
     cfg = sweep.SweepConfig(url="h:1", step_seconds=10)
     paths = sweep.write_outputs(tmp_path, rows, cfg)
     md = paths["md"].read_text()
-    assert "| 2 | 110 | 132 | n/a | 18.18 | 4.00 | n/a | 0.300 | 0.400 | 20 | 0.0% | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | yes |" in md
+    assert ("| 2 | 110 | 132 | n/a | 18.18 | 4.00 | n/a | 0.300 | 0.400 | 20 | 0.0% "
+            "| n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | yes |") in md
     assert "| 4 | chattts | 40 | 10 | 4.00 | 1.0 | 20.0 | 4×10 |" in md
     with paths["csv"].open() as f:
         table = list(csv.DictReader(f))
@@ -387,7 +389,8 @@ def test_stream_window_bounds_the_servers_first_chunk_percentiles_from_its_bucke
             lab = f'{{model="chattts_stream",instance="{inst}"}}'
             rows += [f"chattts_stream_first_chunks{lab} {len(times)}",
                      f"chattts_stream_first_chunk_seconds{lab} {sum(times) / 1000}"]
-            rows += [f"chattts_{first_chunk_bucket(ms)}{lab} {sum(t <= ms for t in times)}" for ms in FIRST_CHUNK_BUCKETS_MS]
+            rows += [f"chattts_{first_chunk_bucket(ms)}{lab} {sum(t <= ms for t in times)}"
+                     for ms in FIRST_CHUNK_BUCKETS_MS]
         return "\n".join(rows) + "\n"
 
     early = {"a": [30.0] * 5, "b": [1500.0]}  # before the window: a slow one the window must not count
@@ -399,7 +402,8 @@ def test_stream_window_bounds_the_servers_first_chunk_percentiles_from_its_bucke
     assert w["server_first_chunk_ms"] == pytest.approx((60 * 40 + 38 * 120 + 180) / 99)
     assert w["server_first_chunks_within_ms"]["125"] == 98 and w["server_first_chunks_within_ms"]["1000"] == 99
     assert w["server_first_chunks"] == 99
-    assert bucket_percentile({100: 0, 200: 1}, 1, 50) == 200 and bucket_percentile({100: 0, 200: 0}, 1, 50) == float("inf")
+    assert (bucket_percentile({100: 0, 200: 1}, 1, 50) == 200
+            and bucket_percentile({100: 0, 200: 0}, 1, 50) == float("inf"))
     assert bucket_percentile({100: 0}, 0, 99) is None
     over = stream_window(parse_counters(text({"a": []}), STREAM_COUNTERS, "chattts_stream"),
                          parse_counters(text({"a": [20000.0]}), STREAM_COUNTERS, "chattts_stream"))
@@ -418,15 +422,19 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
                      f'chattts_engine_step_rows{{instance="{inst}",model="chattts_gpt"}} {rows_}',
                      f'chattts_engine_step_seconds{{model="chattts_gpt",instance="{inst}"}} {step_s}',
                      f'chattts_engine_step_device_seconds{{model="chattts_gpt",instance="{inst}"}} {step_s / 2}',
-                     f'chattts_engine_step_gpu_seconds{{model="chattts_gpt",instance="{inst}"}} {step_s / 8 if gpu else 0}',
-                     f'chattts_engine_step_gpu_samples{{model="chattts_gpt",instance="{inst}"}} {steps // 8 if gpu else 0}',
+                     f'chattts_engine_step_gpu_seconds{{model="chattts_gpt",instance="{inst}"}} '
+                     f'{step_s / 8 if gpu else 0}',
+                     f'chattts_engine_step_gpu_samples{{model="chattts_gpt",instance="{inst}"}} '
+                     f'{steps // 8 if gpu else 0}',
                      f'chattts_engine_prefill_seconds{{instance="{inst}",model="chattts_gpt"}} {prefill_s}',
                      f'chattts_engine_gil_wait_seconds{{instance="{inst}",model="chattts_gpt"}} {step_s / 100}',
                      f'chattts_engine_prefills{{instance="{inst}",model="chattts_gpt"}} {steps // 4}',
                      f'chattts_engine_prefill_rows{{instance="{inst}",model="chattts_gpt"}} {steps}',
                      f'chattts_engine_gil_wait_samples{{instance="{inst}",model="chattts_gpt"}} {steps // 8}',
-                     f'chattts_engine_step_graph_seconds{{model="chattts_gpt",instance="{inst}"}} {step_s / 16 if gpu else 0}',
-                     f'chattts_engine_step_graph_samples{{model="chattts_gpt",instance="{inst}"}} {steps // 8 if gpu else 0}',
+                     f'chattts_engine_step_graph_seconds{{model="chattts_gpt",instance="{inst}"}} '
+                     f'{step_s / 16 if gpu else 0}',
+                     f'chattts_engine_step_graph_samples{{model="chattts_gpt",instance="{inst}"}} '
+                     f'{steps // 8 if gpu else 0}',
                      f'chattts_engine_active{{instance="{inst}",model="chattts_gpt"}} 7']
         rows.append('chattts_engine_steps{instance="chattts_stream_0_0",model="chattts_stream"} 999')
         return "# HELP chattts_engine_steps x\n" + "\n".join(rows) + "\n"
@@ -460,7 +468,8 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     assert w_old["engine_step_device_ms"] is None and w_old["engine_step_ms"] == w["engine_step_ms"]
     old = {i: {k: v for k, v in c.items() if not k.startswith("engine_step_gpu")} for i, c in after.items()}
     assert engine_window(before, old, 2.0)["engine_step_gpu_ms"] is None  # a server from before the GPU clock
-    old = {i: {k: v for k, v in c.items() if k not in ("engine_prefills", "engine_prefill_rows")} for i, c in after.items()}
+    old = {i: {k: v for k, v in c.items() if k not in ("engine_prefills", "engine_prefill_rows")}
+           for i, c in after.items()}
     assert engine_window(before, old, 2.0)["engine_prefill_ms"] is None  # a server from before the prefill counts
     old = {i: {k: v for k, v in c.items() if not k.startswith("engine_gil")} for i, c in after.items()}
     assert engine_window(before, old, 2.0)["engine_gil_wait_ms"] is None  # ... or before the GIL probe
@@ -507,11 +516,14 @@ def test_clients_spread_a_load_over_processes_and_fail_with_a_processs_error(tmp
     assert clients.shares(64, 4) == [16] * 4 and clients.shares(5, 3) == [2, 2, 1] and clients.shares(2, 8) == [1, 1]
     with pytest.raises(ValueError):
         clients.shares(0, 2)
-    assert clients.merge([{"a": [1], "n": 2, "t_s": 3.0}, {"a": [2], "n": 5, "t_s": 1.0}]) == {"a": [1, 2], "n": 7, "t_s": 3.0}
+    assert clients.merge([{"a": [1], "n": 2, "t_s": 3.0},
+                          {"a": [2], "n": 5, "t_s": 1.0}]) == {"a": [1, 2], "n": 7, "t_s": 3.0}
     calls = []
     r = clients.run(_fake_clients, [(2, "", ""), (3, "", "")], lambda: calls.append("window"), timeout_s=60)
-    assert calls == ["window"] and sorted(r["first"]) == [2.0, 2.0, 3.0, 3.0, 3.0] and r["errors"] == 5 and r["elapsed_s"] == 3.0
-    assert clients.run(_fake_clients, [(1, "", "")], lambda: calls.append("one"))["first"] == [1.0] and calls[-1] == "one"
+    assert (calls == ["window"] and sorted(r["first"]) == [2.0, 2.0, 3.0, 3.0, 3.0] and r["errors"] == 5
+            and r["elapsed_s"] == 3.0)
+    assert (clients.run(_fake_clients, [(1, "", "")], lambda: calls.append("one"))["first"] == [1.0]
+            and calls[-1] == "one")
     for stage in ("warm-up", "window"):
         with pytest.raises(RuntimeError, match="a client process failed: ValueError"):
             clients.run(_fake_clients, [(1, "", ""), (1, stage, "")], lambda: None, timeout_s=60)
@@ -559,19 +571,23 @@ def test_bench_table_puts_each_engine_figure_under_its_header():
 
     row = {"concurrency": 512, "latency_p50_ms": 1426.0, "latency_p90_ms": 1459.0, "latency_p99_ms": 1486.0,
            "throughput_utt_s": 360.45, "rtf_p50": 0.447, "error_rate": 0.0, "gpu_memory_mib": 30951.0,
-           "engine_step_ms": 6.85, "engine_step_device_ms": 6.2, "engine_step_gpu_ms": 6.15, "engine_step_graph_ms": 3.3,
+           "engine_step_ms": 6.85, "engine_step_device_ms": 6.2, "engine_step_gpu_ms": 6.15,
+           "engine_step_graph_ms": 3.3,
            "engine_prefill_ms_per_step": 2.28, "engine_prefill_ms": 9.12, "engine_prefill_prompts": 13.04,
            "engine_gil_wait_ms": 0.092, "engine_batch": 485.6, "engine_busy": 0.96}
-    older = {k: v for k, v in row.items() if k not in ("engine_step_graph_ms", "engine_prefill_ms", "engine_prefill_prompts",
+    older = {k: v for k, v in row.items() if k not in ("engine_step_graph_ms", "engine_prefill_ms",
+                                                       "engine_prefill_prompts",
                                                       "engine_gil_wait_ms")}
     md = to_markdown({"date": "d", "device_name": "H200", "tokens": 150, "dtype": "bf16", "served": [row, older]})
     lines = md.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("| concurrency | p50 ms"))
     names = [c.strip() for c in lines[head].strip("|").split("|")]
-    cells = [dict(zip(names, (c.strip() for c in lines[i].strip("|").split("|")), strict=True)) for i in (head + 2, head + 3)]
+    cells = [dict(zip(names, (c.strip() for c in lines[i].strip("|").split("|")), strict=True))
+             for i in (head + 2, head + 3)]
     assert all(len(lines[i].strip("|").split("|")) == len(names) for i in (head + 1, head + 2, head + 3))
     assert (cells[0]["GPU clock ms"], cells[0]["graph ms"], cells[0]["prefill ms/step"]) == ("6.15", "3.30", "2.28")
-    assert (cells[0]["ms per prefill (prompts)"], cells[0]["GIL wait ms"], cells[0]["GPT batch"]) == ("9.12 (13.0)", "0.092", "485.6")
+    assert (cells[0]["ms per prefill (prompts)"], cells[0]["GIL wait ms"],
+            cells[0]["GPT batch"]) == ("9.12 (13.0)", "0.092", "485.6")
     assert (cells[1]["graph ms"], cells[1]["ms per prefill (prompts)"], cells[1]["GIL wait ms"]) == ("", "", "")
     assert cells[1]["GPT busy"] == "96%"
 
@@ -737,4 +753,5 @@ def test_bench_table_names_the_switches_a_run_set_and_its_note():
     assert "Note: eager rows restored" in head
     assert "batching delay" not in to_markdown({**res, "max_queue_delay_us": 0})  # the default goes unsaid
     assert ", eager vocoder," in to_markdown({**res, "vocoder_graphs": False})
-    assert "vocoder" not in to_markdown({k: v for k, v in res.items() if k not in ("vocoder_graphs", "max_queue_delay_us")})
+    assert "vocoder" not in to_markdown({k: v for k, v in res.items()
+                                         if k not in ("vocoder_graphs", "max_queue_delay_us")})

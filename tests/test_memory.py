@@ -15,7 +15,8 @@ H200 = 143771 << 20  # what an H200 reports, bytes
 
 def planned_total(plans, vocoders=1) -> int:
     """What the whole deployment takes on the GPU by the plan: engines, vocoders, every process's context."""
-    return sum(p.bytes for p in plans.values()) + vocoders * m.VOCODER_BYTES + (len(plans) + vocoders) * m.PROCESS_CONTEXT_BYTES
+    return (sum(p.bytes for p in plans.values()) + vocoders * m.VOCODER_BYTES
+            + (len(plans) + vocoders) * m.PROCESS_CONTEXT_BYTES)
 
 
 @pytest.mark.parametrize("gib,gpt,stream", [(None, 1024, 128), (15, 128, 40), (22, 280, 88)])

@@ -68,7 +68,8 @@ def test_names_are_no_mixes():
 
 def z_norm(emb: np.ndarray, hidden: int = HIDDEN) -> float:
     std, mean = spk.spk_stat()
-    return float(np.linalg.norm((emb.astype(np.float64) - mean[:hidden].double().numpy()) / std[:hidden].double().numpy()))
+    mean, std = mean[:hidden].double().numpy(), std[:hidden].double().numpy()
+    return float(np.linalg.norm((emb.astype(np.float64) - mean) / std))
 
 
 def seed_embedding(seed: int, hidden: int = HIDDEN) -> np.ndarray:

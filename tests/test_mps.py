@@ -46,7 +46,8 @@ def test_the_daemon_gets_its_own_folders_and_is_told_to_quit_on_exit(fake_contro
                        "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "mps" / "log")}
         assert all(Path(d).is_dir() for d in env.values())
         calls = fake_control.read_text().splitlines()
-        assert calls == [f"args=[-d] pipe={env['CUDA_MPS_PIPE_DIRECTORY']} log={env['CUDA_MPS_LOG_DIRECTORY']} stdin=[]"]
+        assert calls == [f"args=[-d] pipe={env['CUDA_MPS_PIPE_DIRECTORY']} log={env['CUDA_MPS_LOG_DIRECTORY']} "
+                         "stdin=[]"]
     calls = fake_control.read_text().splitlines()
     assert len(calls) == 2 and calls[1].startswith("args=[] pipe=") and calls[1].endswith("stdin=[quit]")
 
@@ -80,7 +81,8 @@ def test_serve_without_the_control_program_refuses_mps_with_a_message(tmp_path, 
 
 @pytest.mark.e2e
 def test_serve_with_mps_gives_the_model_processes_the_daemons_pipe(fake_control, tmp_path):
-    cmd = [sys.executable, "-m", "chattts_triton.serve", "--repo", str(SPIKE_REPO), "--http-port", "0", "--grpc-port", "0",
+    cmd = [sys.executable, "-m", "chattts_triton.serve", "--repo", str(SPIKE_REPO), "--http-port", "0",
+           "--grpc-port", "0",
            "--metrics-port", "0", "--log-file", str(tmp_path / "serve.log"), "--exit-timeout", "5", "--mps"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
     try:

@@ -142,7 +142,8 @@ def _feeds_from_config(cfg: mc.ModelConfig, tensors) -> dict:
     for t, x in zip(cfg.input, tensors, strict=True):
         a = x.numpy()
         assert a.dtype == TRITON_TO_NUMPY[_dtype(t)], (t.name, a.dtype)
-        assert a.ndim == len(t.dims) and all(d in (-1, s) for d, s in zip(t.dims, a.shape, strict=True)), (t.name, a.shape)
+        assert (a.ndim == len(t.dims) and all(d in (-1, s)
+                                              for d, s in zip(t.dims, a.shape, strict=True))), (t.name, a.shape)
         feeds[t.name] = a
     return feeds
 

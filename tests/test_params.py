@@ -15,9 +15,11 @@ SCHEMAS = {PREPROCESS: PreprocessParams, GPT: GPTParams, STREAM: StreamParams, V
 # what repo_config wrote before the schema, for Deployment(gpus=[0], gpt_slots=16, stream_first_lookahead_frames=0)
 BEFORE = {
     PREPROCESS: {"artifact_format": "torchscript", "gpt_model": "chattts_gpt", "max_pending": "64"},
-    GPT: {"admit_batch": "32", "admit_wait_steps": "4", "cache_tokens": "auto", "compile_prefill": "0", "compile_step": "1",
+    GPT: {"admit_batch": "32", "admit_wait_steps": "4", "cache_tokens": "auto", "compile_prefill": "0",
+          "compile_step": "1",
           "dtype": "fp32", "engine_role": "gpt", "gil_switch_interval_us": "200", "gpu_memory_gb": "auto",
-          "max_context": "3072", "max_new_tokens": "2048", "max_pending": "64", "max_slots": "16", "vocoder_instances": "1"},
+          "max_context": "3072", "max_new_tokens": "2048", "max_pending": "64", "max_slots": "16",
+          "vocoder_instances": "1"},
     STREAM: {"admit_batch": "32", "admit_wait_steps": "4", "artifact_format": "torchscript", "cache_tokens": "auto",
              "chunk_frames": "32", "codec_stream": "0", "compile_prefill": "0", "compile_step": "1", "dtype": "fp32",
              "engine_role": "stream", "fade_frames": "4", "first_chunk_frames": "8", "first_chunks_first": "0",

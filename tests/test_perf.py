@@ -34,7 +34,8 @@ def test_input_data_for_a_range_holds_one_entry_per_length_each_forcing_its_own(
                {k: v for k, v in single.items() if "NEW_TOKENS" not in k} for e in entries)
     md = perf.to_markdown([{"concurrency": 8, "throughput_utt_s": 10.0, "latency_p50_ms": 1.0, "latency_p90_ms": 2.0,
                             "latency_p99_ms": 3.0}], "50-400", "h:1")
-    assert "16 lengths spread over 50-400 (50, 73," in md and f"| 8 | 10.0 | {10 * perf.mean_audio_s('50-400'):.1f} |" in md
+    assert ("16 lengths spread over 50-400 (50, 73," in md
+            and f"| 8 | 10.0 | {10 * perf.mean_audio_s('50-400'):.1f} |" in md)
 
 
 def test_perf_analyzer_measures_the_served_ensemble(served_tiny, tmp_path):

@@ -38,7 +38,8 @@ def test_spoken_text_is_what_the_gpt_reads(pre):
     out = pre.prepare(inputs(TEXT="我有3个苹果，价格是12.5元，增长了45%。"))
     assert spoken(out) == "我有三个苹果，价格是十二点五元，增长了百分之四十五。"
     # the prompt tokens are exactly this text's, decorated as upstream decorates it
-    expected = pre.tokenizer.encode("[Stts][empty_spk][speed_5]我有三个苹果，价格是十二点五元，增长了百分之四十五。[Ptts]")
+    expected = pre.tokenizer.encode("[Stts][empty_spk][speed_5]"
+                                    "我有三个苹果，价格是十二点五元，增长了百分之四十五。[Ptts]")
     assert out["TEXT_IDS"][0].tolist() == expected
 
 

@@ -17,7 +17,8 @@ from tests.engine_util import check_same_as_alone, drive, make_engine
 def _specs():
     g = torch.Generator().manual_seed(5)
     # equal lengths: both rows run in one bucket (2 rows) to the end, so one package is built
-    return [dict(ids=torch.randint(0, 21000, (9 + 4 * i,), generator=g), params=SamplingParams(0.3, 0.7, 20, 1.05, 14, 14, seed=30 + i))
+    return [dict(ids=torch.randint(0, 21000, (9 + 4 * i,), generator=g),
+                 params=SamplingParams(0.3, 0.7, 20, 1.05, 14, 14, seed=30 + i))
             for i in range(2)]
 
 
@@ -67,7 +68,8 @@ def test_packaging_refuses_torchscript_and_unknown_kernels(tiny, tmp_path):
 def test_step_bench_times_the_packaged_step_on_cpu(tiny_assets, tmp_path):
     from bench.probes import step
 
-    args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--batches", "1",
+    args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32",
+            "--batches", "1",
             "--variants", "aoti_traced", "--iters", "2", "--prefill", "", "--context", "128", "--max-new-tokens", "16",
             "--attn-len", "32", "--aoti-dir", str(tmp_path / "packages")]
     assert step.main(args) == 0
@@ -85,7 +87,8 @@ def test_step_bench_records_a_variant_that_fails_and_runs_the_next(tiny_assets, 
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(aoti, "package_step", no_compiler)
-    args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--batches", "1",
+    args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32",
+            "--batches", "1",
             "--variants", "aoti,script", "--iters", "2", "--prefill", "", "--context", "128", "--max-new-tokens", "16",
             "--attn-len", "32", "--aoti-dir", str(tmp_path / "packages")]
     assert step.main(args) == 1
@@ -103,7 +106,8 @@ def test_a_package_is_loaded_in_a_fresh_process_first_and_a_crash_there_is_an_er
     path = package_step(eng, 1, 32, tmp_path / "packages" / "good.pt2")
     aoti.check_loads(path)  # a sound package loads
     monkeypatch.chdir(tmp_path)
-    aoti.check_loads(Path("packages/good.pt2"))  # ... named relative to the caller's folder too (bench.probes.step's build/aoti)
+    # ... named relative to the caller's folder too (bench.probes.step's build/aoti)
+    aoti.check_loads(Path("packages/good.pt2"))
     (tmp_path / "bad.pt2").write_bytes(b"not a zip")
     with pytest.raises(RuntimeError, match=r"bad\.pt2 in a fresh process failed \(exit 1\): .*Error"):
         aoti.check_loads(tmp_path / "bad.pt2")
@@ -119,11 +123,13 @@ def test_step_bench_reports_a_package_whose_load_crashes_and_runs_the_next_varia
     from bench.probes import aoti, step
 
     monkeypatch.setattr(aoti, "LOAD_CHECK", "import ctypes; ctypes.string_at(0)")
-    args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--batches", "1",
+    args = ["--assets", str(tiny_assets), "--out", str(tmp_path), "--device", "cpu", "--dtype", "fp32",
+            "--batches", "1",
             "--variants", "aoti,script", "--iters", "2", "--prefill", "", "--context", "128", "--max-new-tokens", "16",
             "--attn-len", "32", "--aoti-dir", str(tmp_path / "packages")]
     assert step.main(args) == 1
-    assert "step-b1-l32-op.pt2 in a fresh process killed it (SIGSEGV)" in json.loads((tmp_path / "step-aoti.json").read_text())["error"]
+    error = json.loads((tmp_path / "step-aoti.json").read_text())["error"]
+    assert "step-b1-l32-op.pt2 in a fresh process killed it (SIGSEGV)" in error
     assert json.loads((tmp_path / "step-script.json").read_text())["batches"]["1"]["step_ms"] > 0
 
 
@@ -132,7 +138,8 @@ def test_a_crashed_childs_report_keeps_its_fatal_error_line_and_names_any_signal
 
     stderr = "Fatal Python error: Segmentation fault\n\n" + "\n".join(f'  File "x.py", line {i}' for i in range(20))
     out = _child_output(stderr.encode())
-    assert out.startswith("Fatal Python error: Segmentation fault | ") and out.endswith("line 19") and "line 13" not in out
+    assert (out.startswith("Fatal Python error: Segmentation fault | ") and out.endswith("line 19")
+            and "line 13" not in out)
     assert _child_output(None) == "" and _child_output("one\ntwo") == "one | two"
     assert _signal_name(11) == "SIGSEGV" and _signal_name(40) == "signal 40"  # a real-time signal has no name
 
@@ -170,7 +177,8 @@ def test_step_bench_times_steps_and_prefills_of_each_variant_on_cpu(tiny_assets,
         res = json.loads((tmp_path / f"step-{variant}.json").read_text())
         assert res["variant"] == variant and res["gpu"] == "cpu" and res["lengths"] == "uniform"
         assert res["decode_kernel"] is False  # TorchScript
-        assert set(res["batches"]) == {"1", "2"} and all(r["step_ms"] > 0 and r["forward_ms"] > 0 for r in res["batches"].values())
+        assert (set(res["batches"]) == {"1", "2"} and all(r["step_ms"] > 0 and r["forward_ms"] > 0
+                                                          for r in res["batches"].values()))
         prof = res["batches"]["1"]["profile"]
         assert prof["kernel_ms_per_step"] > 0 and 0 < len(prof["top"]) <= 12
         assert sum(k["per_step"] for k in prof["top"]) <= prof["kernels_per_step"]

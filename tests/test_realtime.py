@@ -28,7 +28,8 @@ from client.realtime import (
 ENGLISH = ("Sure! The weather in Paris today is sunny, with a high of 21 degrees and a light breeze from the west. "
            "Tomorrow it will rain, so bring an umbrella. Dr. Smith said the meeting moves to 10:30 on 2026-12-04... "
            "Is that okay? It costs $12.50, or about 3.5% more than last year! Call me at 555-0100.\nThanks 🙂")
-CHINESE = ("四川美食确实以辣闻名，但也有不辣的选择。比如甜水面、赖汤圆、蛋烘糕、叶儿粑等，这些小吃口味温和，甜而不腻，也很受欢迎。"
+CHINESE = ("四川美食确实以辣闻名，但也有不辣的选择。比如甜水面、赖汤圆、蛋烘糕、叶儿粑等，"
+           "这些小吃口味温和，甜而不腻，也很受欢迎。"
            "我有3个苹果，价格是12.5元！今天是2026年12月3日。你觉得怎么样？好。[uv_break]我们明天见……")
 MIXED = ("我们用 ChatTTS 做语音合成，it works well for English too. 第一句话很好。第二句有问题吗？No problem at all! "
          "The API returns 24 kHz audio，也支持 8 kHz μ-law 电话音频。[laugh]真的吗？Yes.")
@@ -87,7 +88,8 @@ def test_a_number_at_the_end_of_the_text_so_far_is_not_cut():
 def test_a_short_sentence_waits_to_join_the_next():
     c = TextChunker()
     assert c.push("Sure! ") == []
-    assert c.push("The weather in Paris today is sunny and warm.") == ["Sure! The weather in Paris today is sunny and warm."]
+    assert c.push("The weather in Paris today is sunny and warm.") == ["Sure! The weather in Paris today is sunny and "
+                                                                       "warm."]
     assert TextChunker(min_frames=0).push("Sure! ") == ["Sure!"]
 
 
@@ -244,7 +246,8 @@ def test_a_piece_that_fails_is_reported_in_its_place_and_the_turn_goes_on():
 
     events = run(main())
     kinds = [(type(e).__name__, e.index) for e in events if not isinstance(e, (Audio, TurnEnd))]
-    assert kinds == [("SegmentStart", 0), ("SegmentEnd", 0), ("SegmentError", 1), ("SegmentStart", 2), ("SegmentEnd", 2)]
+    assert kinds == [("SegmentStart", 0), ("SegmentEnd", 0), ("SegmentError", 1), ("SegmentStart", 2),
+                     ("SegmentEnd", 2)]
     err = next(e for e in events if isinstance(e, SegmentError))
     assert "[bad_token]" in err.text and "unknown control token" in err.error.message
 

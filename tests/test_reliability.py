@@ -90,9 +90,11 @@ BAD_MORE = [
     (dict(TEXT="hi", MIN_NEW_TOKENS=-1), "MIN_NEW_TOKENS"),
     (dict(TEXT="hi", MIN_NEW_TOKENS=LIMITS.max_new_tokens + 1), "MIN_NEW_TOKENS"),
     (dict(TEXT="hi", SPEAKER_AUDIO=np.full(4800, np.nan, np.float32)), "SPEAKER_AUDIO"),
-    (dict(TEXT="hi", SPEAKER_AUDIO=np.where(np.arange(SAMPLE_RATE) == 777, -np.inf, TONE).astype(np.float32)), "SPEAKER_AUDIO"),
+    (dict(TEXT="hi", SPEAKER_AUDIO=np.where(np.arange(SAMPLE_RATE) == 777, -np.inf, TONE).astype(np.float32)),
+     "SPEAKER_AUDIO"),
     (dict(TEXT="hi", SPEAKER_AUDIO=np.zeros(100, np.float32)), "SPEAKER_AUDIO"),
-    (dict(TEXT="hi", SPEAKER_AUDIO=np.zeros(int(LIMITS.max_reference_audio_seconds * SAMPLE_RATE) + 1, np.float32)), "SPEAKER_AUDIO"),
+    (dict(TEXT="hi", SPEAKER_AUDIO=np.zeros(int(LIMITS.max_reference_audio_seconds * SAMPLE_RATE) + 1, np.float32)),
+     "SPEAKER_AUDIO"),
     # REFINE_* floats are checked whether or not REFINE_TEXT is on
     *[(dict(TEXT="hi", REFINE_TEXT=refine, **{name: v}), name)
       for name in ("REFINE_TEMPERATURE", "REFINE_TOP_P", "REFINE_REPETITION_PENALTY")
@@ -160,7 +162,8 @@ def test_a_batch_of_two_utterances_is_one_clean_error(served_tiny):
 
 def test_extreme_but_valid_sampling_values_give_finite_audio(served_tiny):
     for kw in (dict(TEMPERATURE=100.0), dict(TEMPERATURE=1e-6), dict(TOP_P=1e-6), dict(TOP_K=1 << 30),
-               dict(REPETITION_PENALTY=100.0), dict(TOP_K=1, TOP_P=1.0), dict(SEED=-(1 << 63)), dict(SEED=(1 << 63) - 1)):
+               dict(REPETITION_PENALTY=100.0), dict(TOP_K=1, TOP_P=1.0), dict(SEED=-(1 << 63)),
+               dict(SEED=(1 << 63) - 1)):
         audio = grpc_synth(served_tiny.grpc_url, TEXT="你好", MAX_NEW_TOKENS=6, MIN_NEW_TOKENS=6, **{"SEED": 1, **kw})
         assert audio.shape == (samples_for_codes(6),) and np.isfinite(audio).all(), kw
 
@@ -209,7 +212,8 @@ def test_overload_rejects_excess_quickly_and_completes_admitted(small_server):
     assert slowest_rejection < 0.5 * min(normal_s, min(r[1] for r in ok)), timings
     for _, _, audio in ok:
         assert audio.shape == (samples_for_codes(OVERLOAD_FRAMES),) and np.isfinite(audio).all()
-    print(f"\noverload: alone {normal_s:.2f}s; {len(ok)} ok in {min(r[1] for r in ok):.2f}-{max(r[1] for r in ok):.2f}s, "
+    print(f"\noverload: alone {normal_s:.2f}s; {len(ok)} ok in "
+          f"{min(r[1] for r in ok):.2f}-{max(r[1] for r in ok):.2f}s, "
           f"{len(rejected)} UNAVAILABLE in ≤ {slowest_rejection:.3f}s")
 
     # HTTP: 503 while saturated, then the server serves again
@@ -267,7 +271,8 @@ def _in_engine(server) -> int:
     """Generations the GPT engine holds (running + waiting), from its gauges."""
     _, body = http_status(server.metrics_url.split("//", 1)[1].split("/", 1)[0], "/metrics")
     return int(sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
-                   if line.startswith(("chattts_engine_active{", "chattts_engine_waiting{")) and f'model="{GPT}"' in line))
+                   if line.startswith(("chattts_engine_active{", "chattts_engine_waiting{"))
+                   and f'model="{GPT}"' in line))
 
 
 def test_a_burst_of_what_the_engine_admits_from_idle_is_all_served(burst_server):
@@ -296,9 +301,11 @@ def test_one_past_the_bound_is_refused_fast_naming_it_and_the_admitted_finish(bu
         t.join(600)
     assert status == "StatusCode.UNAVAILABLE" and f"{BURST} generations in flight" in message, (status, message)
     results = box[0]
-    assert all(r[0] == "ok" and r[1] == samples_for_codes(frames) for r in results), [r for r in results if r[0] != "ok"][:2]
+    assert all(r[0] == "ok" and r[1] == samples_for_codes(frames)
+               for r in results), [r for r in results if r[0] != "ok"][:2]
     assert took < 0.5 * min(r[2] for r in results), (took, min(r[2] for r in results))
-    print(f"\none past {BURST}: UNAVAILABLE in {took:.3f} s; the {BURST} admitted took {min(r[2] for r in results):.1f}-"
+    print(f"\none past {BURST}: UNAVAILABLE in {took:.3f} s; the {BURST} admitted took "
+          f"{min(r[2] for r in results):.1f}-"
           f"{max(r[2] for r in results):.1f} s")
 
 
@@ -404,7 +411,9 @@ def test_sigterm_under_load_drains_then_exits_zero_without_leaking_shm(tiny_asse
             audio = f.result(timeout=120)
             assert audio.shape == (samples_for_codes(FRAMES),) and np.isfinite(audio).all()
         chunks, error = stream.result(timeout=120)  # and so does the stream in flight, every chunk of it
-        assert error is None and np.concatenate(chunks).shape == (samples_for_codes(FRAMES),), (str(error), error.status() if error else None, len(chunks))
+        assert (error is None and np.concatenate(chunks).shape == (samples_for_codes(FRAMES),
+                                                                   )), (str(error), error.status() if error else None,
+                                                                        len(chunks))
         assert wait_for(lambda: http_status(cli.http_url, "/v2/health/ready")[0] != 200, 30)
         code = cli.proc.wait(timeout=60 + 15)
         print(f"\nexit {code} {time.monotonic() - t0:.1f}s after SIGTERM")
@@ -576,12 +585,14 @@ def test_serve_cli_restricts_admin_apis_behind_a_key(tiny_repo, tmp_path):
             denied, _ = http_status(url, path, method, body)
             allowed, _ = http_status(url, path, method, body, headers=header)
             wrong, _ = http_status(url, path, method, body, headers={serve.ADMIN_HEADER: "x" + key})
-            assert denied not in (200, None) and wrong not in (200, None) and allowed == 200, (path, denied, wrong, allowed)
+            assert (denied not in (200, None) and wrong not in (200, None)
+                    and allowed == 200), (path, denied, wrong, allowed)
         g = grpcclient.InferenceServerClient(f"{LOCALHOST}:{ports[1]}")
         with pytest.raises(InferenceServerException):
             g.get_system_shared_memory_status()
         assert g.get_system_shared_memory_status(headers={serve.GRPC_ADMIN_HEADER: key}) is not None
-        assert np.isfinite(grpc_synth(f"{LOCALHOST}:{ports[1]}", TEXT="你好", MAX_NEW_TOKENS=3)).all()  # inference is open
+        # inference is open
+        assert np.isfinite(grpc_synth(f"{LOCALHOST}:{ports[1]}", TEXT="你好", MAX_NEW_TOKENS=3)).all()
     finally:
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=90)

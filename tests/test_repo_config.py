@@ -67,7 +67,8 @@ def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo
     assert compile_params() == ["0", "0"]
 
 
-def test_configure_gpt_compile_prefill_reaches_both_engine_services_and_is_off_by_default(tiny_repo, tmp_path, monkeypatch):
+def test_configure_gpt_compile_prefill_reaches_both_engine_services_and_is_off_by_default(tiny_repo, tmp_path,
+                                                                                          monkeypatch):
     """--gpt-compile-prefill (opt-in) sets gpt_compile_prefill on both engine models, and
     the service factory hands it to the GPT service (which compiles prefills only with the step)."""
     import shutil
@@ -115,7 +116,8 @@ def _switched_on_and_kept(tiny_repo, tmp_path, flag, model, key):
     return repo, param
 
 
-def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_the_service(tiny_repo, tmp_path, monkeypatch):
+def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_the_service(tiny_repo, tmp_path,
+                                                                                           monkeypatch):
     """chattts_vocoder's vocoder_graphs is on by default; --no-vocoder-graphs turns it off, a re-configure
     that does not name it keeps that, and its service reads it. The stream model keeps its own (on); a
     CPU instance makes no graphs whatever the flag."""
@@ -131,7 +133,8 @@ def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_t
         return rc.parse_pbtxt((repo / VOCODER / "config.pbtxt").read_text()).parameters["vocoder_graphs"].string_value
 
     asked = []
-    monkeypatch.setattr(vocoder_runtime.VocoderService, "__init__", lambda self, *a, graphs=False, **kw: asked.append(graphs))
+    monkeypatch.setattr(vocoder_runtime.VocoderService, "__init__",
+                        lambda self, *a, graphs=False, **kw: asked.append(graphs))
     assert graphs_param() == "1"
     vocoder_service(ModelContext.from_repo(repo, VOCODER))
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-vocoder-graphs"]) == 0
@@ -152,8 +155,10 @@ def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_t
 
 
 @pytest.mark.parametrize("flag,key,field", [("--stream-codec-stream", "codec_stream", "stream_codec_stream"),
-                                             ("--stream-first-chunks-first", "first_chunks_first", "stream_first_chunks_first")])
-def test_configure_stream_options_reach_the_stream_service_and_persist(tiny_repo, tmp_path, monkeypatch, flag, key, field):
+                                             ("--stream-first-chunks-first", "first_chunks_first",
+                                              "stream_first_chunks_first")])
+def test_configure_stream_options_reach_the_stream_service_and_persist(tiny_repo, tmp_path, monkeypatch, flag,
+                                                                       key, field):
     """The stream model's opt-in switches (off by default) set chattts_stream's parameter, which its
     service gets; a CPU service has no CUDA stream to use whatever --stream-codec-stream says."""
     from chattts_triton.runtime import streaming
@@ -229,12 +234,15 @@ def test_configure_stream_schedule_persists_and_refuses_a_fade_longer_than_the_l
 
     def params():
         p = rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters
-        return {k: p[k].string_value for k in ("stream_first_chunk_frames", "stream_first_lookahead_frames", "stream_fade_frames")}
+        return {k: p[k].string_value for k in ("stream_first_chunk_frames", "stream_first_lookahead_frames",
+                                               "stream_fade_frames")}
 
-    assert params() == {"stream_first_chunk_frames": "8", "stream_first_lookahead_frames": "8", "stream_fade_frames": "4"}
+    assert params() == {"stream_first_chunk_frames": "8", "stream_first_lookahead_frames": "8",
+                        "stream_fade_frames": "4"}
     assert rc.main(["--repo", str(repo), "--stream-first-lookahead-frames", "0", "--stream-fade-frames", "2"]) == 0
     assert rc.main(["--repo", str(repo), "--stream-first-chunk-frames", "4"]) == 0  # the others are kept
-    assert params() == {"stream_first_chunk_frames": "4", "stream_first_lookahead_frames": "0", "stream_fade_frames": "2"}
+    assert params() == {"stream_first_chunk_frames": "4", "stream_first_lookahead_frames": "0",
+                        "stream_fade_frames": "2"}
     with pytest.raises(SystemExit):
         rc.main(["--repo", str(repo), "--stream-first-lookahead-frames", "2", "--stream-fade-frames", "3"])
     assert "fade must be" in capsys.readouterr().err
@@ -301,7 +309,8 @@ def test_every_queue_holds_twice_what_the_engines_admit():
     queue size" below the engine's bound): each is bounded, at twice the engines' admission bound — sized
     at the largest batch where the engines size themselves from the GPU at load."""
     for dep, bound in ((rc.Deployment(gpt_slots=3), 12), (rc.Deployment(gpt_slots=3, gpt_max_pending=5), 5),
-                       (rc.Deployment(gpus=[0, 1]), 2 * 4 * MAX_SLOTS["gpt"]), (rc.Deployment(gpus=[0], gpt_slots=100), 400)):
+                       (rc.Deployment(gpus=[0, 1]), 2 * 4 * MAX_SLOTS["gpt"]),
+                       (rc.Deployment(gpus=[0], gpt_slots=100), 400)):
         cfgs = rc.build_configs(_tiny_arch(), dep)
         for m in rc.MODELS:
             assert cfgs[m].dynamic_batching.default_queue_policy.max_queue_size == 2 * bound, (dep, m)

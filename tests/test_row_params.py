@@ -14,7 +14,8 @@ from chattts_triton.runtime.row_params import FLOAT_FIELDS, INT_FIELDS, RowParam
 def test_a_requests_fields_land_in_their_named_columns():
     code = GenRequest(torch.arange(5), SamplingParams(0.3, 0.7, 20, 1.05, 100, 10, seed=1234), None,
                       audio_codes=torch.zeros(3, 4, dtype=torch.int64))
-    text = GenRequest(torch.arange(9), SamplingParams(0.7, None, None, 1.0, 50, 0, seed=7), None, mode="text", eos_id=21140)
+    text = GenRequest(torch.arange(9), SamplingParams(0.7, None, None, 1.0, 50, 0, seed=7), None, mode="text",
+                      eos_id=21140)
     rows = RowParams.of([code, text])
     assert rows.ints.shape == (2, len(INT_FIELDS)) and rows.floats.shape == (2, len(FLOAT_FIELDS))
     assert rows.ints.dtype == torch.int64 and rows.floats.dtype == torch.float32
@@ -37,7 +38,8 @@ def test_names_are_views_of_the_packed_tensors_and_narrow_writes_through_while_s
         assert getattr(rows, name).data_ptr() == rows.floats[:, j].data_ptr()
     rows.seed.fill_(9)
     rows.narrow(1, 2).temperature.fill_(0.5)
-    rows.narrow(2, 1).copy_(RowParams.of([GenRequest(torch.arange(3), SamplingParams(0.2, 0.9, 5, 1.1, 8, 8, seed=3), None)]))
+    rows.narrow(2, 1).copy_(RowParams.of([GenRequest(torch.arange(3),
+                                                     SamplingParams(0.2, 0.9, 5, 1.1, 8, 8, seed=3), None)]))
     assert rows.seed.tolist() == [9, 9, 3, 9] and torch.equal(rows.temperature, torch.tensor([1.0, 0.5, 0.2, 1.0]))
     picked = rows.select(torch.tensor([2, 0]))
     picked.seed.fill_(-1)
@@ -48,7 +50,8 @@ def test_a_free_row_indexes_the_code_head_and_reads_no_history():
     rows = RowParams.free(3)
     assert rows.eos.tolist() == [AUDIO_EOS] * 3 and rows.n.tolist() == [0] * 3 and rows.prompt_len.tolist() == [0] * 3
     assert (rows.floats == 1).all() and rows.text.tolist() == [0] * 3
-    rows.narrow(0, 2).copy_(RowParams.of([GenRequest(torch.arange(3), SamplingParams(0.2, 0.9, 5, 1.1, 8, 8, seed=3), None,
+    rows.narrow(0, 2).copy_(RowParams.of([GenRequest(torch.arange(3),
+                                                     SamplingParams(0.2, 0.9, 5, 1.1, 8, 8, seed=3), None,
                                                       mode="text", eos_id=21140)] * 2))
     rows.narrow(0, 2).copy_(RowParams.free(1))  # one free row, broadcast: how the engine resets slots
     assert torch.equal(rows.ints, RowParams.free(3).ints) and torch.equal(rows.floats, RowParams.free(3).floats)

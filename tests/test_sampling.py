@@ -27,10 +27,13 @@ def test_sampling_filters_equal_transformers_warpers():
 
 def test_counter_based_draw_is_deterministic_and_uniform():
     seed = torch.tensor([1, 1, 2, (1 << 40) + 1])
-    u1 = sampling.uniform(seed, torch.tensor([0, 1, 0, 0]), torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
-    u2 = sampling.uniform(seed, torch.tensor([0, 1, 0, 0]), torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+    u1 = sampling.uniform(seed, torch.tensor([0, 1, 0, 0]), torch.zeros(4, dtype=torch.long),
+                          torch.zeros(4, dtype=torch.long))
+    u2 = sampling.uniform(seed, torch.tensor([0, 1, 0, 0]), torch.zeros(4, dtype=torch.long),
+                          torch.zeros(4, dtype=torch.long))
     assert torch.equal(u1, u2) and len(set(u1.tolist())) == 4
-    many = sampling.uniform(torch.arange(20000), torch.zeros(20000, dtype=torch.long), torch.zeros(20000, dtype=torch.long), torch.zeros(20000, dtype=torch.long))
+    many = sampling.uniform(torch.arange(20000), torch.zeros(20000, dtype=torch.long),
+                            torch.zeros(20000, dtype=torch.long), torch.zeros(20000, dtype=torch.long))
     assert 0 <= many.min() and many.max() < 1 and abs(many.mean().item() - 0.5) < 0.01
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75]])
     draws = [sampling.draw(probs, torch.tensor([u])).item() for u in (0.0, 0.2, 0.26, 0.99)]
@@ -62,7 +65,8 @@ def test_seed_0_first_draw_takes_the_favourite_at_low_temperature():
     logits = torch.zeros(r, v)
     logits[:, 536], logits[:, 544] = 1.5880, 1.5890
     lg = sampling.process_logits(logits, torch.full((r,), 1e-5), torch.full((r,), 1.05), torch.full((r,), 0.7),
-                                 torch.full((r,), 20), torch.zeros(r, 16, dtype=torch.long), torch.zeros(r, dtype=torch.long),
+                                 torch.full((r,), 20), torch.zeros(r, 16, dtype=torch.long),
+                                 torch.zeros(r, dtype=torch.long),
                                  torch.zeros(r, dtype=torch.bool), torch.full((r,), 625))
     probs = lg.softmax(-1)
     assert 0 < probs[0, 536] < 1e-40  # the trap: a positive probability before the favourite

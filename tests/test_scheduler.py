@@ -116,7 +116,8 @@ def test_suspended_requests_go_back_to_the_head_oldest_first_and_resume_with_the
     # 11 free: old takes its 2, young its 5 + 1 in reserve, new1 its 1 + 2: the resumed took no prefill
     # budget (new1's 8 tokens fit the 10); new2's would not
     got = s.admit(running=0, free_pages=11, step=9)
-    assert [r.req for r in got.resume] == [old, young] and [(r.pages, r.steps) for r in got.resume] == [(2, 44), (5, 30)]
+    assert ([r.req for r in got.resume] == [old, young]
+            and [(r.pages, r.steps) for r in got.resume] == [(2, 44), (5, 30)])
     assert names(got.prefill) == ["new1"] and names(s.requests()) == ["new2"] and not s.suspended
     # 7 free: young's 5 + 1 reserve do not fit after old's 2, and nothing behind it jumps the queue
     s, old, young = suspended_queue()

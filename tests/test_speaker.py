@@ -134,8 +134,10 @@ def _good() -> str:
         (lambda: _raw_speaker(np.ones(100)), "has 100 values; this model needs 768"),
         (lambda: _raw_speaker(np.ones(769)), "more than 1536 bytes"),
         (lambda: _raw_speaker(np.ones(1000)), "more than 1536 bytes"),
-        (lambda: b14.encode_to_string(lzma.compress(b"\x00" * 1535, format=lzma.FORMAT_RAW, filters=FILTERS)), "1535 bytes"),
-        (lambda: b14.encode_to_string(lzma.compress(b"\x00" * 10**7, format=lzma.FORMAT_RAW, filters=FILTERS)), "more than 1536 bytes"),
+        (lambda: b14.encode_to_string(lzma.compress(b"\x00" * 1535, format=lzma.FORMAT_RAW, filters=FILTERS)),
+         "1535 bytes"),
+        (lambda: b14.encode_to_string(lzma.compress(b"\x00" * 10**7, format=lzma.FORMAT_RAW, filters=FILTERS)),
+         "more than 1536 bytes"),
         (lambda: _raw_speaker(np.r_[np.ones(767), np.nan]), "NaN or infinite"),
         (lambda: _raw_speaker(np.r_[np.ones(767), np.inf]), "NaN or infinite"),
     ],
@@ -163,7 +165,8 @@ def test_concatenated_streams_decode_like_upstream():
         np.testing.assert_array_equal(spk.decode_speaker(s), UpSpeaker._decode(s))
 
 
-@pytest.mark.parametrize("seed,pattern", [("1", "integer"), (1.5, "integer"), (True, "integer"), (2**64, "out of range")])
+@pytest.mark.parametrize("seed,pattern", [("1", "integer"), (1.5, "integer"), (True, "integer"),
+                                          (2**64, "out of range")])
 def test_sample_random_rejects_bad_seed(seed, pattern):
     with pytest.raises(SpeakerError, match=pattern):
         spk.sample_random_speaker(seed)

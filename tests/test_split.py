@@ -25,7 +25,8 @@ ZH_PARAGRAPH = (
     "[uv_break]如果你有机会来成都，一定要去看看大熊猫，它们每天要吃掉大约12.5公斤的竹子，睡上十几个小时，憨态可掬，让人忍俊不禁。"
 ) * 3
 EN_PARAGRAPH = (
-    "The history of the printing press is a story of patience, failure and luck. In 1440, a goldsmith in Mainz began to "
+    "The history of the printing press is a story of patience, failure and luck. In 1440, a goldsmith in Mainz "
+    "began to "
     "experiment with movable type, and within 50 years more than 20,000,000 books had been printed across Europe. "
     "Meet me at 10:30 on 2026-12-02, it costs $12.50, and bring the 3rd volume of the catalogue with you; the library "
     "closes at 6:00 pm sharp [uv_break] and the librarian, who has worked there since March 3, 2001, does not wait for "
@@ -33,7 +34,8 @@ EN_PARAGRAPH = (
 ) * 3
 MIXED_PARAGRAPH = (
     "我今天用了 ChatTTS 和 Triton 部署了一个语音服务，it handles 64 requests at once and answers in about 150 ms. "
-    "价格是每小时$2.50，比我们原来的方案便宜了45%，而且 the first chunk arrives before you finish reading this sentence. "
+    "价格是每小时$2.50，比我们原来的方案便宜了45%，而且 the first chunk arrives before you finish reading "
+    "this sentence. "
     "[laugh_0]下周一上午9:30我们开会讨论 the next steps，包括 streaming, batching and a gateway for OpenAI clients。"
 ) * 3
 
@@ -70,13 +72,16 @@ def test_every_piece_stays_under_max_new_tokens_with_margin():
 
 
 def test_sentences_are_cut_where_upstream_cuts_them_when_they_fit():
-    text = "四川美食确实以辣闻名，但也有不辣的选择。比如甜水面、赖汤圆、蛋烘糕、叶儿粑等。The weather is nice today. Let us go out."
+    text = ("四川美食确实以辣闻名，但也有不辣的选择。比如甜水面、赖汤圆、蛋烘糕、叶儿粑等。"
+            "The weather is nice today. Let us go out.")
     assert split_for_synthesis(text) == [p.strip() for p in split_text(text, drop_empty=True)]
-    assert split_for_synthesis("第一行的句子足够长了\n第二行的句子也足够长") == ["第一行的句子足够长了", "第二行的句子也足够长"]
+    assert split_for_synthesis("第一行的句子足够长了\n第二行的句子也足够长") == [
+        "第一行的句子足够长了", "第二行的句子也足够长"]
 
 
 def test_a_sentence_over_the_budget_is_cut_at_clauses_first():
-    sentence = "这些小吃口味温和，甜而不腻，也很受欢迎，成都人几乎每天都吃，游客们也总是排着长队，只为尝一口地道的味道。"
+    sentence = ("这些小吃口味温和，甜而不腻，也很受欢迎，成都人几乎每天都吃，"
+                "游客们也总是排着长队，只为尝一口地道的味道。")
     pieces = split_for_synthesis(sentence, max_frames=300)
     assert len(pieces) > 1 and all(p.endswith(("，", "。")) for p in pieces)
 

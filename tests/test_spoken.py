@@ -75,10 +75,12 @@ def test_the_served_normalizer_voices_the_tables_and_removes_nothing(served_norm
 
 
 def test_the_issue_sentences(served_normalizer):
-    assert served_normalizer("我有3个苹果，价格是12.5元，增长了45%。") == "我有三个苹果，价格是十二点五元，增长了百分之四十五。"
+    assert (served_normalizer("我有3个苹果，价格是12.5元，增长了45%。")
+            == "我有三个苹果，价格是十二点五元，增长了百分之四十五。")
     en = served_normalizer("Meet me at 10:30 on 2026-12-02, it costs $12.50.")
     assert same_speech(en, "Meet me at ten thirty on the second of december twenty twenty six, it costs twelve dollars "
-                           "and fifty cents.") or same_speech(en, "Meet me at ten thirty on december second twenty twenty "
+                           "and fifty cents.") or same_speech(en,
+                                                              "Meet me at ten thirty on december second twenty twenty "
                                                                   "six, it costs twelve dollars and fifty cents.")
 
 
@@ -97,7 +99,8 @@ def test_each_window_is_read_in_its_own_language():
 def test_text_without_digits_is_returned_as_is_without_the_grammars(monkeypatch):
     spoken = sp.SpokenForm()
     monkeypatch.setattr(spoken, "_wetext", None)  # would raise if used
-    for text in ("四川美食确实以辣闻名，但也有不辣的选择。", "Hello world, 100 percent plain.".replace("100", "one hundred"), ""):
+    for text in ("四川美食确实以辣闻名，但也有不辣的选择。",
+                 "Hello world, 100 percent plain.".replace("100", "one hundred"), ""):
         assert spoken(text, detect_language(text)) == text
 
 
@@ -115,7 +118,8 @@ def test_a_number_num2words_refuses_is_left_to_the_grammar():
 
 
 def test_random_text_never_raises_and_is_deterministic():
-    pool = (list("0123456789０１２ .,:;-/%$€£¥℃°+~") + list("年月日个第元点分之") + ["km", "kg", "GB", "am", "pm", "st", "th"]
+    pool = (list("0123456789０１２ .,:;-/%$€£¥℃°+~") + list("年月日个第元点分之")
+            + ["km", "kg", "GB", "am", "pm", "st", "th"]
             + ["March", "in", "the", "你好", "Hello", "[uv_break]", "1,234", "2026-12-02", "10:30", "$12.50", "3/4"])
     rng = random.Random(0)
     spoken = sp.default()
@@ -167,7 +171,8 @@ def test_digit_dense_text_goes_to_the_grammars_in_bounded_windows():
 
 def phones_in(text: str):
     """(what was taken as a phone number, its country code, its groups) for each phone number of `text`."""
-    return [(text[s:e], p.country, p.groups) for m in sp._PHONE.finditer(text) for s, e, p in sorted(sp._phone_spans(m))]
+    return [(text[s:e], p.country, p.groups) for m in sp._PHONE.finditer(text)
+            for s, e, p in sorted(sp._phone_spans(m))]
 
 
 @pytest.mark.parametrize("text,country,groups", [

@@ -77,7 +77,8 @@ def test_breaks_are_silence_on_the_gateway_and_tokens_in_one_text():
 
 def test_voice_and_rate_cut_segments_and_punctuation_stays_with_its_text():
     speech = render('Narrator here. <voice name="nova">I am Nova, <prosody rate="slow">slowly</prosody>.</voice>'
-                    '<voice name="2222"><prosody rate="150%">Fast <prosody rate="+100%">faster</prosody></prosody></voice>')
+                    '<voice name="2222"><prosody rate="150%">Fast <prosody '
+                    'rate="+100%">faster</prosody></prosody></voice>')
     assert [(s.text, s.voice, s.rate) for s in speech.segments] == [
         ("Narrator here.", None, 1.0), ("I am Nova,", "nova", 1.0), ("slowly.", "nova", 0.75),
         ("Fast", "2222", 1.5), ("faster", "2222", 3.0)]  # nested rates multiply
@@ -101,19 +102,22 @@ def test_speed_token_table_and_rates_applied_to_a_prompt():
 # --- say-as through the normaliser --------------------------------------------------------------------------
 def say_as(kind: str, content: str, lang: str = "en-US", fmt: str = "") -> str:
     fmt = f' format="{fmt}"' if fmt else ""
-    (segment,) = render(f'<lang xml:lang="{lang}"><say-as interpret-as="{kind}"{fmt}>{content}</say-as></lang>').segments
+    (segment,
+     ) = render(f'<lang xml:lang="{lang}"><say-as interpret-as="{kind}"{fmt}>{content}</say-as></lang>').segments
     return segment.text
 
 
 def test_say_as_reads_as_the_spoken_form_normaliser_reads_the_canonical_form():
-    assert say_as("cardinal", "1,234") == SPOKEN("1234", "en") and say_as("number", "-3.5", "zh-CN") == SPOKEN("-3.5", "zh")
+    assert (say_as("cardinal", "1,234") == SPOKEN("1234", "en")
+            and say_as("number", "-3.5", "zh-CN") == SPOKEN("-3.5", "zh"))
     # a four-digit cardinal is a count even where the normaliser would read a year
     assert say_as("cardinal", "2024") == SPOKEN("2024", "en") != SPOKEN("in 2024", "en").removeprefix("in ")
     assert say_as("ordinal", "21") == SPOKEN("21st", "en") and say_as("ordinal", "3", "zh") == SPOKEN("第3", "zh")
     assert say_as("date", "2024-03-05", "zh") == SPOKEN("2024年3月5日", "zh")
     assert say_as("date", "3/5/2024", fmt="mdy") == SPOKEN("March 5, 2024", "en")
     assert say_as("date", "5.3.2024", fmt="dmy") == say_as("date", "2024-03-05")
-    assert say_as("date", "Mar 2024", fmt="my") == f"March {SPOKEN.year(2024)}" and say_as("date", "1999") == SPOKEN.year(1999)
+    assert (say_as("date", "Mar 2024", fmt="my") == f"March {SPOKEN.year(2024)}"
+            and say_as("date", "1999") == SPOKEN.year(1999))
     assert say_as("time", "14:30", "zh") == SPOKEN("14:30", "zh")
     assert say_as("time", "2:30 p.m.", fmt="hms12") == SPOKEN("2:30 pm", "en")
     assert say_as("time", "2:30pm", "zh") == SPOKEN("下午2:30", "zh")
@@ -131,14 +135,16 @@ def test_say_as_characters_and_digits():
 
 
 def test_say_as_language_is_the_innermost_xml_lang_else_the_enclosing_sentences():
-    body = ('<s>The code is <say-as interpret-as="digits">12</say-as></s><s>号码是<say-as interpret-as="digits">12</say-as></s>'
+    body = ('<s>The code is <say-as interpret-as="digits">12</say-as></s><s>号码是<say-as '
+            'interpret-as="digits">12</say-as></s>'
             '<s xml:lang="zh-CN">Code <say-as interpret-as="digits">12</say-as></s>')
     assert texts(render(body)) == ["The code is one two. 号码是一二。 Code 一二。"]
 
 
 # --- what is refused ---------------------------------------------------------------------------------------
 BILLION_LAUGHS = ('<?xml version="1.0"?><!DOCTYPE lolz [<!ENTITY lol "lol">'
-                  + "".join(f'<!ENTITY lol{i} "{("&lol" + (str(i - 1) if i > 1 else "") + ";") * 10}">' for i in range(1, 10))
+                  + "".join(f'<!ENTITY lol{i} "{("&lol" + (str(i - 1) if i > 1 else "") + ";") * 10}">'
+                            for i in range(1, 10))
                   + ']><speak>&lol9;</speak>')
 HOSTILE = [
     (BILLION_LAUGHS, "document type declaration"),
@@ -149,7 +155,8 @@ HOSTILE = [
     ("<speak>" + "<prosody>" * 5000 + "x" + "</prosody>" * 5000 + "</speak>", "deeper than 32"),
     ("<speak><emphasis>hi</emphasis></speak>", "<emphasis> is not supported; supported: break, lang, p, prosody"),
     ("<speak><audio src='http://127.0.0.1:1/a.wav'/></speak>", "<audio> is not supported"),
-    ('<speak><prosody pitch="high">hi</prosody></speak>', "<prosody> attribute 'pitch' is not supported; supported: rate"),
+    ('<speak><prosody pitch="high">hi</prosody></speak>',
+     "<prosody> attribute 'pitch' is not supported; supported: rate"),
     ('<speak><break time="1s" foo="1"/></speak>', "<break> attribute 'foo'"),
     ('<speak xmlns:m="urn:x"><m:express-as>hi</m:express-as></speak>', "<express-as> of namespace 'urn:x'"),
     ('<speak xmlns:m="urn:x" m:style="x">hi</speak>', "attribute '{urn:x}style'"),
@@ -238,7 +245,8 @@ def spoken_text(out) -> str:
 
 def test_preprocess_reads_ssml_into_spoken_text_and_the_prompt(pre):
     out = pre.prepare({"TEXT": b(speak('<prosody rate="x-fast">我住在<sub alias="虫庆">重庆</sub>，电话'
-                                       '<say-as interpret-as="telephone">13812345678</say-as><break time="2s"/>好的</prosody>'))})
+                                       '<say-as interpret-as="telephone">13812345678</say-as><break '
+                                       'time="2s"/>好的</prosody>'))})
     expected = pre.normalize("我住在虫庆，电话" + say_as("telephone", "13812345678", "zh") + " [lbreak] 好的")
     assert spoken_text(out) == expected
     # the rate is the prompt's speed: the same tokens as the plain text with PROMPT [speed_8]
@@ -246,7 +254,8 @@ def test_preprocess_reads_ssml_into_spoken_text_and_the_prompt(pre):
     assert out["TEXT_IDS"].tolist() == plain["TEXT_IDS"].tolist()
     # relative to the request's PROMPT speed
     slow = pre.prepare({"TEXT": b(speak('<prosody rate="50%">Hi</prosody>')), "PROMPT": b("[speed_3][oral_1]")})
-    assert slow["TEXT_IDS"].tolist() == pre.prepare({"TEXT": b("Hi"), "PROMPT": b("[speed_1][oral_1]")})["TEXT_IDS"].tolist()
+    assert slow["TEXT_IDS"].tolist() == pre.prepare({"TEXT": b("Hi"),
+                                                     "PROMPT": b("[speed_1][oral_1]")})["TEXT_IDS"].tolist()
 
 
 def test_preprocess_takes_the_ssml_voice_as_voice(pre):
@@ -331,7 +340,8 @@ def test_gateway_timings_carry_the_silence_of_breaks():
         ("First part here.", lead, lead + piece, spoken("First part here.")),
         ("Second part here.", lead + piece + gap, lead + 2 * piece + gap, spoken("Second part here."))]
     audio = np.frombuffer(base64.b64decode(reply["audio"]), "<i2")
-    assert not audio[:lead].any() and not audio[lead + piece:lead + piece + gap].any() and audio[lead:lead + piece].any()
+    assert (not audio[:lead].any() and not audio[lead + piece:lead + piece + gap].any()
+            and audio[lead:lead + piece].any())
     events = [json.loads(x[6:]) for x in sse.decode().split("\n\n") if x.startswith("data: ")]
     streamed = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
     assert sse_status == 200 and streamed == base64.b64decode(reply["audio"])
@@ -359,7 +369,8 @@ def test_gateway_refuses_huge_and_empty_ssml_and_a_split_false_part_over_the_lim
     status, _, body, job = gateway_job(input=speak('<break time="1s"/>'))
     assert status == 400 and json.loads(body)["error"]["message"] == "'input' has nothing to speak" and job is None
     status, _, body, _ = gateway_job(input=speak("y " * 1100), split=False)
-    assert status == 400 and "each part of the SSML 'input' must be at most 2000" in json.loads(body)["error"]["message"]
+    assert (status == 400
+            and "each part of the SSML 'input' must be at most 2000" in json.loads(body)["error"]["message"])
     status, _, body, job = gateway_job(input=speak("Hello <break/> there"), split=False)
     assert status == 200 and job.pieces == ["Hello", "there"]
 
@@ -393,7 +404,8 @@ def test_ssml_over_grpc_and_the_stream_model(served_tiny):
         told = []
         chunks = list(c.stream(document, split=False, voice_from_first=False, on_spoken_text=told.append, **fixed))
         assert told == [said] and np.concatenate(chunks).size == audio.size
-        for text, words in [(BILLION_LAUGHS, "document type declaration"), (HOSTILE[6][0], "<emphasis> is not supported"),
+        for text, words in [(BILLION_LAUGHS, "document type declaration"),
+                            (HOSTILE[6][0], "<emphasis> is not supported"),
                             (speak('你好<voice name="echo">再见</voice>'), "switches voice")]:
             with pytest.raises(ChatTTSError) as e:
                 c.synthesize(text, split=False, **fixed)

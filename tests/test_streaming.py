@@ -1,5 +1,5 @@
-"""Streaming: windowed decoding exactness (the plan itself: tests/test_chunks.py), the stream service without Triton, and
-`chattts_stream` through the real tritonserver (gRPC bidirectional streaming, HTTP SSE, cancel)."""
+"""Streaming: windowed decoding exactness (the plan itself: tests/test_chunks.py), the stream service without Triton,
+and `chattts_stream` through the real tritonserver (gRPC bidirectional streaming, HTTP SSE, cancel)."""
 
 from __future__ import annotations
 
@@ -216,7 +216,8 @@ def test_a_codec_call_of_many_items_and_both_paths_replays_graphs_of_similar_len
     from chattts_triton.runtime.graphs import bucket
     from chattts_triton.runtime.vocoder import CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES
 
-    assert ("decoder", CODEC_GRAPH_BATCH, bucket(dec[CODEC_GRAPH_BATCH - 1], CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES)) in keys
+    assert ("decoder", CODEC_GRAPH_BATCH, bucket(dec[CODEC_GRAPH_BATCH - 1], CODEC_FRAMES_STEP,
+                                                 CODEC_GRAPH_FRAMES)) in keys
 
 
 # --- the service, without Triton ------------------------------------------------------------------
@@ -267,7 +268,8 @@ def stream_service(tiny_repo):
     from chattts_triton.triton.backend import stream_service as factory
 
     # exact chunks (first lookahead 0: as the later ones), with the served fade between them
-    svc = factory(stream_context(tiny_repo, stream_first_chunk_frames=4, stream_chunk_frames=8, stream_first_lookahead_frames=0, stream_fade_frames=4,
+    svc = factory(stream_context(tiny_repo, stream_first_chunk_frames=4, stream_chunk_frames=8,
+                                 stream_first_lookahead_frames=0, stream_fade_frames=4,
                                  stream_slots=4, stream_max_pending=16))
     yield svc
     svc.close()
@@ -288,14 +290,16 @@ def test_codec_graphs_of_the_stream_windows_are_made_at_start_up(stream_service,
     voc.graphs = CodecGraphs(voc, capture=False)
     try:
         stream_service.warm_codec()
-        sizes = {w.stop - w.start for n in range(1, WARM_STREAM_FRAMES + 1) for w in stream_windows(stream_service.schedule, n)}
+        sizes = {w.stop - w.start for n in range(1, WARM_STREAM_FRAMES + 1)
+                 for w in stream_windows(stream_service.schedule, n)}
         assert len(sizes) >= 3  # the first window, the later ones, the last
         warmed = set(voc.graphs.graphs)
         # every window of every stream, alone or with up to CODEC_GRAPH_BATCH - 1 others
         assert {("decoder", b, bucket(n, CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES))
                 for b in (1, 2, 4, 8, 16) for n in sizes} <= warmed
         assert CODEC_GRAPH_BATCH == 16 and stream_service.max_streams >= 16
-        assert {k[0] for k in warmed} == {"decoder"} and max(k[2] for k in warmed) == bucket(max(sizes), CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES)
+        assert ({k[0] for k in warmed} == {"decoder"}
+                and max(k[2] for k in warmed) == bucket(max(sizes), CODEC_FRAMES_STEP, CODEC_GRAPH_FRAMES))
     finally:
         voc.graphs = None
     calls = []
@@ -334,8 +338,10 @@ def test_on_the_cpu_only_the_engine_runs_an_openmp_team_of_more_than_one_thread(
     the stream process's only one (as in chattts_gpt); the calling thread's count is left as it was."""
     svc, seen = stream_service, {}
     prepare, synthesize = svc.pre.prepare, svc.voc.synthesize
-    monkeypatch.setattr(svc.pre, "prepare", lambda inputs: seen.setdefault("preprocess", torch.get_num_threads()) and prepare(inputs))
-    monkeypatch.setattr(svc.voc, "synthesize", lambda items: seen.setdefault("codec", torch.get_num_threads()) and synthesize(items))
+    monkeypatch.setattr(svc.pre, "prepare", lambda inputs: seen.setdefault("preprocess", torch.get_num_threads())
+                        and prepare(inputs))
+    monkeypatch.setattr(svc.voc, "synthesize", lambda items: seen.setdefault("codec", torch.get_num_threads())
+                        and synthesize(items))
     before = torch.get_num_threads()
     rec = Recorder(contract(n=5))
     svc.execute([rec.call])
@@ -456,7 +462,8 @@ def test_a_new_streams_first_chunk_is_decoded_in_a_call_of_its_own_when_asked(st
         assert sorted(sent[1:]) == ["new", "running"] and len(calls) == 2 and len(calls[1]) == 2
 
 
-def test_a_failed_first_chunk_call_ends_its_stream_once_and_sends_nothing_after(stream_service, hand_streams, monkeypatch):
+def test_a_failed_first_chunk_call_ends_its_stream_once_and_sends_nothing_after(stream_service, hand_streams,
+                                                                                monkeypatch):
     """With `first_chunks_first`, a burst holding a new stream's first and second windows: the first
     window's own codec call fails, the stream ends with that error, and the later call of the same step
     sends it nothing more."""
@@ -521,7 +528,8 @@ def grpc_stream(server, inputs_np, cancel_after=None, timeout=120):
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     inputs = []
     for name, arr in inputs_np.items():
-        dt = "BYTES" if arr.dtype == object else {np.int64: "INT64", np.int32: "INT32", np.float32: "FP32", np.bool_: "BOOL"}[arr.dtype.type]
+        dt = ("BYTES" if arr.dtype == object else {np.int64: "INT64", np.int32: "INT32", np.float32: "FP32",
+                                                   np.bool_: "BOOL"}[arr.dtype.type])
         t = grpcclient.InferInput(name, list(arr.shape), dt)
         t.set_data_from_numpy(arr)
         inputs.append(t)
@@ -533,7 +541,8 @@ def grpc_stream(server, inputs_np, cancel_after=None, timeout=120):
             if err is not None:
                 error = err
                 break
-            chunks.append(result.as_numpy("AUDIO").reshape(-1) if result.as_numpy("AUDIO") is not None else np.zeros(0, np.float32))
+            chunks.append(result.as_numpy("AUDIO").reshape(-1) if result.as_numpy("AUDIO") is not None
+                          else np.zeros(0, np.float32))
             if result.get_response().parameters["triton_final_response"].bool_param:
                 break
             if cancel_after is not None and len(chunks) >= cancel_after:
@@ -653,7 +662,8 @@ def test_stream_counters_split_the_first_chunk_time_on_the_server(served_tiny):
     assert error is None and len(chunks) > 2
     time.sleep(0.6)  # the gauges refresh every 0.25 s
     after = read()
-    firsts = sum(c["stream_first_chunks"] for c in after.values()) - sum(c["stream_first_chunks"] for c in before.values())
+    firsts = sum(c["stream_first_chunks"] for c in after.values()) - sum(c["stream_first_chunks"]
+                                                                         for c in before.values())
     chunk_count = sum(c["stream_chunks"] for c in after.values()) - sum(c["stream_chunks"] for c in before.values())
     assert firsts == 1 and chunk_count == len(chunks)
     w = stream_window(before, after)

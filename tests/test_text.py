@@ -57,7 +57,8 @@ HANDWRITTEN = [
     "text with [uv_break] and [Stts][spk_emb][empty_spk] tags",
     "价格是 3.14 元, 数字 12345 and 67890.",
     "全角字符：ＡＢＣ１２３！？（括号）【方括号】《书名》「引号」『双引号』－",
-    "half width: a:b;c!d(e)f<g>h-i \"quoted\" 'single' #hash $dollar %pct &amp *star +plus /slash =eq ?q @at \\bs ^c `bt {b} |p ~t",
+    "half width: a:b;c!d(e)f<g>h-i \"quoted\" 'single' #hash $dollar %pct &amp *star +plus /slash =eq ?q @at \\bs ^c "
+    "`bt {b} |p ~t",
     "emoji 😀🎉👍🏽 and 中文 🇨🇳 flags",
     "為於與滿満鍑粡瀹滆摲渹 are homophone keys 為了",
     "tabs\tand\nnewlines\r\nhere",

@@ -60,7 +60,8 @@ def test_seed_voice_is_upstreams_sample_random_speaker_after_manual_seed():
 
 def test_export_writes_the_builtin_voices(tiny_repo):
     voices = V.read_voices(tiny_repo / VOICES)
-    assert sorted(voices) == sorted(BUILTIN_VOICE_SEEDS) and {"alloy", "echo", "fable", "onyx", "nova", "shimmer"} <= set(voices)
+    assert (sorted(voices) == sorted(BUILTIN_VOICE_SEEDS)
+            and {"alloy", "echo", "fable", "onyx", "nova", "shimmer"} <= set(voices))
     for name, v in voices.items():
         assert v.builtin and v.seed == BUILTIN_VOICE_SEEDS[name]
         assert v.speaker == spk.sample_random_speaker(v.seed, hidden_of(tiny_repo))
@@ -83,7 +84,8 @@ def test_registry_resolves_names_and_seed_numbers_and_lists_the_known_on_a_miss(
     reg = V.VoiceRegistry(repo_copy, hidden_of(repo_copy))
     assert reg.resolve("alloy").speaker == spk.sample_random_speaker(BUILTIN_VOICE_SEEDS["alloy"], 64)
     assert reg.resolve("2222").speaker == spk.sample_random_speaker(2222, 64)
-    with pytest.raises(InputError, match=r"VOICE 'nope' is not a voice of this server; known: alloy, echo, fable, nova"):
+    with pytest.raises(InputError,
+                       match=r"VOICE 'nope' is not a voice of this server; known: alloy, echo, fable, nova"):
         reg.resolve("nope")
     with pytest.raises(InputError, match="VOICE"):
         reg.resolve("99999999999999999999")  # a seed beyond 64 bits
@@ -124,7 +126,8 @@ def test_registry_resolves_a_mix_of_names_and_seeds_by_the_rule(repo_copy):
     reg = V.VoiceRegistry(repo_copy, 64)
     voice = reg.resolve("2222*0.7+nova*0.3")
     expected = M.mix([spk.decode_speaker(spk.sample_random_speaker(2222, 64), 64),
-                      spk.decode_speaker(spk.sample_random_speaker(BUILTIN_VOICE_SEEDS["nova"], 64), 64)], [0.7, 0.3], 64)
+                      spk.decode_speaker(spk.sample_random_speaker(BUILTIN_VOICE_SEEDS["nova"], 64), 64)],
+                     [0.7, 0.3], 64)
     assert np.array_equal(spk.decode_speaker(voice.speaker, 64), expected)
     assert voice.mix == "2222*0.7+nova*0.3" and voice.source == "mix 2222*0.7+nova*0.3" and voice.sample is None
     assert reg.resolve("2222(7)+nova(3)").speaker == voice.speaker  # Kokoro's form, the same weights
@@ -183,7 +186,8 @@ def test_cli_stores_a_mix_as_a_voice_and_a_stored_mix_mixes_again(repo_copy):
     assert stored.speaker == reg.resolve("2222*2+nova*1").speaker and stored.mix == "2222*0.666667+nova*0.333333"
     assert "blend\tmix 2222*0.666667+nova*0.333333: two of alloy" in cli(repo_copy, "list").stdout
     assert json.loads(cli(repo_copy, "list", "--json").stdout)["blend"]["mix"] == stored.mix
-    assert reg.resolve("blend").speaker == stored.speaker and reg.resolve("blend*0.5+echo*0.5").mix == "blend*0.5+echo*0.5"
+    assert (reg.resolve("blend").speaker == stored.speaker
+            and reg.resolve("blend*0.5+echo*0.5").mix == "blend*0.5+echo*0.5")
     bad = cli(repo_copy, "add", "junk", "--mix", "2222*-1+nova")
     assert bad.returncode == 1 and "weight '-1'" in bad.stderr and "junk" not in V.read_voices(repo_copy / VOICES)
     unknown = cli(repo_copy, "add", "junk", "--mix", "2222+ghost")
@@ -209,7 +213,8 @@ def test_reference_audio_of_common_formats_is_24k_mono(fmt, rate, channels):
     import io
 
     wav = V.decode_reference_audio(io.BytesIO(tone_file(fmt, 1.0, rate, channels)))
-    assert wav.dtype == np.float32 and abs(wav.size - SAMPLE_RATE) <= 2048 and 0.2 < np.abs(wav).max() < 0.45  # stereo: FFmpeg sums at -3 dB
+    # stereo: FFmpeg sums at -3 dB
+    assert wav.dtype == np.float32 and abs(wav.size - SAMPLE_RATE) <= 2048 and 0.2 < np.abs(wav).max() < 0.45
 
 
 @pytest.mark.parametrize("data, words", [

@@ -180,7 +180,8 @@ def test_seed_speaker_mix_and_recording_voices_are_stored_listed_and_deleted(cli
     c, store = client
     r = c.post("/v1/audio/voices", json={"name": "narrator", "seed": 42, "description": "deep"})
     assert r.status_code == 201 and r.json() == {"id": "narrator", "name": "narrator", "object": "voice",
-                                                 "source": "seed 42", "builtin": False, "description": "deep", "seed": 42}
+                                                 "source": "seed 42", "builtin": False, "description": "deep",
+                                                 "seed": 42}
     assert store.get("narrator") == {"seed": 42, "description": "deep"}  # a seed alone: each reader makes its speaker
     speaker = spk.sample_random_speaker(7, HIDDEN)
     assert c.post("/v1/audio/voices", json={"name": "kept", "speaker": speaker}).status_code == 201

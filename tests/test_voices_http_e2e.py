@@ -154,10 +154,12 @@ def same_pcm(got: np.ndarray, ref: np.ndarray) -> bool:
 
 def multipart(fields: dict[str, str], audio: bytes) -> tuple[bytes, dict[str, str]]:
     boundary = uuid.uuid4().hex
-    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode() for k, v in fields.items()]
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+             for k, v in fields.items()]
     parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="audio"; filename="clip.wav"\r\n'
                  f'Content-Type: audio/wav\r\n\r\n'.encode() + audio + b"\r\n")
-    return b"".join(parts) + f"--{boundary}--\r\n".encode(), {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+    return b"".join(parts) + f"--{boundary}--\r\n".encode(), {"Content-Type": "multipart/form-data; "
+                                                                              f"boundary={boundary}"}
 
 
 def test_a_voice_posted_to_one_gateway_is_spoken_by_the_other_and_by_grpc_survives_a_restart_and_is_deleted(
@@ -172,7 +174,8 @@ def test_a_voice_posted_to_one_gateway_is_spoken_by_the_other_and_by_grpc_surviv
     assert status == 201 and made["seed"] == 4242, made
     time.sleep(POLL_S)  # every reader looks at the store's generation again after this (docs/voices.md)
     by_seed = grpc.synthesize(TEXT, voice="4242", seed=3, split=False, **FIXED)
-    assert np.array_equal(grpc.synthesize(TEXT, voice=name, seed=3, split=False, **FIXED), by_seed)  # chattts_preprocess
+    # chattts_preprocess
+    assert np.array_equal(grpc.synthesize(TEXT, voice=name, seed=3, split=False, **FIXED), by_seed)
     streamed = [np.concatenate(list(grpc.stream(TEXT, voice=v, seed=3, split=False, **FIXED))) for v in (name, "4242")]
     assert np.array_equal(*streamed)  # chattts_stream reads the store too
     spoken = two.speech(name, seed=3)

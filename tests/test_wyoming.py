@@ -66,7 +66,8 @@ class FakeClient:
         """The 16-bit audio of `pieces` pieces joined with the pause, as the server should send it."""
         parts = []
         for n in range(1, pieces + 1):
-            parts += ([np.zeros(PAUSE, np.float32)] if n > 1 else []) + [np.full(self.chunk * self.chunks, n / 10, np.float32)]
+            parts += (([np.zeros(PAUSE, np.float32)] if n > 1 else [])
+                      + [np.full(self.chunk * self.chunks, n / 10, np.float32)])
         return to_int16(resample(np.concatenate(parts), sample_rate))
 
 
@@ -111,7 +112,8 @@ def squeeze(kinds: list[str | None]) -> list[str | None]:
     return [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
 
 
-# --- describe ------------------------------------------------------------------------------------------------------------
+# --- describe
+# ------------------------------------------------------------------------------------------------------------
 def test_describe_answers_info_with_one_streaming_tts_program_and_the_builtin_voices():
     async def go():
         async with serving(FakeClient()) as connect, connect() as conn:
@@ -140,14 +142,16 @@ def test_describe_without_streaming_says_so_and_a_ping_gets_its_pong():
     assert Pong.is_type(pong.type) and Pong.from_event(pong).text == "x"
 
 
-# --- synthesize --------------------------------------------------------------------------------------------------------
+# --- synthesize
+# --------------------------------------------------------------------------------------------------------
 def test_synthesize_sends_audio_start_chunks_and_stop_with_the_voice_the_seed_schedule_and_the_options():
     client = FakeClient()
 
     async def go():
         async with serving(client, seed=40, samples_per_chunk=500, options={"prompt": "[speed_3]"}) as connect, \
                 connect() as conn:
-            await conn.write_event(Synthesize(text=f"{FIRST} {SECOND}", voice=SynthesizeVoice(name="nova", speaker="x")).event())
+            await conn.write_event(Synthesize(text=f"{FIRST} {SECOND}",
+                                              voice=SynthesizeVoice(name="nova", speaker="x")).event())
             return await read_until(conn, AudioStop)
 
     events = run(go())
@@ -214,7 +218,8 @@ def test_a_seed_number_names_a_voice_and_several_syntheses_share_one_connection(
     assert audio_of(first).size == audio_of(second).size == client.chunk * client.chunks
 
 
-# --- streamed synthesis ------------------------------------------------------------------------------------------------
+# --- streamed synthesis
+# ------------------------------------------------------------------------------------------------
 def test_streamed_audio_starts_when_the_first_sentence_is_complete_and_the_compatibility_synthesize_is_not_spoken():
     client = FakeClient()
 
@@ -298,7 +303,8 @@ def test_a_client_gone_in_the_middle_of_a_stream_cancels_its_pieces():
     assert client.cancelled == [FIRST]
 
 
-# --- errors ------------------------------------------------------------------------------------------------------------
+# --- errors
+# ------------------------------------------------------------------------------------------------------------
 def test_a_failed_piece_of_a_stream_is_an_error_event_and_the_stream_still_ends_with_synthesize_stopped():
     async def go():
         async with serving(FakeClient()) as connect, connect() as conn:
@@ -436,14 +442,16 @@ def test_a_fault_of_the_server_is_an_internal_error_event_that_ends_only_its_con
     assert Info.is_type(answer.type)
 
 
-# --- command line ------------------------------------------------------------------------------------------------------
+# --- command line
+# ------------------------------------------------------------------------------------------------------
 def parse(*argv) -> Settings:
     p = build_parser()
     return settings_from_args(p, p.parse_args(list(argv)))
 
 
 def test_options_take_the_contract_types_and_prompt_defaults_to_speed_5():
-    s = parse("--option", "temperature=0.2", "--option", "max_new_tokens=20", "--option", "prompt=[oral_2]", "--seed", "7")
+    s = parse("--option", "temperature=0.2", "--option", "max_new_tokens=20", "--option", "prompt=[oral_2]",
+              "--seed", "7")
     assert s.options == {"prompt": "[oral_2]", "temperature": 0.2, "max_new_tokens": 20} and s.seed == 7
     assert parse().options == {"prompt": "[speed_5]"} and parse().seed is None
     assert parse("--idle-flush-s", "0").idle_flush_s is None
@@ -466,7 +474,8 @@ def test_bad_flags_are_refused_by_name(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
-# --- against a real tritonserver ------------------------------------------------------------------------------------------
+# --- against a real tritonserver
+# ------------------------------------------------------------------------------------------
 TOKENS = 20
 N = samples_for_codes(TOKENS)
 SEED = 11

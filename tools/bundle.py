@@ -124,7 +124,8 @@ IF_MISSING_GROUPS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("click", "8.5.1", "click"),
         ("h11", "0.16.0", "h11"),
         ("httptools", "0.9.0", "httptools"),  # the gateway's C HTTP parser, as deployed (h11 costs more CPU)
-        ("websockets", "17.4", "websockets"),  # uvicorn's WebSocket protocol (the realtime path) and bench.realtime's client
+        # uvicorn's WebSocket protocol (the realtime path) and bench.realtime's client
+        ("websockets", "17.4", "websockets"),
         ("soxr", "1.1.0", "soxr"),  # libsoxr: output rates other than 24 kHz
         ("prometheus-client", "0.26.0", "prometheus_client"),
         ("soundfile", "0.14.0", "soundfile"),  # with libsndfile; cffi is in PACKAGES
@@ -309,7 +310,8 @@ def assemble_server_tree(dest: Path, python_version: Sequence[int] = (3, 12), st
     for name in sorted(needed_bundled_libs(binaries, libs_src)):
         _copy(libs_src / name, libs_dst / name)
     if strip:
-        copies = [root / b.relative_to(source) for b in binaries[:-1]] + [root / "python_backend_stubs" / tag / stub.name]
+        copies = ([root / b.relative_to(source) for b in binaries[:-1]]
+                  + [root / "python_backend_stubs" / tag / stub.name])
         strip_binaries(copies + sorted(libs_dst.iterdir()))
     # Also usable as a backend directory as it is: the stub beside libtriton_python.so (a hard
     # link, stored once in the tar; made after stripping, which replaces files).
@@ -322,7 +324,8 @@ def write_tar_xz(tree: Path, out: Path) -> Path:
     members = sorted(p.name for p in tree.iterdir())
     if shutil.which("xz") and shutil.which("tar"):
         env = dict(os.environ, XZ_OPT="-9 -T0")
-        subprocess.run(["tar", "-C", str(tree), "--owner=0", "--group=0", "-cJf", str(out), *members], check=True, env=env)
+        subprocess.run(["tar", "-C", str(tree), "--owner=0", "--group=0", "-cJf", str(out), *members],
+                       check=True, env=env)
     else:
         with tarfile.open(out, "w:xz", preset=9) as tar:
             for name in members:
@@ -458,7 +461,7 @@ export LD_LIBRARY_PATH=$LIBS\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
 export PERF_ANALYZER=$TRITON_DIR/perf-analyzer/perf_analyzer
 $STUB_EXPORT
 EOF
-"""
+"""  # noqa: E501  a bash script: its lines are as bash reads them
 
 
 def store_wheel(src: Path, dst: Path) -> Path:

@@ -135,7 +135,8 @@ def check_loads(path: Path, timeout_s: float = 600.0) -> None:
     if r.returncode == 0:
         return
     how = f"killed it ({_signal_name(-r.returncode)})" if r.returncode < 0 else f"failed (exit {r.returncode})"
-    raise RuntimeError(f"loading the AOTInductor package {path.name} in a fresh process {how}: {_child_output(r.stderr)}")
+    raise RuntimeError(f"loading the AOTInductor package {path.name} in a fresh process {how}: "
+                       f"{_child_output(r.stderr)}")
 
 
 class AotiStep:
@@ -180,7 +181,8 @@ def probe(workdir: Path, device: str) -> Path:
     with torch.no_grad():
         ep = torch.export.export(model, (torch.randn(4, 64, device=device),))
         Path(workdir).mkdir(parents=True, exist_ok=True)
-        path = Path(torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(workdir) / f"probe-{device}.pt2")))
+        path = Path(torch._inductor.aoti_compile_and_package(ep,
+                                                             package_path=str(Path(workdir) / f"probe-{device}.pt2")))
     check_loads(path)
     return path
 
@@ -188,7 +190,8 @@ def probe(workdir: Path, device: str) -> Path:
 def main(argv=None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m bench.probes.aoti", description="Can this torch load an AOTInductor package?")
+    ap = argparse.ArgumentParser(prog="python -m bench.probes.aoti",
+                                 description="Can this torch load an AOTInductor package?")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--workdir", type=Path, default=Path("build/aoti"))
     a = ap.parse_args(argv)

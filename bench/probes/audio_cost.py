@@ -72,7 +72,8 @@ def measure(seconds: float, repeats: int, formats: list[str]) -> dict:
             assert resampled.size == out_length(audio.size, rate)
             rows.append({"what": "resample", "rate": rate,
                          "whole_ms_per_audio_s": cpu_ms(lambda rate=rate: resample(audio, rate), repeats) / seconds,
-                         "stream_ms_per_audio_s": cpu_ms(lambda rate=rate: streamed("pcm", rate, audio), repeats) / seconds,
+                         "stream_ms_per_audio_s": cpu_ms(lambda rate=rate: streamed("pcm", rate, audio),
+                                                         repeats) / seconds,
                          "stream_delay": stream_delay_ms(rate, audio)})
         for fmt in formats:
             try:
@@ -81,19 +82,23 @@ def measure(seconds: float, repeats: int, formats: list[str]) -> dict:
                 continue
             size = len(encode(fmt, audio, rate))
             rows.append({"what": fmt, "rate": rate, "kbit_per_s": size * 8 / seconds / 1e3,
-                         "whole_ms_per_audio_s": cpu_ms(lambda fmt=fmt, rate=rate: encode(fmt, audio, rate), repeats) / seconds,
-                         "stream_ms_per_audio_s": cpu_ms(lambda fmt=fmt, rate=rate: streamed(fmt, rate, audio), repeats) / seconds})
+                         "whole_ms_per_audio_s": cpu_ms(lambda fmt=fmt, rate=rate: encode(fmt, audio, rate),
+                                                        repeats) / seconds,
+                         "stream_ms_per_audio_s": cpu_ms(lambda fmt=fmt, rate=rate: streamed(fmt, rate, audio),
+                                                         repeats) / seconds})
     return {"audio_seconds": seconds, "repeats": repeats, "chunk_ms": 1e3 * CHUNK / SAMPLE_RATE,
             "cpu": os.uname().machine, "cores": os.cpu_count(), "rows": rows}
 
 
 def table(result: dict) -> str:
-    lines = ["| what | rate | whole: CPU ms per audio s | 40 ms stream: CPU ms per audio s | kbit/s | stream delay max / mean ms |",
+    lines = ["| what | rate | whole: CPU ms per audio s | 40 ms stream: CPU ms per audio s | kbit/s | stream delay max "
+             "/ mean ms |",
              "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         kbit = f"{r['kbit_per_s']:.0f}" if "kbit_per_s" in r else ""
         delay = f"{r['stream_delay']['max_ms']:.1f} / {r['stream_delay']['mean_ms']:.1f}" if "stream_delay" in r else ""
-        lines.append(f"| {r['what']} | {r['rate']} | {r['whole_ms_per_audio_s']:.3f} | {r['stream_ms_per_audio_s']:.3f} | "
+        lines.append(f"| {r['what']} | {r['rate']} | {r['whole_ms_per_audio_s']:.3f} | "
+                     f"{r['stream_ms_per_audio_s']:.3f} | "
                      f"{kbit} | {delay} |")
     return "\n".join(lines)
 
@@ -110,7 +115,8 @@ def main(argv=None) -> int:
     if bad or a.seconds <= 0 or a.repeats < 1:
         ap.error(f"--formats: unknown {', '.join(bad)}" if bad else "--seconds and --repeats must be positive")
     result = measure(a.seconds, a.repeats, formats)
-    print(f"{a.seconds:g} s of audio, {a.repeats} runs each (least CPU time), streams in {result['chunk_ms']:g} ms chunks")
+    print(f"{a.seconds:g} s of audio, {a.repeats} runs each (least CPU time), streams in {result['chunk_ms']:g} ms "
+          "chunks")
     print(table(result))
     if a.out:
         a.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

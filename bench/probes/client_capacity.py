@@ -79,7 +79,8 @@ def _serve(port: int, samples: int, ready, schedule=None) -> None:
 
         async def ModelInfer(self, request, context):
             out = service_pb2.ModelInferResponse.InferOutputTensor(name="AUDIO", datatype="FP32", shape=[1, samples])
-            return service_pb2.ModelInferResponse(model_name=request.model_name, outputs=[out], raw_output_contents=[audio])
+            return service_pb2.ModelInferResponse(model_name=request.model_name, outputs=[out],
+                                                  raw_output_contents=[audio])
 
         async def ModelStreamInfer(self, request_iterator, context):
             async for request in request_iterator:
@@ -144,7 +145,8 @@ async def _drive_stream(url: str, concurrency: int, seconds: float, frames: int,
                     if n == 0:
                         parts["first_chunk"].append(now - t0)
                         parts["request_in"].append(received - t0)
-                        parts["stand_in_wait"].append(sent - received)  # the schedule, and how late the stand-in kept it
+                        # the schedule, and how late the stand-in kept it
+                        parts["stand_in_wait"].append(sent - received)
                         parts["first_chunk_out"].append(now - sent)
                     else:
                         parts["later_chunk_out"].append(now - sent)
@@ -160,7 +162,8 @@ def stream_capacity(url: str, concurrency: int, seconds: float, frames: int, pro
     """`_drive_stream` from `procs` client processes (bench.clients): streams/s and ms percentiles."""
     from bench import clients
 
-    r = clients.run(_drive_stream, [(url, n, seconds, frames) for n in clients.shares(concurrency, procs)], lambda: None)
+    r = clients.run(_drive_stream, [(url, n, seconds, frames) for n in clients.shares(concurrency, procs)],
+                    lambda: None)
     row: dict[str, float] = {"concurrency": concurrency, "client_processes": min(procs, concurrency),
                              "streams_per_s": r["streams"] / r["elapsed_s"]}
     for k in STREAM_PARTS:
@@ -195,7 +198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--frames", type=int, default=150)
     ap.add_argument("--stream", action="store_true", help="streams (client.stream) instead of whole utterances")
-    ap.add_argument("--first-ms", type=float, default=90.0, help="--stream: the stand-in's first chunk, after the request")
+    ap.add_argument("--first-ms", type=float, default=90.0,
+                    help="--stream: the stand-in's first chunk, after the request")
     ap.add_argument("--gap-ms", type=float, default=60.0, help="--stream: the stand-in's later chunks, one per this")
     ap.add_argument("--procs", type=int, default=1, help="--stream: client processes the streams are spread over")
     ap.add_argument("--out", help="--stream: write the rows here as JSON")
@@ -216,17 +220,21 @@ def main(argv=None) -> int:
                 continue
             row = stream_capacity(url, c, a.seconds, a.frames, a.procs)
             rows.append(row)
-            print(f"stream concurrency {c} ({row['client_processes']} client processes): {row['streams_per_s']:.1f} streams/s; first chunk p50 {row['first_chunk_p50_ms']:.1f} / "
-                  f"p99 {row['first_chunk_p99_ms']:.1f} ms (scheduled {a.first_ms:.0f}, kept p99 {row['stand_in_wait_p99_ms']:.1f}); request in p50 {row['request_in_p50_ms']:.2f} / "
+            print(f"stream concurrency {c} ({row['client_processes']} client processes): {row['streams_per_s']:.1f} "
+                  f"streams/s; first chunk p50 {row['first_chunk_p50_ms']:.1f} / "
+                  f"p99 {row['first_chunk_p99_ms']:.1f} ms (scheduled {a.first_ms:.0f}, kept p99 "
+                  f"{row['stand_in_wait_p99_ms']:.1f}); request in p50 {row['request_in_p50_ms']:.2f} / "
                   f"p99 {row['request_in_p99_ms']:.2f} ms; first chunk out p50 {row['first_chunk_out_p50_ms']:.2f} / "
-                  f"p99 {row['first_chunk_out_p99_ms']:.2f} ms; later chunks out p50 {row['later_chunk_out_p50_ms']:.2f} / "
+                  f"p99 {row['first_chunk_out_p99_ms']:.2f} ms; later chunks out p50 "
+                  f"{row['later_chunk_out_p50_ms']:.2f} / "
                   f"p99 {row['later_chunk_out_p99_ms']:.2f} ms", flush=True)
     if a.out:
         import json
         import os
 
         with open(a.out, "w") as f:
-            json.dump({"first_ms": a.first_ms, "gap_ms": a.gap_ms, "procs": a.procs, "frames": a.frames, "seconds": a.seconds,
+            json.dump({"first_ms": a.first_ms, "gap_ms": a.gap_ms, "procs": a.procs, "frames": a.frames,
+                       "seconds": a.seconds,
                        "cpus": os.cpu_count(), "rows": rows}, f, indent=2)
     return 0
 

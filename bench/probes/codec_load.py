@@ -73,7 +73,8 @@ def main(argv=None) -> int:
             for graphs in ([False, True] if voc.graphs is not None else [False]):
                 row = time_calls(voc, items, a.calls, graphs)
                 rows.append(row)
-                gpu = f", GPU {row['gpu_ms']:.2f} ms ({row['gpu_ms_per_utt']:.3f} per utterance)" if "gpu_ms" in row else ""
+                gpu = (f", GPU {row['gpu_ms']:.2f} ms ({row['gpu_ms_per_utt']:.3f} per utterance)"
+                       if "gpu_ms" in row else "")
                 print(f"[codec_load] batch {b} {'graphs' if graphs else 'eager '}: wall {row['wall_ms']:.2f} ms "
                       f"({row['wall_ms_per_utt']:.3f} per utterance){gpu}", flush=True)
     write_rows(a, rows, frames=a.frames)

@@ -138,8 +138,10 @@ def run_variant(name: str, repo: Path, env: dict[str, str], rounds: int, frames:
                 row = {"variant": name, "round": r, "unary": u, "stream": s,
                        "first_ratio": s["first_s"] / u["total_s"], "whole_ratio": s["total_s"] / u["total_s"]}
                 log(f"{name} r{r}: unary {u['total_s']:.2f} s ({u['step_ms']:.1f} ms/step) | stream first "
-                    f"{s['first_s']:.2f} s ({row['first_ratio']:.3f}), whole {s['total_s']:.2f} s ({row['whole_ratio']:.2f}), "
-                    f"{s['step_ms']:.1f} ms/step | load {u['load']:.1f}/{s['load']:.1f} | gpt {u['threads']} | stream {s['threads']}")
+                    f"{s['first_s']:.2f} s ({row['first_ratio']:.3f}), whole {s['total_s']:.2f} s "
+                    f"({row['whole_ratio']:.2f}), "
+                    f"{s['step_ms']:.1f} ms/step | load {u['load']:.1f}/{s['load']:.1f} | gpt {u['threads']} | stream "
+                    f"{s['threads']}")
                 rows.append(row)
     return rows
 

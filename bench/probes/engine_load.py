@@ -146,7 +146,8 @@ def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, s
     load.stop()
     window = [(lat, why) for at, lat, why in load.done if t0 <= at <= t1]
     lat_ms = [1000 * lat for lat, _ in window]
-    row = {"concurrency": concurrency, "think_ms": 1000 * think_s, "seconds": round(t1 - t0, 3), "utterances": len(window),
+    row = {"concurrency": concurrency, "think_ms": 1000 * think_s, "seconds": round(t1 - t0, 3),
+           "utterances": len(window),
            "throughput_utt_s": len(window) / (t1 - t0),
            "latency_p50_ms": percentile(lat_ms, 50) if lat_ms else None,
            "latency_p99_ms": percentile(lat_ms, 99) if lat_ms else None,
@@ -161,14 +162,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of load before each window")
     ap.add_argument("--tokens", type=int, default=150, help="frames forced per utterance")
-    ap.add_argument("--slots", type=int, help="engine slots instead of the repository's gpt_slots (a served sweep's 512)")
+    ap.add_argument("--slots", type=int, help="engine slots instead of the repository's gpt_slots (a served sweep's "
+                                              "512)")
     ap.add_argument("--think-ms", default="0",
                     help="mean wait of a client between a result and its next request (uniform 0..2x; 0: at once); "
                          "a comma list runs every level with each")
     ap.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
                     help="override the repository's gpt_compile_prefill (prefills through torch.compile with the step)")
     ap.add_argument("--overlap", default="on",
-                    help="comma list of on/off: the engine overlaps its host bookkeeping with the next step (Engine.overlap)")
+                    help="comma list of on/off: the engine overlaps its host bookkeeping with the next step "
+                         "(Engine.overlap)")
     add_device_args(ap)
     a = ap.parse_args(argv)
     if cuda_missing(a):
@@ -219,7 +222,8 @@ def main(argv=None) -> int:
             print(f"[engine_load] concurrency {c}{f' (think {think:g} ms)' if think else ''}, overlap {ov}: "
                   f"{row['throughput_utt_s']:.1f} utt/s, p50 {fmt('latency_p50_ms', '.0f')} ms, "
                   f"step {fmt('engine_step_ms')} ms (device {fmt('engine_step_device_ms')}, GPU clock "
-                  f"{fmt('engine_step_gpu_ms')}, graph {fmt('engine_step_graph_ms')}, prefill/step {fmt('engine_prefill_ms_per_step')} "
+                  f"{fmt('engine_step_gpu_ms')}, graph {fmt('engine_step_graph_ms')}, prefill/step "
+                  f"{fmt('engine_prefill_ms_per_step')} "
                   f"({fmt('engine_prefill_ms')} ms per prefill of {fmt('engine_prefill_prompts', '.1f')}), GIL wait "
                   f"{fmt('engine_gil_wait_ms', '.3f')}), "
                   f"rows {fmt('engine_batch', '.1f')}", flush=True)

@@ -46,7 +46,8 @@ def gil_ms_per_request(raw_lines: Iterable[str], rate_hz: float, requests: float
             if any(fr.split(" (")[0].endswith(f) for fr in frames[1:]):
                 inside.setdefault(thread, Counter())[f] += int(count)
     scale = 1000.0 / rate_hz / max(requests, 1.0)
-    return {t: {"held_ms": round(n * scale, 3), **{f"in {f}": round(k * scale, 3) for f, k in inside.get(t, {}).items()}}
+    return {t: {"held_ms": round(n * scale, 3), **{f"in {f}": round(k * scale, 3)
+                                                   for f, k in inside.get(t, {}).items()}}
             for t, n in held.most_common()}
 
 
@@ -97,7 +98,8 @@ def main(argv=None) -> int:
             print(f"no stub process of {a.model}", file=sys.stderr)
             return 2
         load_s = a.warmup + a.seconds + 10  # outlasts py-spy's window, start-up included
-        loader = threading.Thread(target=lambda: asyncio.run(hold(server.grpc_url, server.metrics_url, a.tokens, a.concurrency,
+        loader = threading.Thread(target=lambda: asyncio.run(hold(server.grpc_url, server.metrics_url, a.tokens,
+                                                                  a.concurrency,
                                                                   load_s, every_s=load_s)), daemon=True)
         loader.start()
         time.sleep(a.warmup)
@@ -115,7 +117,8 @@ def main(argv=None) -> int:
            "requests_per_s": round(n / a.seconds, 2), "tokens": a.tokens, "gil_ms_per_request": rows}
     print(f"{a.model}: {n:.0f} requests in {a.seconds} s ({n / a.seconds:.1f}/s); GIL held, ms per request:")
     for thread, r in rows.items():
-        print(f"  {thread:28s} {r['held_ms']:8.3f}" + "".join(f"   {k} {v:.3f}" for k, v in r.items() if k != "held_ms"))
+        print(f"  {thread:28s} {r['held_ms']:8.3f}" + "".join(f"   {k} {v:.3f}" for k, v in r.items()
+                                                              if k != "held_ms"))
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
     return 0

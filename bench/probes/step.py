@@ -6,8 +6,9 @@
 No Triton: one `Engine` on one GPU, the decode step of `--attn-len` captured in a CUDA graph per
 batch size exactly as the server does (`CudaGraphs`), replays timed with CUDA events (median of
 `--iters`). Then the prefill of `--prefill` shapes (prompts x tokens) as the engine admits them
-(embedding, GPT, first-token draw, its one host sync; wall ms, median), eagerly and from its graph. For `script`/`eager` also times the GPT forward alone (graph of `model(...)`), so the rest of
-the step (embedding, heads, sampling, bookkeeping) is the difference. Writes OUT/step-<variant>.json.
+(embedding, GPT, first-token draw, its one host sync; wall ms, median), eagerly and from its graph. For
+`script`/`eager` also times the GPT forward alone (graph of `model(...)`), so the rest of the step (embedding,
+heads, sampling, bookkeeping) is the difference. Writes OUT/step-<variant>.json.
 Variants: `script` = the exported TorchScript (what `chattts_gpt` serves by default), `eager` =
 the same module unscripted, `compile` = the engine step compiled by torch.compile (inductor), one
 compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all buckets; each with
@@ -149,7 +150,8 @@ def _loop(engine, b: int, tokens: int, overlap: bool) -> dict:
     done: list = []
     for i in range(b):
         engine.submit(GenRequest(torch.randint(0, 21000, (16,), generator=g),
-                                 SamplingParams(1.0, None, None, 1.0, tokens, tokens, seed=i), done.append, want_hidden=False))
+                                 SamplingParams(1.0, None, None, 1.0, tokens, tokens, seed=i), done.append,
+                                 want_hidden=False))
     c0 = dataclasses.replace(engine.counters)
     t0 = time.perf_counter()
     while len(done) < b:
@@ -162,7 +164,8 @@ def _loop(engine, b: int, tokens: int, overlap: bool) -> dict:
         return round(1000 * (getattr(c, field) - getattr(c0, field)) / n, 4) if n else None
 
     return {"overlap": overlap, "steps": steps, "wall_ms_per_step": per_step("step_seconds", steps),
-            "device_ms_per_step": per_step("step_device_seconds", steps), "gpu_ms_per_step": per_step("step_gpu_seconds", gpu_n),
+            "device_ms_per_step": per_step("step_device_seconds", steps),
+            "gpu_ms_per_step": per_step("step_gpu_seconds", gpu_n),
             "gpu_samples": gpu_n, "prefill_ms": per_step("prefill_seconds", c.prefills - c0.prefills),
             "total_s": round(wall, 3)}
 
@@ -202,7 +205,8 @@ def run_variant(variant: str, args, arch, dtype) -> dict:  # noqa: C901  a probe
     base = variant.replace("_sdpa", "").removesuffix("_unfused")
     fused = "_unfused" not in variant
     cuda = args.device == "cuda"
-    if base not in ("script", "eager", "compile", "compile_dynamic", "aoti", "aoti_traced") or (base.startswith("compile") and not cuda):
+    if base not in ("script", "eager", "compile", "compile_dynamic", "aoti",
+                    "aoti_traced") or (base.startswith("compile") and not cuda):
         raise SystemExit(f"unknown variant {variant}" + ("" if cuda else " on a CPU (script, eager, aoti, *_unfused)"))
     model = load_gpt(args.assets, arch, fused=fused).to(dtype).to(args.device).eval()
     if base == "script":
@@ -233,13 +237,15 @@ def run_variant(variant: str, args, arch, dtype) -> dict:  # noqa: C901  a probe
             step = engine.graph_step or engine.step_core  # aoti: its package
             with torch.inference_mode():
                 engine._set_live(0)
-                step_ms = _time_wall(lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live), args.iters)
+                step_ms = _time_wall(lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live),
+                                     args.iters)
                 fwd_ms = _time_wall(_forward(engine, b, args.attn_len), args.iters)
             row = {"step_ms": round(step_ms, 3), "forward_ms": round(fwd_ms, 3), "rest_ms": round(step_ms - fwd_ms, 3)}
             row.update(aoti_times(b))
             if args.profile:
                 with torch.inference_mode():
-                    row["profile"] = _profile(lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live), args.profile, cuda)
+                    row["profile"] = _profile(lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live),
+                                              args.profile, cuda)
             out["batches"][b] = row
             print(f"[{variant}] batch {b:4d}: {row}", flush=True)
             continue
@@ -260,7 +266,8 @@ def run_variant(variant: str, args, arch, dtype) -> dict:  # noqa: C901  a probe
                 row.update(forward_ms=round(fwd_ms, 4), rest_ms=round(step_ms - fwd_ms, 4))
             if args.profile:  # the step's own launches, without the graph (the same kernels)
                 step = engine.graph_step or engine.step_core  # compiled variants: inductor's kernels
-                row["profile"] = _profile(lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live), args.profile, cuda)
+                row["profile"] = _profile(lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live),
+                                          args.profile, cuda)
         out["batches"][b] = row
         print(f"[{variant}] batch {b:4d}: {row}", flush=True)
     out["prefill"] = {}
@@ -287,7 +294,8 @@ def run_variant(variant: str, args, arch, dtype) -> dict:  # noqa: C901  a probe
                     print(f"[{variant}] loop of {b} x {args.loop_tokens} frames: {row}", flush=True)
     if cuda:
         out["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
-        free, total = torch.cuda.mem_get_info()  # also what the allocator does not see (an AOTInductor package's weights)
+        # also what the allocator does not see (an AOTInductor package's weights)
+        free, total = torch.cuda.mem_get_info()
         out["gpu_used_gb"] = round((total - free) / 1e9, 2)
     return out
 

@@ -1,4 +1,5 @@
-"""Why a stream's codec calls are slow on a GPU while its engine generates: `python -m bench.probes.stream_codec --repo REPO`.
+"""Why a stream's codec calls are slow on a GPU while its engine generates:
+`python -m bench.probes.stream_codec --repo REPO`.
 
 Loads the repository's `chattts_stream` (engine and codec in one process, as Triton runs it) on a GPU
 and times the codec on the windows one stream decodes (its planner's windows for `--tokens` frames),
@@ -52,7 +53,8 @@ class KeepBusy:
         while not self.stop.is_set():
             seed += 1
             params = SamplingParams(0.3, 0.7, 20, 1.05, self.tokens, self.tokens, seed=seed)
-            self.engine.generate(GenRequest(torch.arange(1, 40), params, lambda r: None, eos_id=AUDIO_EOS, want_hidden=False),
+            self.engine.generate(GenRequest(torch.arange(1, 40), params, lambda r: None, eos_id=AUDIO_EOS,
+                                            want_hidden=False),
                                  timeout=600)
 
     def __enter__(self):
@@ -113,7 +115,8 @@ def time_calls(voc, hid: torch.Tensor, wins, repeats: int, variant: str, engine=
                     sampler.armed.clear()
                 calls[i].append(ms)
                 if ms > 50:
-                    slow.append({"window": i, "ms": ms, "engine_steps_during": (engine.counters.steps if engine is not None else 0) - steps0})
+                    slow.append({"window": i, "ms": ms,
+                                 "engine_steps_during": (engine.counters.steps if engine is not None else 0) - steps0})
             streams.append(1000 * (time.perf_counter() - t_stream))
     return calls, streams, slow
 
@@ -165,8 +168,11 @@ def main(argv=None) -> int:
                    "call_ms_p50_per_window": [round(statistics.median(c), 2) for c in calls],
                    "slow_calls": slow, "stack_samples": sampler.samples.most_common(6),
                    "stream_windows_ms_p50": statistics.median(streams),
-                   "engine_step_ms": 1000 * (s1["engine_step_seconds"] - s0["engine_step_seconds"]) / steps if steps else None,
-                   "engine_step_device_ms": 1000 * (s1["engine_step_device_seconds"] - s0["engine_step_device_seconds"]) / steps if steps else None}
+                   "engine_step_ms": 1000 * (s1["engine_step_seconds"] - s0["engine_step_seconds"]) / steps
+                   if steps else None,
+                   "engine_step_device_ms":
+                       1000 * (s1["engine_step_device_seconds"] - s0["engine_step_device_seconds"]) / steps
+                       if steps else None}
             rows.append(row)
             print(f"{variant:24s} codec call p50 {row['call_ms_p50']:7.1f} ms (max {row['call_ms_max']:6.1f})  "
                   f"a stream's {len(wins)} windows {row['stream_windows_ms_p50']:7.1f} ms  "

@@ -61,7 +61,8 @@ def raise_layer_scales(voc, scale: float, seed: int = 1) -> int:
     return count
 
 
-def measure(voc, arch, hiddens: list[np.ndarray], first_chunk: int, chunk: int, first_lookahead: int, fade: int) -> dict:
+def measure(voc, arch, hiddens: list[np.ndarray], first_chunk: int, chunk: int, first_lookahead: int,
+            fade: int) -> dict:
     schedule = stream_schedule(arch, first_chunk, chunk, 0, first_lookahead, fade)
     first_err, fade_err, first_ref, fade_ref = [], [], [], []
     for hid in hiddens:
@@ -94,7 +95,8 @@ def to_markdown(res: dict) -> str:
            "| first lookahead | fade | first chunk after (frames) | first chunk max err | first chunk SNR dB | "
            "fade max err | fade SNR dB |", "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        out.append(f"| {r['first_lookahead']} | {r['fade']} | {r['first_chunk_after_frames']} | {r['first_chunk_max_err']:.2e} | "
+        out.append(f"| {r['first_lookahead']} | {r['fade']} | {r['first_chunk_after_frames']} | "
+                   f"{r['first_chunk_max_err']:.2e} | "
                    f"{r['first_chunk_snr_db']:.1f} | {r['fade_max_err']:.2e} | {r['fade_snr_db']:.1f} |")
     return "\n".join(out) + "\n"
 
@@ -109,7 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=d.stream_chunk_frames)
     ap.add_argument("--tokens", type=int, default=150, help="frames per utterance (forced)")
     ap.add_argument("--seeds", type=int, default=2, help="utterances per text")
-    ap.add_argument("--layer-scale", type=float, default=None, help="synthetic weights only: raise the ConvNeXt layer scales")
+    ap.add_argument("--layer-scale", type=float, default=None,
+                    help="synthetic weights only: raise the ConvNeXt layer scales")
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     a = ap.parse_args(argv)
     try:
@@ -123,12 +126,14 @@ def main(argv=None) -> int:
     try:
         arch = svc.pre.arch
         if a.layer_scale is not None:
-            print(f"raised {raise_layer_scales(svc.voc, a.layer_scale)} layer scales to ≈ {a.layer_scale}", file=sys.stderr)
+            print(f"raised {raise_layer_scales(svc.voc, a.layer_scale)} layer scales to ≈ {a.layer_scale}",
+                  file=sys.stderr)
         hiddens = []
         for text in TEXTS:
             for seed in range(1, a.seeds + 1):
                 inputs = {"TEXT": np.array([[text.encode()]], dtype=object), "SEED": np.array([[seed]], np.int64),
-                          "MIN_NEW_TOKENS": np.array([[a.tokens]], np.int32), "MAX_NEW_TOKENS": np.array([[a.tokens]], np.int32)}
+                          "MIN_NEW_TOKENS": np.array([[a.tokens]], np.int32),
+                          "MAX_NEW_TOKENS": np.array([[a.tokens]], np.int32)}
                 full = dict(inputs)
                 full.update(svc.pre.prepare(inputs))
                 hiddens.append(svc.gpt.call(full)["HIDDENS"][0])

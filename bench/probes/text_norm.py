@@ -98,7 +98,8 @@ def candidates(work: Path, only: list[str]) -> list[dict]:
         cache = work / f"cache-{name}"
         cache.mkdir(exist_ok=True)
         for run in ("first", "second"):  # NeMo compiles its grammars on the first start (cached after)
-            out = subprocess.run([py, str(ROOT / "bench" / "probes" / "text_norm_candidate.py"), name, str(CASES), str(cache)],
+            out = subprocess.run([py, str(ROOT / "bench" / "probes" / "text_norm_candidate.py"), name, str(CASES),
+                                  str(cache)],
                                  capture_output=True, text=True, check=True)
             result = json.loads(out.stdout.strip().splitlines()[-1])
             row[f"{run}_start_s"] = result.pop("start_s")

@@ -41,7 +41,8 @@ def load(name: str, cache_dir: str):
         from num2words import num2words
 
         def en(t: str) -> str:
-            return re.sub(r"\d+(?:\.\d+)?", lambda m: num2words(float(m.group()) if "." in m.group() else int(m.group())), t)
+            return re.sub(r"\d+(?:\.\d+)?", lambda m: num2words(float(m.group()) if "." in m.group()
+                                                                else int(m.group())), t)
 
         return (lambda t: cn2an.transform(t, "an2cn")), en
     raise SystemExit(f"unknown candidate {name}")

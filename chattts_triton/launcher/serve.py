@@ -102,7 +102,8 @@ def parse_inflight(text: str) -> int | None:
     return int(sum(ours) + sum(queued)) if ours else None
 
 
-def quiesce(server: TritonServer, drain_file: Path, timeout_s: float, quiet_polls: int = 3, poll_s: float = 0.2) -> bool:
+def quiesce(server: TritonServer, drain_file: Path, timeout_s: float, quiet_polls: int = 3,
+            poll_s: float = 0.2) -> bool:
     """Stop admitting (the ensemble's entry rejects with UNAVAILABLE) and wait until nothing is in flight.
 
     Needed because Triton 2.51, once signalled, rejects an in-flight ensemble request at its next step
@@ -161,7 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="server log; - for stdout (default: a temporary file)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose")
     p.add_argument("--restrict-apis", action="store_true",
-                   help=f"put {RESTRICTED_APIS} behind the {ADMIN_HEADER} header even on loopback (always on otherwise)")
+                   help=f"put {RESTRICTED_APIS} behind the {ADMIN_HEADER} header even on loopback "
+                        "(always on otherwise)")
     p.add_argument("--admin-key-file", type=Path,
                    default=Path(os.environ.get(ADMIN_KEY_FILE_ENV) or Path.home() / ".chattts-triton" / "admin.key"))
     p.add_argument("--exit-timeout", type=int, default=30, help="seconds Triton may drain on shutdown")
@@ -233,7 +235,8 @@ def _serve(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     drain_file = Path(drain_dir) / "drain"
     server = TritonServer(
         args.repo,
-        env={**{k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV}, DRAIN_FILE_ENV: str(drain_file), **extra_env},
+        env={**{k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV}, DRAIN_FILE_ENV: str(drain_file),
+             **extra_env},
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
@@ -289,7 +292,8 @@ def _serve(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     if dead:
         return STUB_DIED_EXIT
     if not stopping:
-        print(f"error: tritonserver exited unexpectedly ({code}); last log lines:\n{server.log_tail()}", file=sys.stderr)
+        print(f"error: tritonserver exited unexpectedly ({code}); last log lines:\n{server.log_tail()}",
+              file=sys.stderr)
     return _exit_status(code)
 
 
@@ -335,7 +339,8 @@ class Launched:
                 break
         if self.server_pid is None or self.proc.poll() is not None:
             self.proc.wait()
-            raise TritonServerError(f"the launcher exited ({self.proc.returncode}) before ready:\n{''.join(self.output[-30:])}")
+            raise TritonServerError(f"the launcher exited ({self.proc.returncode}) before "
+                                    f"ready:\n{''.join(self.output[-30:])}")
         threading.Thread(target=self._drain_output, args=(self.proc,), daemon=True).start()
 
     def _drain_output(self, proc: subprocess.Popen) -> None:

@@ -61,7 +61,8 @@ def _decode_attention_op(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor
     return run_kernel(q, keys, values, tables, lengths)
 
 
-def run_kernel(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: Tensor, traceable: bool = False) -> Tensor:
+def run_kernel(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: Tensor,
+               traceable: bool = False) -> Tensor:
     """The operator's work: the Triton kernel, launched with the real strides (`reference` where it
     cannot run, so the operator means the same on every device). Returns a new contiguous [B, H, D].
     traceable: launched through `torch.library.wrap_triton`, so that torch.export records the kernel
@@ -115,13 +116,15 @@ if triton is not None:
             # each key's page through the row's block table, then its place in the page
             pages = tl.load(table + keys_at // PAGE, mask=live, other=0).to(tl.int64)
             in_page = (keys_at % PAGE).to(tl.int64)
-            k = tl.load(k_head + pages[:, None] * skb + in_page[:, None] * skp + d[None, :], mask=live[:, None], other=0.0)
+            k = tl.load(k_head + pages[:, None] * skb + in_page[:, None] * skp + d[None, :], mask=live[:, None],
+                        other=0.0)
             s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
             s = tl.where(live, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             p = tl.exp2(s - m_new)
             alpha = tl.exp2(m_i - m_new)
-            v = tl.load(v_head + pages[:, None] * svb + in_page[:, None] * svp + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(v_head + pages[:, None] * svb + in_page[:, None] * svp + d[None, :], mask=live[:, None],
+                        other=0.0)
             acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new

@@ -87,7 +87,8 @@ class ChunkPlanner:
             return None
         start = max(0, self.sent - self.lookahead)
         first = (self.sent - start) * SAMPLES_PER_CODE
-        stop = frames if self.max_window is None else min(frames, start + self.max_window)  # the window decodes [start, stop)
+        # the window decodes [start, stop)
+        stop = frames if self.max_window is None else min(frames, start + self.max_window)
         if done and stop == frames:
             self.finished = True
             return Window(start, frames, first, samples_for_codes(frames) - start * SAMPLES_PER_CODE, True)

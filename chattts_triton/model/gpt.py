@@ -156,7 +156,8 @@ def _concat_linear(parts: list[nn.Linear | None]) -> nn.Linear:
 def _gather_pages(pool: Tensor, pages: Tensor, length: int) -> Tensor:
     """pool [pages, page, kvh, d], pages [B, n] → the rows' positions 0..length-1 [B, length, kvh, d]."""
     b, n = pages.shape[0], pages.shape[1]
-    return pool.index_select(0, pages.reshape(-1)).view(b, n * pool.shape[1], pool.shape[2], pool.shape[3]).narrow(1, 0, length)
+    return pool.index_select(0, pages.reshape(-1)).view(b, n * pool.shape[1], pool.shape[2],
+                                                        pool.shape[3]).narrow(1, 0, length)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -220,7 +221,8 @@ class ChatTTSGPT(nn.Module):
         """h [B, hidden] → float logits [B, num_text_tokens]"""
         return F.linear(h, self.head_text.to(h.dtype)).float()
 
-    def forward(self, x: Tensor, positions: Tensor, tables: Tensor, k_cache: Tensor, v_cache: Tensor, attn_len: int) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, tables: Tensor, k_cache: Tensor, v_cache: Tensor,
+                attn_len: int) -> Tensor:
         """One prefill or decode step.
 
         x [B, T, hidden]; positions [B, T] int64 (absolute, -1 = padding: written to the scratch page
@@ -244,7 +246,8 @@ class ChatTTSGPT(nn.Module):
         valid = positions >= 0
         pos = torch.where(valid, positions, torch.zeros_like(positions))
         # each position's page and place in it; padding goes to the scratch page 0
-        blocks = torch.where(valid, tables.gather(1, torch.div(pos, page, rounding_mode="floor")), torch.zeros_like(pos))
+        blocks = torch.where(valid, tables.gather(1, torch.div(pos, page, rounding_mode="floor")),
+                             torch.zeros_like(pos))
         places = torch.where(valid, torch.remainder(pos, page), torch.zeros_like(pos))
         write_index = (blocks * page + places).reshape(b * t)  # within a layer (TorchScript)
         write_at: list[Tensor | None] = []

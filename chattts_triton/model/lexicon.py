@@ -2,7 +2,8 @@
 normalised. docs/ssml.md#pronunciation-lexicon is the user's reference; this is the rule.
 
 - Matching is exact: an entry matches its word as written, case included. An entry with `ignore_case` matches the word
-  in any case of the letters A-Z ("nvidia" also matches "NVIDIA" and "Nvidia"); an exact entry of the same spelling wins.
+  in any case of the letters A-Z ("nvidia" also matches "NVIDIA" and "Nvidia"); an exact entry of the same spelling
+  wins.
 - A word that starts (ends) with a letter or digit of a script written with spaces (Latin, ...) matches only where the
   character before (after) it is not one: "AWS" is not found in "LAWS". Chinese words match anywhere ("重庆" in
   "重庆市"): Chinese has no spaces to tell words apart.

@@ -41,7 +41,8 @@ TOKEN_FRAMES = {"uv_break": 14, "lbreak": 14, "laugh": 24, "break": 14}  # contr
 _TOKEN = re.compile(r"\[[^\[\]]*\]")
 # a number and what belongs to its spoken form: sign or currency before it, its inner punctuation ("1,234.5",
 # "10:30", "2026-12-02", "3-5", "March 3, 2021") and a unit, percent or degree after it
-_NUMBER = re.compile(r"(?:[$€£¥￥+\-−]\s?)?\d+(?:(?:[.:/\-~～–—]|,\s?)\d+)*(?:\s?(?:[A-Za-z]{1,3}(?![A-Za-z])|[%‰℃]|°[CF]?))?")
+_NUMBER = re.compile(r"(?:[$€£¥￥+\-−]\s?)?\d+(?:(?:[.:/\-~～–—]|,\s?)\d+)*"
+                     r"(?:\s?(?:[A-Za-z]{1,3}(?![A-Za-z])|[%‰℃]|°[CF]?))?")
 _SENTENCE_END = re.compile(r"\n|[。！？!?…]+[」』”’)）\]】\"']*|\.(?=\s|$)")
 _CLAUSE_END = re.compile(r"[，,、;；:：—]+")
 _SPACE = re.compile(r"\s+")
@@ -132,7 +133,8 @@ def _merge_short(text: str, pieces: list[Span], min_frames: int, max_frames: int
     """A piece under `min_frames` joins the previous piece, else the next, when the join fits `max_frames`."""
     out: list[Span] = []
     for s, e in pieces:
-        if out and (estimate_frames(text[s:e]) < min_frames or estimate_frames(text[out[-1][0]:out[-1][1]]) < min_frames) \
+        if out and (estimate_frames(text[s:e]) < min_frames
+                    or estimate_frames(text[out[-1][0]:out[-1][1]]) < min_frames) \
                 and estimate_frames(text[out[-1][0]:e]) <= max_frames:
             out[-1] = (out[-1][0], e)
         else:

@@ -132,7 +132,8 @@ def phone_shape(text: str, start: int, end: int) -> Phone | None:
     else:
         thousands = len(groups) > 1 and lengths[0] <= 3 and set(lengths[1:]) == {3}
         decimal = len(groups) == 2 and separators == {"."}
-        date = len(groups) == 3 and (lengths[0] == 4 and max(lengths[1:]) <= 2 or lengths[2] == 4 and max(lengths[:2]) <= 2)
+        date = (len(groups) == 3 and (lengths[0] == 4 and max(lengths[1:]) <= 2 or lengths[2] == 4
+                                      and max(lengths[:2]) <= 2))
         ok = 7 <= digits <= 15 and not (thousands or decimal or date) and _phone_context(text, start)
     return Phone(plus, country, groups) if ok else None
 

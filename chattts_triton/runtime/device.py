@@ -22,7 +22,8 @@ def check_dtype_supported(device: torch.device, dtype: str) -> None:
     if device.type == "cuda" and dtype == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
         name = torch.cuda.get_device_name(device)
         raise ValueError(f"this repository is exported in bf16, which {name} (compute capability "
-                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) does not support: export it with "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) does not support: export it "
+                         "with "
                          f"--dtype fp16 (or --dtype auto on this machine)")
 
 

@@ -145,7 +145,8 @@ class Engine(Runner, KvPages, WarmUp):
         self.decode_kernel = False  # the model's decode steps read each row's own keys (attn_len unused)
         if isinstance(model, torch.jit.ScriptModule) or not hasattr(model, "decode_kernel"):
             if decode_kernel:
-                raise EngineError("decode_kernel needs the eager GPT module (chattts_triton.model.gpt), not TorchScript")
+                raise EngineError("decode_kernel needs the eager GPT module (chattts_triton.model.gpt), "
+                                  "not TorchScript")
         else:
             model.decode_kernel = self.decode_kernel = bool(
                 attention.kernel_available(self.device, model.head_dim) if decode_kernel is None else decode_kernel)
@@ -228,7 +229,8 @@ class Engine(Runner, KvPages, WarmUp):
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> None:
         self._results = queue.SimpleQueue()
-        self._results_thread = threading.Thread(target=self._deliver_results, name="chattts-engine-results", daemon=True)
+        self._results_thread = threading.Thread(target=self._deliver_results, name="chattts-engine-results",
+                                                daemon=True)
         self._results_thread.start()
         self.thread = threading.Thread(target=self._loop, name="chattts-engine", daemon=True)
         self.thread.start()
@@ -553,7 +555,8 @@ class Engine(Runner, KvPages, WarmUp):
             groups = None
             if mode == "mixed":  # rare (refine-text next to audio codes): eager, per-mode sampling
                 text = self.h_text[:b]
-                groups = [(m, self._h2d(torch.from_numpy(np.flatnonzero(sel)))) for m, sel in (("code", ~text), ("text", text))]
+                groups = [(m, self._h2d(torch.from_numpy(np.flatnonzero(sel))))
+                          for m, sel in (("code", ~text), ("text", text))]
             hit = self.step_core(0, b, attn_len, mode, None, groups)
         if events is not None:
             events[1].record()

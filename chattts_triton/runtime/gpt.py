@@ -85,14 +85,16 @@ class GPTService:
             t0 = time.perf_counter()
             engine = Engine(
                 model, max_slots=max_slots, max_context=max_context, max_new_tokens=max_new_tokens,
-                hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=DTYPES[dtype], cache_tokens=cache_tokens,
+                hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=DTYPES[dtype],
+                cache_tokens=cache_tokens,
                 compute_dtype=DTYPES[dtype], compile_step=compiled, compile_prefill=compiled and compile_prefill,
                 admit_batch=admit_batch,
                 admit_wait_steps=admit_wait_steps,
                 max_pending=max_pending,
                 overlap=overlap and device.type == "cuda",
             )
-            # an experiment switch: a host sync that waits on an event instead of the stream (bench/probes/stream_codec.py)
+            # an experiment switch: a host sync that waits on an event instead of the stream
+            # (bench/probes/stream_codec.py)
             engine.event_sync = os.environ.get(EVENT_SYNC_ENV, "") == "1"
             try:
                 engine.warm_up(text_eos_id=text_eos_id)  # specialise / compile before the first client
@@ -104,10 +106,12 @@ class GPTService:
             t1 = time.perf_counter()
             try:  # the other buckets a load reaches; not fatal: they would be captured on first use
                 if engine.warm_graphs():
-                    log.info("GPT engine: %d CUDA graphs captured in %.1f s", len(engine.graphs.graphs), time.perf_counter() - t1)
+                    log.info("GPT engine: %d CUDA graphs captured in %.1f s", len(engine.graphs.graphs),
+                             time.perf_counter() - t1)
             except Exception:
                 log.exception("capturing the remaining CUDA graphs at start-up failed; they are captured on first use")
-            log.info("GPT engine warm (%s) in %.1f s", "compiled step" if compiled else "TorchScript", time.perf_counter() - t0)
+            log.info("GPT engine warm (%s) in %.1f s", "compiled step" if compiled else "TorchScript",
+                     time.perf_counter() - t0)
             return engine
 
         engine = None
@@ -148,7 +152,8 @@ class GPTService:
         refine = get_bool(inputs, "REFINE", False)
         if refine:
             params = sampling_params(inputs, RefineTextParams, max_new_limit=self.max_new_tokens)
-            return GenRequest(ids, params, self._on_done(reply, refine=True), mode="text", eos_id=self.text_eos_id, want_hidden=False)
+            return GenRequest(ids, params, self._on_done(reply, refine=True), mode="text", eos_id=self.text_eos_id,
+                              want_hidden=False)
         params = sampling_params(inputs, InferCodeParams, max_new_limit=self.max_new_tokens)
         emb = inputs.get("SPK_EMB")
         spk_emb = None

@@ -188,7 +188,8 @@ class CudaGraphs(GraphCache):
         return run()
 
     def decode_graph(self, mode: str, bb: int, lb: int) -> Callable[[], Tensor] | None:
-        return self._graph((mode, bb, lb), lambda: self._warm(mode, bb, lb), lambda: self._step(mode, bb, lb), timed=True)
+        return self._graph((mode, bb, lb), lambda: self._warm(mode, bb, lb), lambda: self._step(mode, bb, lb),
+                           timed=True)
 
     def failed_decode_buckets(self) -> list[tuple]:
         """Decode buckets whose capture failed (they run eagerly); failed prefill buckets are not

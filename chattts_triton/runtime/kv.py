@@ -70,7 +70,8 @@ class KvPages:
         if int(short.sum()) > len(self.free_pages):
             if ahead is not None and ahead.any():
                 return False
-            self._suspend(self.scheduler.victims([s.seq for s in self.rows], self.h_pages[:b], short, len(self.free_pages)))
+            self._suspend(self.scheduler.victims([s.seq for s in self.rows], self.h_pages[:b], short,
+                                                 len(self.free_pages)))
             b = len(self.rows)
             want = self.scheduler.pages_for(self.h_plen[:b] + self.h_n[:b])
             short = want > self.h_pages[:b]
@@ -88,7 +89,8 @@ class KvPages:
             slot = self.rows[i]
             n, k = int(self.h_n[i]), int(self.h_pages[i])
             pages = self._h2d(torch.from_numpy(self.h_table[i, :k].copy()))
-            slot.saved = (self._d2h(self.k_cache.index_select(1, pages)), self._d2h(self.v_cache.index_select(1, pages)),
+            slot.saved = (self._d2h(self.k_cache.index_select(1, pages)),
+                          self._d2h(self.v_cache.index_select(1, pages)),
                           self._d2h(self.tokens[i, :n]), self._d2h(self.hiddens[i, :n]),
                           self.row_params.narrow(i, 1).map(self._d2h),
                           (n, int(self.h_plen[i]), int(self.h_max[i]), bool(self.h_text[i]), k))
@@ -130,7 +132,8 @@ class KvPages:
             src = self._h2d(torch.from_numpy(src_h))
             dst = self._h2d(torch.from_numpy(dst_h))
             t = int(self.h_n[src_h].max()) + 1  # index h_n too: the token a step in flight (overlap) wrote there
-            for buf in (self.tokens.narrow(1, 0, t), self.hiddens.narrow(1, 0, t), self.row_params.ints, self.row_params.floats):
+            for buf in (self.tokens.narrow(1, 0, t), self.hiddens.narrow(1, 0, t), self.row_params.ints,
+                        self.row_params.floats):
                 buf.index_copy_(0, dst, buf.index_select(0, src))
             for arr in (self.h_n, self.h_plen, self.h_max, self.h_text, self.h_table, self.h_pages):
                 arr[dst_h] = arr[src_h]

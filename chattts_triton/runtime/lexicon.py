@@ -100,7 +100,8 @@ class LexiconRegistry:
                 try:
                     self._lexicon = read_lexicon(self.path) if key is not None else Lexicon()
                 except LexiconError as e:  # a server-side fault: the requests go on with the last good version
-                    log.error("pronunciation lexicon: %s; still using the last good one (%d entries)", e, len(self._lexicon))
+                    log.error("pronunciation lexicon: %s; still using the last good one (%d entries)", e,
+                              len(self._lexicon))
                 self._key = key
             return self._lexicon
 
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
             entry = check_entry(a.word, a.say, a.ignore_case)
             with editing(repo) as entries:
                 if a.word in entries and not a.force:
-                    raise LexiconError(f"the lexicon has {a.word!r} (says {entries[a.word].say!r}); --force replaces it")
+                    raise LexiconError(f"the lexicon has {a.word!r} (says {entries[a.word].say!r}); "
+                                       "--force replaces it")
                 entries[a.word] = entry
             print(f"added {entry.word} -> {entry.say}")
         else:

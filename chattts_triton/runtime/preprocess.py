@@ -128,7 +128,8 @@ class PreprocessService:
 
     def voice_inputs(self, inputs, ssml_voice: str | None = None) -> tuple[Voice | None, str | None, str | None]:
         """(voice, speaker string, reference transcript): VOICE (or the voice SSML's <voice> names) resolved in the
-        repository's registry; an explicit SPEAKER / SPEAKER_TEXT for what the voice also holds is an error naming both."""
+        repository's registry; an explicit SPEAKER / SPEAKER_TEXT for what the voice also holds is an error naming
+        both."""
         speaker = get_str(inputs, "SPEAKER")
         txt_smp = get_str(inputs, "SPEAKER_TEXT")
         name = get_str(inputs, "VOICE")
@@ -218,7 +219,8 @@ class PreprocessService:
     def refine_text(self, text: str, inputs) -> str:
         if self.refine is None:
             raise InputError("REFINE_TEXT is not available on this server")
-        refine_prompt = txt.validate_prompt(get_str(inputs, "REFINE_PROMPT", RefineTextParams.prompt), what="REFINE_PROMPT")
+        refine_prompt = txt.validate_prompt(get_str(inputs, "REFINE_PROMPT", RefineTextParams.prompt),
+                                            what="REFINE_PROMPT")
         ids = txt.build_refine_prompt(self.tokenizer, text, refine_prompt)
         params = refine_params(inputs)
         if "SEED" in inputs:

@@ -66,7 +66,8 @@ class RowParams:
         for r in reqs:
             p = r.params
             row = dict(n=0, prompt_len=r.prompt_len, top_k=0 if p.top_k is None else p.top_k,
-                       min_new_tokens=p.min_new_tokens, seed=p.seed, attempt=0, eos=r.eos_id, text=int(r.mode == "text"))
+                       min_new_tokens=p.min_new_tokens, seed=p.seed, attempt=0, eos=r.eos_id,
+                       text=int(r.mode == "text"))
             ints.append([row[f] for f in INT_FIELDS])
             frow = dict(temperature=p.temperature, top_p=1.0 if p.top_p is None else p.top_p,
                         repetition_penalty=p.repetition_penalty)

@@ -77,7 +77,8 @@ class Runner:
         import torch._inductor.config as inductor_config
 
         cfg = dynamo.config
-        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                     "accumulated_cache_size_limit"):
             if hasattr(cfg, name):  # one compile per (mode, batch bucket, length bucket) unless dynamic
                 setattr(cfg, name, max(getattr(cfg, name), 4096))
         # autotuning a kernel that writes in place clones its arguments per tried config: for the

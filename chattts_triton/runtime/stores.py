@@ -71,7 +71,8 @@ def encode_doc(name: str, doc: dict) -> str:
     """A document as stored; StoreError past MAX_DOC_BYTES."""
     text = json.dumps(doc, ensure_ascii=False, sort_keys=True)
     if len(text.encode("utf-8")) > MAX_DOC_BYTES:
-        raise StoreError(f"{name!r} is {len(text.encode('utf-8'))} bytes of JSON, more than the limit of {MAX_DOC_BYTES}")
+        raise StoreError(f"{name!r} is {len(text.encode('utf-8'))} bytes of JSON, more than the limit of "
+                         f"{MAX_DOC_BYTES}")
     return text
 
 
@@ -224,7 +225,8 @@ class SQLiteStore(DocumentStore):
         def change(conn) -> bool:
             exists = conn.execute("SELECT 1 FROM chattts_documents WHERE namespace = ? AND name = ?",
                                   (self.namespace, name)).fetchone() is not None
-            count = conn.execute("SELECT count(*) FROM chattts_documents WHERE namespace = ?", (self.namespace,)).fetchone()[0]
+            count = conn.execute("SELECT count(*) FROM chattts_documents WHERE namespace = ?",
+                                 (self.namespace,)).fetchone()[0]
             check_room(name, exists, count, replace)
             conn.execute("INSERT INTO chattts_documents VALUES (?, ?, ?) ON CONFLICT (namespace, name) "
                          "DO UPDATE SET doc = excluded.doc", (self.namespace, name, text))

@@ -125,7 +125,8 @@ class StreamService:
         # bursts are split into windows no longer than the ones warm_codec captures graphs for
         self.schedule = dict(schedule, max_window=max(largest_window(schedule, WARM_STREAM_FRAMES), smallest))
         self.pre, self.gpt, self.voc = preprocess, gpt, vocoder
-        self.codec_stream = torch.cuda.Stream(device=vocoder.device) if codec_stream and vocoder.device.type == "cuda" else None
+        self.codec_stream = (torch.cuda.Stream(device=vocoder.device) if codec_stream and vocoder.device.type == "cuda"
+                             else None)
         self.first_chunks_first = first_chunks_first
         self.side_threads = side_threads
         self.max_streams = max_streams

@@ -42,7 +42,8 @@ class VocoderService:
         if graphs and device.type == "cuda" and artifact_format == "torchscript":
             self.graphs = CodecGraphs(self)
         for _ in range(2):  # warm-up, as for the GPT
-            self.synthesize_eager([(True, torch.zeros(3, arch.gpt.hidden)), (False, torch.zeros(2, NUM_VQ, dtype=torch.int64))])
+            self.synthesize_eager([(True, torch.zeros(3, arch.gpt.hidden)),
+                                   (False, torch.zeros(2, NUM_VQ, dtype=torch.int64))])
 
     def execute(self, calls: Sequence[Call]) -> None:
         items = []
@@ -166,7 +167,8 @@ class CodecGraphs(GraphCache):
         lengths[: len(xs)] = torch.tensor(lens)
         static = self.inputs.get(key)
         if static is None:
-            static = self.inputs[key] = (torch.zeros_like(batch, device=self.device), torch.ones_like(lengths, device=self.device))
+            static = self.inputs[key] = (torch.zeros_like(batch, device=self.device),
+                                         torch.ones_like(lengths, device=self.device))
         for buf, t in zip(static, (batch, lengths), strict=True):
             buf.copy_(t.pin_memory() if self.device.type == "cuda" else t, non_blocking=True)
 

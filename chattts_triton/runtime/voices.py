@@ -6,8 +6,8 @@ speaker `torch.manual_seed(seed); Chat.sample_random_speaker()` gives), and/or a
 (`spk_smp`, the DVAE codes of a recording) with its transcript (`txt_smp`). The contract input `VOICE` names
 one; a decimal number that is no stored name is the seed's speaker (`VOICE=2222`, as ChatTTS users share
 voices); a mix of them (`VOICE="2222*0.7+nova*0.3"`, model/mix.py) is one speaker embedding, their weighted average
-held to the speaker distribution, and can be stored as a voice of its own (`add NAME --mix EXPR`). A repository without voices.json (exported before it existed) serves the built-in voices
-(`config.BUILTIN_VOICE_SEEDS`).
+held to the speaker distribution, and can be stored as a voice of its own (`add NAME --mix EXPR`). A repository
+without voices.json (exported before it existed) serves the built-in voices (`config.BUILTIN_VOICE_SEEDS`).
 
     python -m chattts_triton.voices --repo REPO list
     python -m chattts_triton.voices --repo REPO add NAME --seed 2222
@@ -218,7 +218,8 @@ def _registry_docs(text: str, path) -> Docs:
     except ValueError as e:
         raise VoiceFileError(f"{path} cannot be read: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("voices"), dict):
-        raise VoiceFileError(f"{path} is not a voice registry of format {FORMAT} ({{\"format\": {FORMAT}, \"voices\": {{...}}}})")
+        raise VoiceFileError(f"{path} is not a voice registry of format {FORMAT} ({{\"format\": {FORMAT}, \"voices\": "
+                             "{...}})")
     for name in doc["voices"]:
         try:
             check_name(name)
@@ -609,10 +610,12 @@ def _text_arg(value: str | None) -> str | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m chattts_triton.voices",
-                                 description="List, add and remove the named voices of a model repository (REPO/voices.json).")
+                                 description="List, add and remove the named voices of a model repository "
+                                             "(REPO/voices.json).")
     ap.add_argument("--repo", type=Path, required=True, help="an exported model repository")
     ap.add_argument("--voice-store", metavar="URL", default=None,
-                    help=f"the voice store (sqlite:///PATH, redis://..., postgresql://...; docs/voices.md); default: env "
+                    help="the voice store (sqlite:///PATH, redis://..., postgresql://...; docs/voices.md); default: "
+                         "env "
                          f"{VOICE_STORE_ENV}, else the repository's voice_store setting, else REPO/{VOICES}")
     sub = ap.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="the voices and what each is made of")
@@ -623,8 +626,10 @@ def main(argv=None) -> int:
     src.add_argument("--seed", type=int, help="the speaker torch.manual_seed(SEED); Chat.sample_random_speaker() gives")
     src.add_argument("--speaker", metavar="STR", help="a speaker string (Chat.sample_random_speaker()); @FILE reads it")
     src.add_argument("--audio", type=Path, metavar="FILE",
-                     help=f"reference audio (any format FFmpeg reads, ≤ {LIMITS.max_reference_audio_seconds:g} s), with --text")
-    src.add_argument("--sample", metavar="STR", help="a reference sample string (Chat.sample_audio_speaker()), with --text; @FILE reads it")
+                     help=f"reference audio (any format FFmpeg reads, ≤ {LIMITS.max_reference_audio_seconds:g} s), "
+                          "with --text")
+    src.add_argument("--sample", metavar="STR", help="a reference sample string (Chat.sample_audio_speaker()), with "
+                                                     "--text; @FILE reads it")
     src.add_argument("--mix", metavar="EXPR", help="a mix of this repository's voices and seeds: '2222*0.7+nova*0.3' "
                      "or '2222(2)+nova(1)' (docs/gateway.md#voice-mixes)")
     add.add_argument("--text", help="what the reference audio says (its transcript); @FILE reads it")
@@ -662,7 +667,8 @@ def main(argv=None) -> int:
                 mixed = mix_voice(a.mix, VoiceRegistry(store, hidden).resolve, hidden, a.name)
                 voice = Voice(a.name, speaker=mixed.speaker, mix=mixed.mix, description=a.description)
             else:
-                sample = _text_arg(a.sample) if a.sample is not None else encode_reference(repo, read_reference_audio(a.audio))
+                sample = (_text_arg(a.sample) if a.sample is not None
+                          else encode_reference(repo, read_reference_audio(a.audio)))
                 voice = Voice(a.name, sample=sample, text=text, description=a.description)
             voice.check(hidden)
             try:

@@ -57,7 +57,8 @@ class WarmUp:
             return 0
         deadline = time.monotonic() + timeout
         max_len = WARM_DECODE_LEN if max_len is None else max_len
-        self._warm_prefills([k for k in bucket_sizes(BATCH_STEP, self.max_slots) if k not in PREFILL_WARM_BATCHES], deadline)
+        self._warm_prefills([k for k in bucket_sizes(BATCH_STEP, self.max_slots) if k not in PREFILL_WARM_BATCHES],
+                            deadline)
         lens = sorted({self.graphs.buckets(1, n)[1] for n in range(1, min(max_len, self.max_context) + 1)})
         keys = [(bb, lb) for lb in lens for bb in bucket_sizes(BATCH_STEP, self.max_slots)]
 
@@ -112,7 +113,8 @@ class WarmUp:
         if box:
             raise box[0]
 
-    def _warm_batch(self, prompts: list[Tensor], tokens: int, deadline: float, mode: str = "code", eos: int = AUDIO_EOS) -> None:
+    def _warm_batch(self, prompts: list[Tensor], tokens: int, deadline: float, mode: str = "code",
+                    eos: int = AUDIO_EOS) -> None:
         """Generate `tokens` for each prompt, all waiting before the engine looks (an idle engine admits
         them in one prefill); raise what failed."""
         results: list[GenResult] = []

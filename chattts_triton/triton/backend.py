@@ -146,38 +146,46 @@ STAT_HELP = {
     "engine_steps": "decode steps so far (cumulative)",
     "engine_step_rows": "rows (generations) summed over decode steps (cumulative); / engine_steps = mean batch",
     "engine_step_seconds": "wall time in decode steps, host work included (cumulative)",
-    "engine_step_device_seconds": "of engine_step_seconds, launch to the step's host sync (the GPU's part, as the host waits for it; the rest is host bookkeeping)",
-    "engine_step_gpu_seconds": "CUDA: summed span of the sampled decode steps on the GPU's clock (cumulative; / engine_step_gpu_samples = GPU ms per step)",
+    "engine_step_device_seconds": "of engine_step_seconds, launch to the step's host sync (the GPU's part, as the host "
+                                  "waits for it; the rest is host bookkeeping)",
+    "engine_step_gpu_seconds": "CUDA: summed span of the sampled decode steps on the GPU's clock (cumulative; / "
+                               "engine_step_gpu_samples = GPU ms per step)",
     "engine_step_gpu_samples": "CUDA: decode steps timed on the GPU's clock (one in 8; cumulative)",
-    "engine_step_graph_seconds": "CUDA: the sampled steps replayed from a graph, on events the graph records itself (the replay alone; cumulative)",
+    "engine_step_graph_seconds": "CUDA: the sampled steps replayed from a graph, on events the graph records itself "
+                                 "(the replay alone; cumulative)",
     "engine_step_graph_samples": "CUDA: sampled steps timed inside their graph (cumulative)",
     "engine_prefill_seconds": "wall time in prefills (cumulative); with engine_step_seconds, the engine's busy time",
     "engine_prefills": "batched prefills (cumulative)",
     "engine_prefill_rows": "prompts those prefills admitted (cumulative); / engine_prefills = prompts per prefill",
-    "engine_gil_wait_seconds": "summed time of the engine thread to get the GIL back after a time.sleep(0) (cumulative; sampled steps; ≈ 0.07 ms each with no wait)",
+    "engine_gil_wait_seconds": "summed time of the engine thread to get the GIL back after a time.sleep(0) "
+                               "(cumulative; sampled steps; ≈ 0.07 ms each with no wait)",
     "engine_gil_wait_samples": "GIL waits sampled (one decode step in 64; cumulative)",
     "engine_results_pending": "finished generations whose results wait for their consumer (grows if replies are stuck)",
     "engine_slots": "generations this engine runs at once (configured, or sized from the GPU's memory)",
     "engine_kv_pages": "pages of the engine's paged KV cache (16 positions each)",
     "engine_kv_pages_free": "of those, the pages no generation holds",
-    "engine_preemptions": "generations suspended to host memory for want of KV pages (cumulative; resumed exactly later)",
+    "engine_preemptions": "generations suspended to host memory for want of KV pages (cumulative; resumed exactly "
+                          "later)",
     "engine_resumes": "suspended generations resumed (cumulative)",
     "engine_cancel_releases": "cancelled generations whose slot the engine gave back (cumulative)",
-    "engine_cancel_release_seconds": "summed time from a generation's cancel() to its slot given back (cumulative; / engine_cancel_releases = mean)",
+    "engine_cancel_release_seconds": "summed time from a generation's cancel() to its slot given back (cumulative; / "
+                                     "engine_cancel_releases = mean)",
     "engine_cancel_release_max_seconds": "the longest of those releases so far",
-    "engine_cancel_release_late": "releases after which more than one decode step had begun since the cancel (cumulative; should stay 0)",
+    "engine_cancel_release_late": "releases after which more than one decode step had begun since the cancel "
+                                  "(cumulative; should stay 0)",
     "gpu_memory_reserved_bytes": "GPU memory this model instance's process holds through torch's allocator",
     "gpu_memory_peak_reserved_bytes": "the most it held so far",
     "streams": "streams in flight in this instance",
     "stream_first_chunks": "streams whose first chunk was sent (cumulative)",
-    "stream_first_tokens_seconds": "summed time from a stream's start to its first tokens reaching the codec (cumulative)",
+    "stream_first_tokens_seconds": "summed time from a stream's start to its first tokens reaching the codec "
+                                   "(cumulative)",
     "stream_first_chunk_seconds": "summed time from a stream's start to its first chunk sent (cumulative)",
     "stream_chunks": "chunks decoded (cumulative)",
     "stream_codec_calls": "vocoder calls of the codec thread, each for all due windows (cumulative)",
     "stream_codec_seconds": "wall time in those vocoder calls (cumulative)",
     "text_normalized": "TEXTs normalised (NORMALIZE_TEXT on; cumulative)",
-    "text_with_removed_chars": "of those, TEXTs the normaliser removed characters from: they are not voiced (cumulative; "
-                               "listed in the server's verbose log)",
+    "text_with_removed_chars": "of those, TEXTs the normaliser removed characters from: they are not voiced "
+                               "(cumulative; listed in the server's verbose log)",
     "text_removed_chars": "characters the normaliser removed from TEXTs (cumulative)",
     **{first_chunk_bucket(ms): f"streams whose first chunk was sent within {ms} ms of their start (cumulative)"
        for ms in FIRST_CHUNK_BUCKETS_MS},
@@ -244,7 +252,8 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):  # noqa: C901 
             self.decoupled = bool(self.ctx.config.get("model_transaction_policy", {}).get("decoupled"))
             self.closed = threading.Event()
             if self._stats():  # e.g. engine slots in use (a cancel shows up here), GPU memory
-                self.stat_gauges = {k: _gauge(pb_utils, f"chattts_{k}", STAT_HELP.get(k, f"{k} of this model instance"), self.ctx)
+                self.stat_gauges = {k: _gauge(pb_utils, f"chattts_{k}",
+                                              STAT_HELP.get(k, f"{k} of this model instance"), self.ctx)
                                     for k in self._stats()}
             if self.gauge is not None or self.stat_gauges:
                 threading.Thread(target=self._publish, name="chattts-metrics", daemon=True).start()
@@ -293,7 +302,8 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):  # noqa: C901 
                     if isinstance(result, BaseException):
                         resp = pb_utils.InferenceResponse(error=_error(pb_utils, result))
                     else:
-                        tensors = [pb_utils.Tensor(n, np.ascontiguousarray(result[n])) for n in self.output_names if n in result]
+                        tensors = [pb_utils.Tensor(n, np.ascontiguousarray(result[n])) for n in self.output_names
+                                   if n in result]
                         resp = pb_utils.InferenceResponse(output_tensors=tensors)
                     sender.send(resp, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 except Exception as e:
@@ -331,7 +341,8 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):  # noqa: C901 
                         self._count(-1)
 
             def send(outputs, final: bool) -> None:
-                tensors = [pb_utils.Tensor(n, np.ascontiguousarray(outputs[n])) for n in self.output_names if n in outputs]
+                tensors = [pb_utils.Tensor(n, np.ascontiguousarray(outputs[n])) for n in self.output_names
+                           if n in outputs]
                 deliver(pb_utils.InferenceResponse(output_tensors=tensors), final)
 
             def fail(exc: BaseException) -> None:
@@ -461,7 +472,8 @@ def stream_service(ctx: ModelContext):
             voice_store=p.voice_store,
         )
         check_dtype_supported(device, p.dtype)
-        # the stream's codec windows come in a few sizes: always CUDA graphs of them (its memory is within the engine's cap)
+        # the stream's codec windows come in a few sizes: always CUDA graphs of them (its memory is
+        # within the engine's cap)
         voc = VocoderService(ctx.repo_dir / VOCODER / "1", ctx.arch, device, p.artifact_format, graphs=True)
     return StreamService(
         pre, gpt, voc, **schedule,

@@ -192,7 +192,8 @@ class Deployment:
     def stream_schedule(self, arch: Arch) -> dict[str, int]:
         """`chattts_stream`'s ChunkPlanner arguments (ValueError if refused)."""
         return stream_schedule(arch, self.stream_first_chunk_frames, self.stream_chunk_frames,
-                               self.stream_lookahead_frames, self.stream_first_lookahead_frames, self.stream_fade_frames)
+                               self.stream_lookahead_frames, self.stream_first_lookahead_frames,
+                               self.stream_fade_frames)
 
     @property
     def kind(self) -> str:

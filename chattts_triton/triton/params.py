@@ -75,7 +75,8 @@ class Params:
                 if f.default is dataclasses.MISSING:
                     raise RuntimeError(f"model {model}: parameter {f.name!r} missing from config.pbtxt")
                 continue
-            try:  # an empty string is no field of the protobuf's text or JSON: a str parameter's "" is an entry without it
+            # an empty string is no field of the protobuf's text or JSON: a str parameter's "" is an entry without it
+            try:
                 text = entry.get("string_value", "") if kinds[f.name] is str else entry["string_value"]
                 values[f.name] = _parse(kinds[f.name], text)
             except (KeyError, ValueError) as e:
@@ -177,7 +178,8 @@ class StreamParams(EngineParams):
     def schedule(self, arch: Arch) -> dict[str, int]:
         """The ChunkPlanner arguments (model/chunks.py stream_schedule; ValueError if refused)."""
         return stream_schedule(arch, self.stream_first_chunk_frames, self.stream_chunk_frames,
-                               self.stream_lookahead_frames, self.stream_first_lookahead_frames, self.stream_fade_frames)
+                               self.stream_lookahead_frames, self.stream_first_lookahead_frames,
+                               self.stream_fade_frames)
 
 
 @dataclass(frozen=True)
