@@ -119,18 +119,36 @@ def test_the_commands_and_the_adapter_keep_their_paths():
 # packaging/client/setup.py copies into it, both plain Python.
 CLIENT_MAY_IMPORT = {"chattts_triton.config", "chattts_triton.model.split"}
 CLIENT_LEFT_OUT = {"demo.py"}  # python -m client.demo exports and starts a server: not in the client package
-NOT_IN_THE_CLIENT = {"torch", "torchaudio", "tokenizers", "safetensors", "export", "gateway", "loadtest",
-                     "bench", "tools",
-                     "tests", "fastapi", "av"}
+NOT_IN_THE_CLIENT = {"torch", "torchaudio", "tokenizers", "safetensors", "export", "gateway", "loadtest", "bench",
+                     "tools", "tests", "fastapi", "av"}
+# and what else only the server and gateway extras install (pyproject.toml), by import name
+NOT_IN_THE_CLIENT |= {"pybase16384", "wetext", "num2words", "defusedxml", "ahocorasick", "redis", "psycopg",
+                      "onnxruntime", "triton_python_backend_utils", "starlette", "pydantic", "multipart",
+                      "python_multipart", "uvicorn", "httptools", "websockets", "soundfile", "soxr",
+                      "prometheus_client", "wyoming"}
+
+
+def dynamic_imports(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, module) of every `importlib.import_module("x")` or `__import__("x")` of a constant name in `path`."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)):
+            continue
+        f = node.func
+        if (isinstance(f, ast.Name) and f.id in ("__import__", "import_module")
+                or isinstance(f, ast.Attribute) and f.attr == "import_module"):
+            yield node.lineno, node.args[0].value
 
 
 def client_violations(root: Path = ROOT) -> list[str]:
     out = []
-    for path in sorted((root / "client").glob("*.py")):
-        if path.name in CLIENT_LEFT_OUT:
+    for path in sorted((root / "client").rglob("*.py")):
+        if path.relative_to(root / "client").as_posix() in CLIENT_LEFT_OUT:
             continue
         where = path.relative_to(root)
-        for line, target in imports(path, root):
+        dynamic = list(dynamic_imports(path))
+        server = [(line, t) for line, t in dynamic if t == "chattts_triton" or t.startswith("chattts_triton.")]
+        for line, target in [*imports(path, root), *server]:
             if target not in CLIENT_MAY_IMPORT:
                 out.append(f"{where}:{line} imports {target}: the client package carries only "
                            f"{sorted(CLIENT_MAY_IMPORT)}")
@@ -139,6 +157,8 @@ def client_violations(root: Path = ROOT) -> list[str]:
                 [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
             out.extend(f"{where}:{node.lineno} imports {n}: not installed with the client" for n in names
                        if n.split(".")[0] in NOT_IN_THE_CLIENT)
+        out.extend(f"{where}:{line} imports {n}: not installed with the client" for line, n in dynamic
+                   if n.split(".")[0] in NOT_IN_THE_CLIENT)
     return out
 
 
@@ -167,6 +187,27 @@ def test_the_client_check_sees_torch_and_server_imports(tmp_path):
         "client/contract.py:3 imports gateway.audio"], found
 
 
+def test_the_client_check_sees_server_packages_dynamic_imports_and_subpackages(tmp_path):
+    """Beyond torch and the server's own modules: what only the server and gateway extras install, imports through
+    importlib, and the modules of a subpackage of client/."""
+    (tmp_path / "chattts_triton" / "runtime").mkdir(parents=True)
+    for module in ("config", "runtime/engine"):
+        (tmp_path / "chattts_triton" / f"{module}.py").write_text("")
+    client = tmp_path / "client"
+    (client / "extra").mkdir(parents=True)
+    (client / "__init__.py").write_text("")
+    (client / "audio.py").write_text("import importlib\nimport numpy as np\n\n"
+                                     "def f():\n    return importlib.import_module('soundfile')\n")
+    (client / "extra" / "__init__.py").write_text("")
+    (client / "extra" / "serve.py").write_text("import uvicorn\nfrom importlib import import_module\n"
+                                               "engine = import_module('chattts_triton.runtime.engine')\n"
+                                               "config = __import__('chattts_triton.config')\n")
+    found = client_violations(tmp_path)
+    assert [v.split(": ")[0] for v in found] == [
+        "client/audio.py:5 imports soundfile", "client/extra/serve.py:3 imports chattts_triton.runtime.engine",
+        "client/extra/serve.py:1 imports uvicorn"], found
+
+
 def test_the_client_imports_without_torch():
     """Imported with torch made unimportable: no module of the server beyond the two the client package carries."""
     import json
@@ -191,13 +232,30 @@ PRIVATE_IMPORTS_ALLOWED = {
     ("tests/test_streaming.py", "chattts_triton.runtime.streaming._Stream"): WHITE_BOX,
     ("tests/test_probes.py", "bench.probes.aoti._child_output"): WHITE_BOX,
     ("tests/test_probes.py", "bench.probes.aoti._signal_name"): WHITE_BOX,
+    ("tests/test_loadtest.py", "loadtest.sweep._Step"): WHITE_BOX,
+    ("tests/test_spoken.py", "chattts_triton.model.spoken._PHONE"): WHITE_BOX,
+    ("tests/test_spoken.py", "chattts_triton.model.spoken._UNIT"): WHITE_BOX,
+    ("tests/test_spoken.py", "chattts_triton.model.spoken._phone_spans"): WHITE_BOX,
+    ("tests/test_spoken.py", "chattts_triton.model.spoken._windows"): WHITE_BOX,
 }
 PROJECT = ("chattts_triton", "client", "gateway", "export", "loadtest", "bench", "tools", "tests", "model_repository")
 
 
+def _dotted(node: ast.expr) -> str | None:
+    """`a.b.c` of a chain of names and attributes, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return None if head is None else f"{head}.{node.attr}"
+    return None
+
+
 def private_imports(root: Path = ROOT) -> Iterator[tuple[str, int, str]]:
     """(file, line, "module._name") of every `from module import _name` in the project's Python files where module,
-    absolute or relative, is one of the project's; inside functions too."""
+    absolute or relative, is one of the project's, and of every `module._name` read through a name an import bound to
+    such a module (`import chattts_triton.model.mix as m; m._x`, `from ..model import mix; mix._x`); inside
+    functions too."""
     for top in PROJECT:
         for path in sorted((root / top).rglob("*.py")) if (root / top).is_dir() else ():
             rel = path.relative_to(root)
@@ -215,6 +273,40 @@ def private_imports(root: Path = ROOT) -> Iterator[tuple[str, int, str]]:
                 for alias in node.names:
                     if alias.name.startswith("_") and not alias.name.startswith("__"):
                         yield rel.as_posix(), node.lineno, f"{base}.{alias.name}"
+            yield from _private_attributes(path, rel, package, root)
+
+
+def _is_module(dotted: str, root: Path) -> bool:
+    where = root / Path(*dotted.split("."))
+    return where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()
+
+
+def _private_attributes(path: Path, rel: Path, package: list[str], root: Path) -> Iterator[tuple[str, int, str]]:
+    """`module._name` read in `path` through a name bound by an import to one of the project's modules."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bound: dict[str, str] = {}  # local name -> the module (or package prefix) it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in PROJECT:
+                    bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module or ""
+            if base.split(".")[0] in PROJECT:
+                for a in node.names:
+                    if _is_module(f"{base}.{a.name}", root):
+                        bound[a.asname or a.name] = f"{base}.{a.name}"
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        dotted = _dotted(node.value)
+        if dotted is None or dotted.split(".")[0] not in bound:
+            continue
+        head, _, rest = dotted.partition(".")
+        module = bound[head] + (f".{rest}" if rest else "")
+        if _is_module(module, root):
+            yield rel.as_posix(), node.lineno, f"{module}.{node.attr}"
 
 
 def private_import_violations(root: Path = ROOT, allowed=None) -> list[str]:
@@ -240,8 +332,8 @@ def test_the_private_import_check_sees_absolute_relative_and_local_imports(tmp_p
     (pkg / "runtime").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "runtime" / "__init__.py").write_text("from .engine import _Slot\n")
-    (pkg / "runtime" / "engine.py").write_text("import numpy as np\nfrom numpy import _globals\nfrom ..config import "
-                                               "LIMITS\n"
+    (pkg / "runtime" / "engine.py").write_text("import numpy as np\nfrom numpy import _globals\n"
+                                               "from ..config import LIMITS\n"
                                                "from .request import __all__, _Slot, Public\n")
     (pkg / "runtime" / "kv.py").write_text("def f():\n    from chattts_triton.runtime.request import _check\n")
     (tmp_path / "tests").mkdir()
@@ -252,3 +344,23 @@ def test_the_private_import_check_sees_absolute_relative_and_local_imports(tmp_p
         "chattts_triton/runtime/__init__.py:1 imports chattts_triton.runtime.engine._Slot",
         "chattts_triton/runtime/engine.py:4 imports chattts_triton.runtime.request._Slot",
         "chattts_triton/runtime/kv.py:2 imports chattts_triton.runtime.request._check"], found
+
+
+def test_the_private_import_check_sees_private_names_read_through_an_imported_module(tmp_path):
+    """`module._name` is an import of `_name` as much as `from module import _name` is; a name of an object's own
+    (`self._x`, `np._x`) or of a class is not the check's."""
+    pkg = tmp_path / "chattts_triton"
+    (pkg / "model").mkdir(parents=True)
+    (pkg / "runtime").mkdir()
+    for init in (pkg, pkg / "model", pkg / "runtime"):
+        (init / "__init__.py").write_text("")
+    (pkg / "model" / "mix.py").write_text("def _shown(x):\n    return x\n\nclass Mix:\n    _cache = {}\n")
+    (pkg / "runtime" / "voices.py").write_text(
+        "import numpy as np\nimport chattts_triton.model.mix\nfrom ..model import mix as voice_mix\n"
+        "from ..model.mix import Mix\n\n"
+        "def f(self):\n    return voice_mix._shown(1), np._x, self._y, Mix._cache\n\n"
+        "def g():\n    return chattts_triton.model.mix._shown(2)\n")
+    found = private_import_violations(tmp_path, allowed={})
+    assert sorted(v.split(": ")[0] for v in found) == [
+        "chattts_triton/runtime/voices.py:10 imports chattts_triton.model.mix._shown",
+        "chattts_triton/runtime/voices.py:7 imports chattts_triton.model.mix._shown"], found

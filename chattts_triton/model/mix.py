@@ -61,10 +61,10 @@ def parse(expr: str) -> list[tuple[str, float]]:
     terms: list[tuple[str, float]] = []
     for i, part in enumerate(parts, 1):
         if not part.strip():
-            raise MixError(f"term {i} of the voice mix {_shown(expr)} is empty")
+            raise MixError(f"term {i} of the voice mix {shown(expr)} is empty")
         m = _TERM.match(part)
         if m is None:
-            raise MixError(f"term {i} of the voice mix ({_shown(part.strip())}) is not NAME, NAME*WEIGHT or "
+            raise MixError(f"term {i} of the voice mix ({shown(part.strip())}) is not NAME, NAME*WEIGHT or "
                            f"NAME(WEIGHT) (a name is 1-64 letters, digits, '_', '.' or '-')")
         name, weight = m.group(1), m.group(2) if m.group(2) is not None else m.group(3)
         terms.append((name, 1.0 if weight is None else _weight(weight, i, name)))
@@ -75,12 +75,13 @@ def parse(expr: str) -> list[tuple[str, float]]:
 def _weight(text: str, i: int, name: str) -> float:
     value = float(text) if _WEIGHT.match(text) else math.nan
     if not (math.isfinite(value) and 0 < value <= MAX_WEIGHT):
-        raise MixError(f"term {i} of the voice mix ({name}): weight {_shown(text)} is not a number in (0, "
+        raise MixError(f"term {i} of the voice mix ({name}): weight {shown(text)} is not a number in (0, "
                        f"{MAX_WEIGHT:g}] (weights are relative: 0.7 and 0.3, or 2 and 1)")
     return value
 
 
-def _shown(text: str) -> str:
+def shown(text: str) -> str:
+    """A user's text as an error message shows it: quoted, at most 40 characters."""
     return repr(text if len(text) <= 40 else text[:37] + "...")
 
 

@@ -501,7 +501,7 @@ def mix_voice(expr: str, resolve: Callable[[str], Voice], hidden: int, name: str
     """The voice a mix expression makes (model/mix.py: grammar and rule): its terms resolved by `resolve` (a
     registry's), each a speaker embedding (a seed, a speaker string or a stored mix; a voice of reference audio has
     none to mix); InputError starting with VOICE for every fault, naming the term."""
-    shown = voice_mix._shown(expr)
+    shown = voice_mix.shown(expr)
     try:
         terms = voice_mix.parse(expr)
     except voice_mix.MixError as e:
