@@ -126,7 +126,7 @@ def test_a_server_store_is_asked_for_its_generation_at_most_every_poll_interval(
     generation = store.generation
     monkeypatch.setattr(store, "generation", lambda: calls.append(1) or generation())
     clock = [100.0]
-    monkeypatch.setattr(V.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(S.time, "monotonic", lambda: clock[0])
     reg = V.VoiceRegistry(store, HIDDEN)
     for _ in range(5):
         reg.resolve("alloy")
