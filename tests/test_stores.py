@@ -144,8 +144,11 @@ def test_a_server_down_keeps_the_voices_read_last_and_a_first_read_fails_naming_
     reg = V.VoiceRegistry(store, HIDDEN)
     store.put("kept", {"seed": 5})
     assert reg.resolve("kept").seed == 5
-    store.client.connection_pool.connection_kwargs["port"] = free_port()  # the server gone
-    store.client.connection_pool.disconnect()
+    import redis
+
+    store.client = redis.Redis(port=free_port(), socket_connect_timeout=1)  # the server gone
+    with pytest.raises(S.StoreUnavailable):
+        store.generation()  # what the registry asks first: it fails now
     assert reg.resolve("kept").seed == 5
     dead = S.open_server_store(f"redis://127.0.0.1:{free_port()}/0", "voices", V.initial_docs)
     with pytest.raises(S.StoreUnavailable, match=r"127\.0\.0\.1"):
@@ -247,6 +250,8 @@ def test_a_store_server_down_keeps_the_lexicon_read_last_and_never_fails_a_reque
     import redis
 
     store.client = redis.Redis(port=free_port(), socket_connect_timeout=1)  # the server gone
+    with pytest.raises(S.StoreUnavailable):
+        store.generation()
     assert registry.apply("重庆") == "虫庆" and "the store is unavailable" in caplog.text
     dead = L.open_lexicon_store(f"redis://127.0.0.1:{free_port()}/0")  # never read: no lexicon, said in the log
     assert L.LexiconRegistry(dead).apply("重庆") == "重庆"
