@@ -3,6 +3,7 @@
     POST /v1/audio/speech    OpenAI's body → audio (mp3, opus, aac, flac, wav, pcm, G.711), whole or streamed, or SSE
     POST /v1/audio/speech/captioned   the same body → JSON: the whole audio (base64) and each piece's timings
     GET, POST /v1/audio/voices, GET, DELETE /v1/audio/voices/{id}   the voice store (voices_http.py)
+    GET, PUT, POST /v1/audio/lexicon, GET, DELETE /v1/audio/lexicon/{word}   its pronunciation lexicon (lexicon_http.py)
     GET  /v1/audio/models, /v1/models, /v1/models/{id}
     GET  /health             200 when Triton and both models are ready, else 503
     GET  /metrics            Prometheus
@@ -38,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chattts_triton.config import SAMPLE_RATE
 
-from . import api, captions, realtime, voices_http
+from . import api, captions, lexicon_http, realtime, voices_http
 from .audio import CONTENT_TYPES, FORMATS, StreamEncoder, encode, needs_pyav, out_length, pyav_available
 from .metrics import Metrics
 from .synth import Job, Part, Segment, SynthesisError, Synthesizer, split_text
@@ -462,6 +463,7 @@ def create_app(settings: Settings, synthesizer: Synthesizer | None = None) -> Fa
         await gw.synth.close()
         gw.metrics.close()
         voices.close()
+        lexicon.close()
 
     app = FastAPI(title="chattts-triton speech gateway", version="0.2.0", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
@@ -526,6 +528,7 @@ def create_app(settings: Settings, synthesizer: Synthesizer | None = None) -> Fa
 
     realtime.install(app, gw)  # WS /v1/audio/speech/stream
     voices = voices_http.install(app, gw)  # the voice store: /v1/audio/voices
+    lexicon = lexicon_http.install(app, gw)  # its pronunciation lexicon: /v1/audio/lexicon
     return app
 
 

@@ -68,6 +68,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def authorize_write(gw, request: Request) -> None:
+    """The rule of every write to the voice store (the voices, the lexicon: gateway/lexicon_http.py): the admin key
+    (`--admin-key` or env CHATTTS_ADMIN_KEY) as `Authorization: Bearer KEY`; without one, a gateway on a loopback
+    address only (what speech needs, an API key where the gateway has keys), else 403."""
+    settings = gw.settings
+    key = settings.admin_key
+    if not key:
+        if not is_loopback(settings.host):
+            raise api.APIError(403, f"writes to the voice store need the admin key: this gateway listens on "
+                                    f"{settings.host}; start it with --admin-key or {ADMIN_KEY_ENV} and send "
+                                    f"'Authorization: Bearer KEY' (without a key, writes are taken on 127.0.0.1 "
+                                    f"only)", "permission_error", None, "admin_key_required")
+        gw.authenticate(request)
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise api.APIError(401, "writes to the voice store need the admin key: 'Authorization: Bearer KEY'",
+                           "invalid_request_error", None, "missing_admin_key", {"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise api.APIError(403, "incorrect admin key: writes to the voice store need the admin key",
+                           "permission_error", None, "invalid_admin_key")
+
+
 class VoiceBody(BaseModel):
     """`POST /v1/audio/voices` as JSON: a name and one source."""
 
@@ -139,22 +162,7 @@ class VoicesAPI:
 
     # --- guards -------------------------------------------------------------------------------------
     def authorize_write(self, request: Request) -> None:
-        key = self.settings.admin_key
-        if not key:
-            if not is_loopback(self.settings.host):
-                raise api.APIError(403, f"writes to the voice store need the admin key: this gateway listens on "
-                                        f"{self.settings.host}; start it with --admin-key or {ADMIN_KEY_ENV} and send "
-                                        f"'Authorization: Bearer KEY' (without a key, writes are taken on 127.0.0.1 "
-                                        f"only)", "permission_error", None, "admin_key_required")
-            self.gw.authenticate(request)
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise api.APIError(401, "writes to the voice store need the admin key: 'Authorization: Bearer KEY'",
-                               "invalid_request_error", None, "missing_admin_key", {"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise api.APIError(403, "incorrect admin key: writes to the voice store need the admin key",
-                               "permission_error", None, "invalid_admin_key")
+        authorize_write(self.gw, request)
 
     def writable(self) -> stores.DocumentStore:
         if self.store is None:
@@ -206,7 +214,7 @@ class VoicesAPI:
         store = self.writable()
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind == "application/json":
-            voice, replace = await self._from_json(await _bounded_body(request, MAX_JSON_BYTES, None))
+            voice, replace = await self._from_json(await bounded_body(request, MAX_JSON_BYTES, None))
         elif kind == "multipart/form-data":
             voice, replace = await self._from_form(request)
         else:
@@ -286,7 +294,7 @@ class VoicesAPI:
         return V.Voice(name, speaker=mixed.speaker, mix=mixed.mix, description=description)
 
     async def _from_form(self, request: Request) -> tuple[V.Voice, bool]:  # noqa: C901  a form's checks, one after another: each is one branch that refuses
-        body = await _bounded_body(request, MAX_FORM_BYTES, "audio")
+        body = await bounded_body(request, MAX_FORM_BYTES, "audio")
 
         async def replay() -> dict[str, Any]:
             return {"type": "http.request", "body": body, "more_body": False}
@@ -426,9 +434,11 @@ def _decode(data: bytes) -> np.ndarray:
     return wav
 
 
-async def _bounded_body(request: Request, limit: int, field: str | None) -> bytes:
+async def bounded_body(request: Request, limit: int, field: str | None,
+                       small: str = "a voice's JSON is small") -> bytes:
     """The body, at most `limit` bytes of it: a larger one is read to its end (up to DRAIN_BYTES, so that a client
-    still sending gets the answer rather than a reset connection) and refused naming `field`, as the speech API does."""
+    still sending gets the answer rather than a reset connection) and refused naming `field` (without one, saying
+    `small`), as the speech API does."""
     from .app import DRAIN_BYTES  # the speech API's bound of what is drained
 
     data, seen = bytearray(), 0
@@ -439,7 +449,7 @@ async def _bounded_body(request: Request, limit: int, field: str | None) -> byte
         elif seen > DRAIN_BYTES:
             break
     if seen > limit:
-        what = f"'{field}' may be at most {api.MAX_VOICE_AUDIO_BYTES} bytes" if field else "a voice's JSON is small"
+        what = f"'{field}' may be at most {api.MAX_VOICE_AUDIO_BYTES} bytes" if field else small
         raise _invalid(f"the request body is larger than {limit} bytes ({what})", field, "body_too_large")
     return bytes(data)
 

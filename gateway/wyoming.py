@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import sys
@@ -30,7 +31,7 @@ from wyoming.ping import Ping, Pong
 from wyoming.server import AsyncEventHandler, AsyncTcpServer
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
-from chattts_triton.config import BUILTIN_VOICE_SEEDS, SAMPLE_RATE, VOICES
+from chattts_triton.config import BUILTIN_VOICE_SEEDS, SAMPLE_RATE
 from client.contract import OPTION_INPUTS, SynthesisOptions, input_datatype
 from client.errors import ChatTTSError
 from client.realtime import (
@@ -74,6 +75,7 @@ def _version() -> str:
 class Settings:
     grpc_url: str = "127.0.0.1:8001"
     repo: Path | None = None  # the model repository, for the voices `describe` lists (its voices.json)
+    voice_store: str = ""  # the voice store `describe` lists (empty: env, the repository's setting, its voices.json)
     voice: str = DEFAULT_VOICE
     sample_rate: int = SAMPLE_RATE
     seed: int | None = None  # every synthesis starts its seed schedule here (None: random per synthesis)
@@ -97,20 +99,43 @@ class BadEvent(Exception):
 
 
 # --- voices and the info event ------------------------------------------------------------------------------------
-def voices(repo: Path | None) -> list[tuple[str, str]]:
-    """(name, description) of each voice VOICE can name: the repository's registry (chattts_triton.voices), or the
-    built-in voices without a repository, as the speech gateway lists them."""
-    path = None if repo is None else repo / VOICES
-    if path is None or not path.exists():  # the server serves the built-ins then
-        return [(n, f"{n} (seed {s})") for n, s in sorted(BUILTIN_VOICE_SEEDS.items())]
-    from chattts_triton.runtime.voices import read_voices
+def voices(repo: Path | None, voice_store: str = "") -> list[tuple[str, str]]:
+    """(name, description) of each voice VOICE can name, as the speech gateway lists them: the voice store's (its URL
+    `voice_store`, else env CHATTTS_VOICE_STORE, else the repository's setting, else its voices.json), or the built-in
+    voices without a store or a repository. StoreError where the store cannot be read (a server that was, once read:
+    the voices read last)."""
+    from chattts_triton.runtime.voices import store_url
 
-    return [(n, f"{n} ({v.description or v.source})") for n, v in sorted(read_voices(path).items())]
+    follower = _voice_listing(repo, store_url(repo, voice_store))
+    if follower is None:  # the server serves the built-ins then
+        return [(n, f"{n} (seed {s})") for n, s in sorted(BUILTIN_VOICE_SEEDS.items())]
+    return follower.current()[1]
+
+
+@functools.lru_cache(maxsize=8)
+def _voice_listing(repo: Path | None, url: str):
+    """The store's listing, followed as the models follow the store (one connection a process, its poll interval)."""
+    from chattts_triton.runtime.stores import Follower
+    from chattts_triton.runtime.voices import open_voice_store, voices_of
+
+    if not url and repo is None:
+        return None
+
+    def listed(docs) -> list[tuple[str, str]]:
+        return [(n, f"{n} ({v.description or v.source})") for n, v in sorted(voices_of(docs)[0].items())]
+
+    return Follower(open_voice_store(url, repo), listed, "voice store (describe)")
 
 
 def info(settings: Settings) -> Info:
+    from chattts_triton.runtime.stores import StoreError
+
+    try:
+        listed = voices(settings.repo, settings.voice_store)
+    except StoreError as e:
+        raise BadEvent(f"the voice store cannot be read: {e}", "voice-store-error") from None
     tts_voices = [TtsVoice(name=name, description=description, attribution=CHATTTS, installed=True, version=None,
-                           languages=list(LANGUAGES)) for name, description in voices(settings.repo)]
+                           languages=list(LANGUAGES)) for name, description in listed]
     return Info(tts=[TtsProgram(name=PROGRAM, description="ChatTTS served by NVIDIA Triton Inference Server",
                                 attribution=CHATTTS, installed=True, version=_version(), voices=tts_voices,
                                 supports_synthesize_streaming=settings.streaming)])
@@ -319,8 +344,8 @@ class WyomingHandler(AsyncEventHandler):
 
     async def _handle(self, event: Event) -> bool:
         kind = event.type
-        if Describe.is_type(kind):
-            await self.write_event(info(self.settings).event())
+        if Describe.is_type(kind):  # a shared store is asked over the network: off the event loop
+            await self.write_event((await asyncio.to_thread(info, self.settings)).event())
             return True
         if Ping.is_type(kind):
             await self.write_event(Pong(text=event.data.get("text") if isinstance(event.data.get("text"), str)
@@ -461,6 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (default %(default)s)")
     p.add_argument("--repo", type=Path, help="the served model repository: describe lists its voices (voices.json)")
+    p.add_argument("--voice-store", metavar="URL", default=d.voice_store,
+                   help="the voice store describe lists (docs/voices.md; default: env CHATTTS_VOICE_STORE, else the "
+                        "repository's voice_store setting, else its voices.json)")
     p.add_argument("--voice", default=d.voice, help="the voice of an event that names none (default %(default)s)")
     p.add_argument("--sample-rate", type=int, default=d.sample_rate,
                    help=f"output rate in Hz, one of {', '.join(map(str, SAMPLE_RATES))} (default %(default)s)")
@@ -508,7 +536,8 @@ def settings_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> Set
         SynthesisOptions.of(options)  # every value of the contract's type
     except (ChatTTSError, TypeError) as e:
         p.error(f"--option: {e}")
-    return Settings(grpc_url=a.grpc_url, repo=a.repo, voice=a.voice, sample_rate=a.sample_rate, seed=a.seed,
+    return Settings(grpc_url=a.grpc_url, repo=a.repo, voice_store=a.voice_store or "", voice=a.voice,
+                    sample_rate=a.sample_rate, seed=a.seed,
                     options=options, timeout_s=a.timeout, channels=a.channels, piece_concurrency=a.piece_concurrency,
                     pause_s=a.pause_ms / 1000, idle_flush_s=a.idle_flush_s or None,
                     samples_per_chunk=a.samples_per_chunk,
@@ -524,9 +553,9 @@ def main(argv=None) -> int:
         log.warning("binding %s: the Wyoming protocol has no authentication, anyone who reaches this port can "
                     "synthesise speech (keep it on a trusted network)", a.host)
     try:
-        voices(settings.repo)
+        voices(settings.repo, settings.voice_store)
     except Exception as e:  # noqa: BLE001  an unreadable registry is refused at start, not at the first describe
-        p.error(f"--repo {settings.repo}: the voice registry cannot be read ({e})")
+        p.error(f"the voice registry cannot be read ({e}): --repo {settings.repo}, --voice-store")
     server = WyomingServer(settings, a.host, a.port)
     log.info("Wyoming text-to-speech on tcp://%s:%d → Triton gRPC %s (%d Hz, streaming %s)", a.host, a.port,
              settings.grpc_url, settings.sample_rate, "on" if settings.streaming else "off")

@@ -704,8 +704,9 @@ def test_speech_gateway_keys_and_switch():
 def test_the_voice_store_reaches_the_models_and_the_gateway_and_writes_need_the_admin_key():
     """voiceStore names one store for Triton's models and the gateway of every pod (CHATTTS_VOICE_STORE, from a Secret
     where the URL holds a password); gateway.adminKeySecret is the key POST/DELETE /v1/audio/voices need."""
-    dep = _one(render({"voiceStore": {"url": "redis://voices-redis:6379/0"}}), "Deployment")
-    for name in ("tritonserver", "gateway"):
+    values = {"voiceStore": {"url": "redis://voices-redis:6379/0"}, "wyoming": {"enabled": True}}
+    dep = _one(render(values), "Deployment")
+    for name in ("tritonserver", "gateway", "wyoming"):
         assert _env(_container(dep, name)) == {"CHATTTS_VOICE_STORE": "redis://voices-redis:6379/0"}, name
     docs = render(SCENARIOS["shared-voice-store"])
     dep = _one(docs, "Deployment")

@@ -1,7 +1,9 @@
 """The pronunciation lexicon: matching (chattts_triton.model.lexicon: exact, case rules, word edges, longest first,
 control tokens untouched) with Chinese polyphones and English brand names, the repository file and its registry
-(edits seen without a restart, a broken file keeps the last good one), the command line, preprocess (before
-normalisation, visible in SPOKEN_TEXT), a re-export keeping it, and the real tiny server."""
+(edits seen without a restart, a broken file keeps the last good one), the command line (a shared voice store's lexicon
+with --voice-store, import), preprocess (before normalisation, visible in SPOKEN_TEXT; a store's lexicon followed), a
+re-export keeping it, and the real tiny server. The store-backed lexicon against every back-end: tests/test_stores.py;
+over HTTP: tests/test_voices_http.py; shared by two gateways and a tritonserver: tests/test_voices_http_e2e.py."""
 
 from __future__ import annotations
 
@@ -189,6 +191,30 @@ def test_cli_runs_as_a_module(repo):
             and L.read_lexicon(repo / LEXICON).apply("AWS") == "A W S")
 
 
+def test_cli_edits_a_shared_stores_lexicon_with_voice_store_and_imports_a_file(repo, capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("CHATTTS_VOICE_STORE", raising=False)
+    url = f"sqlite://{tmp_path}/voices.db"
+    assert cli(capsys, repo, "add", "AWS", "A W S")[0] == 0  # the repository's file, as before
+    assert cli(capsys, repo, "--voice-store", url, "add", "重庆", "虫庆")[0] == 0
+    assert cli(capsys, repo, "--voice-store", url, "list")[1] == "重庆\t虫庆\n"  # the store's, not the file's
+    assert L.read_lexicon(repo / LEXICON).apply("重庆 AWS") == "重庆 A W S"
+    code, out, _ = cli(capsys, repo, "--voice-store", url, "import", str(repo / LEXICON))
+    assert code == 0 and out == f"imported 1 entries from {repo / LEXICON}\n"
+    assert cli(capsys, repo, "--voice-store", url, "apply", "重庆 AWS")[1] == "虫庆 A W S\n"
+    code, _, err = cli(capsys, repo, "--voice-store", url, "import", str(repo / LEXICON))
+    assert code == 1 and "--force" in err
+    assert cli(capsys, repo, "--voice-store", url, "add", "aws", "x", "--ignore-case")[0] == 0
+    code, _, err = cli(capsys, repo, "--voice-store", url, "add", "AWs", "y", "--ignore-case")
+    assert code == 1 and "'aws' ignores case" in err
+    monkeypatch.setenv("CHATTTS_VOICE_STORE", url)  # the store of the environment, without --repo
+    assert L.main(["remove", "重庆"]) == 0 and capsys.readouterr().out == "removed 重庆\n"
+    assert L.LexiconRegistry(L.open_lexicon_store(url)).apply("重庆 AWS") == "重庆 A W S"
+    monkeypatch.delenv("CHATTTS_VOICE_STORE")
+    with pytest.raises(SystemExit):  # neither a repository nor a store
+        L.main(["list"])
+    assert "--voice-store" in capsys.readouterr().err
+
+
 # --- preprocess -------------------------------------------------------------------------------------------
 @pytest.fixture
 def pre(tiny_assets, repo):
@@ -224,6 +250,31 @@ def test_preprocess_applies_the_lexicon_before_normalisation_and_shows_it_in_spo
     # SSML first (a sub alias is what the lexicon sees), then the lexicon
     document = '<speak><sub alias="AWS">amazon web services</sub> in 重庆</speak>'
     assert spoken(pre.prepare({"TEXT": b(document)})) == pre.normalize("A W S in 虫庆")
+
+
+def test_preprocess_reads_the_lexicon_of_its_voice_store_and_follows_its_writes(tiny_assets, repo, tmp_path,
+                                                                                 monkeypatch):
+    """chattts_preprocess (and chattts_stream, the same service) over an SQLite store: a write of another process (a
+    gateway, the CLI) is in SPOKEN_TEXT at the next request; the repository's lexicon.json is not read."""
+    from chattts_triton.runtime.preprocess import PreprocessService
+
+    monkeypatch.delenv("CHATTTS_VOICE_STORE", raising=False)
+    url = f"sqlite://{tmp_path}/voices.db"
+    version = repo / "chattts_preprocess" / "1"
+    version.mkdir(parents=True)
+    (version / "tokenizer").symlink_to(Path(tiny_assets) / "tokenizer", target_is_directory=True)
+    with L.editing(repo) as entries:
+        entries["AWS"] = check_entry("AWS", "A W S")
+    service = PreprocessService(version, TINY_ARCH, torch.device("cpu"), "torchscript", voice_store=url)
+    try:
+        assert spoken(service.prepare({"TEXT": b("去重庆用AWS")})) == "去重庆用AWS"
+        writer = L.open_lexicon_store(url)
+        L.put_entry(writer, check_entry("重庆", "虫庆"))
+        assert spoken(service.prepare({"TEXT": b("去重庆用AWS")})) == "去虫庆用AWS"  # SQLite: seen at once
+        writer.delete("重庆")
+        assert spoken(service.prepare({"TEXT": b("去重庆")})) == "去重庆"
+    finally:
+        service.close()
 
 
 def test_reexport_keeps_the_lexicon(tiny_assets, tmp_path):

@@ -126,7 +126,7 @@ def test_a_server_store_is_asked_for_its_generation_at_most_every_poll_interval(
     generation = store.generation
     monkeypatch.setattr(store, "generation", lambda: calls.append(1) or generation())
     clock = [100.0]
-    monkeypatch.setattr(V.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(S.time, "monotonic", lambda: clock[0])
     reg = V.VoiceRegistry(store, HIDDEN)
     for _ in range(5):
         reg.resolve("alloy")
@@ -144,8 +144,11 @@ def test_a_server_down_keeps_the_voices_read_last_and_a_first_read_fails_naming_
     reg = V.VoiceRegistry(store, HIDDEN)
     store.put("kept", {"seed": 5})
     assert reg.resolve("kept").seed == 5
-    store.client.connection_pool.connection_kwargs["port"] = free_port()  # the server gone
-    store.client.connection_pool.disconnect()
+    import redis
+
+    store.client = redis.Redis(port=free_port(), socket_connect_timeout=1)  # the server gone
+    with pytest.raises(S.StoreUnavailable):
+        store.generation()  # what the registry asks first: it fails now
     assert reg.resolve("kept").seed == 5
     dead = S.open_server_store(f"redis://127.0.0.1:{free_port()}/0", "voices", V.initial_docs)
     with pytest.raises(S.StoreUnavailable, match=r"127\.0\.0\.1"):
@@ -180,3 +183,89 @@ def test_store_urls(tmp_path, monkeypatch):
     assert V.store_url(repo) == "sqlite:///from/manifest.db" and V.store_url(repo, "redis://given") == "redis://given"
     monkeypatch.setenv("CHATTTS_VOICE_STORE", "redis://env")
     assert V.store_url(repo) == "redis://env" and V.store_url(tmp_path / "none") == "redis://env"
+
+
+# --- the pronunciation lexicon: a second namespace of the same store ------------------------------------------------
+@pytest.fixture(params=["file", "sqlite", "redis", "postgresql"])
+def lexicon_pair(request, tmp_path):
+    """Two views of one store's lexicon (two processes opening the voice_store URL), and a view of its voices."""
+    from chattts_triton.runtime import lexicon as L
+
+    url = _url(request.param, tmp_path, request)
+    views = [L.open_lexicon_store(url) for _ in range(2)]
+    voices = V.open_voice_store(url)
+    yield views, voices
+    for s in (*views, voices):
+        s.close()
+
+
+def test_the_lexicon_is_a_namespace_of_the_voice_store_one_views_write_is_what_the_other_applies(lexicon_pair):
+    from chattts_triton.model.lexicon import MAX_ENTRIES, check_entry
+    from chattts_triton.runtime import lexicon as L
+
+    (a, b), voices = lexicon_pair
+    b.poll_s = 0  # the rule under test is the generation, not the poll interval
+    registry = L.LexiconRegistry(b)
+    assert a.limit == MAX_ENTRIES and registry.apply("我在重庆用AWS") == "我在重庆用AWS"  # never written: no lexicon
+    voices_before = voices.snapshot()
+    assert L.put_entry(a, check_entry("重庆", "虫庆")) is False
+    assert L.put_entry(a, check_entry("aws", "A W S", True)) is False
+    assert registry.apply("我在重庆用AWS") == "我在虫庆用A W S"
+    assert voices.snapshot() == voices_before  # the voices' namespace is not touched (nor the lexicon's by a voice)
+    generation = b.generation()
+    with pytest.raises(L.EntryConflict, match="'AWS'.*'aws' ignores case"):  # refused: nothing written
+        L.put_entry(b, check_entry("AWS", "a w s", True))
+    with pytest.raises(S.Exists):
+        L.put_entry(b, check_entry("重庆", "重亲"))
+    assert a.generation() == generation and registry.apply("AWS") == "A W S"
+    assert L.put_entry(b, check_entry("重庆", "虫亲"), replace=True) is True
+    assert registry.apply("重庆") == "虫亲" and a.get("重庆") == {"say": "虫亲"}
+    assert b.delete("重庆") is True and b.delete("重庆") is False and registry.apply("重庆") == "重庆"
+    assert L.lexicon_of(a.snapshot()[1])[0].apply("Aws") == "A W S"
+
+
+def test_a_lexicon_entry_the_store_holds_but_cannot_use_is_left_out_and_logged(tmp_path, caplog):
+    from chattts_triton.runtime import lexicon as L
+
+    store = L.open_lexicon_store(f"sqlite://{tmp_path}/voices.db")
+    store.put("ok", {"say": "fine"})
+    store.put("bad word", {"say": "x"})  # a writer that did not check it (the CLI and HTTP refuse it)
+    store.put("Nginx", {"say": "engine x", "ignore_case": True})
+    store.put("nginx", {"say": "n g", "ignore_case": True})  # two writers at once: one spelling twice
+    lexicon, broken = L.lexicon_of(store.snapshot()[1])
+    assert [e.word for e in lexicon.entries()] == ["Nginx", "ok"] and set(broken) == {"bad word", "nginx"}
+    assert L.LexiconRegistry(store).apply("ok NGINX") == "fine engine x" and "entries left out" in caplog.text
+
+
+def test_a_store_server_down_keeps_the_lexicon_read_last_and_never_fails_a_request(redis_url, caplog):
+    from chattts_triton.launcher.tritonserver import free_port
+    from chattts_triton.model.lexicon import check_entry
+    from chattts_triton.runtime import lexicon as L
+
+    store = L.open_lexicon_store(redis_url + "?prefix=lexdown")
+    store.poll_s = 0
+    registry = L.LexiconRegistry(store)
+    L.put_entry(store, check_entry("重庆", "虫庆"))
+    assert registry.apply("重庆") == "虫庆"
+    import redis
+
+    store.client = redis.Redis(port=free_port(), socket_connect_timeout=1)  # the server gone
+    with pytest.raises(S.StoreUnavailable):
+        store.generation()
+    assert registry.apply("重庆") == "虫庆" and "the store is unavailable" in caplog.text
+    dead = L.open_lexicon_store(f"redis://127.0.0.1:{free_port()}/0")  # never read: no lexicon, said in the log
+    assert L.LexiconRegistry(dead).apply("重庆") == "重庆"
+
+
+def test_lexicon_store_urls(tmp_path):
+    from chattts_triton.config import LEXICON
+    from chattts_triton.runtime import lexicon as L
+
+    assert L.open_lexicon_store("", tmp_path).path == tmp_path / LEXICON  # the default: the repository's file
+    assert L.open_lexicon_store(f"file://{tmp_path}/shared/voices.json").path == tmp_path / "shared" / LEXICON
+    with pytest.raises(S.StoreError, match="beside the voices' file"):
+        L.open_lexicon_store(f"file://{tmp_path}/lexicon.json")
+    with pytest.raises(S.StoreError, match="no lexicon"):
+        L.open_lexicon_store("")
+    store = L.open_lexicon_store(f"sqlite://{tmp_path}/v.db")
+    assert (store.namespace, store.limit) == (L.NAMESPACE, 20_000)

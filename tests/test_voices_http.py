@@ -2,7 +2,9 @@
 client) over an SQLite store, the model's speaker size from the tiny repository's manifest, and a recording encoded by
 that repository's DVAE encoder in this process where the gateway asks chattts_preprocess (the real call:
 tests/test_voices_http_e2e.py). Hostile bodies each get a 4xx naming the field and leave the store as it was; the
-admin key's rule; the listing, one voice, delete."""
+admin key's rule; the listing, one voice, delete. The same for the store's pronunciation lexicon
+(gateway/lexicon_http.py): hostile entries and bodies, put/list/replace/delete seen by another view of the store, the
+admin key's rule."""
 
 from __future__ import annotations
 
@@ -266,3 +268,181 @@ def test_the_command_line_refuses_a_store_url_that_names_no_store(capsys):
     with pytest.raises(SystemExit):
         main(["--voice-store", "mysql://h/db"])
     assert "--voice-store" in capsys.readouterr().err
+
+
+# --- the pronunciation lexicon over HTTP (gateway/lexicon_http.py) -----------------------------------------------
+def lexicon_state(c, store):
+    """What a refused lexicon write must not change: its listing and the store's generation."""
+    return c.get("/v1/audio/lexicon").json(), store.generation()
+
+
+JSON = {"content-type": "application/json"}
+LEXICON_HOSTILE = [
+    # the word
+    ({"word": "", "say": "x"}, 400, "word", "1-64 characters"),
+    ({"word": "w" * 65, "say": "x"}, 400, "word", "1-64 characters"),
+    ({"word": "two words", "say": "x"}, 400, "word", "holds ' '"),
+    ({"word": "nul\u0000", "say": "x"}, 400, "word", "holds '\\x00'"),
+    ({"word": "tab\tbed", "say": "x"}, 400, "word", "holds '\\t'"),
+    ({"word": "evil\u202etxt", "say": "x"}, 400, "word", "U+202E"),
+    ({"word": "zero\u200bwidth", "say": "x"}, 400, "word", "U+200B"),
+    ({"word": "[uv_break]", "say": "x"}, 400, "word", "holds '['"),
+    ({"word": 5, "say": "x"}, 400, "word", "must be a string, got int"),
+    ({"word": ["a"], "say": "x"}, 400, "word", "must be a string, got list"),
+    ({"word": None, "say": "x"}, 400, "word", "must be a string"),
+    ({"say": "x"}, 400, "word", "required"),
+    # what to say
+    ({"word": "ok"}, 400, "say", "required"),
+    ({"word": "ok", "say": ""}, 400, "say", "is empty"),
+    ({"word": "ok", "say": "   "}, 400, "say", "only whitespace"),
+    ({"word": "ok", "say": "s" * 257}, 400, "say", "more than the limit of 256"),
+    ({"word": "ok", "say": "bell\u0007"}, 400, "say", "control character"),
+    ({"word": "ok", "say": "[bogus_9] hi"}, 400, "say", "unknown token"),
+    ({"word": "ok", "say": 5}, 400, "say", "must be a string, got int"),
+    ({"word": "ok", "say": {"a": 1}}, 400, "say", "must be a string, got dict"),
+    # the flags, the fields
+    ({"word": "ok", "say": "x", "ignore_case": "yes"}, 400, "ignore_case", "true or false"),
+    ({"word": "ok", "say": "x", "ignore_case": 1}, 400, "ignore_case", "true or false"),
+    ({"word": "ok", "say": "x", "replace": "yes"}, 400, "replace", "true or false"),
+    ({"word": "ok", "say": "x", "voice": "alloy"}, 400, "voice", "not a field of a lexicon entry"),
+    # the store: an entry of that word, another ignoring case, full
+    ({"word": "重庆", "say": "重亲"}, 409, "word", "has an entry '重庆'"),
+    ({"word": "NGINX", "say": "n", "ignore_case": True}, 409, "word", "'nginx' ignores case"),
+    ({"word": "brand-new", "say": "x", "full": True}, 409, "word", "the lexicon is full"),
+]
+LEXICON_BODIES = [
+    ({"content": b"{"}, 400, None, "JSON object"),
+    ({"content": b"[1, 2]"}, 400, None, "JSON object"),
+    ({"content": b'"word"'}, 400, None, "JSON object, got str"),
+    ({"content": b"[" * 10000}, 400, None, "nested too deeply"),
+    ({"content": b'{"word": "\\ud800", "say": "x"}'}, 400, "word", "U+D800"),  # a lone surrogate: never stored
+    ({"content": json.dumps({"word": "ok", "say": "s" * (1 << 20)}).encode()}, 400, None, "larger than 16384 bytes"),
+    ({"content": BILLION_LAUGHS.encode(), "headers": {"content-type": "application/ssml+xml"}}, 415, "Content-Type",
+     "application/json"),
+    ({"content": b"word=ok&say=x", "headers": {"content-type": "application/x-www-form-urlencoded"}}, 415,
+     "Content-Type", "application/json"),
+    ({"content": b'{"word": "ok", "say": "x"}', "headers": {}}, 415, "Content-Type", "(none)"),
+]
+
+
+@pytest.fixture
+def lexicon_client(client):
+    """The gateway of `client` with two entries in its store's lexicon."""
+    c, _ = client
+    for entry in ({"word": "重庆", "say": "虫庆"}, {"word": "nginx", "say": "engine x", "ignore_case": True}):
+        assert c.put("/v1/audio/lexicon", json=entry).status_code == 201
+    return c, c.app.state.lexicon.store
+
+
+@pytest.mark.parametrize("method", ["PUT", "POST"])
+@pytest.mark.parametrize("body, status, param, words", LEXICON_HOSTILE,
+                         ids=[f"{i}-{c[2]}" for i, c in enumerate(LEXICON_HOSTILE)])
+def test_a_hostile_lexicon_write_is_a_4xx_naming_the_field_and_changes_nothing(lexicon_client, method, body, status,
+                                                                               param, words):
+    c, store = lexicon_client
+    body = dict(body)
+    if body.pop("full", False):
+        store.max_docs = len(store.snapshot()[1])
+    if method == "POST" or "重庆" not in body.values():  # PUT replaces an entry of that word: no refusal to test
+        before = lexicon_state(c, store)
+        r = c.request(method, "/v1/audio/lexicon", json=body)
+        error = r.json()["error"]
+        assert (r.status_code, error["param"]) == (status, param), error
+        assert words in error["message"], error["message"]
+        assert lexicon_state(c, store) == before
+
+
+@pytest.mark.parametrize("case, status, param, words", LEXICON_BODIES, ids=[str(i) for i in range(len(LEXICON_BODIES))])
+def test_a_hostile_lexicon_body_is_a_4xx_and_changes_nothing(lexicon_client, case, status, param, words):
+    c, store = lexicon_client
+    before = lexicon_state(c, store)
+    r = c.put("/v1/audio/lexicon", content=case["content"], headers=case.get("headers", JSON))
+    error = r.json()["error"]
+    assert (r.status_code, error["param"]) == (status, param), error
+    assert words in error["message"], error["message"]
+    assert lexicon_state(c, store) == before
+
+
+def test_lexicon_entries_are_put_listed_replaced_and_deleted(lexicon_client, tiny_repo):
+    from chattts_triton.runtime import lexicon as L
+
+    c, store = lexicon_client
+    reader = L.LexiconRegistry(L.open_lexicon_store(store.url))  # another process's view of the same store
+    assert reader.apply("重庆的NGINX") == "虫庆的engine x"
+    r = c.post("/v1/audio/lexicon", json={"word": "TCP/IP", "say": "T C P I P"})
+    assert r.status_code == 201 and r.json() == {"object": "lexicon.entry", "word": "TCP/IP", "say": "T C P I P",
+                                                 "ignore_case": False}
+    assert c.get("/v1/audio/lexicon").json() == {"object": "list", "entries": [
+        {"object": "lexicon.entry", "word": "nginx", "say": "engine x", "ignore_case": True},
+        {"object": "lexicon.entry", "word": "TCP/IP", "say": "T C P I P", "ignore_case": False},
+        {"object": "lexicon.entry", "word": "重庆", "say": "虫庆", "ignore_case": False}]}
+    assert c.get("/v1/audio/lexicon/TCP%2FIP").json()["say"] == "T C P I P"
+    assert c.get("/v1/audio/lexicon/%E9%87%8D%E5%BA%86").json()["say"] == "虫庆"
+    put = c.put("/v1/audio/lexicon", json={"word": "重庆", "say": " 虫亲 "})  # PUT replaces (200), the text trimmed
+    assert put.status_code == 200 and put.json()["say"] == "虫亲"
+    assert c.post("/v1/audio/lexicon", json={"word": "重庆", "say": "x", "replace": True}).status_code == 200
+    assert c.put("/v1/audio/lexicon", json={"word": "重庆", "say": "y", "replace": False}).status_code == 409
+    assert reader.apply("重庆 TCP/IP") == "x T C P I P"
+    # the replacement's case rule may change, and an entry ignoring case may take another case's place once it is gone
+    assert c.put("/v1/audio/lexicon", json={"word": "nginx", "say": "engine x"}).status_code == 200
+    assert c.put("/v1/audio/lexicon", json={"word": "NGINX", "say": "N G", "ignore_case": True}).status_code == 201
+    assert reader.apply("nginx Nginx") == "engine x N G"
+    assert c.delete("/v1/audio/lexicon/TCP%2FIP").json() == {"object": "lexicon.entry", "word": "TCP/IP",
+                                                             "deleted": True}
+    for r in (c.delete("/v1/audio/lexicon/TCP%2FIP"), c.get("/v1/audio/lexicon/TCP%2FIP"),
+              c.delete("/v1/audio/lexicon/..%2F..%2Flexicon.json")):
+        assert r.status_code == 404 and r.json()["error"]["code"] == "lexicon_entry_not_found", r.text
+    assert reader.apply("TCP/IP") == "TCP/IP"
+    assert not (tiny_repo / "lexicon.json").exists()  # a shared store's lexicon: never the repository's file
+
+
+def test_lexicon_writes_follow_the_voices_admin_key_rule(tmp_path):
+    entry = {"word": "重庆", "say": "虫庆"}
+    with _app(tmp_path, admin_key="admin-secret", api_keys=("user",)) as c:
+        missing = c.put("/v1/audio/lexicon", json=entry)
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "missing_admin_key"
+        for key in ("user", "wrong"):  # an API key is no admin key
+            auth = {"Authorization": f"Bearer {key}"}
+            for r in (c.put("/v1/audio/lexicon", json=entry, headers=auth),
+                      c.post("/v1/audio/lexicon", json=entry, headers=auth),
+                      c.delete("/v1/audio/lexicon/重庆", headers=auth)):
+                assert r.status_code == 403 and r.json()["error"]["code"] == "invalid_admin_key"
+        assert c.get("/v1/audio/lexicon").status_code == 401  # reads need what speech needs
+        user, admin = {"Authorization": "Bearer user"}, {"Authorization": "Bearer admin-secret"}
+        assert c.get("/v1/audio/lexicon", headers=user).json()["entries"] == []
+        assert c.put("/v1/audio/lexicon", json=entry, headers=admin).status_code == 201
+        assert c.get("/v1/audio/lexicon/重庆", headers=user).json()["say"] == "虫庆"
+        assert c.delete("/v1/audio/lexicon/重庆", headers=admin).status_code == 200
+    with _app(tmp_path, host="0.0.0.0") as c:  # no admin key: writes on loopback only
+        r = c.put("/v1/audio/lexicon", json=entry)
+        assert r.status_code == 403 and "--admin-key" in r.json()["error"]["message"]
+        assert c.delete("/v1/audio/lexicon/重庆").status_code == 403 and c.get("/v1/audio/lexicon").status_code == 200
+    with _app(tmp_path, host="localhost") as c:
+        assert c.post("/v1/audio/lexicon", json=entry).status_code == 201
+
+
+def test_a_gateway_without_a_store_has_an_empty_lexicon_and_refuses_its_writes():
+    from fastapi.testclient import TestClient
+
+    from tests.test_gateway import FakeSynth
+
+    with TestClient(create_app(Settings(), FakeSynth())) as c:
+        assert c.get("/v1/audio/lexicon").json() == {"object": "list", "entries": []}
+        r = c.put("/v1/audio/lexicon", json={"word": "重庆", "say": "虫庆"})
+        assert r.status_code == 501 and "--voice-store" in r.json()["error"]["message"]
+
+
+def test_a_gateway_on_a_repository_edits_its_lexicon_json(tmp_path, monkeypatch):
+    """The default store: the repository's lexicon.json, as the lexicon CLI writes it."""
+    from fastapi.testclient import TestClient
+
+    from chattts_triton.runtime import lexicon as L
+    from tests.test_gateway import FakeSynth
+
+    monkeypatch.delenv("CHATTTS_VOICE_STORE", raising=False)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "manifest.json").write_text("{}")  # no voice_store setting: the repository's files
+    with TestClient(create_app(Settings(repo=repo), FakeSynth())) as c:
+        assert c.put("/v1/audio/lexicon", json={"word": "AWS", "say": "A W S"}).status_code == 201
+    assert L.read_lexicon(repo / "lexicon.json").apply("AWS") == "A W S"

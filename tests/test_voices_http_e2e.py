@@ -1,9 +1,16 @@
-"""The voice store shared for real (#31 item 1): for each store kind (an SQLite file named by the repository's
-`voice_store` setting, a redis-server and a PostgreSQL server named by env CHATTTS_VOICE_STORE; tests/conftest.py starts
-them) one tritonserver on the tiny weights and two gateways (`python -m gateway`) over the same store. A voice POSTed to
-one gateway is spoken by the other through OpenAI's client and by a direct gRPC call naming it (chattts_preprocess and
+"""The voice store shared for real (#31): one tritonserver on the tiny weights and two gateways (`python -m gateway`)
+over one redis-server (tests/conftest.py starts it), named every way a deployment names it: the server through the
+repository's `voice_store` setting (configure --voice-store: config.pbtxt's parameter), the first gateway through env
+CHATTTS_VOICE_STORE (Helm's way), the second through `--repo` (the repository's setting). A voice POSTed to one gateway
+is spoken by the other through OpenAI's client and by a direct gRPC call naming it (chattts_preprocess and
 chattts_stream read the store) after the store's poll interval, survives the gateway's restart, and once DELETEd is
-gone everywhere; a recording POSTed is the server's own encoding of it."""
+gone everywhere; a recording POSTed is the server's own encoding of it; a lexicon entry PUT on one gateway is what the
+other gateway's spoken text and both models' SPOKEN_TEXT say, until it is DELETEd.
+
+One tritonserver in all (its start is most of this file's time): SQLite and PostgreSQL are tested against a real file
+and a real server in tests/test_stores.py (two views each: a write of one is what the other reads next), an SQLite
+store read by chattts_preprocess in tests/test_lexicon.py, and every store reaches the models by the same setting and
+environment variable as Redis does here."""
 
 from __future__ import annotations
 
@@ -40,54 +47,32 @@ ADMIN_KEY = "e2e-admin-key"
 
 @dataclass
 class Deployment:
-    kind: str
     url: str
     server: TritonServer
     repo: Path
     folder: Path
-    gateway_args: list[str]
-    env: dict[str, str]
-
-
-@pytest.fixture(scope="module", params=["sqlite", "redis", "postgresql"])
-def deployment(request, tiny_repo, tmp_path_factory):
-    """One tritonserver reading the store: the SQLite one through the repository's setting (configure
-    --voice-store: config.pbtxt's parameter), the servers through the environment."""
-    from chattts_triton.triton.repo_config import main as configure
-
-    kind = request.param
-    folder = tmp_path_factory.mktemp(f"voices-{kind}")
-    env = {k: v for k, v in os.environ.items() if k not in (VOICE_STORE_ENV, "CHATTTS_ADMIN_KEY")}
-    repo = tiny_repo
-    if kind == "sqlite":
-        url = f"sqlite://{folder}/voices.db"
-        repo = folder / "repo"
-        shutil.copytree(tiny_repo, repo)
-        assert configure(["--repo", str(repo), "--voice-store", url]) == 0
-        gateway_args = ["--repo", str(repo)]  # the gateway reads the repository's setting too
-    else:
-        url = request.getfixturevalue("redis_url" if kind == "redis" else "postgres_url")
-        if kind == "redis":
-            url += "?prefix=e2e"
-        env[VOICE_STORE_ENV] = url
-        gateway_args = ["--voice-store", url]
-    with TritonServer(repo, log_file=folder / "tritonserver.log", startup_timeout_s=600, env=env) as server:
-        yield Deployment(kind, url, server, Path(repo), folder, gateway_args, env)
+    gateways: list[Gateway]
 
 
 class Gateway:
-    """`python -m gateway` (one worker) over the deployment's server and store."""
+    """`python -m gateway` (one worker) over the server at `grpc_url`, the store named by `env` or `args`."""
 
-    def __init__(self, d: Deployment, admin_key: str | None = None):
+    def __init__(self, folder: Path, grpc_url: str, env: dict[str, str], args: list[str],
+                 admin_key: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = d.folder / f"gateway-{self.port}.log"
-        env = {**d.env, **({"CHATTTS_ADMIN_KEY": admin_key} if admin_key else {})}
+        self.log = folder / f"gateway-{self.port}.log"
+        self.started_with = (folder, grpc_url, env, args, admin_key)  # what a restart starts again
+        env = {**env, **({"CHATTTS_ADMIN_KEY": admin_key} if admin_key else {})}
         self.admin = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", d.server.grpc_url, "--port",
-                                          str(self.port), "--workers", "1", *d.gateway_args], cwd=ROOT, env=env,
+            self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "--grpc-url", grpc_url, "--port",
+                                          str(self.port), "--workers", "1", *args], cwd=ROOT, env=env,
                                          stdout=out, stderr=subprocess.STDOUT, preexec_fn=set_parent_death_signal)
+
+    def restarted(self) -> Gateway:
+        self.stop()
+        return Gateway(*self.started_with).wait()
 
     def wait(self) -> Gateway:
         deadline = time.monotonic() + 120
@@ -126,16 +111,36 @@ class Gateway:
 
 
 @pytest.fixture(scope="module")
+def deployment(tiny_repo, redis_url, tmp_path_factory):
+    """The server reading the store through the repository's setting, and two gateways started beside it (their start
+    overlaps the server's): the first with an admin key (env CHATTTS_ADMIN_KEY) and the store through env, the second
+    without a key (it takes writes on 127.0.0.1) and the store through --repo."""
+    from chattts_triton.triton.repo_config import main as configure
+
+    folder = tmp_path_factory.mktemp("voices-e2e")
+    url = redis_url + "?prefix=e2e"
+    repo = folder / "repo"
+    shutil.copytree(tiny_repo, repo)
+    assert configure(["--repo", str(repo), "--voice-store", url]) == 0
+    env = {k: v for k, v in os.environ.items() if k not in (VOICE_STORE_ENV, "CHATTTS_ADMIN_KEY")}
+    grpc_url = f"127.0.0.1:{free_port()}"
+    gateways = [Gateway(folder, grpc_url, {**env, VOICE_STORE_ENV: url}, [], ADMIN_KEY),
+                Gateway(folder, grpc_url, env, ["--repo", str(repo)])]
+    try:
+        with TritonServer(repo, log_file=folder / "tritonserver.log", startup_timeout_s=600, env=env,
+                          grpc_port=int(grpc_url.rsplit(":", 1)[1])) as server:
+            for g in gateways:
+                g.wait()
+            yield Deployment(url, server, repo, folder, gateways)
+    finally:
+        for g in gateways:
+            if g.proc.poll() is None:
+                g.stop()
+
+
+@pytest.fixture(scope="module")
 def gateways(deployment):
-    """Two gateways over one store: the first with an admin key (env CHATTTS_ADMIN_KEY), the second without (it takes
-    writes on 127.0.0.1)."""
-    started = [Gateway(deployment, ADMIN_KEY), Gateway(deployment)]
-    for g in started:
-        g.wait()
-    yield started
-    for g in started:
-        if g.proc.poll() is None:
-            g.stop()
+    return deployment.gateways
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +170,7 @@ def multipart(fields: dict[str, str], audio: bytes) -> tuple[bytes, dict[str, st
 def test_a_voice_posted_to_one_gateway_is_spoken_by_the_other_and_by_grpc_survives_a_restart_and_is_deleted(
         deployment, gateways, grpc):
     one, two = gateways
-    name = f"narrator-{deployment.kind}"
+    name = "narrator"
     with pytest.raises(ChatTTSError, match=f"'{name}' is not a voice"):  # the server has looked at the store already
         grpc.synthesize(TEXT, voice=name, seed=3, split=False, **FIXED)
     assert one.request("POST", "/v1/audio/voices", {"name": name, "seed": 4242})[0] == 401  # gateway one has a key
@@ -182,8 +187,7 @@ def test_a_voice_posted_to_one_gateway_is_spoken_by_the_other_and_by_grpc_surviv
     assert same_pcm(spoken, to_int16(by_seed)), "the other gateway's speech is not the stored voice's"
     assert two.request("GET", f"/v1/audio/voices/{name}")[1]["description"] == "e2e"
 
-    one.stop()  # a restarted gateway reads the store again
-    restarted = Gateway(deployment, ADMIN_KEY).wait()
+    restarted = one.restarted()  # a restarted gateway reads the store again
     gateways[0] = restarted
     assert name in [v["id"] for v in restarted.request("GET", "/v1/audio/voices")[1]["voices"]]
     assert same_pcm(restarted.speech(name, seed=3), spoken)
@@ -202,7 +206,7 @@ def test_a_recording_posted_is_the_servers_encoding_of_it_and_speaks_through_bot
     from tests.test_voices_http import wav_bytes
 
     one, two = gateways
-    name = f"clip-{deployment.kind}"
+    name = "clip"
     audio = wav_bytes(1.5)
     data, headers = multipart({"name": name, "transcript": "参考音频"}, audio)
     status, made = two.request("POST", "/v1/audio/voices", data=data, headers=headers)
@@ -219,3 +223,41 @@ def test_a_recording_posted_is_the_servers_encoding_of_it_and_speaks_through_bot
     status, body = two.request("POST", "/v1/audio/voices", data=bad, headers=headers)
     assert status == 400 and body["error"]["param"] == "audio", body
     assert two.request("DELETE", f"/v1/audio/voices/{name}", headers=two.admin)[0] == 200
+
+
+def test_a_lexicon_entry_put_on_one_gateway_is_what_the_other_and_both_models_say_until_deleted(deployment, gateways,
+                                                                                                  grpc):
+    from urllib.parse import quote
+
+    one, two = gateways
+    text, fixed = "我在重庆用AWS。", {"seed": 2, "max_new_tokens": 8, "min_new_tokens": 8}
+
+    def gateway_said() -> str:  # what the server read, as the gateway's captioned answer shows it
+        status, body = two.request("POST", "/v1/audio/speech/captioned", {"model": "chattts", "input": text,
+                                                                          "voice": "alloy", **fixed})
+        assert status == 200, body
+        return body["segments"][0]["spoken_text"]
+
+    def grpc_said(stream: bool) -> str:
+        told: list[str] = []
+        if stream:  # chattts_stream
+            list(grpc.stream(text, voice_from_first=False, on_spoken_text=told.append, split=False, **fixed))
+        else:  # chattts_preprocess
+            grpc.synthesize(text, on_spoken_text=told.append, split=False, **fixed)
+        return told[0]
+
+    before = gateway_said()
+    assert "重庆" in before and grpc_said(False) == grpc_said(True) == before
+    entry = {"word": "重庆", "say": "虫庆"}
+    assert one.request("PUT", "/v1/audio/lexicon", entry)[0] == 401  # gateway one has an admin key
+    status, made = one.request("PUT", "/v1/audio/lexicon", entry, headers=one.admin)
+    assert status == 201 and made["say"] == "虫庆", made
+    time.sleep(POLL_S)  # every reader looks at the store's generation again after this
+    after = before.replace("重庆", "虫庆")
+    assert gateway_said() == grpc_said(False) == grpc_said(True) == after
+    assert two.request("GET", "/v1/audio/lexicon")[1]["entries"] == [{**made}]
+    status, body = two.request("PUT", "/v1/audio/lexicon", {"word": "重 庆", "say": "x"})  # refused, nothing changes
+    assert status == 400 and body["error"]["param"] == "word", body
+    assert two.request("DELETE", f"/v1/audio/lexicon/{quote('重庆')}")[0] == 200  # gateway two: loopback, no key
+    time.sleep(POLL_S)
+    assert gateway_said() == grpc_said(True) == before

@@ -129,6 +129,35 @@ def test_describe_answers_info_with_one_streaming_tts_program_and_the_builtin_vo
     assert str(BUILTIN_VOICE_SEEDS["alloy"]) in program.voices[0].description
 
 
+def test_describe_lists_the_configured_voice_store_as_the_speech_gateway_does(tmp_path, monkeypatch):
+    """The store the setting names (here an SQLite one; a shared one the same way): a voice another process adds is
+    listed at the next describe, and one removed is gone; an unreadable store is an error event."""
+    from chattts_triton.runtime import voices as V
+
+    monkeypatch.delenv("CHATTTS_VOICE_STORE", raising=False)
+    url = f"sqlite://{tmp_path}/voices.db"
+    writer = V.open_voice_store(url)
+
+    async def describe(**settings) -> Event:
+        async with serving(FakeClient(), **settings) as connect, connect() as conn:
+            await conn.write_event(Describe().event())
+            return await conn.read_event()
+
+    writer.put("narrator", {"seed": 42, "description": "calm"})
+    voices = Info.from_event(run(describe(voice_store=url))).tts[0].voices
+    assert [v.name for v in voices] == sorted([*BUILTIN_VOICE_SEEDS, "narrator"])
+    assert {v.name: v.description for v in voices}["narrator"] == "narrator (calm)"
+    V.delete_voice(writer, "alloy")
+    assert "alloy" not in [v.name for v in Info.from_event(run(describe(voice_store=url))).tts[0].voices]
+    monkeypatch.setenv("CHATTTS_VOICE_STORE", url)  # the environment's store, without a flag or a repository
+    assert "narrator" in [v.name for v in Info.from_event(run(describe())).tts[0].voices]
+    (tmp_path / "broken.json").write_text("{broken")
+    event = run(describe(voice_store=f"file://{tmp_path}/broken.json"))
+    assert Error.is_type(event.type) and "cannot be read" in Error.from_event(event).text
+    a = build_parser().parse_args(["--voice-store", url])
+    assert settings_from_args(build_parser(), a).voice_store == url
+
+
 def test_describe_without_streaming_says_so_and_a_ping_gets_its_pong():
     async def go():
         async with serving(FakeClient(), streaming=False) as connect, connect() as conn:

@@ -16,6 +16,7 @@ Matching runs on pyahocorasick's automaton: linear in the text's length whatever
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -29,10 +30,16 @@ _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrst
 # scripts written without spaces between words: a word of theirs has no boundary to respect
 _UNSPACED = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af]")
 _BAD_WORD = re.compile(r"[\[\]\s]|[\x00-\x1f\x7f-\x9f]")
+_HIDDEN = frozenset({"Cf", "Cs", "Co", "Zl", "Zp"})  # format (bidi, zero-width), surrogate, private, separators
 
 
 class LexiconError(InputError):
-    """An entry or a lexicon document that cannot be used; the message names it."""
+    """An entry or a lexicon document that cannot be used; the message names it, `field` the entry's field at fault
+    (word, say or ignore_case; None for a document)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -46,20 +53,43 @@ class Entry:
 
 
 def check_entry(word, say, ignore_case=False) -> Entry:
-    """An Entry, or LexiconError saying what is wrong with it."""
+    """An Entry, or LexiconError saying what is wrong with it (its `field`: word, say or ignore_case)."""
     if not isinstance(word, str) or not word or len(word) > MAX_WORD_CHARS:
-        raise LexiconError(f"lexicon word {word!r} must be 1-{MAX_WORD_CHARS} characters")
+        raise LexiconError(f"lexicon word {word!r} must be 1-{MAX_WORD_CHARS} characters", "word")
     bad = _BAD_WORD.search(word)
     if bad:
         raise LexiconError(f"lexicon word {word!r} holds {bad.group()!r}: a word has no spaces, control characters "
-                           f"or square brackets")
+                           f"or square brackets", "word")
+    hidden = next((c for c in word if unicodedata.category(c) in _HIDDEN), None)
+    if hidden is not None:  # an entry nobody can see or type, or one that cannot be stored (a lone surrogate)
+        raise LexiconError(f"lexicon word {word!r} holds U+{ord(hidden):04X}: a word has no invisible, format or "
+                           f"surrogate characters", "word")
     if not isinstance(ignore_case, bool):
-        raise LexiconError(f"lexicon word {word!r}: ignore_case must be true or false")
+        raise LexiconError(f"lexicon word {word!r}: ignore_case must be true or false", "ignore_case")
     try:
         say = validate_text(say, max_chars=MAX_SAY_CHARS, what=f"the replacement of {word!r}")
     except InputError as e:
-        raise LexiconError(f"lexicon: {e}") from None
+        raise LexiconError(f"lexicon: {e}", "say") from None
     return Entry(word, say.strip(), ignore_case)
+
+
+def entry_of(word, doc) -> Entry:
+    """The entry a lexicon document holds for `word` (`{"say": "...", "ignore_case": true}`, as Entry.to_json
+    writes it); LexiconError naming it."""
+    if not isinstance(doc, Mapping) or not set(doc) <= {"say", "ignore_case"} or "say" not in doc:
+        raise LexiconError(f"lexicon word {word!r}: an entry is {{\"say\": \"...\"}} with an optional "
+                           f"\"ignore_case\": true")
+    return check_entry(word, doc["say"], doc.get("ignore_case", False))
+
+
+def fold_case(word: str) -> str:
+    """The key an ignore_case entry matches by: its word with A-Z lowered (two such entries may not share one)."""
+    return word.translate(_ASCII_LOWER)
+
+
+def listing_order(word: str) -> tuple[str, str]:
+    """The order entries are listed and written in."""
+    return word.casefold(), word
 
 
 def _wordish(ch: str) -> bool:
@@ -86,7 +116,7 @@ class Lexicon:
         return len(self.exact) + len(self.folded)
 
     def entries(self) -> list[Entry]:
-        return sorted([*self.exact.values(), *self.folded.values()], key=lambda e: (e.word.casefold(), e.word))
+        return sorted([*self.exact.values(), *self.folded.values()], key=lambda e: listing_order(e.word))
 
     @property
     def automaton(self):
@@ -151,13 +181,7 @@ def from_json(doc) -> Lexicon:
     """A lexicon document: {"format": 1, "entries": {"word": {"say": "...", "ignore_case": false}, ...}}."""
     if not isinstance(doc, Mapping) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), Mapping):
         raise LexiconError(f'a lexicon is {{"format": {FORMAT}, "entries": {{"word": {{"say": "..."}}, ...}}}}')
-    entries = []
-    for word, d in doc["entries"].items():
-        if not isinstance(d, Mapping) or not set(d) <= {"say", "ignore_case"} or "say" not in d:
-            raise LexiconError(f"lexicon word {word!r}: an entry is {{\"say\": \"...\"}} with an optional "
-                               f"\"ignore_case\": true")
-        entries.append(check_entry(word, d["say"], d.get("ignore_case", False)))
-    return Lexicon(entries)
+    return Lexicon([entry_of(word, d) for word, d in doc["entries"].items()])
 
 
 def to_json(lexicon: Lexicon) -> dict:

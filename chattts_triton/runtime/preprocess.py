@@ -31,7 +31,7 @@ from ..model import text as txt
 from ..model.text import InputError
 from .artifacts import Artifact, check_reference_audio, reference_codes
 from .inputs import Call, Outputs, Overloaded, get_bool, get_str, named, refine_params
-from .lexicon import LexiconRegistry
+from .lexicon import LexiconRegistry, open_lexicon_store
 from .stores import env_or, shown_url
 from .voices import Voice, VoiceRegistry, open_voice_store
 
@@ -68,11 +68,12 @@ class PreprocessService:
         # named voices: the store the setting names, by default REPO/voices.json beside the model folders (version_dir
         # is REPO/MODEL/1)
         repo = Path(version_dir).parent.parent
-        store = open_voice_store(env_or(voice_store, VOICE_STORE_ENV), repo)
+        url = env_or(voice_store, VOICE_STORE_ENV)
+        store = open_voice_store(url, repo)
         log.info("named voices from %s", shown_url(store.url))
         self.voices = VoiceRegistry(store, arch.gpt.hidden)
-        # the pronunciation lexicon: REPO/lexicon.json, re-read when it changes as voices.json is
-        self.lexicon = LexiconRegistry(Path(version_dir).parent.parent)
+        # the pronunciation lexicon: kept where the voices are (REPO/lexicon.json by default), followed as they are
+        self.lexicon = LexiconRegistry(open_lexicon_store(url, repo))
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="chattts-pre")
         # Triton 2.51 fails in-flight ensemble requests at their next step once it got SIGTERM, so
         # the launcher drains first: it creates this file, waits for idle, then signals Triton

@@ -16,18 +16,28 @@ database on the same machine); a write is one transaction: a reader sees the old
 document half-written. A store never written serves its `initial` documents (the built-in voices), and its first
 write keeps them beside the new one.
 
-Bounds: at most MAX_DOCS documents, each at most MAX_DOC_BYTES of JSON (UTF-8); names are the caller's to check.
+Bounds: at most MAX_DOCS documents (a store's `max_docs` where its namespace holds more: the lexicon's entries), each
+at most MAX_DOC_BYTES of JSON (UTF-8); names are the caller's to check.
+
+One URL serves several namespaces: the voices ("voices", runtime/voices.py) and the pronunciation lexicon
+("lexicon", runtime/lexicon.py) of a shared store; a file store is one JSON file per namespace (`FileStore`).
+`Follower` is how a reader keeps what it made of a namespace current (the poll rule above), for both.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import sqlite3
+import tempfile
 import threading
-from collections.abc import Callable, Hashable
+import time
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 log = logging.getLogger(__name__)
@@ -87,12 +97,17 @@ def decode_doc(name: str, text) -> dict:
 
 
 class DocumentStore:
-    """A namespace of documents; `initial()` is what it holds before its first write."""
+    """A namespace of documents; `initial()` is what it holds before its first write; `max_docs` the most documents
+    it may hold (None: MAX_DOCS, read at each write)."""
 
     poll_s: float = 0.0
 
-    def __init__(self, url: str, namespace: str, initial: Callable[[], Docs] = dict):
-        self.url, self.namespace, self.initial = url, namespace, initial
+    def __init__(self, url: str, namespace: str, initial: Callable[[], Docs] = dict, max_docs: int | None = None):
+        self.url, self.namespace, self.initial, self.max_docs = url, namespace, initial, max_docs
+
+    @property
+    def limit(self) -> int:
+        return self.max_docs or MAX_DOCS
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({shown_url(self.url)!r}, {self.namespace!r})"
@@ -123,12 +138,108 @@ class DocumentStore:
         return {n: encode_doc(n, d) for n, d in self.initial().items()}
 
 
-def check_room(name: str, exists: bool, count: int, replace: bool) -> None:
+def check_room(name: str, exists: bool, count: int, replace: bool, limit: int | None = None) -> None:
     """Exists or Full where a write of `name` may not be made."""
+    limit = limit or MAX_DOCS
     if exists and not replace:
         raise Exists(f"{name!r} exists")
-    if not exists and count >= MAX_DOCS:
-        raise Full(f"the store holds {count} entries, the most it may ({MAX_DOCS})")
+    if not exists and count >= limit:
+        raise Full(f"the store holds {count} entries, the most it may ({limit})")
+
+
+# --- a JSON file -----------------------------------------------------------------------------------
+def write_json_atomically(path: Path, doc: dict) -> None:
+    """`doc` as `path` (indented UTF-8): written aside and renamed over it, so that a reader sees the old file or the
+    new one, never half of one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock on `folder` (flock): every edit of a file in it, by any process, one at a time (the CLIs'
+    edits of a repository's voices.json and lexicon.json take the same one)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+class FileStore(DocumentStore):
+    """A JSON file `{"format": F, KEY: {name: document}}` (a repository's voices.json or lexicon.json, or one a
+    file:// URL names): its identity (a stat) is its generation; a write is the file written aside and renamed over
+    it, under `folder_lock` of its folder. `parse(text, path)` reads the documents out of the file's text (StoreError
+    where it is not such a file); `render(docs)` is the file's content."""
+
+    def __init__(self, path: Path, namespace: str, parse: Callable[[str, Path], Docs], render: Callable[[Docs], dict],
+                 initial: Callable[[], Docs] = dict, max_docs: int | None = None, error=StoreError):
+        super().__init__(f"file://{Path(path).absolute()}", namespace, initial, max_docs)
+        self.path, self.parse, self.render, self.error = Path(path), parse, render, error
+
+    def generation(self) -> Hashable:
+        try:
+            st = os.stat(self.path)  # follows a configured view's symlink to the file it names
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_dev, st.st_mtime_ns, st.st_size
+
+    def snapshot(self) -> tuple[Hashable, Docs]:
+        try:
+            with open(self.path, "rb") as f:  # the identity of the file read, not of one renamed over it since
+                st = os.fstat(f.fileno())
+                data = f.read()
+        except FileNotFoundError:
+            return None, self.initial()
+        except OSError as e:
+            raise self.error(f"{self.path} cannot be read: {e}") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.error(f"{self.path} cannot be read: {e}") from None
+        return (st.st_ino, st.st_dev, st.st_mtime_ns, st.st_size), self.parse(text, self.path)
+
+    @contextlib.contextmanager
+    def editing(self) -> Iterator[Docs]:
+        """The documents to change in place, written back when the block ends without an error (an error in the
+        block, a refused write, leaves the file as it was)."""
+        with folder_lock(self.path.parent):
+            docs = dict(self.snapshot()[1])
+            yield docs
+            write_json_atomically(self.path, self.render(docs))
+
+    def put(self, name: str, doc: dict, replace: bool = False) -> None:
+        encode_doc(name, doc)  # within the size bound
+        with self.editing() as docs:
+            check_room(name, name in docs, len(docs), replace, self.limit)
+            docs[name] = doc
+
+    def delete(self, name: str) -> bool:
+        with folder_lock(self.path.parent):
+            docs = dict(self.snapshot()[1])
+            if docs.pop(name, None) is None:
+                return False  # nothing to delete: the file as it was
+            write_json_atomically(self.path, self.render(docs))
+        return True
+
+
+def file_store_path(url: str) -> Path:
+    """The file a file:///ABSOLUTE/PATH.json URL names; StoreError for any other file: URL."""
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost") or not parts.path.endswith(".json"):
+        raise StoreError(f"voice_store {url!r}: a file store is file:///ABSOLUTE/PATH.json")
+    return Path(parts.path)
 
 
 # --- SQLite ----------------------------------------------------------------------------------------
@@ -146,8 +257,8 @@ _SNAPSHOT = ("SELECT g.generation, d.name, d.doc FROM chattts_generations g LEFT
 class SQLiteStore(DocumentStore):
     """An SQLite database file (WAL: readers never wait for a writer); each process keeps one connection."""
 
-    def __init__(self, url: str, namespace: str, initial: Callable[[], Docs] = dict):
-        super().__init__(url, namespace, initial)
+    def __init__(self, url: str, namespace: str, initial: Callable[[], Docs] = dict, max_docs: int | None = None):
+        super().__init__(url, namespace, initial, max_docs)
         parts = urlsplit(url)
         if parts.netloc or not parts.path or parts.path == "/":
             raise StoreError(f"voice_store {url!r}: an SQLite store is sqlite:///ABSOLUTE/PATH (three slashes)")
@@ -227,7 +338,7 @@ class SQLiteStore(DocumentStore):
                                   (self.namespace, name)).fetchone() is not None
             count = conn.execute("SELECT count(*) FROM chattts_documents WHERE namespace = ?",
                                  (self.namespace,)).fetchone()[0]
-            check_room(name, exists, count, replace)
+            check_room(name, exists, count, replace, self.limit)
             conn.execute("INSERT INTO chattts_documents VALUES (?, ?, ?) ON CONFLICT (namespace, name) "
                          "DO UPDATE SET doc = excluded.doc", (self.namespace, name, text))
             return True
@@ -279,8 +390,8 @@ class RedisStore(DocumentStore):
 
     poll_s = POLL_S
 
-    def __init__(self, url: str, namespace: str, initial: Callable[[], Docs] = dict):
-        super().__init__(url, namespace, initial)
+    def __init__(self, url: str, namespace: str, initial: Callable[[], Docs] = dict, max_docs: int | None = None):
+        super().__init__(url, namespace, initial, max_docs)
         try:
             import redis
         except ImportError:
@@ -324,14 +435,14 @@ class RedisStore(DocumentStore):
     def _write(self, name: str, text: str, replace: bool) -> int:
         seed = [x for pair in self._seed().items() for x in pair]
         return int(self._call(lambda: self._write_script(keys=list(self.keys),
-                                                          args=[name, text, int(replace), MAX_DOCS, *seed])))
+                                                          args=[name, text, int(replace), self.limit, *seed])))
 
     def put(self, name: str, doc: dict, replace: bool = False) -> None:
         result = self._write(name, encode_doc(name, doc), replace)
         if result == -1:
             raise Exists(f"{name!r} exists")
         if result == -2:
-            raise Full(f"the store holds {MAX_DOCS} entries, the most it may")
+            raise Full(f"the store holds {self.limit} entries, the most it may")
 
     def delete(self, name: str) -> bool:
         return self._write(name, "", False) != -3
@@ -347,8 +458,8 @@ class PostgresStore(DocumentStore):
 
     poll_s = POLL_S
 
-    def __init__(self, url: str, namespace: str, initial: Callable[[], Docs] = dict):
-        super().__init__(url, namespace, initial)
+    def __init__(self, url: str, namespace: str, initial: Callable[[], Docs] = dict, max_docs: int | None = None):
+        super().__init__(url, namespace, initial, max_docs)
         try:
             import psycopg
         except ImportError:
@@ -433,7 +544,7 @@ class PostgresStore(DocumentStore):
                                   (self.namespace, name)).fetchone() is not None
             count = conn.execute("SELECT count(*) FROM chattts_documents WHERE namespace = %s",
                                  (self.namespace,)).fetchone()[0]
-            check_room(name, exists, count, replace)
+            check_room(name, exists, count, replace, self.limit)
             conn.execute("INSERT INTO chattts_documents VALUES (%s, %s, %s) ON CONFLICT (namespace, name) "
                          "DO UPDATE SET doc = excluded.doc", (self.namespace, name, text))
             return True
@@ -451,15 +562,16 @@ class PostgresStore(DocumentStore):
                 self._conn = None
 
 
-def open_server_store(url: str, namespace: str, initial: Callable[[], Docs] = dict) -> DocumentStore:
+def open_server_store(url: str, namespace: str, initial: Callable[[], Docs] = dict,
+                      max_docs: int | None = None) -> DocumentStore:
     """The store a sqlite:, redis: or postgresql: URL names (file: and the default are the caller's)."""
     scheme = urlsplit(url).scheme.lower()
     if scheme == "sqlite":
-        return SQLiteStore(url, namespace, initial)
+        return SQLiteStore(url, namespace, initial, max_docs)
     if scheme in ("redis", "rediss"):
-        return RedisStore(url, namespace, initial)
+        return RedisStore(url, namespace, initial, max_docs)
     if scheme in ("postgresql", "postgres"):
-        return PostgresStore(url, namespace, initial)
+        return PostgresStore(url, namespace, initial, max_docs)
     raise StoreError(f"voice_store {shown_url(url)!r}: the scheme must be one of {', '.join(s + ':' for s in SCHEMES)} "
                      f"(or empty: the repository's voices.json)")
 
@@ -468,3 +580,74 @@ def env_or(value: str, env: str) -> str:
     """A store URL: the environment variable `env` where it is set (a URL with a password stays out of configs),
     else `value`."""
     return os.environ.get(env, "").strip() or (value or "").strip()
+
+
+# --- following a store -----------------------------------------------------------------------------
+_UNREAD = object()
+
+
+class Follower:
+    """What `build` makes of a store's documents, made again when the store's generation changes: the generation is
+    asked for at most every `store.poll_s` seconds (every time for a file or an SQLite database), the documents read
+    only when it changed. `current()` is (generation, what was built).
+
+    While the store's server cannot be reached, what was built last stays in use (logged). Where nothing was read yet,
+    or the store holds something `build` or the store's own reading refuses (a StoreError), `keep_last` decides:
+    False (the voices) fails the caller with the error, True (the lexicon, which every request passes through) logs it
+    and goes on with what was built last, `empty` at first, asking again after the poll interval."""
+
+    def __init__(self, store: DocumentStore, build: Callable[[Docs], Any], what: str, keep_last: bool = False,
+                 empty: Any = None):
+        self.store, self.build, self.what, self.keep_last = store, build, what, keep_last
+        self._lock = threading.Lock()
+        self._key: Hashable = _UNREAD
+        self._polled = -float("inf")
+        self._value: Any = empty
+        self._error: StoreError | None = None
+
+    def current(self) -> tuple[Hashable, Any]:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._polled < self.store.poll_s:
+                return self._current()
+        key: Hashable = _UNREAD
+        try:
+            key = self.store.generation()
+            with self._lock:
+                changed = key != self._key
+            if changed:
+                key, docs = self.store.snapshot()
+                value = self.build(docs)
+                with self._lock:
+                    self._value, self._error, self._key = value, None, key
+        except StoreUnavailable as e:
+            with self._lock:
+                if not self.keep_last and (self._key is _UNREAD or self._error is not None):
+                    raise
+                log.warning("%s: the store is unavailable, still using what was read last: %s", self.what, e)
+                self._polled = now
+                return self._current()
+        except StoreError as e:
+            with self._lock:
+                if self.keep_last:
+                    log.error("%s: %s; still using the last good one (%s)", self.what, e, _size(self._value))
+                    self._key, self._polled = key, now
+                    return self._current()
+                log.error("%s: %s", self.what, e)
+                self._error, self._key = e, key  # fails every call until the store changes
+            raise
+        with self._lock:
+            self._polled = now
+            return self._current()
+
+    def _current(self) -> tuple[Hashable, Any]:
+        if self._error is not None:
+            raise self._error
+        return self._key, self._value
+
+
+def _size(value: Any) -> str:
+    try:
+        return f"{len(value)} entries"
+    except TypeError:
+        return "as read last"

@@ -28,16 +28,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import functools
 import json
 import logging
-import os
 import re
 import sys
-import tempfile
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -52,13 +48,15 @@ from .stores import (
     Docs,
     DocumentStore,
     Exists,
+    FileStore,
+    Follower,
     StoreError,
-    StoreUnavailable,
-    check_room,
-    encode_doc,
     env_or,
+    file_store_path,
+    folder_lock,
     open_server_store,
     shown_url,
+    write_json_atomically,
 )
 
 log = logging.getLogger(__name__)
@@ -241,19 +239,12 @@ def write_voices(path: Path, voices: dict[str, Voice]) -> None:
     _write_docs(Path(path), {n: voices[n].to_json() for n in voices})
 
 
+def _render(docs: Docs) -> dict:
+    return {"format": FORMAT, "voices": {n: docs[n] for n in sorted(docs)}}
+
+
 def _write_docs(path: Path, docs: Docs) -> None:
-    doc = {"format": FORMAT, "voices": {n: docs[n] for n in sorted(docs)}}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2, ensure_ascii=False)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_json_atomically(path, _render(docs))
 
 
 @contextlib.contextmanager
@@ -261,15 +252,11 @@ def editing(repo: Path, hidden: int) -> Iterator[dict[str, Voice]]:
     """The registry of `repo` to change in place; written back when the block ends without an error. Edits
     from several processes are serialised by a lock on the repository folder."""
     repo = Path(repo)
-    fd = os.open(repo, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with folder_lock(repo):
         path = repo / VOICES
         voices = read_voices(path) if path.exists() else builtin_voices(hidden)
         yield voices
         write_voices(path, voices)
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def initial_docs() -> Docs:
@@ -277,70 +264,16 @@ def initial_docs() -> Docs:
     return {name: {"seed": seed, "builtin": True} for name, seed in BUILTIN_VOICE_SEEDS.items()}
 
 
-class FileVoiceStore(DocumentStore):
-    """A voices.json (the repository's, or `file:///PATH`): its identity (a stat) is its generation; a write is the
-    file written aside and renamed over it, under a lock on its folder (the one `editing` takes)."""
+class FileVoiceStore(FileStore):
+    """A voices.json (the repository's, or `file:///PATH`), edited under the lock `editing` takes."""
 
     def __init__(self, path: Path):
-        super().__init__(f"file://{Path(path).absolute()}", NAMESPACE, initial_docs)
-        self.path = Path(path)
-
-    def generation(self) -> Hashable:
-        try:
-            st = os.stat(self.path)  # follows a configured view's symlink to the file it names
-        except FileNotFoundError:
-            return None
-        return st.st_ino, st.st_dev, st.st_mtime_ns, st.st_size
-
-    def snapshot(self) -> tuple[Hashable, Docs]:
-        try:
-            with open(self.path, "rb") as f:  # the identity of the file read, not of one renamed over it since
-                st = os.fstat(f.fileno())
-                data = f.read()
-        except FileNotFoundError:
-            return None, self.initial()
-        except OSError as e:
-            raise VoiceFileError(f"{self.path} cannot be read: {e}") from None
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise VoiceFileError(f"{self.path} cannot be read: {e}") from None
-        return (st.st_ino, st.st_dev, st.st_mtime_ns, st.st_size), _registry_docs(text, self.path)
-
-    @contextlib.contextmanager
-    def _editing(self) -> Iterator[Docs]:
-        fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            docs = dict(self.snapshot()[1])
-            yield docs
-            _write_docs(self.path, docs)
-        finally:
-            os.close(fd)  # releases the lock
-
-    def put(self, name: str, doc: dict, replace: bool = False) -> None:
-        encode_doc(name, doc)  # within the size bound
-        with self._editing() as docs:
-            check_room(name, name in docs, len(docs), replace)
-            docs[name] = doc
-
-    def delete(self, name: str) -> bool:
-        with self._editing() as docs:
-            if docs.pop(name, None) is None:
-                raise _Unchanged()
-        return True
-
-
-class _Unchanged(Exception):
-    """Leaves a file store's edit without writing."""
+        super().__init__(path, NAMESPACE, _registry_docs, _render, initial_docs, error=VoiceFileError)
 
 
 def delete_voice(store: DocumentStore, name: str) -> bool:
     """Removes a voice from a store; False where it held none."""
-    try:
-        return store.delete(name)
-    except _Unchanged:
-        return False
+    return store.delete(name)
 
 
 def open_voice_store(url: str = "", repo: Path | None = None) -> DocumentStore:
@@ -351,10 +284,7 @@ def open_voice_store(url: str = "", repo: Path | None = None) -> DocumentStore:
             raise StoreError("no voice store: give voice_store a URL, or the model repository")
         return FileVoiceStore(Path(repo) / VOICES)
     if urlsplit(url).scheme.lower() == "file":
-        parts = urlsplit(url)
-        if parts.netloc not in ("", "localhost") or not parts.path.endswith(".json"):
-            raise StoreError(f"voice_store {url!r}: a file store is file:///ABSOLUTE/PATH.json")
-        return FileVoiceStore(Path(parts.path))
+        return FileVoiceStore(file_store_path(url))
     return open_server_store(url, NAMESPACE, initial_docs)
 
 
@@ -385,23 +315,17 @@ def voices_of(docs: Docs) -> tuple[dict[str, Voice], dict[str, str]]:
     return voices, broken
 
 
-_UNREAD = object()
-
-
 class VoiceRegistry:
     """Resolves VOICE for a model of hidden size `hidden` from a voice store (or `repo`'s voices.json; the built-in
-    voices when it has none), read again when its generation changes; a store that cannot be reached keeps the
-    voices last read (logged)."""
+    voices when it has none), read again when its generation changes (stores.Follower); a store that cannot be
+    reached keeps the voices last read (logged)."""
 
     def __init__(self, source: Path | DocumentStore, hidden: int):
         self.store = source if isinstance(source, DocumentStore) else FileVoiceStore(Path(source) / VOICES)
         self.hidden = hidden
+        self._follower = Follower(self.store, self._build, "voice registry", empty=({}, {}))
         self._lock = threading.Lock()
-        self._key: Hashable = _UNREAD
-        self._polled = -float("inf")
-        self._voices: dict[str, Voice] = {}
-        self._error: StoreError | None = None
-        self._broken: dict[str, str] = {}
+        self._mixes_key: Hashable = None
         self._mixes: OrderedDict[str, Voice] = OrderedDict()  # mix expression -> its voice, for this version
 
     def voices(self) -> dict[str, Voice]:
@@ -421,44 +345,7 @@ class VoiceRegistry:
 
     def _load(self) -> tuple[dict[str, Voice], dict[str, str]]:
         """(voices, why each unusable one is) of the store now, checked once per generation of it."""
-        now = time.monotonic()
-        with self._lock:
-            if self._key is not _UNREAD and now - self._polled < self.store.poll_s:
-                return self._current()
-        try:
-            key = self.store.generation()
-            with self._lock:
-                changed = key != self._key
-            if changed:
-                try:
-                    key, docs = self.store.snapshot()
-                except StoreUnavailable:
-                    raise
-                except StoreError as e:
-                    log.error("voice registry: %s", e)
-                    with self._lock:
-                        self._voices, self._broken, self._error, self._key = {}, {}, e, key
-                        self._mixes.clear()
-                    raise
-                voices, broken = self._build(docs)
-                with self._lock:
-                    self._voices, self._broken, self._error, self._key = voices, broken, None, key
-                    self._mixes.clear()
-        except StoreUnavailable as e:
-            with self._lock:
-                if self._key is _UNREAD or self._error is not None:
-                    raise
-                log.warning("voice store unavailable, serving the voices read last: %s", e)
-                self._polled = now
-                return self._current()
-        with self._lock:
-            self._polled = now
-            return self._current()
-
-    def _current(self) -> tuple[dict[str, Voice], dict[str, str]]:
-        if self._error is not None:
-            raise self._error
-        return self._voices, self._broken
+        return self._follower.current()[1]
 
     def resolve(self, name: str) -> Voice:
         """The voice VOICE names (a mix expression: the mix of the voices it names, `mix_voice`); InputError
@@ -480,14 +367,17 @@ class VoiceRegistry:
         return voice
 
     def _resolve_mix(self, expr: str) -> Voice:
-        self._load()
+        key = self._follower.current()[0]
         with self._lock:
-            key, hit = self._key, self._mixes.get(expr)
+            if key != self._mixes_key:  # made from another version of the store
+                self._mixes.clear()
+                self._mixes_key = key
+            hit = self._mixes.get(expr)
         if hit is not None:
             return hit
         voice = mix_voice(expr, self.resolve, self.hidden)
         with self._lock:
-            if self._key == key:  # not made from a registry that changed meanwhile
+            if self._mixes_key == key:  # not made from a registry that changed meanwhile
                 self._mixes[expr] = voice
                 while len(self._mixes) > MIXES_CACHED:
                     self._mixes.popitem(last=False)
