@@ -202,7 +202,11 @@ def _ms(cell: str | None) -> float | None:
 def locust_window(history_csv: Path, t0: float, t1: float) -> dict[str, Any]:
     """Requests/s between the wall times t0 and t1 from Locust's stats history (its Aggregated rows), and p50/p99
     from the last row inside: with --csv-full-history, Locust's current percentiles, over its last
-    CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW (10) seconds, so inside a window of 10 s or more."""
+    CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW (10) seconds, so inside a window of 10 s or more.
+
+    With --processes the master's totals move only when a worker reports (every WORKER_REPORT_INTERVAL, 3 s), so
+    the rate is taken between the first and the last row inside at which the totals moved (whole report
+    intervals), not between the window's first and last rows (which may straddle no report at all)."""
     rows = []
     with open(history_csv, newline="") as f:
         for r in csv.DictReader(f):
@@ -210,9 +214,12 @@ def locust_window(history_csv: Path, t0: float, t1: float) -> dict[str, Any]:
                 rows.append((float(r["Timestamp"]), int(r["Total Request Count"]), int(r["Total Failure Count"]), r))
     if len(rows) < 2 or rows[-1][0] <= rows[0][0]:
         raise RuntimeError(f"{history_csv}: fewer than two stats rows between {t0:.0f} and {t1:.0f}")
-    (a, na, fa, _), (b, nb, fb, last) = rows[0], rows[-1]
-    return {"throughput_utt_s": ((nb - na) - (fb - fa)) / (b - a), "latency_p50_ms": _ms(last.get("50%")),
-            "latency_p99_ms": _ms(last.get("99%")), "errors": fb - fa, "requests": nb - na}
+    moved = [row for prev, row in zip(rows, rows[1:]) if row[1] != prev[1]]
+    first, last = (moved[0], moved[-1]) if len(moved) >= 2 and moved[-1][0] > moved[0][0] else (rows[0], rows[-1])
+    (a, na, fa, _), (b, nb, fb, _) = first, last
+    pct = rows[-1][3]
+    return {"throughput_utt_s": ((nb - na) - (fb - fa)) / (b - a), "latency_p50_ms": _ms(pct.get("50%")),
+            "latency_p99_ms": _ms(pct.get("99%")), "errors": fb - fa, "requests": nb - na}
 
 
 def _locust_started(history_csv: Path) -> bool:
@@ -227,6 +234,8 @@ def _locust_started(history_csv: Path) -> bool:
 
 
 LOCUST_START_S = 180.0  # Locust's start-up (imports, workers connecting, users spawned) before it counts as failed
+LOCUST_REPORT_S = 3.0  # locust.runners.WORKER_REPORT_INTERVAL: how often --processes workers send their totals
+LOCUST_MIN_SECONDS = 3 * LOCUST_REPORT_S  # a window that holds at least two whole report intervals
 
 
 def run_locust(server: Server, n: int, tokens: int, text: str, warmup: float, seconds: float, out: Path,
@@ -385,6 +394,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--concurrency: comma-separated whole numbers >= 1")
     if a.tokens < 1 or a.seconds <= 0 or a.warmup < 0:
         ap.error("--tokens and --seconds must be > 0, --warmup >= 0")
+    if a.locust_processes < 1:
+        ap.error("--locust-processes must be >= 1")
+    if "locust" in paths and a.locust_processes > 1 and a.seconds < LOCUST_MIN_SECONDS:
+        ap.error(f"--seconds {a.seconds:g}: with --locust-processes > 1 the window must be >= {LOCUST_MIN_SECONDS:g} s "
+                 f"(Locust's workers report their totals every {LOCUST_REPORT_S:g} s)")
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
     def stop():

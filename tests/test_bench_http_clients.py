@@ -44,6 +44,18 @@ def test_locust_window_takes_the_aggregated_rows_inside(tmp_path):
         hc.locust_window(p, 101, 110)
 
 
+def test_locust_window_of_worker_reports_counts_whole_report_intervals(tmp_path):
+    """A --processes master's totals move only when its workers report (every 3 s): the rate is taken between the
+    rows where they moved, not between the window's ends, which here straddle two rows of one total."""
+    p = tmp_path / "h.csv"
+    totals = {100: 0, 101: 0, 102: 30, 103: 30, 104: 30, 105: 60, 106: 60, 107: 60, 108: 90, 109: 90, 110: 90}
+    _history(p, [[t, 4, "", "Aggregated", 40, 90, n, 0] for t, n in totals.items()])
+    got = hc.locust_window(p, 100.5, 110)
+    assert got["requests"] == 60 and got["throughput_utt_s"] == pytest.approx(60 / 6)  # 102 -> 108: 10 a second
+    got = hc.locust_window(p, 102.5, 104.5)  # no report inside: the rows' own difference, honestly none
+    assert got["requests"] == 0 and got["throughput_utt_s"] == 0.0
+
+
 def test_ratios_and_marks_against_perf_analyzer():
     rows = [{"concurrency": 64, "path": "perf_analyzer", "throughput_utt_s": 200.0},
             {"concurrency": 64, "path": "asyncio", "throughput_utt_s": 190.0},
@@ -59,7 +71,8 @@ def test_ratios_and_marks_against_perf_analyzer():
 
 @pytest.mark.parametrize("argv", [["--url", "h:1", "--paths", "asyncio,nope"], ["--url", "h:1", "--paths", "grpc"],
                                   ["--url", "h:1", "--concurrency", "0"], ["--standin", "--tokens", "0"],
-                                  ["--paths", "sync"]])
+                                  ["--paths", "sync"], ["--standin", "--locust-processes", "0"],
+                                  ["--standin", "--paths", "locust", "--locust-processes", "2", "--seconds", "3"]])
 def test_bad_arguments_exit_2(argv, tmp_path):
     with pytest.raises(SystemExit) as e:
         hc.main([*argv, "--out", str(tmp_path)])
@@ -116,7 +129,7 @@ def test_locust_row_from_worker_processes(standin_server, tmp_path):
     its requests, latencies and the server's view of the window, all from a real run."""
     server = standin_server
     argv = ["--url", server.http_url, "--metrics-url", f"{server.host}:{server.metrics_port}", "--paths", "locust",
-            "--concurrency", "4", "--tokens", "8", "--warmup", "1", "--seconds", "3", "--pause", "0",
+            "--concurrency", "4", "--tokens", "8", "--warmup", "1", "--seconds", "9", "--pause", "0",
             "--locust-processes", "2", "--out", str(tmp_path)]
     assert hc.main(argv) == 0
     (row,) = json.loads((tmp_path / "http-clients.json").read_text())["rows"]
