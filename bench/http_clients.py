@@ -214,7 +214,7 @@ def locust_window(history_csv: Path, t0: float, t1: float) -> dict[str, Any]:
                 rows.append((float(r["Timestamp"]), int(r["Total Request Count"]), int(r["Total Failure Count"]), r))
     if len(rows) < 2 or rows[-1][0] <= rows[0][0]:
         raise RuntimeError(f"{history_csv}: fewer than two stats rows between {t0:.0f} and {t1:.0f}")
-    moved = [row for prev, row in zip(rows, rows[1:]) if row[1] != prev[1]]
+    moved = [row for prev, row in zip(rows, rows[1:], strict=False) if row[1] != prev[1]]
     first, last = (moved[0], moved[-1]) if len(moved) >= 2 and moved[-1][0] > moved[0][0] else (rows[0], rows[-1])
     (a, na, fa, _), (b, nb, fb, _) = first, last
     pct = rows[-1][3]

@@ -85,7 +85,7 @@ DELAYS = {10: 900, 11: 100, 12: 600, 13: 300}
 
 
 def _check_in_flight(results, specs, expected_ids):
-    """`specs` are the first requests of `results` (the ones expected to succeed); later results are not checked here."""
+    """`specs` are the first requests of `results` (those expected to succeed); later ones are not checked here."""
     ok = {spec[0]: out for spec, (out, err) in zip(specs, results[:len(specs)], strict=True) if err is None}
     assert set(ok) == set(expected_ids), results
     for ident, out in ok.items():
