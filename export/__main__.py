@@ -36,8 +36,11 @@ from chattts_triton.runtime.voices import carried_over, write_voices
 from chattts_triton.triton import repo_config as rc
 from chattts_triton.triton.deployment import ARTIFACT_FORMATS, EXPORT, Deployment, add_flags, from_args
 
-ROOT = Path(__file__).resolve().parents[1]
-TEMPLATE = ROOT / "model_repository"
+HERE = Path(__file__).resolve().parent
+# the repository's model_repository/, or the copy that the installed package (chattts_triton.export) carries beside
+# this file (setup.py stages it there)
+TEMPLATE = next((d for d in (HERE / "model_repository", HERE.parent / "model_repository") if d.is_dir()),
+                HERE.parent / "model_repository")
 FORMATS = ARTIFACT_FORMATS
 
 

@@ -32,12 +32,22 @@ TOKENS = 20
 CLIENT_DIST = "chattts-triton-client"
 
 
-def _load_setup():
-    """packaging/client/setup.py's helpers, without running setup()."""
-    spec = importlib.util.spec_from_file_location("chattts_client_setup", PROJECT / "setup.py")
+def _load(path: Path, name: str) -> dict:
+    """The names of the Python file at `path` (a setup.py: its helpers, without running setup())."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return vars(module)
+
+
+def _load_setup():
+    """packaging/client/setup.py's helpers, without running setup()."""
+    return _load(PROJECT / "setup.py", "chattts_client_setup")
+
+
+def _load_staging():
+    """packaging/staging.py: the copying, rewriting and checking both distributions' builds share."""
+    return _load(ROOT / "packaging" / "staging.py", "chattts_triton_staging")
 
 
 def test_the_staged_package_imports_neither_the_server_nor_torch(tmp_path):
@@ -48,7 +58,7 @@ def test_the_staged_package_imports_neither_the_server_nor_torch(tmp_path):
                      "audio.py", "balancer.py", "cli.py", "client.py", "contract.py", "errors.py", "realtime.py",
                      "transport.py"]
     for path in package.rglob("*.py"):
-        for _, name in setup["absolute_imports"](path.read_text(encoding="utf-8")):
+        for _, name in _load_staging()["absolute_imports"](path.read_text(encoding="utf-8")):
             assert name in sys.stdlib_module_names or name in {"numpy", "tritonclient", "grpc", "urllib3", "aiohttp",
                                                                 "tqdm"}, (path, name)
 
@@ -270,3 +280,188 @@ def test_the_installed_client_synthesises_against_the_server(client_venv, served
     assert cli.returncode == 0, cli.stderr[-3000:]
     with wave.open(str(out)) as w:
         assert (w.getnchannels(), w.getframerate(), w.getnframes()) == (1, SAMPLE_RATE, sizes["grpc"])
+
+
+# --- the project's own wheel (chattts-triton): one top-level name --------------------------------------------------
+
+# what setup.py and MANIFEST.in build the project's sdist and wheel from
+PROJECT_SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "chattts_triton", "client", "export",
+                   "gateway", "model_repository", "packaging/staging.py")
+STAGED = {"client": {"demo.py"}, "export": set(), "gateway": set()}  # folder -> what the wheel leaves out
+REPOSITORY_FOLDERS = ("client", "export", "gateway", "bench", "loadtest", "tools", "tests")
+
+
+def _load_project_setup():
+    """The root setup.py's helpers, without running setup()."""
+    return _load(ROOT / "setup.py", "chattts_triton_setup")
+
+
+@pytest.fixture(scope="module")
+def project_wheel(tmp_path_factory) -> Path:
+    """chattts-triton's wheel, built as pip builds a release: an sdist of a copy of the sources, then the wheel from
+    the sdist (setuptools from the configured index, as `pip install .` takes it); nothing written into the
+    repository."""
+    work = tmp_path_factory.mktemp("project-package")
+    project = work / "project"
+    for name in PROJECT_SOURCES:
+        src, dst = ROOT / name, project / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.py[co]"))
+        else:
+            shutil.copyfile(src, dst)
+    sdist = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                            "build_meta.build_sdist(sys.argv[1])", str(work / "sdist")],
+                           cwd=project, capture_output=True, text=True, timeout=300)
+    assert sdist.returncode == 0, sdist.stdout[-3000:] + sdist.stderr[-3000:]
+    (archive,) = (work / "sdist").glob("*.tar.gz")
+    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work / "dist"),
+                          str(archive)], cwd=work, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (wheel,) = (work / "dist").glob("chattts_triton-*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def project_unpacked(project_wheel, tmp_path_factory) -> Path:
+    """The wheel's files, as pip lays them into site-packages."""
+    out = tmp_path_factory.mktemp("project-site")
+    with zipfile.ZipFile(project_wheel) as z:
+        z.extractall(out)
+    return out
+
+
+def test_the_project_wheel_installs_chattts_triton_alone(project_wheel):
+    """No `client`, `export`, `gateway`, `bench` or `loadtest` beside it: the repository's command folders are
+    inside it, each with the modules of its folder (the client less demo.py, as the client's own distribution)."""
+    assert _pyproject(ROOT / "pyproject.toml")["tool"]["setuptools"]["packages"]["find"]["include"] == [
+        "chattts_triton*"]
+    with zipfile.ZipFile(project_wheel) as z:
+        names = z.namelist()
+        top_level = z.read(next(n for n in names if n.endswith(".dist-info/top_level.txt"))).decode().split()
+    assert {n.split("/")[0] for n in names} == {"chattts_triton", "chattts_triton-0.2.0.dist-info"}, sorted(
+        {n.split("/")[0] for n in names})
+    assert top_level == ["chattts_triton"]
+    for folder, left_out in STAGED.items():
+        staged = sorted(n.removeprefix(f"chattts_triton/{folder}/") for n in names
+                        if n.startswith(f"chattts_triton/{folder}/") and n.endswith(".py")
+                        and "/model_repository/" not in n)
+        repository = sorted(p.relative_to(ROOT / folder).as_posix() for p in (ROOT / folder).rglob("*.py")
+                            if "__pycache__" not in p.parts and p.name not in left_out)
+        assert staged == repository, folder
+    package = [n for n in names if n.startswith("chattts_triton/") and n.endswith(".py")
+               and not n.startswith(tuple(f"chattts_triton/{f}/" for f in STAGED))]
+    assert sorted(package) == sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "chattts_triton").rglob("*.py")
+                                     if "__pycache__" not in p.parts)
+
+
+def test_the_staged_folders_import_none_of_the_repositorys_folders(project_unpacked):
+    """Every import of the staged modules, those inside functions, through importlib and the app string uvicorn's
+    workers import, names `chattts_triton.client`/`.export`/`.gateway`, never the repository's top-level folders."""
+    staging = _load_staging()
+    for folder in STAGED:
+        package = project_unpacked / "chattts_triton" / folder
+        for path in sorted(package.rglob("*.py")):
+            source = path.read_text(encoding="utf-8")
+            for line, name in [*staging["absolute_imports"](source), *staging["dynamic_imports"](source)]:
+                assert name not in REPOSITORY_FOLDERS, f"{path.relative_to(project_unpacked)}:{line} imports {name}"
+        assert staging["staged_problems"](package, REPOSITORY_FOLDERS) == []
+    gateway = (project_unpacked / "chattts_triton" / "gateway" / "__main__.py").read_text(encoding="utf-8")
+    assert '"chattts_triton.gateway.app:app_from_env"' in gateway and "gateway.app:" not in gateway.replace(
+        "chattts_triton.gateway.app:", "")
+    synth = (project_unpacked / "chattts_triton" / "gateway" / "synth.py").read_text(encoding="utf-8")
+    assert "from chattts_triton.client.client import AsyncChatTTSClient" in synth
+
+
+def test_the_project_wheel_carries_its_package_data(project_unpacked):
+    """The text normaliser's resources, the gateway's playground and the exporter's model repository template, each
+    as the repository holds it."""
+    def files(folder: Path):
+        return [p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+
+    wanted = {f"chattts_triton/{p.relative_to(ROOT / 'chattts_triton').as_posix()}": p
+              for p in files(ROOT / "chattts_triton" / "model" / "res")}
+    wanted |= {f"chattts_triton/gateway/{p.relative_to(ROOT / 'gateway').as_posix()}": p
+               for p in files(ROOT / "gateway" / "static")}
+    wanted |= {f"chattts_triton/export/{p.relative_to(ROOT).as_posix()}": p for p in files(ROOT / "model_repository")}
+    assert {"chattts_triton/gateway/static/index.html", "chattts_triton/model/res/homophones_map.json.gz",
+            "chattts_triton/export/model_repository/chattts_gpt/1/model.py"} <= set(wanted)
+    missing = sorted(w for w in wanted if not (project_unpacked / w).is_file())
+    assert missing == []
+    assert [w for w, source in wanted.items() if (project_unpacked / w).read_bytes() != source.read_bytes()] == []
+
+
+RUN_STAGED = r"""
+import contextlib, io, json, runpy, sys
+site = sys.argv[1]
+sys.path.insert(0, site)
+for name in ("client", "export", "gateway", "bench", "loadtest", "tools", "tests"):
+    sys.modules[name] = None  # an import of the repository's folders fails (the venv's editable install maps them)
+import chattts_triton
+import chattts_triton.export.__main__ as ex
+from chattts_triton.gateway import app
+out = {"package": chattts_triton.__file__, "template": str(ex.TEMPLATE), "static": str(app.STATIC)}
+for module in ("chattts_triton.export", "chattts_triton.gateway", "chattts_triton.gateway.wyoming",
+               "chattts_triton.client"):
+    sys.argv = [module, "--help"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    out[module] = buf.getvalue().split("\n")[0]
+print(json.dumps(out))
+"""
+
+
+def test_the_staged_commands_run_from_the_wheel(project_unpacked, tmp_path):
+    """`python -m chattts_triton.export | .gateway | .gateway.wyoming | .client` from the wheel's files alone (the
+    repository's folders unimportable): their help names them so; the exporter finds its template, the gateway its
+    playground, inside the package."""
+    run = subprocess.run([sys.executable, "-I", "-c", RUN_STAGED, str(project_unpacked)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    package = project_unpacked / "chattts_triton"
+    assert Path(out["package"]) == package / "__init__.py"
+    assert Path(out["template"]) == package / "export" / "model_repository"
+    assert Path(out["static"]) == package / "gateway" / "static"
+    for module in ("chattts_triton.export", "chattts_triton.gateway", "chattts_triton.gateway.wyoming",
+                   "chattts_triton.client"):
+        assert out[module].startswith(f"usage: python -m {module} "), (module, out[module])
+
+
+def test_the_project_staging_rewrites_imports_and_refuses_what_it_cannot(tmp_path):
+    """`from client.x import`, `from export.y import` and the uvicorn app string become the package's names; an
+    import the rewrites do not reach (`import gateway.audio`, bench, an app string of loadtest) stops the build."""
+    setup = _load_project_setup()
+    root = tmp_path / "repo"
+    for folder in ("client", "export", "gateway", "model_repository/chattts/1"):
+        (root / folder).mkdir(parents=True)
+    (root / "client" / "__init__.py").write_text("from client.contract import X\n")
+    (root / "client" / "contract.py").write_text("X = 1\n")
+    (root / "client" / "demo.py").write_text("import bench\n")  # left out: the repository's
+    (root / "export" / "__init__.py").write_text("")
+    (root / "export" / "__main__.py").write_text('"""python -m export"""\n\ndef f():\n    from export.codec import g\n')
+    (root / "export" / "codec.py").write_text("def g():\n    pass\n")
+    (root / "gateway" / "__init__.py").write_text("from .app import app\n")
+    (root / "gateway" / "app.py").write_text("from client import X\nfrom client.contract import X as Y\napp = 1\n")
+    (root / "gateway" / "__main__.py").write_text('import uvicorn\nuvicorn.run("gateway.app:app", factory=True)\n')
+    (root / "model_repository" / "chattts" / "1" / ".keep").write_text("")
+    out = tmp_path / "out" / "chattts_triton"
+    staged = setup["stage"](root, out)
+    assert [p.name for p in staged] == ["client", "export", "gateway"]
+    assert not (out / "client" / "demo.py").exists() and (out / "export" / "model_repository" / "chattts" / "1"
+                                                             / ".keep").is_file()
+    assert (out / "client" / "__init__.py").read_text() == "from chattts_triton.client.contract import X\n"
+    assert (out / "export" / "__main__.py").read_text() == ('"""python -m chattts_triton.export"""\n\ndef f():\n'
+                                                            "    from chattts_triton.export.codec import g\n")
+    assert (out / "gateway" / "app.py").read_text() == ("from chattts_triton.client import X\n"
+                                                        "from chattts_triton.client.contract import X as Y\napp = 1\n")
+    assert '"chattts_triton.gateway.app:app"' in (out / "gateway" / "__main__.py").read_text()
+    (root / "gateway" / "audio.py").write_text("import gateway.audio\n\ndef f():\n    from bench.gateway import h\n")
+    (root / "gateway" / "app.py").write_text('import importlib\napp = importlib.import_module("loadtest.app")\n'
+                                             'factory = "loadtest.app:make"\n')
+    with pytest.raises(SystemExit) as failed:
+        setup["stage"](root, tmp_path / "again" / "chattts_triton")
+    assert [line.strip() for line in str(failed.value).splitlines()[1:]] == [
+        "gateway/app.py:2 imports loadtest", "gateway/app.py:3 imports loadtest", "gateway/audio.py:1 imports gateway",
+        "gateway/audio.py:4 imports bench"]

@@ -5,6 +5,8 @@ The sources stay where the project keeps them: `client/` (less `demo.py`, which 
 contract's names, limits and sample rate) and `chattts_triton/model/split.py` (the sentence splitter), are copied
 in as `chattts_client/_shared/`. Their imports are rewritten to point there, and every import left is checked: the
 staged package imports nothing of `chattts_triton`, of `client` or torch, so it runs with numpy and tritonclient alone.
+The copying, rewriting and checking are `packaging/staging.py`'s, which the project's own wheel (the root `setup.py`,
+which stages `client/`, `export/` and `gateway/` inside `chattts_triton`) shares.
 
 Staged under `src/` beside this file, from the repository two levels up (or $CHATTTS_TRITON_ROOT, as
 tests/test_client_package.py builds a copy of this folder). An sdist carries `src/`; built from one, there is no
@@ -13,9 +15,9 @@ repository above and the staged sources are used as they are.
 
 from __future__ import annotations
 
-import ast
+import functools
+import importlib.util
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -39,62 +41,36 @@ TEXT_REWRITES = [(r"python -m client\b", "python -m chattts_client")]
 FORBIDDEN = ("chattts_triton", "client", "torch", "export", "gateway", "loadtest", "bench")
 
 
-def _rewrite(text: str, rules) -> str:
-    for pattern, replacement in rules:
-        text = re.sub(pattern, replacement, text, flags=re.M)
-    return text
-
-
-def absolute_imports(source: str):
-    """(line, top-level name) of every absolute import in `source`, those inside functions too."""
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name.split(".")[0]
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            yield node.lineno, node.module.split(".")[0]
-
-
-def relative_imports(source: str):
-    """(line, level, module) of every relative import in `source`."""
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            yield node.lineno, node.level, node.module or ""
+@functools.cache
+def _staging():
+    """packaging/staging.py (the rewrites and checks the project's wheel shares), loaded by its path: an sdist, which
+    has no repository above it, builds from its staged sources and never needs it."""
+    spec = importlib.util.spec_from_file_location("_chattts_triton_staging", ROOT / "packaging" / "staging.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def check_staged(package: Path) -> None:
-    """Every absolute import is of numpy, tritonclient or the standard library's kind (nothing in FORBIDDEN), and
-    every relative one finds its module inside the staged package."""
-    problems = [f"{path.relative_to(package.parent)}:{line} imports {name}"
-                for path in sorted(package.rglob("*.py"))
-                for line, name in absolute_imports(path.read_text(encoding="utf-8")) if name in FORBIDDEN]
-    for path in sorted(package.rglob("*.py")):
-        for line, level, module in relative_imports(path.read_text(encoding="utf-8")):
-            base = path.parents[level - 1]
-            target = base.joinpath(*module.split(".")) if module else base
-            if not (target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()) \
-                    or package not in (target, *target.parents):
-                problems.append(f"{path.relative_to(package.parent)}:{line} imports {'.' * level}{module}, "
-                                "which is not in the client package")
+    """Every import is of numpy, tritonclient or the standard library's kind (nothing in FORBIDDEN), and every
+    relative one finds its module inside the staged package."""
+    problems = _staging().staged_problems(package, FORBIDDEN, label="client")
     if problems:
         raise SystemExit("the client package would need the server or torch:\n  " + "\n  ".join(problems))
 
 
 def stage(root: Path, out: Path) -> Path:
     """Writes `out/chattts_client/` from `root`'s client/ and the two shared modules; returns the package folder."""
+    staging = _staging()
     package = out / PACKAGE
-    shutil.rmtree(package, ignore_errors=True)
-    (package / "_shared").mkdir(parents=True)
-    for src in sorted((root / "client").glob("*.py")):
-        if src.name not in LEFT_OUT:
-            text = _rewrite(_rewrite(src.read_text(encoding="utf-8"), CLIENT_REWRITES), TEXT_REWRITES)
-            (package / src.name).write_text(text, encoding="utf-8")
+    staging.copy_package(root / "client", package, [*CLIENT_REWRITES, *TEXT_REWRITES], left_out=LEFT_OUT)
+    (package / "_shared").mkdir()
     (package / "_shared" / "__init__.py").write_text(
         '"""Copies of chattts_triton.config and chattts_triton.model.split, made when this package was built."""\n',
         encoding="utf-8")
     shutil.copyfile(root / "chattts_triton" / "config.py", package / "_shared" / "config.py")
     split = (root / "chattts_triton" / "model" / "split.py").read_text(encoding="utf-8")
-    (package / "_shared" / "split.py").write_text(_rewrite(split, SPLIT_REWRITES), encoding="utf-8")
+    (package / "_shared" / "split.py").write_text(staging.rewrite(split, SPLIT_REWRITES), encoding="utf-8")
     check_staged(package)
     return package
 
