@@ -1,7 +1,9 @@
 """Decode attention over each row's own keys (`chattts_triton.model.attention`): the PyTorch reference here,
 the Triton kernel in tests/test_gpu.py."""
 
+import importlib.util
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +91,47 @@ def test_the_operator_stays_opaque_to_torch_compile_so_the_kernel_launches_with_
         assert len(calls) == n + 1 and calls[-1][0] == (b, 4, 16)  # launched by the compiled code, per call
         assert calls[-1][1] == cache[1].data_ptr()  # the cache itself, not a copy of its pages
         assert (got - want).abs().max() <= 1e-5
+
+
+_INTERPRETED_KERNEL = """
+import json, torch
+from unittest import mock
+from chattts_triton.model import attention as A
+g = torch.Generator().manual_seed(0)
+b, h, kvh, d, page, width = 5, 4, 2, 16, 16, 10
+keys, values = torch.randn(60, page, kvh, d, generator=g), torch.randn(60, page, kvh, d, generator=g)
+tables = torch.randperm(59, generator=g)[: b * width].view(b, width) + 1
+lengths = torch.tensor([1, page, page + 1, 100, width * page])
+q = torch.randn(b, h, d, generator=g)
+want = A.reference(q, keys, values, tables, lengths)
+out = {}
+with mock.patch.object(A, "kernel_available", lambda *a: True):  # the interpreter runs it on the CPU's tensors
+    for splits in (1, 2, A.SPLITS):
+        got = A.run_kernel(q, keys, values, tables, lengths, splits=splits)
+        out[splits] = [(got - want).abs().max().item(), list(got.shape)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_the_kernel_in_triton_s_interpreter_equals_the_reference_whole_and_split():
+    """The Triton kernel itself (not its stand-in), run by Triton's CPU interpreter: one program per row and
+    head, and a row's keys split over 2 and `SPLITS` programs merged by the second kernel, on grouped heads,
+    rows of 1 key, of a page, a page and one, and the table's full width (splits past a short row find no key)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", _INTERPRETED_KERNEL], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert {"1", "2"} < set(got)  # and SPLITS
+    for splits, (err, shape) in got.items():
+        assert shape == [5, 4, 16], splits
+        assert err <= 1e-5, (splits, err)
 
 
 def test_the_kernel_is_for_gpus_with_power_of_two_heads():

@@ -25,6 +25,29 @@ def test_sampling_filters_equal_transformers_warpers():
     assert torch.allclose(ours, ref)
 
 
+def test_one_sort_for_top_p_and_top_k_equals_the_two_warpers_row_by_row():
+    """`process_logits` filters with `top_p_top_k_filter` (one sort): for every row it equals transformers'
+    TopPLogitsWarper then TopKLogitsWarper with that row's settings, either one off (top_p 1, top_k 0), with tied
+    logits (the k-th value a tie) and with -inf already in a row."""
+    from transformers.generation import TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(3)
+    settings = [(p, k) for p in (0.1, 0.7, 0.95, 1.0) for k in (0, 1, 3, 20, 700)]
+    r = len(settings)
+    for logits in (torch.randn(r, 626, generator=g) * 3, torch.randint(-4, 5, (r, 626), generator=g).float()):
+        logits[::3, 625] = float("-inf")
+        top_p = torch.tensor([p for p, _ in settings])
+        top_k = torch.tensor([k for _, k in settings])
+        got = sampling.top_p_top_k_filter(logits, top_p, top_k)
+        for i, (p, k) in enumerate(settings):
+            want = logits[i : i + 1]
+            if p < 1.0:
+                want = TopPLogitsWarper(p, min_tokens_to_keep=3)(None, want)
+            if k > 0:
+                want = TopKLogitsWarper(k, min_tokens_to_keep=3)(None, want)
+            assert torch.equal(got[i : i + 1], want), (p, k)
+
+
 def test_counter_based_draw_is_deterministic_and_uniform():
     seed = torch.tensor([1, 1, 2, (1 << 40) + 1])
     u1 = sampling.uniform(seed, torch.tensor([0, 1, 0, 0]), torch.zeros(4, dtype=torch.long),

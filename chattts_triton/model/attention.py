@@ -6,7 +6,8 @@ row's bucket. At 488 rows of the served mix (prompts of 6-116 tokens, 150 frames
 384 while a row holds ≈ 120 keys on average, and the keys and values are what a large step reads.
 `decode_attention` reads only the keys a row attends (`lengths`), page by page through the row's block
 table (the paged cache of gpt.py): on a GPU a Triton kernel (one program per row and head, an online
-softmax in fp32 over blocks of keys); elsewhere `reference`, the same result in PyTorch (tests, CPU).
+softmax in fp32 over blocks of keys; at few rows a row's keys split over several programs and merged);
+elsewhere `reference`, the same result in PyTorch (tests, CPU; the kernel itself under Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -22,7 +23,20 @@ try:  # Triton ships with PyTorch's CUDA wheels; CPU-only installs have none
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-BLOCK_KEYS = 64  # keys per loop iteration of a program
+# Launch layout, measured by layout on an H100 (bench/results/2026-12-05-h100-decode-attention-layout.md): one
+# program per row and head walking BLOCK_KEYS keys a loop with one warp beat the wider blocks and programs holding
+# several heads of a row at every batch from 64 rows up (1024 rows: 174 against 191 µs a layer); below
+# SPLIT_ROW_HEADS rows x heads a row's keys are split over SPLITS programs (whole pages each) merged by a second
+# kernel, so that a few long rows do not walk their keys one block at a time (8 rows: 8.2 against 16.3 µs).
+BLOCK_KEYS = 16
+WARPS = 1
+SPLITS = 8
+SPLIT_ROW_HEADS = 1024
+
+
+def launch_layout(rows: int, heads: int) -> int:
+    """How many programs share one row's keys (1: one program per row and head)."""
+    return SPLITS if rows * heads <= SPLIT_ROW_HEADS else 1
 
 
 def kernel_available(device: torch.device, head_dim: int) -> bool:
@@ -62,11 +76,13 @@ def _decode_attention_op(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor
 
 
 def run_kernel(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: Tensor,
-               traceable: bool = False) -> Tensor:
+               traceable: bool = False, splits: int | None = None, block: int = BLOCK_KEYS,
+               warps: int = WARPS) -> Tensor:
     """The operator's work: the Triton kernel, launched with the real strides (`reference` where it
     cannot run, so the operator means the same on every device). Returns a new contiguous [B, H, D].
-    traceable: launched through `torch.library.wrap_triton`, so that torch.export records the kernel
-    itself (bench/probes/aoti.py's `aoti_traced`; a plain launch there would read fake tensors' pointers)."""
+    traceable: launched through `torch.library.wrap_triton`, so that torch.export records the kernels
+    themselves (bench/probes/aoti.py's `aoti_traced`; a plain launch there would read fake tensors' pointers).
+    splits / block / warps: the launch layout (default `launch_layout`'s; bench/probes/attention.py tries others)."""
     if not kernel_available(q.device, q.shape[-1]) or keys.stride(-1) != 1 or values.stride(-1) != 1:
         # (the kernel reads a head's keys and values contiguously); contiguous as the fake says
         return reference(q, keys, values, tables, lengths).contiguous()
@@ -75,15 +91,20 @@ def run_kernel(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths:
     tables = tables if tables.stride(-1) == 1 else tables.contiguous()
     b, h, d = q.shape
     page, kvh = keys.shape[1], keys.shape[2]
+    splits = launch_layout(b, h) if splits is None else splits
     out = q.new_empty(q.shape)
-    kernel = torch.library.wrap_triton(_decode_kernel) if traceable else _decode_kernel
-    kernel[(b, h)](
-        q, keys, values, out, tables, lengths,
+    # a split's unnormalised sum [.., :D], its running max [.., D] and weight [.., D + 1], per row, split and head
+    part = torch.empty(b, splits, h, d + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
+    wrap = torch.library.wrap_triton if traceable else (lambda k: k)
+    wrap(_decode_kernel)[(b, h, splits)](
+        q, keys, values, out, part, tables, lengths,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1), tables.stride(0),
         tables.shape[1] * page, (1.0 / math.sqrt(d)) * 1.4426950408889634,  # softmax in base 2
-        REP=h // kvh, D=d, BLOCK=BLOCK_KEYS, PAGE=page, num_warps=4,
+        REP=h // kvh, D=d, BLOCK=block, PAGE=page, SPLITS=splits, num_warps=warps,
     )
+    if splits > 1:
+        wrap(_merge_kernel)[(b, h)](part, out, out.stride(0), out.stride(1), D=d, SPLITS=splits, num_warps=1)
     return out
 
 
@@ -95,12 +116,21 @@ def _(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: Tensor) 
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(Q, K, V, O, T, Lens, sqb, sqh, skb, skp, skh, svb, svp, svh, sob, soh, stb, max_keys, scale,  # noqa: E741  Q, K, V, O: attention's own names
-                       REP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr):
+    def _decode_kernel(Q, K, V, O, Part, T, Lens, sqb, sqh, skb, skp, skh, svb, svp, svh, sob, soh, stb, max_keys,  # noqa: E741  Q, K, V, O: attention's own names
+                       scale, REP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
+                       SPLITS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # the cache is larger than 2**31 elements
         head = tl.program_id(1)
         kv_head = head // REP
         n = tl.minimum(tl.maximum(tl.load(Lens + row).to(tl.int32), 1), max_keys)
+        if SPLITS == 1:
+            lo = 0
+            hi = n
+        else:  # each split a run of whole pages; the splits past a short row's keys find none
+            split = tl.program_id(2)
+            per = tl.cdiv(tl.cdiv(n, SPLITS), PAGE) * PAGE
+            lo = split * per
+            hi = tl.minimum(lo + per, n)
         d = tl.arange(0, D)
         # fp32 again: AOTInductor passes `scale` as a double, which would make the loop's m_i fp64
         q = (tl.load(Q + row * sqb + head * sqh + d).to(tl.float32) * scale).to(tl.float32)
@@ -110,9 +140,9 @@ if triton is not None:
         m_i = tl.full((1,), float("-inf"), tl.float32)
         l_i = tl.zeros((1,), tl.float32)
         acc = tl.zeros((D,), tl.float32)
-        for start in range(0, n, BLOCK):
+        for start in range(lo, hi, BLOCK):
             keys_at = start + tl.arange(0, BLOCK)
-            live = keys_at < n
+            live = keys_at < hi
             # each key's page through the row's block table, then its place in the page
             pages = tl.load(table + keys_at // PAGE, mask=live, other=0).to(tl.int64)
             in_page = (keys_at % PAGE).to(tl.int64)
@@ -128,4 +158,24 @@ if triton is not None:
             acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
-        tl.store(O + row * sob + head * soh + d, (acc / l_i).to(O.dtype.element_ty))
+        if SPLITS == 1:
+            tl.store(O + row * sob + head * soh + d, (acc / l_i).to(O.dtype.element_ty))
+        else:
+            at = Part + ((row * SPLITS + tl.program_id(2)) * tl.num_programs(1) + head) * (D + 2)
+            tl.store(at + d, acc)
+            tl.store(at + D + tl.arange(0, 1), m_i)
+            tl.store(at + D + 1 + tl.arange(0, 1), l_i)
+
+    @triton.jit
+    def _merge_kernel(Part, O, sob, soh, D: tl.constexpr, SPLITS: tl.constexpr):  # noqa: E741  O: the output
+        """One row and head: its splits' partial softmax states into the output (a split without keys weighs 0)."""
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        sp = tl.arange(0, SPLITS)
+        d = tl.arange(0, D)
+        at = Part + ((row * SPLITS + sp) * tl.num_programs(1) + head) * (D + 2)  # [SPLITS]
+        m = tl.load(at + D)
+        w = tl.exp2(m - tl.max(m, axis=0))  # split 0 always holds a key: the max is finite
+        total = tl.sum(tl.load(at + D + 1) * w, axis=0)
+        acc = tl.sum(tl.load(at[:, None] + d[None, :]) * w[:, None], axis=0)
+        tl.store(O + row * sob + head * soh + d, (acc / total).to(O.dtype.element_ty))

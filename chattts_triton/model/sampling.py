@@ -78,6 +78,22 @@ def top_k_filter(logits: Tensor, top_k: Tensor) -> Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+def top_p_top_k_filter(logits: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+    """`top_p_filter` then `top_k_filter` (each only on the rows whose top_p < 1 / top_k > 0), the same values
+    from one sort instead of two: top-P keeps the m largest logits, so top-K's k-th largest of what it leaves is
+    the k-th largest of all where k <= m, and where k > m that value is below all m kept (none removed)."""
+    v = logits.shape[1]
+    sorted_logits, sorted_idx = torch.sort(logits, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = cum <= (1 - top_p.clamp(max=1.0)).unsqueeze(1)
+    remove[..., -MIN_TOKENS_TO_KEEP:].fill_(False)  # an in-place kernel: safe in CUDA graph capture
+    remove &= (top_p < 1.0).unsqueeze(1)
+    logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+    k = top_k.clamp(min=MIN_TOKENS_TO_KEEP, max=v)
+    kth = sorted_logits.gather(1, (v - k).unsqueeze(1))
+    return torch.where((top_k > 0).unsqueeze(1), logits.masked_fill(logits < kth, float("-inf")), logits)
+
+
 def process_logits(
     logits: Tensor,
     temperature: Tensor,
@@ -96,8 +112,7 @@ def process_logits(
     apply_pen = penalty != 1.0
     penalised = repetition_penalty(logits, history, history_len, penalty)
     logits = torch.where(apply_pen.unsqueeze(1), penalised, logits)
-    logits = torch.where((top_p < 1.0).unsqueeze(1), top_p_filter(logits, top_p.clamp(max=1.0)), logits)
-    logits = torch.where((top_k > 0).unsqueeze(1), top_k_filter(logits, top_k), logits)
+    logits = top_p_top_k_filter(logits, top_p, top_k)
     col = eos.unsqueeze(1)  # each row's EOS id
     masked = logits.gather(1, col).masked_fill(forbid_eos.unsqueeze(1), float("-inf"))
     return logits.scatter(1, col, masked)
