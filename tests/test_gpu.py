@@ -399,7 +399,14 @@ def test_decode_kernel_reads_each_rows_own_keys_as_the_reference_does(dtype, kv_
     page edges, grouped heads (12 query heads on 4 key/value heads), and CUDA graph replays that read the
     lengths and block tables of their time."""
     from chattts_triton.config import KV_PAGE_TOKENS as page
-    from chattts_triton.model.attention import BLOCK_KEYS, decode_attention, kernel_available, reference
+    from chattts_triton.model.attention import (
+        BLOCK_KEYS,
+        decode_attention,
+        kernel_available,
+        launch_layout,
+        reference,
+        run_kernel,
+    )
 
     assert kernel_available(torch.device("cuda"), 64)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -418,6 +425,10 @@ def test_decode_kernel_reads_each_rows_own_keys_as_the_reference_does(dtype, kv_
     got = decode_attention(q, keys, values, tables, lengths)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # half precision: the output's rounding
     assert got.dtype == dtype and (got.float() - want).abs().max().item() <= tol
+    assert launch_layout(b, heads) > 1  # these rows split their keys; the layout of many rows too:
+    for splits in (1, 2):
+        whole = run_kernel(q, keys, values, tables, lengths, splits=splits)
+        assert (whole.float() - want).abs().max().item() <= tol, splits
     keys[tables[0, 1:]] = 1e4  # past row 0's one key: never read
     keys[tables[0, 0], 1:] = 1e4
     assert torch.equal(decode_attention(q, keys, values, tables, lengths)[0], got[0])

@@ -27,11 +27,12 @@ except ImportError:  # pragma: no cover - depends on the install
 # program per row and head walking BLOCK_KEYS keys a loop with one warp beat the wider blocks and programs holding
 # several heads of a row at every batch from 64 rows up (1024 rows: 174 against 191 µs a layer); below
 # SPLIT_ROW_HEADS rows x heads a row's keys are split over SPLITS programs (whole pages each) merged by a second
-# kernel, so that a few long rows do not walk their keys one block at a time (8 rows: 8.2 against 16.3 µs).
+# kernel, so that a few long rows do not walk their keys one block at a time (8 rows: 8.4 against 16.5 µs, 128
+# rows: 27.2 against 32.1 µs; from 256 rows up the splits lose).
 BLOCK_KEYS = 16
 WARPS = 1
 SPLITS = 8
-SPLIT_ROW_HEADS = 1024
+SPLIT_ROW_HEADS = 1536
 
 
 def launch_layout(rows: int, heads: int) -> int:
