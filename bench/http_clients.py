@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import importlib.util
 import json
@@ -204,9 +205,11 @@ def locust_window(history_csv: Path, t0: float, t1: float) -> dict[str, Any]:
     from the last row inside: with --csv-full-history, Locust's current percentiles, over its last
     CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW (10) seconds, so inside a window of 10 s or more.
 
-    With --processes the master's totals move only when a worker reports (every WORKER_REPORT_INTERVAL, 3 s), so
-    the rate is taken between the first and the last row inside at which the totals moved (whole report
-    intervals), not between the window's first and last rows (which may straddle no report at all)."""
+    With --processes the master's totals move only when a worker reports (every LOCUST_REPORT_S), each worker at
+    its own phase, so the rate is taken between the window's first row and its last row a whole number of report
+    intervals later: in that span every worker reported as many times as the span has intervals, whatever its phase.
+    (Between the first and the last row at which the totals moved, a span that begins at one worker's report and ends
+    at another's, the reports overcount it.) Without such a pair (a window under one interval), the window's ends."""
     rows = []
     with open(history_csv, newline="") as f:
         for r in csv.DictReader(f):
@@ -214,12 +217,19 @@ def locust_window(history_csv: Path, t0: float, t1: float) -> dict[str, Any]:
                 rows.append((float(r["Timestamp"]), int(r["Total Request Count"]), int(r["Total Failure Count"]), r))
     if len(rows) < 2 or rows[-1][0] <= rows[0][0]:
         raise RuntimeError(f"{history_csv}: fewer than two stats rows between {t0:.0f} and {t1:.0f}")
-    moved = [row for prev, row in zip(rows, rows[1:], strict=False) if row[1] != prev[1]]
-    first, last = (moved[0], moved[-1]) if len(moved) >= 2 and moved[-1][0] > moved[0][0] else (rows[0], rows[-1])
+    first = rows[0]
+    whole = [row for row in rows[1:] if _whole_intervals(row[0] - first[0])]
+    last = whole[-1] if whole else rows[-1]
     (a, na, fa, _), (b, nb, fb, _) = first, last
     pct = rows[-1][3]
     return {"throughput_utt_s": ((nb - na) - (fb - fa)) / (b - a), "latency_p50_ms": _ms(pct.get("50%")),
             "latency_p99_ms": _ms(pct.get("99%")), "errors": fb - fa, "requests": nb - na}
+
+
+def _whole_intervals(span: float) -> bool:
+    """Whether span (s) is a whole number (>= 1) of Locust's report intervals, within its one-second rows' jitter."""
+    k = round(span / LOCUST_REPORT_S)
+    return k >= 1 and abs(span - k * LOCUST_REPORT_S) <= 0.25
 
 
 def _locust_started(history_csv: Path) -> bool:
@@ -236,6 +246,34 @@ def _locust_started(history_csv: Path) -> bool:
 LOCUST_START_S = 180.0  # Locust's start-up (imports, workers connecting, users spawned) before it counts as failed
 LOCUST_REPORT_S = 3.0  # locust.runners.WORKER_REPORT_INTERVAL: how often --processes workers send their totals
 LOCUST_MIN_SECONDS = 3 * LOCUST_REPORT_S  # a window that holds at least two whole report intervals
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal: it is there
+        return True
+    return True
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGINT to proc's process group (Locust writes its last rows on it), then SIGKILL to whatever of the group is
+    left after timeout: the leader's exit does not end its workers."""
+    pgid = proc.pid
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGINT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader, whose zombie keeps the group alive
+        if not _group_alive(pgid):
+            break
+        time.sleep(0.1)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+    proc.wait()
 
 
 def run_locust(server: Server, n: int, tokens: int, text: str, warmup: float, seconds: float, out: Path,
@@ -257,7 +295,9 @@ def run_locust(server: Server, n: int, tokens: int, text: str, warmup: float, se
         cmd += ["--processes", str(processes)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with open(out / "locust.log", "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        # A session of its own: --processes forks workers that, left behind, would go on loading the server and
+        # report to the next row's master on the same port; the row ends with the whole group.
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
         try:
             w0 = time.time() - time.monotonic()  # monotonic -> wall, for Locust's timestamps
             deadline = time.monotonic() + LOCUST_START_S
@@ -269,13 +309,7 @@ def run_locust(server: Server, n: int, tokens: int, text: str, warmup: float, se
             t0, t1, before, after = _window(server, warmup, seconds)
             time.sleep(1.5)  # Locust's history row after the window's end (it writes one a second)
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_group(proc)
     row = locust_window(history, w0 + t0, w0 + t1)
     return {**row, **server_view(server, before, after, t1 - t0)}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 
@@ -45,15 +46,55 @@ def test_locust_window_takes_the_aggregated_rows_inside(tmp_path):
 
 
 def test_locust_window_of_worker_reports_counts_whole_report_intervals(tmp_path):
-    """A --processes master's totals move only when its workers report (every 3 s): the rate is taken between the
-    rows where they moved, not between the window's ends, which here straddle two rows of one total."""
+    """A --processes master's totals move only when its workers report (every 3 s): the rate is taken over a whole
+    number of report intervals from the window's first row, not between the window's ends, which here straddle two
+    rows of one total."""
     p = tmp_path / "h.csv"
     totals = {100: 0, 101: 0, 102: 30, 103: 30, 104: 30, 105: 60, 106: 60, 107: 60, 108: 90, 109: 90, 110: 90}
     _history(p, [[t, 4, "", "Aggregated", 40, 90, n, 0] for t, n in totals.items()])
-    got = hc.locust_window(p, 100.5, 110)
-    assert got["requests"] == 60 and got["throughput_utt_s"] == pytest.approx(60 / 6)  # 102 -> 108: 10 a second
-    got = hc.locust_window(p, 102.5, 104.5)  # no report inside: the rows' own difference, honestly none
+    got = hc.locust_window(p, 100.5, 109.5)
+    assert got["requests"] == 60 and got["throughput_utt_s"] == pytest.approx(60 / 6)  # 101 -> 107: 10 a second
+    got = hc.locust_window(p, 102.5, 104.5)  # under one interval: the rows' own difference, honestly none
     assert got["requests"] == 0 and got["throughput_utt_s"] == 0.0
+
+
+def test_locust_window_of_workers_reporting_at_other_phases_does_not_overcount(tmp_path):
+    """Two workers, 15 requests each per 3-s report, one a second after the other: 10 requests a second. Between the
+    first and the last moved rows (102 -> 109) the totals grow by 75 in 7 s (10.7 a second): one report too many."""
+    p = tmp_path / "h.csv"
+    totals = {100: 0, 101: 0, 102: 15, 103: 30, 104: 30, 105: 45, 106: 60, 107: 60, 108: 75, 109: 90, 110: 90}
+    _history(p, [[t, 4, "", "Aggregated", 40, 90, n, 0] for t, n in totals.items()])
+    for t0, t1 in ((100.5, 110), (99, 110), (101.5, 110), (100, 108)):
+        got = hc.locust_window(p, t0, t1)
+        assert got["throughput_utt_s"] == pytest.approx(10.0), (t0, t1)
+
+
+def test_stop_group_ends_the_workers_that_outlive_their_leader(tmp_path):
+    """Locust's --processes workers outlive a master that exits on SIGINT; stop_group ends the whole group."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    pidfile = tmp_path / "child"
+    code = ("import os, signal, subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)'])\n"
+            f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n"
+            "signal.signal(signal.SIGINT, lambda *a: sys.exit(0))\n"
+            "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    hc.stop_group(proc, timeout=2.0)
+    assert proc.returncode == 0  # the leader took its SIGINT
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):  # the child that ignored SIGINT was killed with its group
+        for _ in range(50):
+            os.kill(child, 0)
+            time.sleep(0.1)
 
 
 def test_ratios_and_marks_against_perf_analyzer():
@@ -140,3 +181,13 @@ def test_locust_row_from_worker_processes(standin_server, tmp_path):
     log = (tmp_path / "locust-c4" / "locust.log").read_text()
     assert "--processes 2" in log
     assert "| 4 | locust |" in (tmp_path / "http-clients.md").read_text()
+    # no master or worker of the row outlives it (a worker left behind would load the next row's server)
+    corpus = str(tmp_path / "locust-c4" / "corpus.txt")
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and corpus.encode() in (proc / "cmdline").read_bytes():
+                left.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    assert left == []
