@@ -13,6 +13,8 @@ concurrency this splits a served step into the engine's own GPU time and what th
 processes (vocoder, stream codec) take from it on a shared GPU. `--think-ms T`: each client waits
 uniformly 0..2T ms between a result and its next request, as a served request's vocoder, Triton and
 gRPC time spread the arrivals (the engine's admissions, so its prefills, follow the arrivals).
+`--sync-debug` (CUDA): each level once more, its window counting the synchronizing CUDA calls by the engine line
+that made them (a row with `syncs`; the counting's own cost is in that row's figures, not the plain one's).
 `--overlap on,off`: each level with the engine's host bookkeeping overlapping the next step (`Engine.overlap`,
 the served default on a GPU) and without, switched between windows of one engine: the row's `overlap` says
 which; wall per step (`engine_step_ms`) against the GPU clock's (`engine_step_gpu_ms`) is what it buys.
@@ -21,11 +23,16 @@ which; wall per step (`engine_step_ms`) against the GPU clock's (`engine_step_gp
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import heapq
+import os
 import random
 import sys
 import threading
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -132,17 +139,45 @@ class ClosedLoop:
             raise RuntimeError(f"the engine refused a request: {self.error}") from self.error
 
 
+class SyncCounter:
+    """The synchronizing CUDA calls of a window (torch.cuda.set_sync_debug_mode("warn"), process-wide), each
+    counted by the innermost line of chattts_triton/ on the stack of the thread that made it: a host sync that
+    the engine's step does not need (its one read of the step's flags is `_host_sync` / the overlap's event)."""
+
+    def __init__(self):
+        self.counts: collections.Counter = collections.Counter()
+        self._show = None
+
+    def _record(self, message, category, filename, lineno, file=None, line=None):
+        here = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}chattts_triton{os.sep}" in f.filename]
+        where = f"{Path(here[-1].filename).name}:{here[-1].lineno} {here[-1].name}" if here else f"{filename}:{lineno}"
+        self.counts[where] += 1
+
+    def __enter__(self):
+        self._show, warnings.showwarning = warnings.showwarning, self._record
+        warnings.filterwarnings("always", message=".*synchroniz")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self._show
+        return False
+
+
 def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, settle_s: float,
-              think_s: float = 0.0) -> dict:
+              think_s: float = 0.0, sync_debug: bool = False) -> dict:
     from loadtest.sweep import engine_window
     from loadtest.tts_stats import percentile
 
     load = ClosedLoop(service, prompts, tokens, concurrency, seed=concurrency, think_s=think_s)
     load.start()
     time.sleep(settle_s)  # admissions of the first wave, then a steady mix
-    before, t0 = {"0": service.engine.stats()}, time.perf_counter()
-    time.sleep(seconds)
-    after, t1 = {"0": service.engine.stats()}, time.perf_counter()
+    syncs = SyncCounter() if sync_debug else contextlib.nullcontext()
+    with syncs:
+        before, t0 = {"0": service.engine.stats()}, time.perf_counter()
+        time.sleep(seconds)
+        after, t1 = {"0": service.engine.stats()}, time.perf_counter()
     load.stop()
     window = [(lat, why) for at, lat, why in load.done if t0 <= at <= t1]
     lat_ms = [1000 * lat for lat, _ in window]
@@ -153,6 +188,8 @@ def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, s
            "latency_p99_ms": percentile(lat_ms, 99) if lat_ms else None,
            "not_max_tokens": sum(1 for _, why in window if why != "max_tokens")}
     row.update(engine_window(before, after, t1 - t0))
+    if sync_debug:
+        row["syncs"] = dict(syncs.counts.most_common(20))
     return row
 
 
@@ -172,6 +209,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap", default="on",
                     help="comma list of on/off: the engine overlaps its host bookkeeping with the next step "
                          "(Engine.overlap)")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="CUDA: each level once more, counting its window's synchronizing CUDA calls by the line of "
+                         "chattts_triton that made them (torch.cuda.set_sync_debug_mode)")
     add_device_args(ap)
     a = ap.parse_args(argv)
     if cuda_missing(a):
@@ -210,9 +250,11 @@ def main(argv=None) -> int:
     prompts = load_prompts(a.repo)
     rows = []
     try:
-        for think, c, ov in ((t, c, o) for t in thinks for c in levels for o in overlaps):
+        counted = [False, True] if a.sync_debug and a.device == "cuda" else [False]
+        for think, c, ov, sync_debug in ((t, c, o, d) for t in thinks for c in levels for o in overlaps
+                                         for d in counted):
             service.engine.overlap = ov == "on"  # taken up at its next step (a step in flight is landed first)
-            row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle, think / 1000)
+            row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle, think / 1000, sync_debug)
             row["overlap"] = service.engine.overlap
             rows.append(row)
 
@@ -227,6 +269,8 @@ def main(argv=None) -> int:
                   f"({fmt('engine_prefill_ms')} ms per prefill of {fmt('engine_prefill_prompts', '.1f')}), GIL wait "
                   f"{fmt('engine_gil_wait_ms', '.3f')}), "
                   f"rows {fmt('engine_batch', '.1f')}", flush=True)
+            if "syncs" in row:
+                print(f"[engine_load] host syncs in the window: {row['syncs']}", flush=True)
     finally:
         service.engine.stop()
     write_rows(a, rows, tokens=a.tokens, slots=service.engine.max_slots,
