@@ -666,6 +666,27 @@ def test_engine_load_bench_keeps_requests_in_flight_on_the_served_engine(tiny_re
     assert 1.0 < rows[1]["engine_batch"] <= 2.01  # three in flight, two slots: the third waits (the same slack)
 
 
+def test_engine_load_timeline_names_the_engine_parts_of_a_window(tiny_repo, tmp_path):
+    """--timeline: the level once more under torch.profiler, each engine part in a range of its own. On a CPU the
+    parts' host time and calls are real (device time is the GPU's); the engine's methods are its own again after."""
+    import json
+
+    from bench.probes import engine_load
+
+    out = tmp_path / "timeline.json"
+    assert engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--concurrency", "2", "--seconds", "1",
+                             "--settle", "0.3", "--tokens", "8", "--timeline", "--out", str(out)]) == 0
+    plain, timed = json.loads(out.read_text())["rows"]
+    assert "timeline" not in plain and timed["utterances"] > 0
+    t = timed["timeline"]
+    # every decode step is launched and landed once; a launch that finds every row ending with the step in flight
+    # counts no step, and an admission's first tokens are landed too: a little over one of each per step
+    assert 0.95 <= t["step"]["calls"] < 1.5 and 0.95 <= t["land"]["calls"] < 1.5
+    assert 0 < t["prefill"]["calls"] < 1 and 0 < t["finish"]["calls"] < 1
+    assert t["step"]["host_ms"] > 0 and t["prefill"]["host_ms"] > 0
+    assert t["kernels_ms_per_step"] == 0.0  # no GPU
+
+
 def test_engine_load_think_time_spreads_the_arrivals(tiny_repo, tmp_path):
     """--think-ms: a client waits between a result and its next request, so fewer requests are in the
     engine than clients (here 4 clients thinking ≈ 2 generations' time each), and the level still ends."""

@@ -15,6 +15,9 @@ uniformly 0..2T ms between a result and its next request, as a served request's 
 gRPC time spread the arrivals (the engine's admissions, so its prefills, follow the arrivals).
 `--sync-debug` (CUDA): each level once more, its window counting the synchronizing CUDA calls by the engine line
 that made them (a row with `syncs`; the counting's own cost is in that row's figures, not the plain one's).
+`--timeline`: each level once more under torch.profiler, the engine's parts (step launch, prefill, resume, landing,
+finishing, compaction) each in a range of its own: per decode step, the device ms of the kernels each launched and its
+host ms, beside all kernels' ms (what runs on the GPU between the steps' own kernels, named).
 `--overlap on,off`: each level with the engine's host bookkeeping overlapping the next step (`Engine.overlap`,
 the served default on a GPU) and without, switched between windows of one engine: the row's `overlap` says
 which; wall per step (`engine_step_ms`) against the GPU clock's (`engine_step_gpu_ms`) is what it buys.
@@ -165,8 +168,65 @@ class SyncCounter:
         return False
 
 
+# the engine's parts whose kernels the timeline attributes to them: Engine methods, by the name they are reported under
+TIMELINE_PARTS = {"_launch": "step", "_prefill": "prefill", "_resume": "resume", "_land": "land",
+                  "_finish_rows": "finish", "_compact": "compact"}
+
+
+class Timeline:
+    """torch.profiler over a window, with each of the engine's parts (TIMELINE_PARTS) in a range of its own: the
+    device time of the kernels each launched (a step's graph replay included), its host time and calls, and all the
+    kernels' time in the window. What runs on the GPU between the steps' own kernels is then named: the prefills'
+    kernels, the results' copies, compaction. Ranges nest (`land` holds `finish`, which holds `compact`)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.prof = None
+        self.parts: dict = {}
+        self.kernel_ms = 0.0
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        for attr, name in TIMELINE_PARTS.items():
+            fn = getattr(self.engine, attr)
+
+            def wrapped(*a, _fn=fn, _name=name, **kw):
+                with record_function(f"engine.{_name}"):
+                    return _fn(*a, **kw)
+
+            setattr(self.engine, attr, wrapped)  # the instance's attribute shadows the method
+        from torch._C._profiler import _ExperimentalConfig
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.engine.device.type == "cuda" else [])
+        # the engine runs on its own thread: the profiler records the thread that starts it only, unless told
+        self.prof = profile(activities=acts, experimental_config=_ExperimentalConfig(profile_all_threads=True))
+        self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.prof.__exit__(*exc)
+        finally:
+            for attr in TIMELINE_PARTS:
+                self.engine.__dict__.pop(attr, None)
+        events = self.prof.key_averages()
+        for e in events:
+            if e.key.startswith("engine."):
+                self.parts[e.key.removeprefix("engine.")] = {
+                    "calls": e.count, "device_ms": e.device_time_total / 1000, "host_ms": e.cpu_time_total / 1000}
+        self.kernel_ms = sum(e.self_device_time_total for e in events if not e.key.startswith("engine.")) / 1000
+        return False
+
+    def summary(self, steps: int) -> dict:
+        """Per decode step of the window: each part's device and host ms and calls, and all kernels' ms."""
+        per = max(steps, 1)
+        return {"kernels_ms_per_step": round(self.kernel_ms / per, 4),
+                **{name: {k: round(v / per, 4) for k, v in part.items()} for name, part in self.parts.items()}}
+
+
 def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, settle_s: float,
-              think_s: float = 0.0, sync_debug: bool = False) -> dict:
+              think_s: float = 0.0, sync_debug: bool = False, timeline: bool = False) -> dict:
     from loadtest.sweep import engine_window
     from loadtest.tts_stats import percentile
 
@@ -174,7 +234,8 @@ def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, s
     load.start()
     time.sleep(settle_s)  # admissions of the first wave, then a steady mix
     syncs = SyncCounter() if sync_debug else contextlib.nullcontext()
-    with syncs:
+    trace = Timeline(service.engine) if timeline else contextlib.nullcontext()
+    with syncs, trace:
         before, t0 = {"0": service.engine.stats()}, time.perf_counter()
         time.sleep(seconds)
         after, t1 = {"0": service.engine.stats()}, time.perf_counter()
@@ -190,6 +251,8 @@ def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, s
     row.update(engine_window(before, after, t1 - t0))
     if sync_debug:
         row["syncs"] = dict(syncs.counts.most_common(20))
+    if timeline:
+        row["timeline"] = trace.summary(after["0"]["engine_steps"] - before["0"]["engine_steps"])
     return row
 
 
@@ -212,6 +275,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-debug", action="store_true",
                     help="CUDA: each level once more, counting its window's synchronizing CUDA calls by the line of "
                          "chattts_triton that made them (torch.cuda.set_sync_debug_mode)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="each level once more under torch.profiler: per decode step, the device and host ms of the "
+                         "engine's parts (step, prefill, land, finish, compact, resume) and all kernels' ms")
     add_device_args(ap)
     a = ap.parse_args(argv)
     if cuda_missing(a):
@@ -250,11 +316,12 @@ def main(argv=None) -> int:
     prompts = load_prompts(a.repo)
     rows = []
     try:
-        counted = [False, True] if a.sync_debug and a.device == "cuda" else [False]
-        for think, c, ov, sync_debug in ((t, c, o, d) for t in thinks for c in levels for o in overlaps
-                                         for d in counted):
+        # each level plainly, then once more per instrument asked for (its own cost stays out of the plain row)
+        runs = [{}] + ([{"sync_debug": True}] if a.sync_debug and a.device == "cuda" else []) \
+            + ([{"timeline": True}] if a.timeline else [])
+        for think, c, ov, extra in ((t, c, o, r) for t in thinks for c in levels for o in overlaps for r in runs):
             service.engine.overlap = ov == "on"  # taken up at its next step (a step in flight is landed first)
-            row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle, think / 1000, sync_debug)
+            row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle, think / 1000, **extra)
             row["overlap"] = service.engine.overlap
             rows.append(row)
 
@@ -271,6 +338,8 @@ def main(argv=None) -> int:
                   f"rows {fmt('engine_batch', '.1f')}", flush=True)
             if "syncs" in row:
                 print(f"[engine_load] host syncs in the window: {row['syncs']}", flush=True)
+            if "timeline" in row:
+                print(f"[engine_load] timeline per decode step: {row['timeline']}", flush=True)
     finally:
         service.engine.stop()
     write_rows(a, rows, tokens=a.tokens, slots=service.engine.max_slots,
