@@ -534,14 +534,24 @@ def test_a_voice_of_reference_audio_is_the_stored_kind_of_voice(oai, grpc, serve
                      voice_from_first=False, **FIXED)
     by_audio = call("Hello world.", speaker_audio=wav, speaker_text="参考音频", seed=9, prompt="[speed_5]",
                     voice_from_first=False, **FIXED)
-    assert np.array_equal(by_sample, by_audio), "the server's codes of SPEAKER_AUDIO are not the voices CLI's"
-    assert np.array_equal(got, to_int16(by_audio)), "the gateway's voice audio is not SPEAKER_AUDIO of the same file"
-    assert np.array_equal(as_url, got)
+
+    def same(a: np.ndarray, b: np.ndarray, scale: float) -> bool:
+        """Equal; streamed, within what two streams of the same tokens may differ by: a stream's chunks grow when
+        generation runs ahead of the codec, and an exact window of other bounds rounds its last bits otherwise
+        (docs/streaming.md: ≤ 1e-3 through Triton). Other speaker codes change the audio far beyond that.
+        scale: 1 for float audio, 32767 for 16-bit."""
+        if not stream:
+            return np.array_equal(a, b)
+        return a.shape == b.shape and np.abs(a.astype(np.float64) - b.astype(np.float64)).max() <= 1e-3 * scale
+
+    assert same(by_sample, by_audio, 1.0), "the server's codes of SPEAKER_AUDIO are not the voices CLI's"
+    assert same(got, to_int16(by_audio), 32767), "the gateway's voice audio is not SPEAKER_AUDIO of the same file"
+    assert same(as_url, got, 32767)
     as_ref = pcm(oai.audio.speech.create(model="chattts", voice="alloy", input="Hello world.", response_format="pcm",
                                          extra_body={**body, "ref_audio": voice["audio"], "ref_text": "参考音频"}))
-    assert np.array_equal(as_ref, got)  # vLLM-Omni's fields
+    assert same(as_ref, got, 32767)  # vLLM-Omni's fields
     plain = call("Hello world.", seed=9, prompt="[speed_5]", voice_from_first=False, **FIXED)
-    assert not np.array_equal(to_int16(plain), got)  # the reference reached the GPT's prompt
+    assert not same(to_int16(plain), got, 32767)  # the reference reached the GPT's prompt
 
 
 def _png_base64() -> str:
