@@ -352,7 +352,11 @@ def test_barge_in_over_websockets_stops_the_audio_and_frees_the_stream_models_sl
             await ws.send(json.dumps({"type": "text", "text": f"{S1} {S2} {S3}"}))
             while not isinstance(await ws.recv(), bytes):
                 pass
-            busy = stream_inflight()
+            # the gauge is published every INFLIGHT_PUBLISH_S by a thread of the model's process, which a loaded host
+            # may run late: read it until it shows the stream (600 frames: it speaks for seconds yet)
+            deadline = time.monotonic() + 2
+            while not (busy := stream_inflight()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             t0 = time.perf_counter()
             await ws.send(json.dumps({"type": "cancel"}))
             last_audio = t0
