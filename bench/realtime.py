@@ -371,6 +371,18 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: st
             rows.append(row)
         await s.close()
         if metrics_url:
+            # each barge-in cancelled a piece that was speaking, so its row was running: one release each. The model
+            # publishes its engine's counters every STATS_PERIOD_S, one gauge at a time, so the scrape that saw the
+            # slot free may precede the release count: wait for it (a bounded wait, then what was published)
+            deadline = time.perf_counter() + 3
+            while True:
+                m = scrape(metrics_url)
+                n_rel = (m.get("chattts_engine_cancel_releases", 0.0)
+                         - released0.get("chattts_engine_cancel_releases", 0.0))
+                if n_rel >= len(rows) or time.perf_counter() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # the rest of that publishing pass (the release's seconds, its maximum)
             m = scrape(metrics_url)
             steps = m.get("chattts_engine_steps", 0.0)
             step_ms = 1e3 * m.get("chattts_engine_step_seconds", 0.0) / steps if steps else None
