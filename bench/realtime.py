@@ -374,26 +374,22 @@ async def run(a: argparse.Namespace, grpc_url: str, ws_url: str, metrics_url: st
             # each barge-in cancelled a piece that was speaking, so its row was running: one release each. The model
             # publishes its engine's counters every STATS_PERIOD_S, one gauge at a time, so the scrape that saw the
             # slot free may precede the release count: wait for it (a bounded wait, then what was published)
+            def since(m: dict[str, float], name: str) -> float:  # a counter's growth over the barge-ins
+                return m.get(name, 0.0) - released0.get(name, 0.0)
+
             deadline = time.perf_counter() + 3
-            while True:
-                m = scrape(metrics_url)
-                n_rel = (m.get("chattts_engine_cancel_releases", 0.0)
-                         - released0.get("chattts_engine_cancel_releases", 0.0))
-                if n_rel >= len(rows) or time.perf_counter() > deadline:
-                    break
+            while since(scrape(metrics_url), "chattts_engine_cancel_releases") < len(rows) \
+                    and time.perf_counter() <= deadline:
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.3)  # the rest of that publishing pass (the release's seconds, its maximum)
             m = scrape(metrics_url)
             steps = m.get("chattts_engine_steps", 0.0)
             step_ms = 1e3 * m.get("chattts_engine_step_seconds", 0.0) / steps if steps else None
             # the engine's own clock: cancel() (the stream stub saw the cancellation) → the row's slot released
-            n_rel = m.get("chattts_engine_cancel_releases", 0.0) - released0.get("chattts_engine_cancel_releases", 0.0)
-            rel_s = m.get("chattts_engine_cancel_release_seconds",
-                          0.0) - released0.get("chattts_engine_cancel_release_seconds", 0.0)
+            n_rel, rel_s = since(m, "chattts_engine_cancel_releases"), since(m, "chattts_engine_cancel_release_seconds")
             released = {"rows": n_rel, "mean_ms": 1e3 * rel_s / n_rel if n_rel else None,
                         "max_ms": 1e3 * m.get("chattts_engine_cancel_release_max_seconds", 0.0) if n_rel else None,
-                        "late": m.get("chattts_engine_cancel_release_late", 0.0)
-                        - released0.get("chattts_engine_cancel_release_late", 0.0)}
+                        "late": since(m, "chattts_engine_cancel_release_late")}
         else:
             released = None
         freed = [r["freed_ms"] for r in rows if r.get("freed_ms") is not None]

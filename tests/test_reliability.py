@@ -291,8 +291,8 @@ def test_a_burst_of_what_the_engine_admits_from_idle_is_all_served(burst_server)
 def test_one_past_the_bound_is_refused_fast_naming_it_and_the_admitted_finish(burst_server):
     import threading
 
-    # long enough to hold the engine full while the extra request comes, with the burst's admissions spread out by
-    # a loaded host (at 60 frames the first had finished before the last were admitted once: 401 of 512 held)
+    # long enough to hold the engine full while the extra request comes, even when a loaded host spreads the burst's
+    # admissions out (too few frames and the first requests finish before the last are admitted)
     frames = 120
     box = []
     t = threading.Thread(target=lambda: box.append(_burst(burst_server.grpc_url, BURST, frames, seed0=1000)))
