@@ -34,11 +34,14 @@ OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overla
 
 
 @OVERLAP
-@pytest.mark.parametrize("scripted", [False, True])
+@pytest.mark.parametrize("scripted", [False, True, "packed"])
 def test_engine_greedy_codes_and_hiddens_equal_upstream_generate(tiny, scripted, overlap):
+    """"packed": the eager module with the decode kernel's interface (its reference here), whose prompts are
+    prefilled packed end to end (`Engine.packed_prefill`)."""
     arch, emb, g, ours = tiny
-    model = torch.jit.script(ours) if scripted else ours
-    eng = make_engine(model, arch, overlap=overlap)
+    model = torch.jit.script(ours) if scripted is True else ours
+    eng = make_engine(model, arch, overlap=overlap, decode_kernel=scripted == "packed")
+    assert eng.packed_prefill == (scripted == "packed")
     try:
         for seed, (n, min_new) in enumerate([(120, 60), (40, 0), (1, 0)]):
             torch.manual_seed(seed)
@@ -435,6 +438,90 @@ def test_a_compiled_prefill_that_fails_falls_back_to_the_plain_prefill(tiny, cap
     assert calls == [3] and eng.graph_prefill is None  # tried once, then never again
     assert "the compiled prefill failed" in caplog.text
     check_same_as_alone(expected, got)
+
+
+@pytest.mark.parametrize("graphs", ["eager", "buckets"])
+def test_packed_prefills_give_every_request_what_padded_prefills_give_it(tiny, graphs):
+    """Prompts prefilled packed end to end (`Engine.packed_prefill`: each position a row of the decode kernel,
+    here its reference) against padded to the longest, over the scenario of joins, finishes and streams plus
+    a prompt with a speaker embedding and one with reference audio codes: the same tokens and stream chunks,
+    hidden states equal to float rounding. "buckets": the packed prefills run from token-bucket graphs
+    (standing in eagerly), one graph per bucket whatever the prompts' count and lengths."""
+    from chattts_triton.runtime.engine import CudaGraphs
+
+    arch, _, _, ours = tiny
+    g = torch.Generator().manual_seed(3)
+    specs = scenario_specs()
+    specs.append(dict(ids=torch.cat([torch.randint(0, 21000, (5,), generator=g), torch.tensor([21143]),
+                                     torch.randint(0, 21000, (9,), generator=g)]),
+                      params=SamplingParams(0.3, 0.7, 20, 1.05, 20, 20, seed=31),
+                      spk_emb=torch.randn(arch.gpt.hidden, generator=g), spk_emb_id=21143))
+    specs.append(dict(ids=torch.randint(0, 21000, (7,), generator=g), params=SamplingParams(0.3, 0.7, 20, 1.05, 24, 24,
+                                                                                           seed=32),
+                      audio_codes=torch.randint(0, 625, (6, arch.num_vq), generator=g)))
+    got = {}
+    for packed in (False, True):
+        eng = make_engine(ours, arch, max_slots=12, start=False, decode_kernel=True)
+        eng.packed_prefill = packed
+        if graphs == "buckets":
+            eng.graphs = CudaGraphs(eng, capture=False)
+        got[packed] = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2, 0, 5])
+        if graphs == "buckets":
+            kinds = {key[0] for key in eng.graphs.graphs}
+            assert ("packed" in kinds) == packed and ("prefill" in kinds) == (not packed)
+    for padded, packed in zip(got[False], got[True], strict=True):
+        assert padded.result.finish_reason == packed.result.finish_reason
+        assert (padded.result.tokens is None) == (packed.result.tokens is None)
+        if padded.result.tokens is not None:
+            assert torch.equal(padded.result.tokens, packed.result.tokens)
+        if padded.result.hiddens is not None:
+            assert (padded.result.hiddens - packed.result.hiddens).abs().max() <= 1e-4
+        assert [c.tolist() for c in padded.chunks] == [c.tolist() for c in packed.chunks]
+
+
+def test_warm_up_and_warm_graphs_capture_every_packed_prefill_bucket_before_a_load(tiny):
+    """With packed prefills, warm_up captures the token buckets up to PACKED_WARM_TOKENS and warm_graphs the rest
+    up to PREFILL_GRAPH_TOKENS (graphs standing in eagerly), none padded; a load of many prompt counts and
+    lengths afterwards meets no new prefill bucket and gets a plain engine's tokens."""
+    from chattts_triton.runtime.engine import PREFILL_GRAPH_TOKENS, CudaGraphs
+    from chattts_triton.runtime.graphs import PACKED_STEP, PACKED_WARM_TOKENS, bucket_sizes
+
+    arch, _, _, ours = tiny
+    reqs = [GenRequest(torch.arange(3 + i, 20 + 4 * i), SamplingParams(0.3, 0.7, 20, 1.05, 6, 6, seed=i), None)
+            for i in range(24)]
+    # a prefill budget of 1536 positions: buckets up to 1536 (the reference attention is slow on a CPU)
+    kw = dict(max_slots=64, max_context=256, decode_kernel=True, max_prefill_tokens=1536)
+    plain = make_engine(ours, arch, **kw)
+    try:
+        want = [plain.generate(r) for r in reqs[:3]]
+    finally:
+        plain.stop()
+    eng = make_engine(ours, arch, start=False, **kw)
+    eng.graphs = CudaGraphs(eng, capture=False)
+    eng.start()
+    try:
+        eng.warm_up()
+        buckets = [t for t in bucket_sizes(PACKED_STEP, PREFILL_GRAPH_TOKENS) if t <= 1536]
+        assert buckets[-3:] == [1024, 1280, 1536] and PACKED_WARM_TOKENS == 1024
+        assert {k for k in eng.graphs.graphs if k[0] == "packed"} == {("packed", t) for t in buckets
+                                                                      if t <= PACKED_WARM_TOKENS}
+        eng.warm_graphs()
+        prefill = {k for k in eng.graphs.graphs if k[0] in ("packed", "prefill")}
+        assert prefill == {("packed", t) for t in buckets}
+        assert [eng.generate(r).tokens.tolist() for r in reqs[:3]] == [w.tokens.tolist() for w in want]
+        done = []
+        for r in reqs:  # one admission, several prompt lengths: a bucket warmed before
+            r.on_done = done.append
+        with eng.cv:
+            for r in reqs:
+                eng.submit(r)
+        deadline = time.monotonic() + 120
+        while len(done) < len(reqs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(done) == len(reqs) and all(d.finish_reason == "max_tokens" for d in done)
+        assert {k for k in eng.graphs.graphs if k[0] in ("packed", "prefill")} == prefill
+    finally:
+        eng.stop()
 
 
 def test_warm_graphs_captures_every_bucket_a_load_reaches_on_the_engine_thread(tiny):

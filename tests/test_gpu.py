@@ -156,6 +156,68 @@ def test_graphed_prefill_equals_the_eager_prefill_without_a_sync(full_assets, sc
     assert len([k for k in eng.graphs.graphs if k[0] == "prefill"]) == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_prefill_from_its_graph_equals_it_eager_and_the_padded_prefill(full_assets, dtype):
+    """Prompts packed end to end (`Engine.packed_prefill`, each position a row of the decode kernel): replayed from
+    its token bucket's graph it computes exactly what it computes eagerly, cache writes included, with no host
+    sync; against the padded prefill (dense attention over the padded batch) its last hidden states and cache
+    writes agree to the dtype's rounding."""
+    arch = infer_arch(full_assets)
+    model = load_gpt(full_assets, arch).to(dtype).cuda()
+    eng = _engine(model, arch, True, dtype, slots=8, start=False)
+    assert eng.packed_prefill and eng.decode_kernel
+    g = torch.Generator().manual_seed(6)
+    params = SamplingParams(0.3, 0.7, 20, 1.05, 20, 20, seed=0)
+    tol = 1e-4 if dtype == torch.float32 else 6e-2
+
+    def cache() -> list:
+        return [c[:, 1:].clone() for c in (eng.k_cache, eng.v_cache)]  # all but the scratch page
+
+    def fresh_cache() -> None:
+        for c in (eng.k_cache, eng.v_cache):
+            c.zero_()
+
+    with torch.inference_mode():
+        for b0, lens in ((2, (7, 20, 13)), (5, (30,)), (0, (116, 6, 44, 90, 3))):
+            reqs = [GenRequest(torch.randint(0, 21000, (n,), generator=g), params, None) for n in lens]
+            for i in range(eng.max_slots):
+                eng._release(i)
+            for i, n in enumerate(lens):
+                eng._grant(b0 + i, -(-n // eng.page))
+            eng._sync_tables()
+            tb = eng.graphs.packed_bucket(sum(lens))
+            fresh_cache()
+            first = eng.graphs.prefill_packed(b0, reqs).clone()
+            cache_first = cache()
+            fresh_cache()
+            *inputs, last = eng._packed_batch(reqs, sum(lens), b0)
+            eager = eng.prefill_core(*inputs).index_select(0, last)
+            cache_eager = cache()
+            fresh_cache()
+            kb, tpad = eng.graphs.prefill_buckets(len(reqs), max(lens))
+            padded = eng.prefill_core(*eng._prompt_batch(reqs, kb, tpad, b0))[: len(reqs)]
+            cache_padded = cache()
+            fresh_cache()
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    again = eng.graphs.prefill_packed(b0, reqs)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            assert eng.graphs.graphs[("packed", tb)] is not None
+            assert first.shape == (len(reqs), arch.gpt.hidden)
+            assert torch.equal(first, eager) and torch.equal(again, eager)
+            assert all(torch.equal(a, e) for a, e in zip(cache_first, cache_eager, strict=True))
+            assert all(torch.equal(a, e) for a, e in zip(cache(), cache_eager, strict=True))
+            assert not [x for x in w if "called a synchronizing" in str(x.message)]
+            scale = padded.abs().max().item()
+            assert (eager - padded).abs().max().item() <= tol * scale
+            for a, p in zip(cache_eager, cache_padded, strict=True):
+                assert (a.float() - p.float()).abs().max().item() <= tol * max(p.float().abs().max().item(), 1.0)
+
+
 def test_codec_graphs_give_the_eager_audio_on_gpu(full_repo):
     """The stream codec's CUDA graphs (a window's decoder + Vocos as one replay) against the same
     TorchScript run kernel by kernel: the same audio to float rounding (cuDNN may pick other kernels

@@ -18,6 +18,8 @@ that made them (a row with `syncs`; the counting's own cost is in that row's fig
 `--timeline`: each level once more under torch.profiler, the engine's parts (step launch, prefill, resume, landing,
 finishing, compaction) each in a range of its own: per decode step, the device ms of the kernels each launched and its
 host ms, beside all kernels' ms (what runs on the GPU between the steps' own kernels, named).
+`--prefill packed,padded`: each level with the prompts prefilled packed end to end (`Engine.packed_prefill`, the
+default where the decode kernel runs) and padded to the longest, switched between windows of one engine.
 `--overlap on,off`: each level with the engine's host bookkeeping overlapping the next step (`Engine.overlap`,
 the served default on a GPU) and without, switched between windows of one engine: the row's `overlap` says
 which; wall per step (`engine_step_ms`) against the GPU clock's (`engine_step_gpu_ms`) is what it buys.
@@ -272,6 +274,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap", default="on",
                     help="comma list of on/off: the engine overlaps its host bookkeeping with the next step "
                          "(Engine.overlap)")
+    ap.add_argument("--prefill", default="packed",
+                    help="comma list of packed/padded: prompts prefilled packed end to end or padded to the longest "
+                         "(Engine.packed_prefill; packed needs the decode kernel), switched between windows")
     ap.add_argument("--sync-debug", action="store_true",
                     help="CUDA: each level once more, counting its window's synchronizing CUDA calls by the line of "
                          "chattts_triton that made them (torch.cuda.set_sync_debug_mode)")
@@ -300,6 +305,9 @@ def main(argv=None) -> int:
     overlaps = [v.strip() for v in a.overlap.split(",") if v.strip()]
     if not overlaps or set(overlaps) - {"on", "off"}:
         ap.error("--overlap must be a comma list of on and off")
+    layouts = [v.strip() for v in a.prefill.split(",") if v.strip()]
+    if not layouts or set(layouts) - {"packed", "padded"}:
+        ap.error("--prefill must be a comma list of packed and padded")
     overrides = {} if a.slots is None else {"gpt_slots": a.slots}
     if a.compile_prefill is not None:
         overrides["gpt_compile_prefill"] = int(a.compile_prefill)
@@ -319,16 +327,23 @@ def main(argv=None) -> int:
         # each level plainly, then once more per instrument asked for (its own cost stays out of the plain row)
         runs = [{}] + ([{"sync_debug": True}] if a.sync_debug and a.device == "cuda" else []) \
             + ([{"timeline": True}] if a.timeline else [])
-        for think, c, ov, extra in ((t, c, o, r) for t in thinks for c in levels for o in overlaps for r in runs):
+        if "packed" in layouts and not service.engine.decode_kernel:
+            print("[engine_load] packed prefills need the decode kernel: this engine runs padded ones", flush=True)
+            layouts = ["padded"]
+        for think, c, ov, lay, extra in ((t, c, o, p, r) for t in thinks for c in levels for o in overlaps
+                                         for p in layouts for r in runs):
             service.engine.overlap = ov == "on"  # taken up at its next step (a step in flight is landed first)
+            service.engine.packed_prefill = lay == "packed"  # taken up at its next admission
             row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle, think / 1000, **extra)
             row["overlap"] = service.engine.overlap
+            row["prefill"] = lay
             rows.append(row)
 
             def fmt(k, spec=".2f", row=row):
                 return "n/a" if row.get(k) is None else format(row[k], spec)
 
-            print(f"[engine_load] concurrency {c}{f' (think {think:g} ms)' if think else ''}, overlap {ov}: "
+            print(f"[engine_load] concurrency {c}{f' (think {think:g} ms)' if think else ''}, overlap {ov}, "
+                  f"{lay} prefill: "
                   f"{row['throughput_utt_s']:.1f} utt/s, p50 {fmt('latency_p50_ms', '.0f')} ms, "
                   f"step {fmt('engine_step_ms')} ms (device {fmt('engine_step_device_ms')}, GPU clock "
                   f"{fmt('engine_step_gpu_ms')}, graph {fmt('engine_step_graph_ms')}, prefill/step "

@@ -199,6 +199,10 @@ class Engine(Runner, KvPages, WarmUp):
         # prompts prefilled by `model.prefill` replayed from CUDA graphs where graphs are on: eagerly a
         # prefill is ~600 kernel launches, many decode steps' time
         self.prefill_graphs = True
+        # prompts prefilled packed end to end (`Runner._packed_batch`), each position a row reading its own prompt's
+        # keys through the decode kernel, instead of padded to the longest prompt: a prefill's work follows its
+        # prompts' positions (the served mix of 6-116 positions padded ~3.5x); needs the kernel's interface
+        self.packed_prefill = self.decode_kernel
         # with a started engine, results reach on_done on their own thread: a consumer's copies to the
         # host and its reply (the GPT model's Triton response) then overlap the next steps instead of
         # stalling the batch (at hundreds of rows that host work was a third of a step)
@@ -412,7 +416,13 @@ class Engine(Runner, KvPages, WarmUp):
         self._set_params(b0, reqs)
         self._sync_tables()
         h_last = None
-        if self.graphs is not None and self.prefill_graphs:
+        if self.packed_prefill:
+            if self.graphs is not None and self.prefill_graphs:
+                h_last = self.graphs.prefill_packed(b0, reqs)
+            if h_last is None:
+                *inputs, last = self._packed_batch(reqs, sum(r.prompt_len for r in reqs), b0)
+                h_last = self.run_prefill(*inputs).index_select(0, last)
+        elif self.graphs is not None and self.prefill_graphs:
             h_last = self.graphs.prefill(b0, reqs)
         if h_last is None:
             x, positions, idx = self._prompt_batch(reqs, k, max(r.prompt_len for r in reqs), b0)

@@ -134,7 +134,9 @@ class GraphCache:
 BATCH_STEP = 32  # batch buckets: powers of two up to this, then its multiples (≤ 31 padding rows)
 LEN_STEP = 128  # attention-length buckets: multiples of this
 PREFILL_LEN_STEP = 32  # prompt-length buckets: powers of two up to this, then its multiples
-PREFILL_GRAPH_TOKENS = 4096  # larger padded prefills run eagerly
+PREFILL_GRAPH_TOKENS = 4096  # larger padded (or packed) prefills run eagerly
+PACKED_STEP = 256  # packed prefills' token buckets: powers of two up to this, then its multiples
+PACKED_WARM_TOKENS = 1024  # packed prefill graphs captured by warm_up (the larger ones: warm_graphs)
 PREFILL_WARM_BATCHES = (1, 2, 4, 8, 16, 32)  # prefill graphs captured by warm_up: prompts per prefill ...
 PREFILL_WARM_LENGTHS = (16, 32, 64, 128)  # ... times prompt-length bucket
 WARM_DECODE_LEN = 512  # warm_graphs: decode graphs of every batch bucket up to this attention length
@@ -213,6 +215,27 @@ class CudaGraphs(GraphCache):
         # warm-up and capture runs compute this very prefill (the same writes each time)
         run = self._graph(key, lambda: [e.run_prefill(*static) for _ in range(3)], lambda: e.run_prefill(*static))
         return e.run_prefill(*static) if run is None else run()
+
+    def prefill_packed(self, b0: int, reqs: Sequence[GenRequest]) -> Tensor | None:
+        """`Engine.packed_prefill_core` of the prompts `reqs` into slots b0.. from the graph of their token
+        bucket: [bucket tokens, hidden], row `last[i]` prompt i's last position (`_packed_batch`'s `last`, the
+        second value); None over PREFILL_GRAPH_TOKENS."""
+        e = self.e
+        tb = self.packed_bucket(sum(r.prompt_len for r in reqs))
+        if tb > PREFILL_GRAPH_TOKENS:
+            return None
+        key = ("packed", tb)
+        *inputs, last = e._packed_batch(reqs, tb, b0)
+        static = self.prefill_inputs.get(key)
+        if static is None:
+            static = self.prefill_inputs[key] = tuple(torch.empty_like(t) for t in inputs)
+        for buf, t in zip(static, inputs, strict=True):
+            buf.copy_(t)
+        run = self._graph(key, lambda: [e.run_prefill(*static) for _ in range(3)], lambda: e.run_prefill(*static))
+        return (e.run_prefill(*static) if run is None else run()).index_select(0, last)
+
+    def packed_bucket(self, tokens: int) -> int:
+        return bucket(tokens, PACKED_STEP, tokens + PACKED_STEP)  # (never below tokens)
 
     def _step(self, mode: str, bb: int, lb: int) -> Tensor:
         e = self.e

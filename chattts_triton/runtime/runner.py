@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..config import REPETITION_WINDOW
 from ..model import sampling
-from .graphs import CudaGraphs, to_host
+from .graphs import LEN_STEP, CudaGraphs, to_host
 from .request import EngineError, GenRequest
 from .row_params import RowParams
 
@@ -127,59 +127,93 @@ class Runner:
         return self.prefill_core(x, positions, idx)
 
     def prefill_core(self, x: Tensor, positions: Tensor, idx: Tensor) -> Tensor:
-        """The final hidden state [rows, hidden] (float) of each row's last prompt position, its
-        keys and values written to the pages of slot idx[0, row] (pure tensor work: CUDA-graph safe).
-        idx [2, rows]: slots, last positions."""
+        """Padded prompts (`_prompt_batch`: x [rows, t, hidden], idx [2, rows]: slots, last positions): the final
+        hidden state [rows, hidden] (float) of each row's last prompt position, its keys and values written to
+        the pages of slot idx[0, row]. Packed prompts (`_packed_batch`: x [tokens, hidden], idx [tokens]: each
+        position's slot): `packed_prefill_core`'s [tokens, hidden]. Pure tensor work: CUDA-graph safe."""
+        if x.dim() == 2:
+            return self.packed_prefill_core(x, positions, idx)
         h = self.model.prefill(x, positions, self.block_table.index_select(0, idx[0]), self.k_cache, self.v_cache)
         return h[torch.arange(x.shape[0], device=self.device), idx[1]].float()
 
     def _set_params(self, b0: int, reqs: Sequence[GenRequest]) -> None:
         self.row_params.narrow(b0, len(reqs)).copy_(RowParams.of(reqs).map(self._h2d))
 
-    def _prompt_batch(self, reqs: Sequence[GenRequest], rows: int, t: int, b0: int):
-        """The admitted prompts (slots b0..) as one padded batch x [rows, t, hidden], positions [rows, t]
-        (-1 = padding) and idx [2, rows] (slot, last prompt position); rows past the prompts are bucket
-        padding (all positions -1, slot b0). One host→device copy per input kind, one embedding call per
-        kind, one gather to lay them out."""
-        lens = [r.prompt_len for r in reqs]
-        k = len(reqs)
+    def _prompt_rows(self, reqs: Sequence[GenRequest]) -> tuple[Tensor, list[Tensor]]:
+        """The admitted prompts' inputs embedded: flat [n + 1, hidden] in the compute dtype (every text
+        position, a speaker embedding where the request puts one, then every audio-code position, then a zero
+        row that padding points at) and, per request, the rows of `flat` its positions take in order. One
+        host→device copy per input kind, one embedding call per kind."""
         ids = [r.text_ids.reshape(-1).to("cpu", torch.int64) for r in reqs]
         codes = [r.audio_codes.to("cpu", torch.int64) if r.audio_codes is not None and r.audio_codes.numel() else None
                  for r in reqs]
         n_text = sum(int(i.numel()) for i in ids)
-        n_code = sum(0 if c is None else int(c.shape[0]) for c in codes)
-        src = torch.full((rows, t), n_text + n_code, dtype=torch.int64)  # padding points at a zero row
-        positions = torch.full((rows, t), -1, dtype=torch.int64)
-        idx = torch.zeros(2, rows, dtype=torch.int64)
-        idx[0] = b0
-        idx[0, :k] += torch.arange(k)
-        idx[1, :k] = torch.tensor(lens) - 1
         spk_row = torch.full((n_text,), -1, dtype=torch.int64)
         spk: list[Tensor] = []
+        src: list[Tensor] = []
         ot, oc = 0, n_text
         for i, r in enumerate(reqs):
             nt = int(ids[i].numel())
-            src[i, :nt] = torch.arange(ot, ot + nt)
             if r.spk_emb is not None:
                 spk_row[ot : ot + nt].masked_fill_(ids[i] == r.spk_emb_id, len(spk))
                 spk.append(r.spk_emb.reshape(-1).cpu())
-            ot += nt
-            if codes[i] is not None:
-                nc = int(codes[i].shape[0])
-                src[i, nt : nt + nc] = torch.arange(oc, oc + nc)
-                oc += nc
-            positions[i, : lens[i]] = torch.arange(lens[i])
+            nc = 0 if codes[i] is None else int(codes[i].shape[0])
+            src.append(torch.cat([torch.arange(ot, ot + nt), torch.arange(oc, oc + nc)]) if nc else
+                       torch.arange(ot, ot + nt))
+            ot, oc = ot + nt, oc + nc
         x = self.model.embed_text(self._h2d(torch.cat(ids)))
         if spk:
             table = self._h2d(torch.stack(spk)).to(x.dtype)
             row = self._h2d(spk_row)
             x = torch.where((row >= 0).unsqueeze(1), table[row.clamp(min=0)], x)
         parts = [x]
-        if n_code:
+        if oc > n_text:
             parts.append(self.model.embed_code(self._h2d(torch.cat([c for c in codes if c is not None]))).to(x.dtype))
         parts.append(x.new_zeros(1, x.shape[1]))
-        flat = torch.cat(parts).to(self.compute_dtype)
-        return flat[self._h2d(src)], self._h2d(positions), self._h2d(idx)
+        return torch.cat(parts).to(self.compute_dtype), src
+
+    def _prompt_batch(self, reqs: Sequence[GenRequest], rows: int, t: int, b0: int):
+        """The admitted prompts (slots b0..) as one padded batch x [rows, t, hidden], positions [rows, t]
+        (-1 = padding) and idx [2, rows] (slot, last prompt position); rows past the prompts are bucket
+        padding (all positions -1, slot b0)."""
+        flat, src = self._prompt_rows(reqs)
+        k = len(reqs)
+        at = torch.full((rows, t), flat.shape[0] - 1, dtype=torch.int64)  # padding points at the zero row
+        positions = torch.full((rows, t), -1, dtype=torch.int64)
+        idx = torch.zeros(2, rows, dtype=torch.int64)
+        idx[0] = b0
+        idx[0, :k] += torch.arange(k)
+        idx[1, :k] = torch.tensor([len(s) for s in src]) - 1
+        for i, s in enumerate(src):
+            at[i, : len(s)] = s
+            positions[i, : len(s)] = torch.arange(len(s))
+        return flat[self._h2d(at)], self._h2d(positions), self._h2d(idx)
+
+    def _packed_batch(self, reqs: Sequence[GenRequest], tokens: int, b0: int):
+        """The admitted prompts (slots b0..) packed end to end, no padding between them: x [tokens, hidden],
+        positions [tokens] (-1 = padding past the prompts), slots [tokens] (each position's slot; padding: b0)
+        and last [len(reqs)] (the row of each prompt's last position)."""
+        flat, src = self._prompt_rows(reqs)
+        lens = torch.tensor([len(s) for s in src])
+        n = int(lens.sum())
+        at = torch.full((tokens,), flat.shape[0] - 1, dtype=torch.int64)
+        at[:n] = torch.cat(src)
+        positions = torch.full((tokens,), -1, dtype=torch.int64)
+        starts = torch.cumsum(lens, 0) - lens
+        positions[:n] = torch.arange(n) - starts.repeat_interleave(lens)
+        slots = torch.full((tokens,), b0, dtype=torch.int64)
+        slots[:n] = b0 + torch.arange(len(reqs)).repeat_interleave(lens)
+        return flat[self._h2d(at)], self._h2d(positions), self._h2d(slots), self._h2d(starts + lens - 1)
+
+    def packed_prefill_core(self, x: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
+        """The final hidden states [tokens, hidden] (float) of packed prompts (`_packed_batch`), their keys and values
+        written to their slots' pages (pure tensor work: CUDA-graph safe). Each position is a row of one decode
+        step: it writes its key and value, then reads its own prompt's keys up to itself through its slot's
+        block table (`attention.decode_attention`), so a prefill's work follows its prompts' positions, not the
+        longest prompt times their count."""
+        tables = self.block_table.index_select(0, slots)
+        h = self.model(x.unsqueeze(1), positions.unsqueeze(1), tables, self.k_cache, self.v_cache, LEN_STEP)
+        return h[:, 0].float()
 
     # -- decode ---------------------------------------------------------------------------------
     def _host_sync(self, hit: Tensor) -> np.ndarray:

@@ -14,6 +14,8 @@ from torch import Tensor
 from ..config import AUDIO_EOS
 from .graphs import (
     BATCH_STEP,
+    PACKED_STEP,
+    PACKED_WARM_TOKENS,
     PREFILL_GRAPH_TOKENS,
     PREFILL_WARM_BATCHES,
     PREFILL_WARM_LENGTHS,
@@ -58,7 +60,7 @@ class WarmUp:
         deadline = time.monotonic() + timeout
         max_len = WARM_DECODE_LEN if max_len is None else max_len
         self._warm_prefills([k for k in bucket_sizes(BATCH_STEP, self.max_slots) if k not in PREFILL_WARM_BATCHES],
-                            deadline)
+                            deadline, common=False)
         lens = sorted({self.graphs.buckets(1, n)[1] for n in range(1, min(max_len, self.max_context) + 1)})
         keys = [(bb, lb) for lb in lens for bb in bucket_sizes(BATCH_STEP, self.max_slots)]
 
@@ -73,15 +75,32 @@ class WarmUp:
         self._on_engine_thread(capture, deadline)
         return len(self.graphs.graphs)
 
-    def _warm_prefills(self, counts: list[int], deadline: float) -> None:
+    def _warm_prefills(self, counts: list[int], deadline: float, common: bool = True) -> None:
         """One prefill (no decode step) of k prompts per PREFILL_WARM_LENGTHS bucket that graphs take,
-        for each k in `counts`: their graphs are captured now."""
+        for each k in `counts`: their graphs are captured now. Packed prefills (`packed_prefill`): one per token
+        bucket instead, those up to PACKED_WARM_TOKENS where `common`, the larger ones otherwise."""
         if not self.prefill_graphs:
+            return
+        if self.packed_prefill:
+            for tb in bucket_sizes(PACKED_STEP, PREFILL_GRAPH_TOKENS):
+                if (tb <= PACKED_WARM_TOKENS) == common:
+                    lens = self._packed_warm_lengths(tb)
+                    if lens:
+                        self._warm_batch([torch.arange(1, n + 1) for n in lens], 1, deadline)
             return
         for k in counts:
             for t in PREFILL_WARM_LENGTHS:
                 if t < self.max_context and k * t <= PREFILL_GRAPH_TOKENS:
                     self._warm_batch([torch.arange(1, t + 1)] * k, 1, deadline)
+
+    def _packed_warm_lengths(self, tokens: int) -> list[int]:
+        """Prompt lengths that one admission of an idle engine prefills packed as `tokens` positions (at most 128
+        each, as served prompts are), or [] where the slots, the context or the prefill budget cannot."""
+        longest = min(tokens, 128, self.max_context - 1)
+        k = -(-tokens // longest)
+        if k > self.max_slots or tokens > self.scheduler.max_prefill_tokens:
+            return []
+        return [longest] * (k - 1) + [tokens - longest * (k - 1)]
 
     def _on_engine_thread(self, fn: Callable[[], object], deadline: float) -> None:
         """Run fn where the engine's graphs run (its thread, between two steps), wait for it, raise
