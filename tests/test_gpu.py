@@ -28,6 +28,20 @@ def _engine(model, arch, graphs, dtype=torch.float32, slots=8, max_context=512, 
                   num_vq=arch.num_vq, device="cuda", cache_dtype=dtype, compute_dtype=dtype, cuda_graphs=graphs, **kw)
 
 
+def _without_a_host_sync(fn, *args):
+    """fn(*args) under CUDA's sync debug mode: its result, asserting that it made no synchronizing call."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert not [x for x in w if "called a synchronizing" in str(x.message)]
+    return out
+
+
 @pytest.mark.parametrize("compiled", [False, True, "prefill"])
 def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets, compiled):
     """TorchScript graphs, or the step compiled by inductor (`--gpt-compile`; "prefill": the prefills
@@ -140,19 +154,11 @@ def test_graphed_prefill_equals_the_eager_prefill_without_a_sync(full_assets, sc
             eager = eng.prefill_core(*eng._prompt_batch(reqs, kb, tb, b0))[: len(reqs)].clone()
             cache_eager = cache()
             fresh_cache()
-            torch.cuda.synchronize()
-            with warnings.catch_warnings(record=True) as w:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    again = eng.graphs.prefill(b0, reqs)[: len(reqs)]
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
+            again = _without_a_host_sync(eng.graphs.prefill, b0, reqs)[: len(reqs)]
             assert eng.graphs.graphs[("prefill", kb, tb)] is not None
             assert torch.equal(first, eager) and torch.equal(again, eager)
             assert all(torch.equal(a, e) for a, e in zip(cache_first, cache_eager, strict=True))
             assert all(torch.equal(a, e) for a, e in zip(cache(), cache_eager, strict=True))
-            assert not [x for x in w if "called a synchronizing" in str(x.message)]
     assert len([k for k in eng.graphs.graphs if k[0] == "prefill"]) == 2
 
 
@@ -190,7 +196,7 @@ def test_a_packed_prefill_from_its_graph_equals_it_eager_and_the_padded_prefill(
             first = eng.graphs.prefill_packed(b0, reqs).clone()
             cache_first = cache()
             fresh_cache()
-            *inputs, last = eng._packed_batch(reqs, sum(lens), b0)
+            *inputs, last = eng._packed_batch(reqs, tb, b0)  # the graph's shape: the same GEMM kernels
             eager = eng.prefill_core(*inputs).index_select(0, last)
             cache_eager = cache()
             fresh_cache()
@@ -198,20 +204,12 @@ def test_a_packed_prefill_from_its_graph_equals_it_eager_and_the_padded_prefill(
             padded = eng.prefill_core(*eng._prompt_batch(reqs, kb, tpad, b0))[: len(reqs)]
             cache_padded = cache()
             fresh_cache()
-            torch.cuda.synchronize()
-            with warnings.catch_warnings(record=True) as w:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    again = eng.graphs.prefill_packed(b0, reqs)
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
+            again = _without_a_host_sync(eng.graphs.prefill_packed, b0, reqs)
             assert eng.graphs.graphs[("packed", tb)] is not None
             assert first.shape == (len(reqs), arch.gpt.hidden)
             assert torch.equal(first, eager) and torch.equal(again, eager)
             assert all(torch.equal(a, e) for a, e in zip(cache_first, cache_eager, strict=True))
             assert all(torch.equal(a, e) for a, e in zip(cache(), cache_eager, strict=True))
-            assert not [x for x in w if "called a synchronizing" in str(x.message)]
             scale = padded.abs().max().item()
             assert (eager - padded).abs().max().item() <= tol * scale
             for a, p in zip(cache_eager, cache_padded, strict=True):

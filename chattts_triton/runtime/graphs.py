@@ -157,7 +157,9 @@ class CudaGraphs(GraphCache):
     is `Engine.step_core`, the same code as the eager path.
     Prefill: one graph per (prompt-count bucket, prompt-length bucket) up to PREFILL_GRAPH_TOKENS
     padded tokens, over static inputs that each prefill copies its padded batch into; it runs
-    `Engine.run_prefill` (slots as a tensor, so one graph serves any slots).
+    `Engine.run_prefill` (slots as a tensor, so one graph serves any slots). Packed prefills
+    (`Engine.packed_prefill`): one graph per token bucket (PACKED_STEP) up to PREFILL_GRAPH_TOKENS, whatever the
+    prompts' count and lengths.
     All are captured on first use into one shared memory pool; with capture=False (CPU tests) the
     same buckets run eagerly.
     """
@@ -165,7 +167,7 @@ class CudaGraphs(GraphCache):
     def __init__(self, engine: Engine, capture: bool = True):
         super().__init__(engine.device, capture)
         self.e = engine
-        self.prefill_inputs: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
+        self.prefill_inputs: dict[tuple, tuple[Tensor, ...]] = {}
         self.last_events = None  # see step
 
     def buckets(self, b: int, attn_len: int) -> tuple[int, int]:
@@ -196,17 +198,29 @@ class CudaGraphs(GraphCache):
     def failed_decode_buckets(self) -> list[tuple]:
         """Decode buckets whose capture failed (they run eagerly); failed prefill buckets are not
         counted (they run eagerly too, and a compiled prefill that fails falls back by itself)."""
-        return [key for key, run in self.graphs.items() if run is None and key[0] != "prefill"]
+        return [key for key, run in self.graphs.items() if run is None and key[0] not in ("prefill", "packed")]
 
     def prefill(self, b0: int, reqs: Sequence[GenRequest]) -> Tensor | None:
-        """`Engine.run_prefill` of the prompts `reqs` into slots b0.. from the graph of their bucket:
+        """`Engine.run_prefill` of the prompts `reqs` padded into slots b0.. from the graph of their bucket:
         [bucket rows, hidden], the first len(reqs) rows theirs; None over PREFILL_GRAPH_TOKENS."""
-        e = self.e
         kb, tb = self.prefill_buckets(len(reqs), max(r.prompt_len for r in reqs))
         if kb * tb > PREFILL_GRAPH_TOKENS:  # compute-bound anyway: not worth a graph per shape
             return None
-        key = ("prefill", kb, tb)
-        inputs = e._prompt_batch(reqs, kb, tb, b0)
+        return self._replay_prefill(("prefill", kb, tb), self.e._prompt_batch(reqs, kb, tb, b0))
+
+    def prefill_packed(self, b0: int, reqs: Sequence[GenRequest]) -> Tensor | None:
+        """`Engine.run_prefill` of the prompts `reqs` packed into slots b0.. (`_packed_batch`) from the graph of
+        their token bucket: the last position's hidden state of each [len(reqs), hidden]; None over
+        PREFILL_GRAPH_TOKENS."""
+        tb = self.packed_bucket(sum(r.prompt_len for r in reqs))
+        if tb > PREFILL_GRAPH_TOKENS:
+            return None
+        *inputs, last = self.e._packed_batch(reqs, tb, b0)
+        return self._replay_prefill(("packed", tb), inputs).index_select(0, last)
+
+    def _replay_prefill(self, key: tuple, inputs: Sequence[Tensor]) -> Tensor:
+        """The prefill graph of `key` over static copies of `inputs` (captured on first use)."""
+        e = self.e
         static = self.prefill_inputs.get(key)
         if static is None:
             static = self.prefill_inputs[key] = tuple(torch.empty_like(t) for t in inputs)
@@ -215,24 +229,6 @@ class CudaGraphs(GraphCache):
         # warm-up and capture runs compute this very prefill (the same writes each time)
         run = self._graph(key, lambda: [e.run_prefill(*static) for _ in range(3)], lambda: e.run_prefill(*static))
         return e.run_prefill(*static) if run is None else run()
-
-    def prefill_packed(self, b0: int, reqs: Sequence[GenRequest]) -> Tensor | None:
-        """`Engine.packed_prefill_core` of the prompts `reqs` into slots b0.. from the graph of their token
-        bucket: [bucket tokens, hidden], row `last[i]` prompt i's last position (`_packed_batch`'s `last`, the
-        second value); None over PREFILL_GRAPH_TOKENS."""
-        e = self.e
-        tb = self.packed_bucket(sum(r.prompt_len for r in reqs))
-        if tb > PREFILL_GRAPH_TOKENS:
-            return None
-        key = ("packed", tb)
-        *inputs, last = e._packed_batch(reqs, tb, b0)
-        static = self.prefill_inputs.get(key)
-        if static is None:
-            static = self.prefill_inputs[key] = tuple(torch.empty_like(t) for t in inputs)
-        for buf, t in zip(static, inputs, strict=True):
-            buf.copy_(t)
-        run = self._graph(key, lambda: [e.run_prefill(*static) for _ in range(3)], lambda: e.run_prefill(*static))
-        return (e.run_prefill(*static) if run is None else run()).index_select(0, last)
 
     def packed_bucket(self, tokens: int) -> int:
         return bucket(tokens, PACKED_STEP, tokens + PACKED_STEP)  # (never below tokens)
