@@ -40,7 +40,8 @@ def test_engine_greedy_codes_and_hiddens_equal_upstream_generate(tiny, scripted,
     prefilled packed end to end (`Engine.packed_prefill`)."""
     arch, emb, g, ours = tiny
     model = torch.jit.script(ours) if scripted is True else ours
-    eng = make_engine(model, arch, overlap=overlap, decode_kernel=scripted == "packed")
+    eng = make_engine(model, arch, overlap=overlap, decode_kernel=scripted == "packed",
+                      packed_prefill=scripted == "packed")
     assert eng.packed_prefill == (scripted == "packed")
     try:
         for seed, (n, min_new) in enumerate([(120, 60), (40, 0), (1, 0)]):
@@ -461,8 +462,8 @@ def test_packed_prefills_give_every_request_what_padded_prefills_give_it(tiny, g
                       audio_codes=torch.randint(0, 625, (6, arch.num_vq), generator=g)))
     got = {}
     for packed in (False, True):
-        eng = make_engine(ours, arch, max_slots=12, start=False, decode_kernel=True)
-        eng.packed_prefill = packed
+        eng = make_engine(ours, arch, max_slots=12, start=False, decode_kernel=True, packed_prefill=packed)
+        assert eng.packed_prefill == packed
         if graphs == "buckets":
             eng.graphs = CudaGraphs(eng, capture=False)
         got[packed] = drive(eng, specs, join=[0, 0, 0, 0, 0, 3, 3, 9, 14, 2, 0, 5])
@@ -490,7 +491,7 @@ def test_warm_up_and_warm_graphs_capture_every_packed_prefill_bucket_before_a_lo
     reqs = [GenRequest(torch.arange(3 + i, 20 + 4 * i), SamplingParams(0.3, 0.7, 20, 1.05, 6, 6, seed=i), None)
             for i in range(24)]
     # a prefill budget of 1536 positions: buckets up to 1536 (the reference attention is slow on a CPU)
-    kw = dict(max_slots=64, max_context=256, decode_kernel=True, max_prefill_tokens=1536)
+    kw = dict(max_slots=64, max_context=256, decode_kernel=True, packed_prefill=True, max_prefill_tokens=1536)
     plain = make_engine(ours, arch, **kw)
     try:
         want = [plain.generate(r) for r in reqs[:3]]

@@ -42,10 +42,10 @@ def _without_a_host_sync(fn, *args):
     return out
 
 
-@pytest.mark.parametrize("compiled", [False, True, "prefill"])
+@pytest.mark.parametrize("compiled", [False, True, "prefill", "packed"])
 def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets, compiled):
     """TorchScript graphs, or the step compiled by inductor (`--gpt-compile`; "prefill": the prefills
-    too, `--gpt-compile-prefill`), against upstream."""
+    too, `--gpt-compile-prefill`; "packed": prompts prefilled packed, `--gpt-packed-prefill`), against upstream."""
     from tests.engine_util import upstream_generate, upstream_gpt
 
     arch, emb, g = upstream_gpt(full_assets)
@@ -53,7 +53,7 @@ def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets, compiled):
     g.device = g.device_gpt = torch.device("cuda")
     model = load_gpt(full_assets, arch).cuda()
     eng = _engine(model if compiled else torch.jit.script(model), arch, graphs=True, compile_step=bool(compiled),
-                  compile_prefill=compiled == "prefill")
+                  compile_prefill=compiled == "prefill", packed_prefill=compiled == "packed")
     gen = torch.Generator().manual_seed(11)  # the same prompts whatever ran before
     try:
         if compiled:
@@ -170,7 +170,7 @@ def test_a_packed_prefill_from_its_graph_equals_it_eager_and_the_padded_prefill(
     writes agree to the dtype's rounding."""
     arch = infer_arch(full_assets)
     model = load_gpt(full_assets, arch).to(dtype).cuda()
-    eng = _engine(model, arch, True, dtype, slots=8, start=False)
+    eng = _engine(model, arch, True, dtype, slots=8, start=False, packed_prefill=True)
     assert eng.packed_prefill and eng.decode_kernel
     g = torch.Generator().manual_seed(6)
     params = SamplingParams(0.3, 0.7, 20, 1.05, 20, 20, seed=0)

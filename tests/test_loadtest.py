@@ -660,10 +660,20 @@ def test_engine_load_bench_keeps_requests_in_flight_on_the_served_engine(tiny_re
         assert r["utterances"] > 0 and r["not_max_tokens"] == 0 and r["throughput_utt_s"] > 0
         assert 0 < r["latency_p50_ms"] <= r["latency_p99_ms"] and r["engine_step_ms"] > 0
         assert r["engine_step_gpu_ms"] is None  # no GPU clock on a CPU
+        assert r["prefill"] == "padded"  # gpt_packed_prefill is off (and a CPU's TorchScript has no kernel)
     # one request in flight: one row per step (the window's counters are read while the engine runs, so
     # its edge may fall between a step's count and its rows: one step's worth of slack)
     assert rows[0]["engine_batch"] == pytest.approx(1.0, abs=0.01)
     assert 1.0 < rows[1]["engine_batch"] <= 2.01  # three in flight, two slots: the third waits (the same slack)
+
+
+@pytest.mark.parametrize("flag,value", [("--prefill", "packed,dense"), ("--overlap", "")])
+def test_engine_load_refuses_a_switch_list_naming_the_flag(tiny_repo, capsys, flag, value):
+    from bench.probes import engine_load
+
+    with pytest.raises(SystemExit):
+        engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", flag, value])
+    assert f"{flag} must be a comma list of" in capsys.readouterr().err
 
 
 def test_engine_load_timeline_names_the_engine_parts_of_a_window(tiny_repo, tmp_path):

@@ -97,6 +97,23 @@ def test_configure_gpt_compile_prefill_reaches_both_engine_services_and_is_off_b
     assert [kw["compile_prefill"] for kw in seen] == [True, False]
 
 
+def test_configure_gpt_packed_prefill_reaches_both_engine_services_and_is_off_by_default(tiny_repo, tmp_path,
+                                                                                         monkeypatch):
+    """--gpt-packed-prefill (opt-in) sets gpt_packed_prefill on both engine models, kept by a re-configure that does
+    not name it, and the service factory hands it to the GPT service (which packs only with the compiled step)."""
+    from chattts_triton.runtime import gpt as gpt_runtime
+    from chattts_triton.triton.backend import ModelContext, gpt_service
+
+    seen = []
+    monkeypatch.setattr(gpt_runtime, "GPTService", lambda *a, **kw: seen.append(kw))
+    gpt_service(ModelContext.from_repo(tiny_repo, GPT))
+    repo, param = _switched_on_and_kept(tiny_repo, tmp_path, "--gpt-packed-prefill", GPT, "gpt_packed_prefill")
+    assert rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters["gpt_packed_prefill"].string_value \
+        == "1"
+    gpt_service(ModelContext.from_repo(repo, GPT))
+    assert [kw["packed_prefill"] for kw in seen] == [False, True]
+
+
 def _switched_on_and_kept(tiny_repo, tmp_path, flag, model, key):
     """A copy of the repository where `flag` (off by default: `model`'s parameter `key` reads "0") was
     switched on and survives a re-configure that does not name it; returns it and a reader of `key`."""

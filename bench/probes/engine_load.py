@@ -19,7 +19,7 @@ that made them (a row with `syncs`; the counting's own cost is in that row's fig
 finishing, compaction) each in a range of its own: per decode step, the device ms of the kernels each launched and its
 host ms, beside all kernels' ms (what runs on the GPU between the steps' own kernels, named).
 `--prefill packed,padded`: each level with the prompts prefilled packed end to end (`Engine.packed_prefill`, the
-default where the decode kernel runs) and padded to the longest, switched between windows of one engine.
+repository's `gpt_packed_prefill` by default) and padded to the longest, switched between windows of one engine.
 `--overlap on,off`: each level with the engine's host bookkeeping overlapping the next step (`Engine.overlap`,
 the served default on a GPU) and without, switched between windows of one engine: the row's `overlap` says
 which; wall per step (`engine_step_ms`) against the GPU clock's (`engine_step_gpu_ms`) is what it buys.
@@ -258,6 +258,15 @@ def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, s
     return row
 
 
+def word_list(ap: argparse.ArgumentParser, text: str, flag: str, words: tuple[str, ...],
+              empty: bool = False) -> list[str]:
+    """A comma list of `words` (an argument error naming `flag` otherwise; empty only where `empty`)."""
+    got = [v.strip() for v in text.split(",") if v.strip()]
+    if (not got and not empty) or set(got) - set(words):
+        ap.error(f"{flag} must be a comma list of {' and '.join(words)}")
+    return got
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.probes.engine_load", description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="256,512")
@@ -274,9 +283,10 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap", default="on",
                     help="comma list of on/off: the engine overlaps its host bookkeeping with the next step "
                          "(Engine.overlap)")
-    ap.add_argument("--prefill", default="packed",
+    ap.add_argument("--prefill", default="",
                     help="comma list of packed/padded: prompts prefilled packed end to end or padded to the longest "
-                         "(Engine.packed_prefill; packed needs the decode kernel), switched between windows")
+                         "(Engine.packed_prefill; packed needs the decode kernel), switched between windows (default: "
+                         "the repository's gpt_packed_prefill)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="CUDA: each level once more, counting its window's synchronizing CUDA calls by the line of "
                          "chattts_triton that made them (torch.cuda.set_sync_debug_mode)")
@@ -302,12 +312,8 @@ def main(argv=None) -> int:
         ap.error("--think-ms must be numbers of milliseconds, comma-separated")
     if not thinks or min(thinks) < 0:
         ap.error("--think-ms must be ≥ 0")
-    overlaps = [v.strip() for v in a.overlap.split(",") if v.strip()]
-    if not overlaps or set(overlaps) - {"on", "off"}:
-        ap.error("--overlap must be a comma list of on and off")
-    layouts = [v.strip() for v in a.prefill.split(",") if v.strip()]
-    if not layouts or set(layouts) - {"packed", "padded"}:
-        ap.error("--prefill must be a comma list of packed and padded")
+    overlaps = word_list(ap, a.overlap, "--overlap", ("on", "off"))
+    layouts = word_list(ap, a.prefill, "--prefill", ("packed", "padded"), empty=True)
     overrides = {} if a.slots is None else {"gpt_slots": a.slots}
     if a.compile_prefill is not None:
         overrides["gpt_compile_prefill"] = int(a.compile_prefill)
@@ -330,10 +336,13 @@ def main(argv=None) -> int:
         if "packed" in layouts and not service.engine.decode_kernel:
             print("[engine_load] packed prefills need the decode kernel: this engine runs padded ones", flush=True)
             layouts = ["padded"]
+        layouts = layouts or [None]  # None: as the repository says
         for think, c, ov, lay, extra in ((t, c, o, p, r) for t in thinks for c in levels for o in overlaps
                                          for p in layouts for r in runs):
             service.engine.overlap = ov == "on"  # taken up at its next step (a step in flight is landed first)
-            service.engine.packed_prefill = lay == "packed"  # taken up at its next admission
+            if lay is not None:
+                service.engine.packed_prefill = lay == "packed"  # taken up at its next admission
+            lay = "packed" if service.engine.packed_prefill else "padded"
             row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle, think / 1000, **extra)
             row["overlap"] = service.engine.overlap
             row["prefill"] = lay

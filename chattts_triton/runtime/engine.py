@@ -115,6 +115,7 @@ class Engine(Runner, KvPages, WarmUp):
         compile_prefill: bool = False,
         decode_kernel: bool | None = None,
         overlap: bool | None = None,
+        packed_prefill: bool = False,
         start: bool = True,
     ):
         """admit_batch / admit_wait_steps / max_prefill_tokens: the admission policy (`Scheduler`): while
@@ -131,7 +132,10 @@ class Engine(Runner, KvPages, WarmUp):
         max_context, which never suspends a request); at least one request of the full context.
         overlap: each decode step is launched before the previous one's EOS flags are read back, so that
         the host's bookkeeping runs while the GPU steps (`_decode_step`); None: on CUDA (a CPU's ops are
-        synchronous: nothing to overlap, the logic is the same). May be changed between steps."""
+        synchronous: nothing to overlap, the logic is the same). May be changed between steps.
+        packed_prefill: an admission's prompts are prefilled packed end to end, each position a row of the decode
+        kernel (`Runner._packed_batch`), instead of padded to the longest; only where `decode_kernel` is on (else
+        ignored). May be changed between iterations."""
         check_model(model)
         self.model = model
         self.device = torch.device(device)
@@ -202,7 +206,7 @@ class Engine(Runner, KvPages, WarmUp):
         # prompts prefilled packed end to end (`Runner._packed_batch`), each position a row reading its own prompt's
         # keys through the decode kernel, instead of padded to the longest prompt: a prefill's work follows its
         # prompts' positions (the served mix of 6-116 positions padded ~3.5x); needs the kernel's interface
-        self.packed_prefill = self.decode_kernel
+        self.packed_prefill = bool(packed_prefill) and self.decode_kernel
         # with a started engine, results reach on_done on their own thread: a consumer's copies to the
         # host and its reply (the GPT model's Triton response) then overlap the next steps instead of
         # stalling the batch (at hundreds of rows that host work was a third of a step)

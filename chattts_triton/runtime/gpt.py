@@ -58,10 +58,12 @@ class GPTService:
     def __init__(self, model_path: Path, arch: Arch, device: torch.device, dtype: str, max_slots: int,
                  max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int, max_pending: int = 0,
                  compile_step: bool = False, admit_batch: int = ADMIT_BATCH, admit_wait_steps: int = ADMIT_WAIT_STEPS,
-                 compile_prefill: bool = False, cache_tokens: int | None = None, overlap: bool = True):
+                 compile_prefill: bool = False, cache_tokens: int | None = None, overlap: bool = True,
+                 packed_prefill: bool = False):
         """cache_tokens: positions of the engine's paged KV cache (None: max_slots × max_context).
-        overlap: the engine's host bookkeeping overlaps its next step (Engine overlap; CUDA only: nothing to gain
-        where the ops are synchronous)."""
+        packed_prefill: the compiled engine prefills packed prompts (Engine packed_prefill; the TorchScript step
+        has no decode kernel). overlap: the engine's host bookkeeping overlaps its next step (Engine overlap; CUDA
+        only: nothing to gain where the ops are synchronous)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if dtype in CPU_ONLY_PRECISIONS and device.type != "cpu":
@@ -88,6 +90,7 @@ class GPTService:
                 hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=DTYPES[dtype],
                 cache_tokens=cache_tokens,
                 compute_dtype=DTYPES[dtype], compile_step=compiled, compile_prefill=compiled and compile_prefill,
+                packed_prefill=compiled and packed_prefill,
                 admit_batch=admit_batch,
                 admit_wait_steps=admit_wait_steps,
                 max_pending=max_pending,

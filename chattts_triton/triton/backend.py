@@ -422,6 +422,7 @@ def gpt_service(ctx: ModelContext, version_dir: Path | None = None, params: Engi
         max_pending=PENDING_PER_SLOT[p.ROLE] * plan.slots if p.max_pending is None else p.max_pending,
         compile_step=p.gpt_compile,
         compile_prefill=p.gpt_compile_prefill,  # with compile_step only
+        packed_prefill=p.gpt_packed_prefill,  # with compile_step only
         overlap=p.gpt_overlap,
         admit_batch=p.gpt_admit_batch,
         admit_wait_steps=p.gpt_admit_wait_steps,
