@@ -97,21 +97,33 @@ def test_configure_gpt_compile_prefill_reaches_both_engine_services_and_is_off_b
     assert [kw["compile_prefill"] for kw in seen] == [True, False]
 
 
-def test_configure_gpt_packed_prefill_reaches_both_engine_services_and_is_off_by_default(tiny_repo, tmp_path,
-                                                                                         monkeypatch):
-    """--gpt-packed-prefill (opt-in) sets gpt_packed_prefill on both engine models, kept by a re-configure that does
-    not name it, and the service factory hands it to the GPT service (which packs only with the compiled step)."""
+def test_configure_gpt_packed_prefill_is_on_by_default_off_when_told_kept_and_read_by_both_engines(tiny_repo,
+                                                                                                    tmp_path,
+                                                                                                    monkeypatch):
+    """--gpt-packed-prefill (on by default) sets gpt_packed_prefill on both engine models; --no-gpt-packed-prefill
+    turns it off, a re-configure that does not name it keeps that, and the service factory hands it to the GPT
+    service (which packs only with the compiled step)."""
+    import shutil
+
     from chattts_triton.runtime import gpt as gpt_runtime
     from chattts_triton.triton.backend import ModelContext, gpt_service
 
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def params():
+        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["gpt_packed_prefill"].string_value
+                for m in (GPT, STREAM)]
+
     seen = []
     monkeypatch.setattr(gpt_runtime, "GPTService", lambda *a, **kw: seen.append(kw))
-    gpt_service(ModelContext.from_repo(tiny_repo, GPT))
-    repo, param = _switched_on_and_kept(tiny_repo, tmp_path, "--gpt-packed-prefill", GPT, "gpt_packed_prefill")
-    assert rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters["gpt_packed_prefill"].string_value \
-        == "1"
+    assert params() == ["1", "1"]
     gpt_service(ModelContext.from_repo(repo, GPT))
-    assert [kw["packed_prefill"] for kw in seen] == [False, True]
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-gpt-packed-prefill"]) == 0
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-slots", "64"]) == 0  # kept unless told
+    assert params() == ["0", "0"]
+    gpt_service(ModelContext.from_repo(repo, GPT))
+    assert [kw["packed_prefill"] for kw in seen] == [True, False]
 
 
 def _switched_on_and_kept(tiny_repo, tmp_path, flag, model, key):

@@ -115,7 +115,7 @@ class Engine(Runner, KvPages, WarmUp):
         compile_prefill: bool = False,
         decode_kernel: bool | None = None,
         overlap: bool | None = None,
-        packed_prefill: bool = False,
+        packed_prefill: bool = True,
         start: bool = True,
     ):
         """admit_batch / admit_wait_steps / max_prefill_tokens: the admission policy (`Scheduler`): while

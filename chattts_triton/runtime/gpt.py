@@ -59,7 +59,7 @@ class GPTService:
                  max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int, max_pending: int = 0,
                  compile_step: bool = False, admit_batch: int = ADMIT_BATCH, admit_wait_steps: int = ADMIT_WAIT_STEPS,
                  compile_prefill: bool = False, cache_tokens: int | None = None, overlap: bool = True,
-                 packed_prefill: bool = False):
+                 packed_prefill: bool = True):
         """cache_tokens: positions of the engine's paged KV cache (None: max_slots × max_context).
         packed_prefill: the compiled engine prefills packed prompts (Engine packed_prefill; the TorchScript step
         has no decode kernel). overlap: the engine's host bookkeeping overlaps its next step (Engine overlap; CUDA

@@ -146,10 +146,9 @@ class Deployment:
         False, help="with --gpt-compile: the prefills through torch.compile too (faster alone, but start-up grew "
                     "longer than the gain was worth: opt-in)")
     gpt_packed_prefill: bool = setting(
-        False,
+        True,
         help="with --gpt-compile: GPU engines prefill an admission's prompts packed end to end, each position a row "
-             "of the decode kernel, instead of padded to the longest prompt (docs/engine.md; not yet measured on a "
-             "GPU: opt-in)")
+             "of the decode kernel, instead of padded to the longest prompt (docs/engine.md)")
     gpt_overlap: bool = setting(
         True,
         help="GPU engines launch each decode step before reading the previous one's EOS flags back, so that the "

@@ -109,7 +109,7 @@ class EngineParams(Params):
     instances: int = 1  # chattts_vocoder instances per GPU, which the engine's memory plan leaves room for
     gpt_compile: bool = False  # the decode step through torch.compile (GPU instances)
     gpt_compile_prefill: bool = False  # ... and the prefills
-    gpt_packed_prefill: bool = False  # prompts prefilled packed through the decode kernel (with gpt_compile)
+    gpt_packed_prefill: bool = Deployment.gpt_packed_prefill  # prompts prefilled packed (with gpt_compile)
     gpt_overlap: bool = True  # GPU engines: the host's bookkeeping of a step overlaps the next step
     gpt_admit_batch: int = Deployment.gpt_admit_batch
     gpt_admit_wait_steps: int = Deployment.gpt_admit_wait_steps
