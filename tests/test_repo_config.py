@@ -67,63 +67,36 @@ def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo
     assert compile_params() == ["0", "0"]
 
 
-def test_configure_gpt_compile_prefill_reaches_both_engine_services_and_is_off_by_default(tiny_repo, tmp_path,
-                                                                                          monkeypatch):
-    """--gpt-compile-prefill (opt-in) sets gpt_compile_prefill on both engine models, and
-    the service factory hands it to the GPT service (which compiles prefills only with the step)."""
+@pytest.mark.parametrize("name,default", [("compile_prefill", False), ("packed_prefill", True)])
+def test_configure_an_engine_prefill_switch_reaches_both_engine_services_and_is_kept(tiny_repo, tmp_path,
+                                                                                    monkeypatch, name, default):
+    """--gpt-compile-prefill (opt-in) and --gpt-packed-prefill (on by default) set their parameter on both engine
+    models; the other value, once given, is kept by a re-configure that does not name it, and the service factory
+    hands each to the GPT service (which compiles or packs prefills only with the compiled step)."""
     import shutil
 
     from chattts_triton.runtime import gpt as gpt_runtime
     from chattts_triton.triton.backend import ModelContext, gpt_service
 
-    repo = tmp_path / "repo"
-    shutil.copytree(tiny_repo, repo)
-
-    def prefill_params():
-        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["gpt_compile_prefill"].string_value
-                for m in (GPT, STREAM)]
-
-    seen = []
-    monkeypatch.setattr(gpt_runtime, "GPTService", lambda *a, **kw: seen.append(kw))
-    assert prefill_params() == ["0", "0"]
-    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-compile-prefill"]) == 0
-    assert prefill_params() == ["1", "1"]
-    gpt_service(ModelContext.from_repo(repo, GPT))
-    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-slots", "64"]) == 0  # kept unless told
-    assert prefill_params() == ["1", "1"]
-    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-gpt-compile-prefill"]) == 0
-    assert prefill_params() == ["0", "0"]
-    gpt_service(ModelContext.from_repo(repo, GPT))
-    assert [kw["compile_prefill"] for kw in seen] == [True, False]
-
-
-def test_configure_gpt_packed_prefill_is_on_by_default_off_when_told_kept_and_read_by_both_engines(tiny_repo,
-                                                                                                    tmp_path,
-                                                                                                    monkeypatch):
-    """--gpt-packed-prefill (on by default) sets gpt_packed_prefill on both engine models; --no-gpt-packed-prefill
-    turns it off, a re-configure that does not name it keeps that, and the service factory hands it to the GPT
-    service (which packs only with the compiled step)."""
-    import shutil
-
-    from chattts_triton.runtime import gpt as gpt_runtime
-    from chattts_triton.triton.backend import ModelContext, gpt_service
-
+    key, flag = f"gpt_{name}", f"--gpt-{name.replace('_', '-')}"
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)
 
     def params():
-        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["gpt_packed_prefill"].string_value
+        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters[key].string_value
                 for m in (GPT, STREAM)]
 
     seen = []
     monkeypatch.setattr(gpt_runtime, "GPTService", lambda *a, **kw: seen.append(kw))
-    assert params() == ["1", "1"]
+    assert params() == [str(int(default))] * 2
     gpt_service(ModelContext.from_repo(repo, GPT))
-    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-gpt-packed-prefill"]) == 0
+    assert rc.main(["--repo", str(repo), "--gpus", "0", flag.replace("--", "--no-") if default else flag]) == 0
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-slots", "64"]) == 0  # kept unless told
-    assert params() == ["0", "0"]
+    assert params() == [str(int(not default))] * 2
     gpt_service(ModelContext.from_repo(repo, GPT))
-    assert [kw["packed_prefill"] for kw in seen] == [True, False]
+    assert rc.main(["--repo", str(repo), "--gpus", "0", flag if default else flag.replace("--", "--no-")]) == 0
+    assert params() == [str(int(default))] * 2
+    assert [kw[name] for kw in seen] == [default, not default]
 
 
 def _switched_on_and_kept(tiny_repo, tmp_path, flag, model, key):
