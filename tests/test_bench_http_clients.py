@@ -176,7 +176,8 @@ def test_locust_row_from_worker_processes(standin_server, tmp_path):
     (row,) = json.loads((tmp_path / "http-clients.json").read_text())["rows"]
     assert row["path"] == "locust" and row["concurrency"] == 4 and row["errors"] == 0
     assert row["requests"] > 0 and row["throughput_utt_s"] > 0
-    assert 0 < row["latency_p50_ms"] <= row["latency_p99_ms"]
+    # Locust's percentiles are whole milliseconds: the stand-in answers most requests in under one, so p50 may be 0
+    assert row["latency_p50_ms"] is not None and 0 <= row["latency_p50_ms"] <= row["latency_p99_ms"]
     assert row["model_batch"] >= 1  # the server saw the window's requests
     log = (tmp_path / "locust-c4" / "locust.log").read_text()
     assert "--processes 2" in log
