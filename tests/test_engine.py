@@ -480,6 +480,30 @@ def test_packed_prefills_give_every_request_what_padded_prefills_give_it(tiny, g
         assert [c.tolist() for c in padded.chunks] == [c.tolist() for c in packed.chunks]
 
 
+def test_packed_prefill_switched_on_later_without_the_decode_kernel_stays_padded(tiny):
+    """`Engine.packed_prefill` set True after construction on an engine without the decode kernel (only the kernel
+    reads a packed prompt's keys) stays off: a prompt longer than the padded mask's first length bucket gets the
+    tokens it gets from an engine never asked for packing, instead of being cut."""
+    arch, _, _, ours = tiny
+
+    def req():
+        return GenRequest(torch.arange(3, 203) % 21000, SamplingParams(0.3, 0.7, 20, 1.05, 8, 8, seed=5), None)
+
+    plain = make_engine(ours, arch, decode_kernel=False)
+    try:
+        want = plain.generate(req()).tokens.tolist()
+    finally:
+        plain.stop()
+    eng = make_engine(ours, arch, decode_kernel=False, start=False)
+    eng.packed_prefill = True
+    assert not eng.decode_kernel and not eng.packed_prefill
+    eng.start()
+    try:
+        assert eng.generate(req()).tokens.tolist() == want
+    finally:
+        eng.stop()
+
+
 def test_warm_up_and_warm_graphs_capture_every_packed_prefill_bucket_before_a_load(tiny):
     """With packed prefills, warm_up captures the token buckets up to PACKED_WARM_TOKENS and warm_graphs the rest
     up to PREFILL_GRAPH_TOKENS (graphs standing in eagerly), none padded; a load of many prompt counts and

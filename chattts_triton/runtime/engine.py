@@ -93,6 +93,17 @@ class _Flight:
 
 
 class Engine(Runner, KvPages, WarmUp):
+    @property
+    def packed_prefill(self) -> bool:
+        """Prompts prefilled packed (`Runner._packed_batch`): asked for and where the decode kernel runs, which alone
+        reads a packed prompt's keys; a later `engine.packed_prefill = True` on an engine without the kernel stays
+        padded instead of cutting prompts at the dense mask's length."""
+        return self._packed_prefill and self.decode_kernel
+
+    @packed_prefill.setter
+    def packed_prefill(self, on: bool) -> None:
+        self._packed_prefill = bool(on)
+
     def __init__(
         self,
         model,
@@ -206,7 +217,7 @@ class Engine(Runner, KvPages, WarmUp):
         # prompts prefilled packed end to end (`Runner._packed_batch`), each position a row reading its own prompt's
         # keys through the decode kernel, instead of padded to the longest prompt: a prefill's work follows its
         # prompts' positions (the served mix of 6-116 positions padded ~3.5x); needs the kernel's interface
-        self.packed_prefill = bool(packed_prefill) and self.decode_kernel
+        self._packed_prefill = bool(packed_prefill)
         # with a started engine, results reach on_done on their own thread: a consumer's copies to the
         # host and its reply (the GPT model's Triton response) then overlap the next steps instead of
         # stalling the batch (at hundreds of rows that host work was a third of a step)
