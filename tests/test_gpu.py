@@ -414,7 +414,7 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets, overlap):
     positive and no longer than the host's time per step (without overlap the launch-to-sync time, with it
     the whole step's wall time, as the sync waits for the step before) on average (within the jitter of 2 ms
     over 10+ samples); the graphed ones also on the events their graph records itself, a span inside the
-    host-recorded one."""
+    host-recorded one (with overlap only those whose next step replayed another graph)."""
     from chattts_triton.runtime.engine import GPU_TIMING_EVERY
 
     arch = infer_arch(tiny_assets)
@@ -441,12 +441,19 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets, overlap):
         assert s["engine_step_gpu_samples"] >= 10
         gpu_ms = 1000 * s["engine_step_gpu_seconds"] / s["engine_step_gpu_samples"]
         device_ms = 1000 * s["engine_step_device_seconds" if not overlap else "engine_step_seconds"] / s["engine_steps"]
-        # every step of the timed wave ran from a captured graph: each sample has its graph's own span
-        assert s["engine_step_graph_samples"] == s["engine_step_gpu_samples"]
-        graph_ms = 1000 * s["engine_step_graph_seconds"] / s["engine_step_graph_samples"]
-        print(f"step: device {device_ms:.3f} ms, GPU clock {gpu_ms:.3f} ms, graph {graph_ms:.3f} ms")
+        # every step of the timed wave ran from a captured graph: without overlap each sample has its graph's own
+        # span; with it, only a step whose successor replayed another graph (the same graph's next replay, launched
+        # before the step is read, re-records its events), so at a steady batch few or none
+        if overlap:
+            assert s["engine_step_graph_samples"] <= s["engine_step_gpu_samples"]
+        else:
+            assert s["engine_step_graph_samples"] == s["engine_step_gpu_samples"]
+        graph_ms = 1000 * s["engine_step_graph_seconds"] / max(1, s["engine_step_graph_samples"])
+        print(f"step: device {device_ms:.3f} ms, GPU clock {gpu_ms:.3f} ms, graph {graph_ms:.3f} ms "
+              f"({s['engine_step_graph_samples']} of {s['engine_step_gpu_samples']} samples)")
         assert 0 < gpu_ms <= device_ms + 2.0
-        assert 0 < graph_ms <= gpu_ms
+        if s["engine_step_graph_samples"]:
+            assert 0 < graph_ms <= gpu_ms
     finally:
         eng.stop()
 

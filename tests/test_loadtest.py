@@ -685,7 +685,8 @@ def test_engine_load_timeline_names_the_engine_parts_of_a_window(tiny_repo, tmp_
 
     out = tmp_path / "timeline.json"
     assert engine_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--concurrency", "2", "--seconds", "1",
-                             "--settle", "0.3", "--tokens", "8", "--timeline", "--out", str(out)]) == 0
+                             "--settle", "0.3", "--tokens", "8", "--timeline", "--out", str(out),
+                             "--trace", str(tmp_path / "trace.json")]) == 0
     plain, timed = json.loads(out.read_text())["rows"]
     assert "timeline" not in plain and timed["utterances"] > 0
     t = timed["timeline"]
@@ -694,7 +695,12 @@ def test_engine_load_timeline_names_the_engine_parts_of_a_window(tiny_repo, tmp_
     assert 0.95 <= t["step"]["calls"] < 1.5 and 0.95 <= t["land"]["calls"] < 1.5
     assert 0 < t["prefill"]["calls"] < 1 and 0 < t["finish"]["calls"] < 1
     assert t["step"]["host_ms"] > 0 and t["prefill"]["host_ms"] > 0
-    assert t["kernels_ms_per_step"] == 0.0  # no GPU
+    # a prefill's inputs and first tokens are parts of it: as many calls, within its host time
+    for part in ("prefill_inputs", "prefill_first"):
+        assert t[part]["calls"] == t["prefill"]["calls"] and 0 < t[part]["host_ms"] < t["prefill"]["host_ms"]
+    assert t["kernels_ms_per_step"] == 0.0 and t["cuda_calls"] == {}  # no GPU
+    trace = json.loads((tmp_path / "trace-2-on-padded.json").read_text())  # the window's Chrome trace, named by level
+    assert any(e.get("name") == "engine.prefill" for e in trace["traceEvents"])
 
 
 def test_engine_load_think_time_spreads_the_arrivals(tiny_repo, tmp_path):

@@ -15,9 +15,11 @@ uniformly 0..2T ms between a result and its next request, as a served request's 
 gRPC time spread the arrivals (the engine's admissions, so its prefills, follow the arrivals).
 `--sync-debug` (CUDA): each level once more, its window counting the synchronizing CUDA calls by the engine line
 that made them (a row with `syncs`; the counting's own cost is in that row's figures, not the plain one's).
-`--timeline`: each level once more under torch.profiler, the engine's parts (step launch, prefill, resume, landing,
-finishing, compaction) each in a range of its own: per decode step, the device ms of the kernels each launched and its
-host ms, beside all kernels' ms (what runs on the GPU between the steps' own kernels, named).
+`--timeline`: each level once more under torch.profiler, the engine's parts (step launch, prefill with its inputs and
+first tokens, resume, landing, finishing, compaction) each in a range of its own: per decode step, the device ms of the
+kernels each launched and its host ms, beside all kernels' ms (what runs on the GPU between the steps' own kernels,
+named) and the host ms of the CUDA runtime calls that can wait (synchronizes, copies, allocations). `--trace FILE`:
+the window's Chrome trace too.
 `--prefill packed,padded`: each level with the prompts prefilled packed end to end (`Engine.packed_prefill`, the
 repository's `gpt_packed_prefill` by default) and padded to the longest, switched between windows of one engine.
 `--overlap on,off`: each level with the engine's host bookkeeping overlapping the next step (`Engine.overlap`,
@@ -172,7 +174,14 @@ class SyncCounter:
 
 # the engine's parts whose kernels the timeline attributes to them: Engine methods, by the name they are reported under
 TIMELINE_PARTS = {"_launch": "step", "_prefill": "prefill", "_resume": "resume", "_land": "land",
-                  "_finish_rows": "finish", "_compact": "compact"}
+                  "_finish_rows": "finish", "_compact": "compact",
+                  # inside a prefill: its inputs built on the host and copied, its first tokens drawn
+                  "_prompt_rows": "prefill_inputs", "_first_step": "prefill_first"}
+# CUDA runtime calls whose host time the timeline reports: a wait hidden in one (a pageable copy that syncs its
+# stream, a pinned allocation, an event or stream synchronize) shows here, not in sync-debug's count
+CUDA_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
+              "cudaMemcpy", "cudaHostAlloc", "cudaMalloc", "cudaFree", "cudaGraphLaunch", "cudaLaunchKernel",
+              "cudaEventQuery", "cudaEventRecord")
 
 
 class Timeline:
@@ -181,10 +190,12 @@ class Timeline:
     kernels' time in the window. What runs on the GPU between the steps' own kernels is then named: the prefills'
     kernels, the results' copies, compaction. Ranges nest (`land` holds `finish`, which holds `compact`)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, trace_path: str | None = None):
         self.engine = engine
+        self.trace_path = trace_path
         self.prof = None
         self.parts: dict = {}
+        self.calls: dict = {}
         self.kernel_ms = 0.0
 
     def __enter__(self):
@@ -212,11 +223,15 @@ class Timeline:
         finally:
             for attr in TIMELINE_PARTS:
                 self.engine.__dict__.pop(attr, None)
+        if self.trace_path:
+            self.prof.export_chrome_trace(self.trace_path)
         events = self.prof.key_averages()
         for e in events:
             if e.key.startswith("engine."):
                 self.parts[e.key.removeprefix("engine.")] = {
                     "calls": e.count, "device_ms": e.device_time_total / 1000, "host_ms": e.cpu_time_total / 1000}
+            elif e.key in CUDA_CALLS:
+                self.calls[e.key] = {"calls": e.count, "host_ms": e.cpu_time_total / 1000}
         self.kernel_ms = sum(e.self_device_time_total for e in events if not e.key.startswith("engine.")) / 1000
         return False
 
@@ -224,11 +239,13 @@ class Timeline:
         """Per decode step of the window: each part's device and host ms and calls, and all kernels' ms."""
         per = max(steps, 1)
         return {"kernels_ms_per_step": round(self.kernel_ms / per, 4),
-                **{name: {k: round(v / per, 4) for k, v in part.items()} for name, part in self.parts.items()}}
+                **{name: {k: round(v / per, 4) for k, v in part.items()} for name, part in self.parts.items()},
+                "cuda_calls": {name: {k: round(v / per, 4) for k, v in c.items()} for name, c in self.calls.items()}}
 
 
 def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, settle_s: float,
-              think_s: float = 0.0, sync_debug: bool = False, timeline: bool = False) -> dict:
+              think_s: float = 0.0, sync_debug: bool = False, timeline: bool = False,
+              trace_path: str | None = None) -> dict:
     from loadtest.sweep import engine_window
     from loadtest.tts_stats import percentile
 
@@ -236,7 +253,7 @@ def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, s
     load.start()
     time.sleep(settle_s)  # admissions of the first wave, then a steady mix
     syncs = SyncCounter() if sync_debug else contextlib.nullcontext()
-    trace = Timeline(service.engine) if timeline else contextlib.nullcontext()
+    trace = Timeline(service.engine, trace_path) if timeline else contextlib.nullcontext()
     with syncs, trace:
         before, t0 = {"0": service.engine.stats()}, time.perf_counter()
         time.sleep(seconds)
@@ -292,7 +309,10 @@ def main(argv=None) -> int:
                          "chattts_triton that made them (torch.cuda.set_sync_debug_mode)")
     ap.add_argument("--timeline", action="store_true",
                     help="each level once more under torch.profiler: per decode step, the device and host ms of the "
-                         "engine's parts (step, prefill, land, finish, compact, resume) and all kernels' ms")
+                         "engine's parts (step, prefill and its inputs and first tokens, land, finish, compact, "
+                         "resume), all kernels' ms and the host ms of CUDA runtime calls")
+    ap.add_argument("--trace", help="with --timeline: the profiler's Chrome trace of each timed window to this file "
+                                    "(a level's concurrency and layout added to its name)")
     add_device_args(ap)
     a = ap.parse_args(argv)
     if cuda_missing(a):
@@ -343,6 +363,9 @@ def main(argv=None) -> int:
             if lay is not None:
                 service.engine.packed_prefill = lay == "packed"  # taken up at its next admission
             lay = "packed" if service.engine.packed_prefill else "padded"
+            if extra.get("timeline") and a.trace:
+                stem, ext = os.path.splitext(a.trace)
+                extra = {**extra, "trace_path": f"{stem}-{c}-{ov}-{lay}{ext}"}
             row = run_level(service, prompts, a.tokens, c, a.seconds, a.settle, think / 1000, **extra)
             row["overlap"] = service.engine.overlap
             row["prefill"] = lay

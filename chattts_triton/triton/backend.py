@@ -152,7 +152,8 @@ STAT_HELP = {
                                "engine_step_gpu_samples = GPU ms per step)",
     "engine_step_gpu_samples": "CUDA: decode steps timed on the GPU's clock (one in 8; cumulative)",
     "engine_step_graph_seconds": "CUDA: the sampled steps replayed from a graph, on events the graph records itself "
-                                 "(the replay alone; cumulative)",
+                                 "(the replay alone; cumulative; with gpt_overlap only steps whose next step "
+                                 "replayed another graph, as the same graph's next replay re-records them)",
     "engine_step_graph_samples": "CUDA: sampled steps timed inside their graph (cumulative)",
     "engine_prefill_seconds": "wall time in prefills (cumulative); with engine_step_seconds, the engine's busy time",
     "engine_prefills": "batched prefills (cumulative)",
