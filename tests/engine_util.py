@@ -72,7 +72,7 @@ class Rec:
         self.chunks, self.hids, self.result = [], [], None
         self.req = GenRequest(
             text_ids=spec["ids"], params=spec["params"], on_done=self.done, mode=spec.get("mode", "code"),
-            eos_id=spec.get("eos", 625), want_hidden=spec.get("mode", "code") == "code",
+            eos_id=spec.get("eos", 625), want_hidden=spec.get("want_hidden", spec.get("mode", "code") == "code"),
             on_tokens=self.on_tokens if spec.get("every") else None, stream_every=spec.get("every") or 1,
             audio_codes=spec.get("audio_codes"), spk_emb=spec.get("spk_emb"), spk_emb_id=spec.get("spk_emb_id", -1),
         )

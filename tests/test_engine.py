@@ -1004,3 +1004,66 @@ def test_a_request_whose_every_first_draw_ends_it_ends_at_once_and_its_batchmate
         if a.result.tokens is not None and a.result.tokens.numel():
             assert torch.equal(a.result.tokens, b.result.tokens)
         assert [c.tolist() for c in a.chunks] == [c.tolist() for c in b.chunks]
+
+
+def test_rows_finishing_together_are_copied_to_the_host_per_kind_not_per_result(tiny):
+    """Rows that finish at one step (codes with hidden states, codes without, refine text, one cancelled) get
+    their results from one gathered copy per kind (`_finished_results`), each result its own row's tokens and
+    hidden states: what each gets alone."""
+    arch, _, _, ours = tiny
+    g = torch.Generator().manual_seed(11)
+
+    def specs():
+        out = [dict(ids=torch.randint(0, 21000, (5 + 3 * i,), generator=g), params=SamplingParams(
+            0.3, 0.7, 20, 1.05, 16, 16, seed=40 + i)) for i in range(7)]
+        out[2]["want_hidden"] = False
+        out[4].update(mode="text", eos=21140)
+        out[5].update(every=4, cancel_after=8)
+        return out
+
+    batch = specs()
+    for s in batch:
+        s["ids"] = s["ids"].clone()
+    eng = make_engine(ours, arch, max_slots=8, start=False)
+    copies = []
+    d2h = eng._d2h
+
+    def counted(t):
+        copies.append(tuple(t.shape))
+        return d2h(t)
+
+    eng._d2h = counted
+    got = drive(eng, batch)
+    finishing = [c for c in copies if len(c) >= 2 and c[0] > 1]  # gathered [rows, frames, ...] copies
+    assert finishing, "no gathered copy"
+    assert len(copies) <= 12  # chunks of the streamed row, then a handful per finish, not two per result
+    for i, rec in enumerate(got):
+        alone_eng = make_engine(ours, arch, max_slots=8, start=False)
+        (alone,) = drive(alone_eng, [batch[i]])
+        check_same_as_alone([alone], [rec])
+        if rec.result.tokens is not None:
+            assert rec.result.tokens.is_contiguous() and len(rec.result.tokens) == rec.result.steps
+            assert (rec.result.hiddens is None) == (i in (2, 4))
+
+
+def test_prompt_inputs_of_other_dtypes_give_the_tokens_of_int64_ids_and_a_float32_speaker(tiny):
+    """The admission builds its inputs in numpy (`Runner._prompt_rows`): int32 text ids and audio codes, a bfloat16
+    speaker embedding (numpy has none) and a non-contiguous id tensor are taken as int64 and float, so a prompt
+    gets what it gets from int64 ids and a float32 embedding."""
+    arch, _, _, ours = tiny
+    g = torch.Generator().manual_seed(5)
+    ids = torch.cat([torch.randint(0, 21000, (4,), generator=g), torch.tensor([21143]),
+                     torch.randint(0, 21000, (9,), generator=g)])
+    spk = torch.randn(arch.gpt.hidden, generator=g).bfloat16().float()  # exactly representable in bfloat16
+    codes = torch.randint(0, 625, (5, arch.num_vq), generator=g)
+    params = SamplingParams(0.3, 0.7, 20, 1.05, 10, 10, seed=8)
+
+    def run(ids, spk, codes):
+        eng = make_engine(ours, arch, start=False, decode_kernel=True, packed_prefill=True)
+        (rec,) = drive(eng, [dict(ids=ids, params=params, spk_emb=spk, spk_emb_id=21143, audio_codes=codes)])
+        return rec.result.tokens
+
+    want = run(ids, spk, codes)
+    strided = torch.stack([ids.int(), ids.int()], 1)[:, 0]  # int32, stride 2
+    assert not strided.is_contiguous()
+    assert torch.equal(run(strided, spk.bfloat16(), codes.int()), want)

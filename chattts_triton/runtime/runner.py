@@ -22,6 +22,18 @@ from .row_params import RowParams
 log = logging.getLogger(__name__)
 
 
+def _host_array(t: Tensor) -> np.ndarray:
+    """A request's input tensor as a numpy array (no copy where it is on the host already; numpy has no bfloat16)."""
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.numpy(force=not t.is_cpu or t.requires_grad)
+
+
+def _positions(lens: np.ndarray) -> np.ndarray:
+    """0..len-1 for each length, end to end: [sum(lens)]."""
+    return np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+
+
 def paged_interface(model) -> bool:
     """Whether `model` (ChatTTSGPT or its TorchScript export) takes block tables (`tables`); a gpt.pt
     exported before the paged cache takes a slot range instead."""
@@ -139,71 +151,83 @@ class Runner:
     def _set_params(self, b0: int, reqs: Sequence[GenRequest]) -> None:
         self.row_params.narrow(b0, len(reqs)).copy_(RowParams.of(reqs).map(self._h2d))
 
-    def _prompt_rows(self, reqs: Sequence[GenRequest]) -> tuple[Tensor, list[Tensor]]:
+    def _prompt_rows(self, reqs: Sequence[GenRequest]) -> tuple[Tensor, np.ndarray, np.ndarray]:
         """The admitted prompts' inputs embedded: flat [n + 1, hidden] in the compute dtype (every text
         position, a speaker embedding where the request puts one, then every audio-code position, then a zero
-        row that padding points at) and, per request, the rows of `flat` its positions take in order. One
-        host→device copy per input kind, one embedding call per kind."""
-        ids = [r.text_ids.reshape(-1).to("cpu", torch.int64) for r in reqs]
-        codes = [r.audio_codes.to("cpu", torch.int64) if r.audio_codes is not None and r.audio_codes.numel() else None
+        row that padding points at); `rows`, flat's row of each prompt position, request after request, in order;
+        `lens`, each request's prompt length. One host→device copy per input kind, one embedding call per kind,
+        and the index arithmetic in numpy over all requests at once: per-request tensor calls cost an admission of
+        dozens of prompts hundreds of dispatches on the engine's thread."""
+        k = len(reqs)
+        ids = [_host_array(r.text_ids).reshape(-1) for r in reqs]
+        codes = [_host_array(r.audio_codes) if r.audio_codes is not None and r.audio_codes.numel() else None
                  for r in reqs]
-        n_text = sum(int(i.numel()) for i in ids)
-        spk_row = torch.full((n_text,), -1, dtype=torch.int64)
-        spk: list[Tensor] = []
-        src: list[Tensor] = []
-        ot, oc = 0, n_text
-        for i, r in enumerate(reqs):
-            nt = int(ids[i].numel())
-            if r.spk_emb is not None:
-                spk_row[ot : ot + nt].masked_fill_(ids[i] == r.spk_emb_id, len(spk))
-                spk.append(r.spk_emb.reshape(-1).cpu())
-            nc = 0 if codes[i] is None else int(codes[i].shape[0])
-            src.append(torch.cat([torch.arange(ot, ot + nt), torch.arange(oc, oc + nc)]) if nc else
-                       torch.arange(ot, ot + nt))
-            ot, oc = ot + nt, oc + nc
-        x = self.model.embed_text(self._h2d(torch.cat(ids)))
+        nts = np.fromiter((a.size for a in ids), dtype=np.int64, count=k)
+        ncs = np.fromiter((0 if c is None else c.shape[0] for c in codes), dtype=np.int64, count=k)
+        ids_all = np.concatenate(ids).astype(np.int64, copy=False)
+        n_text = int(nts.sum())
+        x = self.model.embed_text(self._h2d(torch.from_numpy(ids_all)))
+        lens = nts + ncs
+        req_text = np.repeat(np.arange(k), nts)  # the request of each text position
+        spk = [i for i, r in enumerate(reqs) if r.spk_emb is not None]
         if spk:
-            table = self._h2d(torch.stack(spk)).to(x.dtype)
-            row = self._h2d(spk_row)
-            x = torch.where((row >= 0).unsqueeze(1), table[row.clamp(min=0)], x)
+            want = np.full(k, np.iinfo(np.int64).min, dtype=np.int64)  # no text id matches this
+            table_row = np.full(k, -1, dtype=np.int64)
+            want[spk] = [reqs[i].spk_emb_id for i in spk]
+            table_row[spk] = np.arange(len(spk))
+            spk_row = np.where(ids_all == want[req_text], table_row[req_text], -1)
+            table = self._h2d(torch.from_numpy(np.stack([_host_array(reqs[i].spk_emb).reshape(-1) for i in spk])))
+            row = self._h2d(torch.from_numpy(spk_row))
+            x = torch.where((row >= 0).unsqueeze(1), table.to(x.dtype)[row.clamp(min=0)], x)
         parts = [x]
-        if oc > n_text:
-            parts.append(self.model.embed_code(self._h2d(torch.cat([c for c in codes if c is not None]))).to(x.dtype))
+        if ncs.any():
+            code_all = np.concatenate([c for c in codes if c is not None]).astype(np.int64, copy=False)
+            parts.append(self.model.embed_code(self._h2d(torch.from_numpy(code_all))).to(x.dtype))
         parts.append(x.new_zeros(1, x.shape[1]))
-        return torch.cat(parts).to(self.compute_dtype), src
+        # each position p of request r: its text at ot[r] + p, then its audio codes at oc[r] + (p - nts[r])
+        ot = np.cumsum(nts) - nts
+        oc = n_text + np.cumsum(ncs) - ncs
+        req = np.repeat(np.arange(k), lens)
+        p = _positions(lens)
+        rows = np.where(p < nts[req], ot[req] + p, oc[req] + p - nts[req])
+        return torch.cat(parts).to(self.compute_dtype), rows, lens
 
     def _prompt_batch(self, reqs: Sequence[GenRequest], rows: int, t: int, b0: int):
         """The admitted prompts (slots b0..) as one padded batch x [rows, t, hidden], positions [rows, t]
         (-1 = padding) and idx [2, rows] (slot, last prompt position); rows past the prompts are bucket
         padding (all positions -1, slot b0)."""
-        flat, src = self._prompt_rows(reqs)
+        flat, at_rows, lens = self._prompt_rows(reqs)
         k = len(reqs)
-        at = torch.full((rows, t), flat.shape[0] - 1, dtype=torch.int64)  # padding points at the zero row
-        positions = torch.full((rows, t), -1, dtype=torch.int64)
-        idx = torch.zeros(2, rows, dtype=torch.int64)
-        idx[0] = b0
-        idx[0, :k] += torch.arange(k)
-        idx[1, :k] = torch.tensor([len(s) for s in src]) - 1
-        for i, s in enumerate(src):
-            at[i, : len(s)] = s
-            positions[i, : len(s)] = torch.arange(len(s))
-        return flat[self._h2d(at)], self._h2d(positions), self._h2d(idx)
+        at = np.full((rows, t), flat.shape[0] - 1, dtype=np.int64)  # padding points at the zero row
+        positions = np.full((rows, t), -1, dtype=np.int64)
+        filled = np.arange(t) < lens[:, None]  # [k, t], row-major: request after request, positions in order
+        at[:k][filled] = at_rows
+        positions[:k][filled] = _positions(lens)
+        idx = np.full((2, rows), b0, dtype=np.int64)
+        idx[0, :k] += np.arange(k)
+        idx[1] = 0
+        idx[1, :k] = lens - 1
+        return flat[self._h2d(torch.from_numpy(at))], self._h2d(torch.from_numpy(positions)), \
+            self._h2d(torch.from_numpy(idx))
 
     def _packed_batch(self, reqs: Sequence[GenRequest], tokens: int, b0: int):
         """The admitted prompts (slots b0..) packed end to end, no padding between them: x [tokens, hidden],
         positions [tokens] (-1 = padding past the prompts), slots [tokens] (each position's slot; padding: b0)
-        and last [len(reqs)] (the row of each prompt's last position)."""
-        flat, src = self._prompt_rows(reqs)
-        lens = torch.tensor([len(s) for s in src])
-        n = int(lens.sum())
-        at = torch.full((tokens,), flat.shape[0] - 1, dtype=torch.int64)
-        at[:n] = torch.cat(src)
-        positions = torch.full((tokens,), -1, dtype=torch.int64)
-        starts = torch.cumsum(lens, 0) - lens
-        positions[:n] = torch.arange(n) - starts.repeat_interleave(lens)
-        slots = torch.full((tokens,), b0, dtype=torch.int64)
-        slots[:n] = b0 + torch.arange(len(reqs)).repeat_interleave(lens)
-        return flat[self._h2d(at)], self._h2d(positions), self._h2d(slots), self._h2d(starts + lens - 1)
+        and last [len(reqs)] (the row of each prompt's last position). The three index rows and `last` go to
+        the device in one copy."""
+        flat, at_rows, lens = self._prompt_rows(reqs)
+        k, n = len(reqs), int(lens.sum())
+        host = np.empty(3 * tokens + k, dtype=np.int64)
+        at, positions, slots, last = np.split(host, [tokens, 2 * tokens, 3 * tokens])
+        at[:] = flat.shape[0] - 1
+        at[:n] = at_rows
+        positions[:] = -1
+        positions[:n] = _positions(lens)
+        slots[:] = b0
+        slots[:n] = b0 + np.repeat(np.arange(k), lens)
+        last[:] = np.cumsum(lens) - 1
+        dev = self._h2d(torch.from_numpy(host))
+        return flat[dev[:tokens]], dev[tokens : 2 * tokens], dev[2 * tokens : 3 * tokens], dev[3 * tokens :]
 
     def packed_prefill_core(self, x: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
         """The final hidden states [tokens, hidden] (float) of packed prompts (`_packed_batch`), their keys and values
