@@ -541,6 +541,14 @@ def bench_served(repo: Path, tokens, max_concurrency: int, step_s: float, start:
         out["launcher"]["exit_status_on_sigterm"] = code
         log(f"launcher: {server.restarts} restarts, exit status {code} on SIGTERM after "
             f"{out['launcher']['seconds_served']} s served")
+        if code != 0:  # why: the launcher's own last lines and the server log's, kept with the run's results
+            try:
+                server_tail = server.log_file.read_text(errors="replace").splitlines()[-40:]
+            except OSError as e:
+                server_tail = [f"(no server log: {e})"]
+            out["launcher"]["log_tail"] = {"launcher": server.output[-20:], "tritonserver": server_tail}
+            log("launcher's last lines:\n  " + "\n  ".join(server.output[-20:])
+                + "\ntritonserver's last lines:\n  " + "\n  ".join(server_tail))
     return out
 
 

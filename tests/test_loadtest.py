@@ -695,9 +695,11 @@ def test_engine_load_timeline_names_the_engine_parts_of_a_window(tiny_repo, tmp_
     assert 0.95 <= t["step"]["calls"] < 1.5 and 0.95 <= t["land"]["calls"] < 1.5
     assert 0 < t["prefill"]["calls"] < 1 and 0 < t["finish"]["calls"] < 1
     assert t["step"]["host_ms"] > 0 and t["prefill"]["host_ms"] > 0
-    # a prefill's inputs and first tokens are parts of it: as many calls, within its host time
+    # a prefill's inputs and first tokens are parts of it: as many calls (but one cut by the window's end), within
+    # its host time
     for part in ("prefill_inputs", "prefill_first"):
-        assert t[part]["calls"] == t["prefill"]["calls"] and 0 < t[part]["host_ms"] < t["prefill"]["host_ms"]
+        assert abs(t[part]["calls"] - t["prefill"]["calls"]) <= 0.02
+        assert 0 < t[part]["host_ms"] < t["prefill"]["host_ms"]
     assert t["kernels_ms_per_step"] == 0.0 and t["cuda_calls"] == {}  # no GPU
     trace = json.loads((tmp_path / "trace-2-on-padded.json").read_text())  # the window's Chrome trace, named by level
     assert any(e.get("name") == "engine.prefill" for e in trace["traceEvents"])

@@ -225,14 +225,23 @@ class Timeline:
                 self.engine.__dict__.pop(attr, None)
         if self.trace_path:
             self.prof.export_chrome_trace(self.trace_path)
+        from torch.autograd import DeviceType
+
         events = self.prof.key_averages()
         for e in events:
             if e.key.startswith("engine."):
                 self.parts[e.key.removeprefix("engine.")] = {
-                    "calls": e.count, "device_ms": e.device_time_total / 1000, "host_ms": e.cpu_time_total / 1000}
+                    "calls": 0, "device_ms": e.device_time_total / 1000, "host_ms": 0.0}
             elif e.key in CUDA_CALLS:
                 self.calls[e.key] = {"calls": e.count, "host_ms": e.cpu_time_total / 1000}
         self.kernel_ms = sum(e.self_device_time_total for e in events if not e.key.startswith("engine.")) / 1000
+        # the ranges' host time and calls from their own events (on a GPU the averages give the engine thread's
+        # ranges no CPU time)
+        for e in self.prof.events():
+            part = self.parts.get(e.name.removeprefix("engine.")) if e.name.startswith("engine.") else None
+            if part is not None and e.device_type == DeviceType.CPU:
+                part["calls"] += 1
+                part["host_ms"] += e.time_range.elapsed_us() / 1000
         return False
 
     def summary(self, steps: int) -> dict:
