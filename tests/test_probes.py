@@ -188,3 +188,24 @@ def test_step_bench_times_steps_and_prefills_of_each_variant_on_cpu(tiny_assets,
     assert ops["script"] < ops["script_unfused"], ops
     with pytest.raises(SystemExit, match="on a CPU"):  # inductor's step is a GPU variant
         step.main([a if a != "script,script_unfused" else "compile" for a in args])
+
+
+def test_host_cost_probe_times_an_admissions_inputs_and_a_finish_with_its_aten_calls(tiny_assets, tmp_path, capsys):
+    """bench.probes.host_cost on the CPU: per admission size, _packed_batch's time (whole and host part) and aten
+    calls, and _finish_rows's time per result; rows finishing together take a gathered copy per kind, so a finish
+    makes a few aten calls per result (the results' views), not the ten of a copy and cast each."""
+    from bench.probes import host_cost
+
+    out = tmp_path / "host.json"
+    assert host_cost.main(["--assets", str(tiny_assets), "--prompts", "4,12", "--repeats", "3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["prompts"] for r in rows] == [4, 12]
+    for r in rows:
+        assert r["packed_batch_ms"] > 0 and r["packed_batch_host_ms"] > 0 and r["packed_batch_aten_calls"] > 0
+        assert r["finish_us_per_result"] > 0
+        assert r["finish_aten_calls_first_call"] > 0
+    # each further result finishing in the same call adds its views, not a copy and cast of its own
+    assert rows[1]["finish_aten_calls_first_call"] - rows[0]["finish_aten_calls_first_call"] < 6 * 8
+    with pytest.raises(SystemExit):
+        host_cost.main(["--assets", str(tiny_assets), "--prompts", "0"])
+    assert "--prompts must be ≥ 1" in capsys.readouterr().err
