@@ -40,6 +40,7 @@ ADMIT_WAIT_STEPS = 4
 # an engine's admission bound per slot: generations running + waiting (GPT), streams in flight (stream model)
 PENDING_PER_SLOT = {"gpt": 4, "stream": 2}
 REPETITION_WINDOW = 16  # upstream CustomRepetitionPenaltyLogitsProcessorRepeat past_window
+MAX_EMPTY_RETRIES = 16  # ensure_non_empty re-draws of the first step before giving up
 MIN_TOKENS_TO_KEEP = 3  # upstream top-P/top-K warpers
 
 # Special tokens the ChatTTS tokenizer holds (order here is the synthetic tokenizer's id order).

@@ -259,6 +259,8 @@ def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs, 
         # the joins' prefills ran padded to their buckets (rows and prompt length)
         prefills = [key for key in eng.graphs.graphs if key[0] == "prefill"]
         assert prefills and any(kb > 1 for _, kb, _ in prefills)
+        # and the code admissions' first tokens came from their count buckets' graphs (refine text: eagerly)
+        assert any(key[0] == "first" and key[1] > 1 for key in eng.graphs.graphs)
     assert eng.active == 0 and eng.pending == 0
     rows = eng.row_params  # free slots are reset
     assert torch.equal(rows.ints, eng._free_row.ints.expand(8, -1)) and (rows.floats == 1).all()
@@ -557,6 +559,7 @@ def test_warm_graphs_captures_every_bucket_a_load_reaches_on_the_engine_thread(t
     plain engine gives them."""
     from chattts_triton.runtime.engine import (
         BATCH_STEP,
+        MAX_EMPTY_RETRIES,
         PREFILL_GRAPH_TOKENS,
         PREFILL_WARM_BATCHES,
         PREFILL_WARM_LENGTHS,
@@ -592,8 +595,11 @@ def test_warm_graphs_captures_every_bucket_a_load_reaches_on_the_engine_thread(t
         prefill = {k for k in eng.graphs.graphs if k[0] == "prefill"}
         assert prefill == {("prefill", k, t) for k in (64, 80) for t in PREFILL_WARM_LENGTHS
                            if k not in PREFILL_WARM_BATCHES and k * t <= PREFILL_GRAPH_TOKENS}
+        first = {k for k in eng.graphs.graphs if k[0] == "first"}
+        assert first == {("first", kb, MAX_EMPTY_RETRIES) for kb in (1, 2, 4, 8, 16, 32, 64, 80)}
         assert n == len(eng.graphs.graphs)
         assert_served_without_a_new_decode_graph(eng, reqs, want, decode)
+        assert {k for k in eng.graphs.graphs if k[0] == "first"} == first
     finally:
         eng.stop()
 
@@ -982,6 +988,58 @@ def test_first_token_redraws_drawn_at_once_equal_drawing_them_one_after_another(
         assert int(eng.row_params.attempt[i]) == a, i
         assert int(eng.row_params.n[i]) == (0 if hit else 1), i
         assert torch.equal(eng.tokens[i, 0], tok), i
+
+
+def test_first_tokens_from_their_count_buckets_graph_equal_the_eager_draws_and_pad_over_free_slots(tiny):
+    """An admission's first tokens from the graph of its prompt-count bucket (`CudaGraphs.first_tokens`, standing in
+    eagerly) are what `sample_first` draws for the same rows: EOS flags, tokens, hidden states, counts and attempts,
+    redraws included. Its padding rows run over the free slot after the admission and leave its count and attempt
+    a free slot's; the running rows before it are untouched. A bucket that would reach past the last slot gives
+    None (the engine draws eagerly)."""
+    from chattts_triton.runtime.engine import MAX_EMPTY_RETRIES, CudaGraphs
+    from chattts_triton.runtime.row_params import RowParams
+
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, max_slots=8, start=False)
+    b0, k = 2, 3  # bucket 4: slot 5 pads
+    running = [GenRequest(text_ids=torch.arange(1, 6), on_done=None,
+                          params=SamplingParams(0.7, None, None, 1.0, 20, 0, seed=50 + i)) for i in range(b0)]
+    kinds = [(1.0, True), (1e-5, True), (1.0, False)]  # (temperature, ensure_non_empty)
+    reqs = [GenRequest(text_ids=torch.arange(1, 6), on_done=None,
+                       params=SamplingParams(t, None, None, 1.0, 20, 0, seed=100 + i, ensure_non_empty=e))
+            for i, (t, e) in enumerate(kinds)]
+    redraw = [e for _, e in kinds]
+    torch.manual_seed(0)
+    h = torch.randn(k, arch.gpt.hidden)
+    st = torch.arange(b0, b0 + k)
+
+    def fresh():
+        eng.row_params.copy_(RowParams.free(8))
+        eng.row_params.narrow(0, b0).copy_(RowParams.of(running))
+        eng.row_params.n[:b0] = 5  # mid-generation
+        eng.row_params.narrow(b0, k).copy_(RowParams.of(reqs))
+        eng.tokens.fill_(7)
+        eng.hiddens.fill_(0.5)
+
+    with torch.inference_mode():
+        fresh()  # each new row's EOS := its attempt-0 draw, so that ensure_non_empty redraws it
+        tok, _ = eng.sample_core(st, eng.row_params.select(st), h, "code")
+        for r, e in zip(reqs, tok[:, 0].tolist(), strict=True):
+            r.eos_id = e
+        fresh()
+        hit = eng.sample_first(st, eng.row_params.select(st), h, "code", torch.tensor(redraw), MAX_EMPTY_RETRIES)
+        want = [t.clone() for t in (hit, eng.tokens, eng.hiddens, eng.row_params.ints, eng.row_params.floats)]
+        fresh()
+        eng.graphs = CudaGraphs(eng, capture=False)
+        got = eng.graphs.first_tokens(b0, k, h, redraw, MAX_EMPTY_RETRIES)
+        assert set(eng.graphs.graphs) == {("first", 4, MAX_EMPTY_RETRIES)} and got.shape == (4,)
+        assert torch.equal(got[:k], want[0])
+        assert torch.equal(eng.tokens[: b0 + k], want[1][: b0 + k])
+        assert torch.equal(eng.hiddens[: b0 + k], want[2][: b0 + k])
+        assert torch.equal(eng.row_params.ints, want[3]) and torch.equal(eng.row_params.floats, want[4])
+        attempts = eng.row_params.attempt[b0 : b0 + k].tolist()
+        assert attempts[0] >= 1 and attempts[1] == MAX_EMPTY_RETRIES - 1 and attempts[2] == 0  # redrawn, all, none
+        assert eng.graphs.first_tokens(5, 3, h, redraw, MAX_EMPTY_RETRIES) is None  # slots 5..8: past the last
 
 
 @OVERLAP

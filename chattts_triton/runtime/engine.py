@@ -43,7 +43,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import ADMIT_BATCH, ADMIT_WAIT_STEPS, AUDIO_EOS, KV_PAGE_TOKENS
+from ..config import (
+    ADMIT_BATCH,
+    ADMIT_WAIT_STEPS,
+    AUDIO_EOS,
+    KV_PAGE_TOKENS,
+    MAX_EMPTY_RETRIES,
+)
 from ..model import attention
 from .graphs import (  # noqa: F401  re-exported: callers import the buckets and CudaGraphs from here
     BATCH_STEP,
@@ -65,7 +71,6 @@ from .warmup import WarmUp
 
 log = logging.getLogger(__name__)
 
-MAX_EMPTY_RETRIES = 16  # ensure_non_empty re-draws of the first step before giving up
 
 GPU_TIMING_EVERY = 8  # decode steps per one timed on the GPU's clock (two events and a query each)
 # decode steps per GIL probe: its sleep(0) is paid on the hot path (≈ 1 % of a step at concurrency 1 when every
@@ -450,25 +455,12 @@ class Engine(Runner, KvPages, WarmUp):
         device: `sample_first`). Without overlap its flags are read back here, the prefill's one host sync; with
         overlap they are read with the next decode step's (`_land_first`), which is launched first and runs the
         new rows too: admission adds no host sync and the GPU runs the prefill, then the step, without a wait."""
-        hit = torch.empty(k, dtype=torch.bool, device=self.device)
         modes = self.h_text[b0 : b0 + k]
         redraw = [r.req.params.ensure_non_empty for r in self.rows[b0 : b0 + k]]
-        for mode, sel in (("code", ~modes), ("text", modes)):
-            if not sel.any():
-                continue
-            if sel.all():  # the usual case: one mode for all, no index lists to copy
-                st = torch.arange(b0, b0 + k, device=self.device)
-                rows, hm = None, h
-            else:
-                rows = self._h2d(torch.from_numpy(np.flatnonzero(sel)))
-                st, hm = rows + b0, h.index_select(0, rows)
-            self.n_dev.index_fill_(0, st, 0)
-            want = self._h2d(torch.tensor([redraw[i] for i in np.flatnonzero(sel)], dtype=torch.bool))
-            got = self.sample_first(st, self.row_params.select(st), hm, mode, want, MAX_EMPTY_RETRIES)
-            if rows is None:
-                hit = got
-            else:
-                hit.index_copy_(0, rows, got)
+        hit = None
+        if self.graphs is not None and self.prefill_graphs and not modes.any():  # all code rows: the usual case
+            hit = self.graphs.first_tokens(b0, k, h, redraw, MAX_EMPTY_RETRIES)
+        hit = self._first_step_eager(b0, k, h, modes, redraw) if hit is None else hit[:k]
         f = _Flight(-1, k, hit, None, None, self.max_slots)
         f.slot_of[b0 : b0 + k] = np.arange(k)
         if not self.overlap:
@@ -486,6 +478,27 @@ class Engine(Runner, KvPages, WarmUp):
         else:
             f.host = hit.numpy().copy()
         self._first = f
+
+    def _first_step_eager(self, b0: int, k: int, h: Tensor, modes: np.ndarray, redraw: list[bool]) -> Tensor:
+        """`_first_step`'s draws eagerly, each mode's rows with its own head (refine text, or no graphs)."""
+        hit = torch.empty(k, dtype=torch.bool, device=self.device)
+        for mode, sel in (("code", ~modes), ("text", modes)):
+            if not sel.any():
+                continue
+            if sel.all():  # the usual case: one mode for all, no index lists to copy
+                st = torch.arange(b0, b0 + k, device=self.device)
+                rows, hm = None, h
+            else:
+                rows = self._h2d(torch.from_numpy(np.flatnonzero(sel)))
+                st, hm = rows + b0, h.index_select(0, rows)
+            self.n_dev.index_fill_(0, st, 0)
+            want = self._h2d(torch.tensor([redraw[i] for i in np.flatnonzero(sel)], dtype=torch.bool))
+            got = self.sample_first(st, self.row_params.select(st), hm, mode, want, MAX_EMPTY_RETRIES)
+            if rows is None:
+                hit = got
+            else:
+                hit.index_copy_(0, rows, got)
+        return hit
 
     def _land_first(self) -> None:
         """The new rows' first tokens (overlap): their flags (copied right after the prefill, so the wait ends

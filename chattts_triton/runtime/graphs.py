@@ -230,6 +230,62 @@ class CudaGraphs(GraphCache):
         run = self._graph(key, lambda: [e.run_prefill(*static) for _ in range(3)], lambda: e.run_prefill(*static))
         return e.run_prefill(*static) if run is None else run()
 
+    def first_tokens(self, b0: int, k: int, h: Tensor, redraw: Sequence[bool], attempts: int) -> Tensor | None:
+        """`Runner.sample_first` of k freshly prefilled code rows in slots b0.. (h [k, hidden]: their last
+        positions' hidden states; redraw: each row's ensure_non_empty) from the graph of their prompt-count
+        bucket: the EOS flags [bucket], the first k theirs; None where the bucket's padding rows would reach past
+        the last slot. Eagerly the draws are ≈ 200 small kernels of host launch time per admission; one replay
+        instead. The slots, the count and the redraw flags go to the device in one copy."""
+        e = self.e
+        kb = bucket(k, BATCH_STEP, e.max_slots)
+        if b0 + kb > e.max_slots:
+            return None
+        meta, hs = self._first_inputs(kb, h.shape[1])
+        hs[:k].copy_(h)
+        key = ("first", kb, attempts)
+        host = torch.zeros(kb + 2, dtype=torch.int64)
+        host[0] = b0
+        if key not in self.graphs:  # captured with k = 0: its warm-up and capture runs touch no row's state
+            meta.copy_(e._h2d(host))
+            self.first_graph(kb, attempts)
+        host[1] = k
+        host[2 : 2 + k] = torch.tensor(redraw, dtype=torch.int64)
+        meta.copy_(e._h2d(host))
+        run = self.graphs[key]
+        return self._first(kb, attempts) if run is None else run()
+
+    def first_graph(self, kb: int, attempts: int) -> Callable[[], Tensor] | None:
+        """The first-token graph of `kb` rows (captured now if new, over its inputs as they are: at
+        start-up, slots 0.. with no row counted)."""
+        meta, hs = self._first_inputs(kb, self.e.hidden)
+
+        def warm() -> None:
+            for _ in range(3):
+                self._first(kb, attempts)
+
+        return self._graph(("first", kb, attempts), warm, lambda: self._first(kb, attempts))
+
+    def _first_inputs(self, kb: int, hidden: int) -> tuple[Tensor, Tensor]:
+        """The static inputs of the first-token graphs of `kb` rows: meta [kb + 2] int64 (first slot, rows counted,
+        then each row's redraw flag) and the hidden states [kb, hidden] (float)."""
+        key = ("first", kb)
+        static = self.prefill_inputs.get(key)
+        if static is None:
+            dev = self.e.device
+            static = self.prefill_inputs[key] = (torch.zeros(kb + 2, dtype=torch.int64, device=dev),
+                                                 torch.zeros(kb, hidden, dtype=torch.float32, device=dev))
+        return static  # type: ignore[return-value]
+
+    def _first(self, kb: int, attempts: int) -> Tensor:
+        """What a first-token graph runs: rows past the count are padding over the free slots after them (their
+        draws land there, their counts and attempts do not move)."""
+        e = self.e
+        meta, hs = self.prefill_inputs[("first", kb)]
+        rows = torch.arange(kb, device=e.device)
+        st = meta[0] + rows
+        return e.sample_first(st, e.row_params.select(st), hs, "code", meta[2:].bool(), attempts,
+                              valid=rows < meta[1])
+
     def packed_bucket(self, tokens: int) -> int:
         return bucket(tokens, PACKED_STEP, tokens + PACKED_STEP)  # (never below tokens)
 

@@ -328,13 +328,15 @@ class Runner:
         self._record(st, p.n, tok, h, ~hit if valid is None else ~hit & valid)
         return tok, hit
 
-    def sample_first(self, st: Tensor, p: Tensor, h: Tensor, mode: str, redraw: Tensor, attempts: int) -> Tensor:
+    def sample_first(self, st: Tensor, p: Tensor, h: Tensor, mode: str, redraw: Tensor, attempts: int,
+                     valid: Tensor | None = None) -> Tensor:
         """The first token of freshly prefilled rows in slots `st` (count 0), with upstream's ensure_non_empty:
         where `redraw` [rows] (bool) a draw that ends the row is drawn again, attempt after attempt, up to
         `attempts` in all. All attempts are drawn at once from the same probabilities (a draw depends on its
         attempt only through its uniform number), so no host sync decides a redraw; the row keeps the first
         attempt that does not end it (or the last), and its later draws use that attempt, as one after the
-        other would. Returns the EOS flags [rows] on the device."""
+        other would. Rows where `valid` is False are padding: drawn and recorded, their counts and attempts kept.
+        Returns the EOS flags [rows] on the device."""
         b = st.shape[0]
         logits, q = self._sampling_logits(st, p, h, mode)
         a = torch.arange(attempts, device=self.device)
@@ -348,6 +350,7 @@ class Runner:
         chosen = torch.where(ok.any(1), ok.to(torch.uint8).argmax(1), allowed - 1)
         tok = toks.gather(2, chosen.view(b, 1, 1).expand(b, q, 1)).squeeze(2)
         hit = hits.gather(1, chosen.unsqueeze(1)).squeeze(1)
-        self.row_params.attempt.index_add_(0, st, chosen)
-        self._record(st, p.n, tok, h, ~hit)
+        keep = ~hit if valid is None else ~hit & valid
+        self.row_params.attempt.index_add_(0, st, chosen if valid is None else chosen * valid)
+        self._record(st, p.n, tok, h, keep)
         return hit

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..config import AUDIO_EOS
+from ..config import AUDIO_EOS, MAX_EMPTY_RETRIES
 from .graphs import (
     BATCH_STEP,
     PACKED_STEP,
@@ -52,9 +52,9 @@ class WarmUp:
         """Capture now, before the first client, what a load would otherwise capture as it first reaches
         a bucket (each capture synchronises the device, stalling every running request): the decode
         graph of every batch bucket at every attention bucket up to `max_len` (default
-        WARM_DECODE_LEN; with `decode_kernel` one bucket serves every length), and the prefill graphs
-        of the prompt counts `warm_up` left out. A capture that fails leaves its bucket eager, as in
-        serving. Returns the number of graphs held afterwards."""
+        WARM_DECODE_LEN; with `decode_kernel` one bucket serves every length), the prefill graphs
+        of the prompt counts `warm_up` left out, and the first-token graph of every prompt-count bucket. A capture
+        that fails leaves its bucket eager, as in serving. Returns the number of graphs held afterwards."""
         if self.graphs is None:
             return 0
         deadline = time.monotonic() + timeout
@@ -71,6 +71,9 @@ class WarmUp:
                 raise EngineError("warm_graphs needs an idle engine (requests are running)")
             for bb, lb in keys:
                 self.graphs.decode_graph(mode, bb, lb)
+            if self.prefill_graphs:  # an admission's first tokens, by prompt count (over slots 0.., none counted)
+                for kb in bucket_sizes(BATCH_STEP, self.max_slots):
+                    self.graphs.first_graph(kb, MAX_EMPTY_RETRIES)
 
         self._on_engine_thread(capture, deadline)
         return len(self.graphs.graphs)
