@@ -161,9 +161,10 @@ def parse_csv(path: Path) -> dict:
 
 
 def run(url: str, levels: list[int], frames, out: Path, window_ms: int = 5000, binary: Path | None = None,
-        log=print, stability: int = 25, protocol: str = "grpc") -> list[dict]:
+        log=print, stability: int = 25, protocol: str = "grpc", keep_going: bool = False) -> list[dict]:
     """One perf_analyzer run per level; stability: the spread (%) its last three windows must fall within.
-    frames: N, or a Lengths / "A-B" (a mix: write_input_data)."""
+    frames: N, or a Lengths / "A-B" (a mix: write_input_data). A level that fails raises PerfError, or with
+    `keep_going` is the row {"concurrency", "error"} and the next level runs (a benchmark's later phases are kept)."""
     binary = binary or prepare()
     data = write_input_data(out / "perf-input.json", frames)
     rows = []
@@ -173,8 +174,13 @@ def run(url: str, levels: list[int], frames, out: Path, window_ms: int = 5000, b
         r = subprocess.run(cmd, capture_output=True, text=True, env=environment(binary),
                            timeout=60 + 8 * window_ms / 1000)
         if r.returncode != 0 or not csv_path.is_file():
-            raise PerfError(f"perf_analyzer at concurrency {c} failed ({r.returncode}): "
+            err = PerfError(f"perf_analyzer at concurrency {c} failed ({r.returncode}): "
                             f"{(r.stderr or r.stdout).strip()[-1500:]}")
+            if not keep_going:
+                raise err
+            log(str(err))
+            rows.append({"concurrency": c, "error": str(err)})
+            continue
         row = parse_csv(csv_path)
         row["audio_s_per_s"] = row["throughput_utt_s"] * mean_audio_s(frames)
         log(f"perf_analyzer concurrency {c}: {row['throughput_utt_s']:.1f} utt/s ({row['audio_s_per_s']:.1f} s of "
@@ -182,6 +188,12 @@ def run(url: str, levels: list[int], frames, out: Path, window_ms: int = 5000, b
             f"p99 {row['latency_p99_ms']:.0f} ms")
         rows.append(row)
     return rows
+
+
+def failed_row(r: dict) -> str:
+    """A table row of a level that failed (`run(keep_going=True)`): its concurrency and the tool's last words."""
+    words = r["error"].strip().splitlines()[-1].replace("|", "/")
+    return f"| {r['concurrency']} | failed: {words} | | | | |"
 
 
 def to_markdown(rows: list[dict], frames, url: str) -> str:
@@ -194,7 +206,8 @@ def to_markdown(rows: list[dict], frames, url: str) -> str:
            "| concurrency | utterances/s | audio s/s | p50 ms | p90 ms | p99 ms |", "|---|---|---|---|---|---|"]
     def f(v):
         return "" if v is None else f"{v:.0f}"
-    out += [f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | "
+    out += [failed_row(r) if "error" in r else
+            f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | "
             f"{r['throughput_utt_s'] * mean_audio_s(frames):.1f} | "
             f"{f(r['latency_p50_ms'])} | {f(r['latency_p90_ms'])} | {f(r['latency_p99_ms'])} |" for r in rows]
     return "\n".join(out) + "\n"

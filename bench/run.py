@@ -522,7 +522,7 @@ def bench_served(repo: Path, tokens, max_concurrency: int, step_s: float, start:
 
             out["perf_analyzer"] = perf.run(server.grpc_url, list(perf_levels), tokens,
                                             (out_dir or repo.parent) / "perf",
-                                            log=log, stability=perf_stability)
+                                            log=log, stability=perf_stability, keep_going=True)
             save(out)
         out["stream"] = [bench_stream(server.grpc_url, tokens, c, stream_s, server.metrics_url, stream_procs)
                          for c in stream_concurrency]
@@ -609,7 +609,10 @@ def _served_path(res: dict) -> list[str]:
     if rows:
         out += ["## perf_analyzer (Triton's load tool, gRPC)", "",
                 "| concurrency | utterances/s | audio s/s | p50 ms | p90 ms | p99 ms |", "|---|---|---|---|---|---|"]
-        out += [f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | {_f1(r.get('audio_s_per_s'))} | "
+        from bench.perf import failed_row
+
+        out += [failed_row(r) if "error" in r else
+                f"| {r['concurrency']} | {r['throughput_utt_s']:.1f} | {_f1(r.get('audio_s_per_s'))} | "
                 f"{_ms(r['latency_p50_ms'])} | "
                 f"{_ms(r['latency_p90_ms'])} | {_ms(r['latency_p99_ms'])} |" for r in rows]
         out += ["",
@@ -646,6 +649,14 @@ def _f1(v) -> str:
 def result_lengths(res: dict) -> Lengths:
     """The lengths a result file's requests forced: `tokens` N or "A-B", and its seed."""
     return Lengths.parse(res["tokens"], seed=res.get("tokens_seed", 0))
+
+
+def _vocoder(r: dict) -> str:
+    """A served row's vocoder cells: "batch | queue ms" from Triton's statistics (empty where not recorded)."""
+    v = (r.get("triton") or {}).get("chattts_vocoder")
+    if not v:
+        return " | "
+    return f"{v['avg_batch']:.1f} | {v['queue_ms']:.0f}"
 
 
 def to_markdown(res: dict) -> str:
@@ -723,8 +734,8 @@ def to_markdown(res: dict) -> str:
                                                   "| RTF p50 "
                 "| errors | GPU MiB "
                 "| GPT step ms | of it device ms | GPU clock ms | graph ms | prefill ms/step | ms per prefill "
-                "(prompts) | GIL wait ms | GPT batch | GPT busy |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "(prompts) | GIL wait ms | GPT batch | GPT busy | vocoder batch | vocoder queue ms |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
 
             def f(k, s=".0f", r=r):
@@ -738,7 +749,7 @@ def to_markdown(res: dict) -> str:
                        f"{f('engine_step_gpu_ms', '.2f')} | "
                        f"{f('engine_step_graph_ms', '.2f')} | {f('engine_prefill_ms_per_step', '.2f')} | "
                        f"{_prefills(r)} | {f('engine_gil_wait_ms', '.3f')} | "
-                       f"{f('engine_batch', '.1f')} | {f('engine_busy', '.0%')} |")
+                       f"{f('engine_batch', '.1f')} | {f('engine_busy', '.0%')} | {_vocoder(r)} |")
         out += ["", "audio s/s: seconds of audio served per second (compares runs of different mean lengths); "
                 "GPT step ms: mean wall time of one decode step of the GPT engines (host work included); of it device "
                 "ms: "
@@ -754,7 +765,10 @@ def to_markdown(res: dict) -> str:
                 "admitted; GIL wait ms: how long the engine thread took to get the GIL back after letting it go in a "
                 "time.sleep(0) (one step in 64; in 8 up to and including the eleventh session's runs; ≈ 0.07 ms with "
                 "no wait, Linux's timer slack); GPT batch: "
-                "mean rows per step, GPT busy: share of the window the engine loops were stepping or prefilling."]
+                "mean rows per step, GPT busy: share of the window the engine loops were stepping or prefilling; "
+                "vocoder batch, queue ms: chattts_vocoder's mean batch and its requests' mean wait in Triton's queue "
+                "(Triton's statistics over the window): a queue near a whole utterance's time, with batches at "
+                "max_batch_size, means the codec, not the GPT, bounds the rate."]
     return "\n".join(out) + "\n"
 
 

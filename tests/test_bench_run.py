@@ -47,6 +47,16 @@ def test_bench_serves_the_default_export_through_the_launcher(tiny_assets, tmp_p
     md = to_markdown({"date": "d", "device_name": "cpu", "tokens": "4-12", "dtype": "fp32", **out})
     assert "**0 launcher restarts**" in md and "16 served, 0 refused" in md and "perf_analyzer" in md
     assert "drawn per utterance uniformly from 4–12 (seed 0; mean 8 frames" in md and "audio s/s" in md
+    voc = out["served"][-1]["triton"]["chattts_vocoder"]  # the codec's share of the window, beside the GPT's
+    row = [line for line in md.splitlines() if line.startswith(f"| {out['served'][-1]['concurrency']} | ")][-1]
+    assert "| vocoder batch | vocoder queue ms |" in md
+    assert row.endswith(f"| {voc['avg_batch']:.1f} | {voc['queue_ms']:.0f} |") and voc["avg_batch"] >= 1
+    failed = dict(out, perf_analyzer=[{"concurrency": 3, "error": "perf_analyzer at concurrency 3 failed (2): Failed "
+                                       "to obtain stable measurement within 6 measurement windows for concurrency 3. "
+                                       "Please try to increase the --measurement-interval.\n"
+                                       "Failed to obtain stable measurement."}])  # its words, as the tool ends them
+    md = to_markdown({"date": "d", "device_name": "cpu", "tokens": "4-12", "dtype": "fp32", **failed})
+    assert "| 3 | failed: Failed to obtain stable measurement. | | | | |" in md
 
 
 def test_soak_cycles_burst_from_idle_and_hold_with_no_refusal(tiny_repo, tmp_path):

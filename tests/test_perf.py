@@ -53,3 +53,15 @@ def test_perf_analyzer_measures_the_served_ensemble(served_tiny, tmp_path):
 def test_a_failing_run_names_the_level_and_the_tool_s_words(served_tiny, tmp_path):
     with pytest.raises(perf.PerfError, match="concurrency 1"):
         perf.run("127.0.0.1:1", [1], frames=8, out=tmp_path, window_ms=500)
+
+
+def test_with_keep_going_a_failing_level_is_a_row_naming_it_and_the_next_level_runs(tmp_path):
+    """A benchmark keeps its later phases: each failing level is a row with the tool's words (no server here, so
+    both fail), logged, and its table row says so instead of figures."""
+    said = []
+    rows = perf.run("127.0.0.1:1", [1, 2], frames=8, out=tmp_path, window_ms=500, log=said.append, keep_going=True)
+    assert [r["concurrency"] for r in rows] == [1, 2] and all("throughput_utt_s" not in r for r in rows)
+    assert "concurrency 1 failed" in rows[0]["error"] and "concurrency 2 failed" in rows[1]["error"]
+    assert len(said) == 2
+    md = perf.to_markdown(rows, 8, "127.0.0.1:1")
+    assert "| 1 | failed: " in md and "| 2 | failed: " in md
