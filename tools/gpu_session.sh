@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see tools/bundle.py):
-#   bash tools/gpu_session.sh STAGE...   stages: setup test bench detach collect wait step attention codec codecload gil engine aotiprobe clientcap gateway realtime httpclients
+#   bash tools/gpu_session.sh STAGE...   stages: setup test bench ab detach collect wait step attention codec codecload gil engine aotiprobe clientcap gateway realtime httpclients
 # (detach: the stages in DETACH_STAGES (default `bench`) in a process session of their own, writing to DETACH_DIR
 #  (default build/detached), so that a run longer than one device call (a soak) goes on between calls; several
 #  detached runs side by side each have their own DETACH_DIR; collect [WAIT_S]: wait for DETACH_DIR's run to end,
@@ -8,13 +8,16 @@
 #  wait: until the detached run in WAIT_FOR has ended, e.g. timed stages queued behind a soak)
 # (step: STEP_TREES lists the checkouts whose chattts_triton/ and bench/ run the probe, default `.`; another's,
 #  e.g. `git archive` of the commit before a change, measures the step before it)
+# (ab: one bench.run per entry of AB_RUNS, "NAME[@TREE]=FLAGS;…", each with BENCH_ARGS and its own FLAGS, from the
+#  checkout TREE (default `.`; e.g. `git archive` of the commit before a change): an A/B on one host, one after the
+#  other, into $OUT/ab-NAME/)
 # (test: PYTEST_ARGS picks the tests, default the whole GPU suite; quotes in it are kept, e.g. -k "a or b")
 # Writes logs and results under $OUT (or build/gpu-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT="${OUT:-build/gpu-out}"; mkdir -p "$OUT"; OUT="$(cd "$OUT" && pwd)"; ROOT="$PWD"
-ENV=/tmp/chattts-env.sh
+ENV="${CHATTTS_ENV:-/tmp/chattts-env.sh}"  # the bundle's exports, written by its first install
 if [ ! -f "$ENV" ]; then
   bash .bundle/install.sh 2>&1 | tee "$OUT/install.log" | sed -n '/^Export these/,$p' | grep '^export' > "$ENV"
 fi
@@ -33,6 +36,17 @@ for stage in "$@"; do
       eval "python3 -m pytest -p no:cacheprovider -v -m gpu ${PYTEST_ARGS:-tests/test_gpu.py} -s" 2>&1 | tee "$OUT/test_gpu.log" ;;
     bench)
       python3 -m bench.run --assets build/assets-full --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
+    ab)
+      IFS=';' read -ra runs <<< "${AB_RUNS:?ab: AB_RUNS names the runs, e.g. \"one=;two=--instances 2\"}"
+      for run in "${runs[@]}"; do
+        head="${run%%=*}"; flags="${run#*=}"; name="${head%%@*}"; tree=.
+        [ "$head" = "$name" ] || tree="${head#*@}"
+        echo "$(date +%T) ab $name (tree $tree): ${BENCH_ARGS:-} $flags" | tee -a "$OUT/ab.log"
+        (cd "$tree" && PYTHONPATH="$PWD:$PYTHONPATH" python3 -m bench.run --assets "$ROOT/build/assets-full" \
+          --out "$OUT/ab-$name" --name "$name" --repo "$ROOT/build/repo-ab-$name" ${BENCH_ARGS:-} $flags) \
+          > "$OUT/ab-$name.log" 2>&1
+        tail -3 "$OUT/ab-$name.log" | tee -a "$OUT/ab.log"
+      done ;;
     detach)
       dir="${DETACH_DIR:-build/detached}"; rm -rf "$dir" && mkdir -p "$dir"
       # the marker `done` is written whatever the stages' fate, so collect never waits out its deadline for a dead run
