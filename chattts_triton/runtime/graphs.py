@@ -28,14 +28,23 @@ def to_host(t: Tensor) -> Tensor:
     """`t` on the host. CUDA: an async copy into pinned memory, then a wait on an event recorded after
     it, instead of a blocking copy (which can hold up other threads' launches while it waits for the
     GPU). A CPU tensor is returned as it is."""
+    host, done = to_host_async(t)
+    if done is not None:
+        done.synchronize()
+    return host
+
+
+def to_host_async(t: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+    """`to_host` without the wait: the pinned host tensor and the event that follows its copy (None: a CPU tensor,
+    returned as it is). Copies enqueued one after another on a stream finish in order, so waiting for the last event
+    waits for them all."""
     if t.device.type != "cuda":
-        return t
+        return t, None
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)  # on t's device's current stream
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(t.device))
-    done.synchronize()
-    return host
+    return host, done
 
 
 def graph_events() -> tuple[torch.cuda.Event, torch.cuda.Event] | None:

@@ -14,7 +14,7 @@ import torch
 from ..config import MEL_FRAMES_PER_CODE, NUM_VQ, USE_DECODER_DEFAULT, Arch, samples_for_codes
 from ..model.text import InputError
 from .artifacts import Artifact
-from .graphs import GraphCache, bucket, to_host
+from .graphs import GraphCache, bucket, to_host_async
 from .inputs import Call, get_bool
 
 log = logging.getLogger(__name__)
@@ -135,46 +135,58 @@ class CodecGraphs(GraphCache):
         """The items' audio: per path, the items by length in graphs of at most CODEC_GRAPH_BATCH
         (similar lengths share a frame bucket; a call for the stream model's 64 streams is 4 replays
         of buckets captured at start-up); a group over CODEC_GRAPH_FRAMES padded frames or of items
-        over CODEC_GRAPH_ITEM_FRAMES runs eagerly, an empty item gets empty audio."""
+        over CODEC_GRAPH_ITEM_FRAMES runs eagerly, an empty item gets empty audio. Every group's inputs, replay and
+        audio copy are enqueued before the host waits, once, for the last copy: the host builds the next group's
+        batch while the GPU runs the one before (a group's copies and replay follow the group before it on the
+        stream, so a graph's static buffers are never overwritten before they are read)."""
         out: list[np.ndarray | None] = [None] * len(items)
         eager: list[int] = []
+        launched: list[tuple[list[int], torch.Tensor, list[int]]] = []
+        done = None
         for use_decoder in (True, False):
             idx = sorted((i for i, (u, x) in enumerate(items) if u == use_decoder and x.shape[0] > 0),
                          key=lambda i: items[i][1].shape[0])
             for lo in range(0, len(idx), CODEC_GRAPH_BATCH):
                 group = idx[lo : lo + CODEC_GRAPH_BATCH]
-                audio = self._replay(use_decoder, [items[i][1] for i in group])
-                if audio is None:
+                got = self._launch(use_decoder, [items[i][1] for i in group])
+                if got is None:
                     eager += group
                     continue
-                for i, a in zip(group, audio, strict=True):
-                    out[i] = a
+                audio, done = got
+                launched.append((group, audio, [int(items[i][1].shape[0]) for i in group]))
+        if done is not None:
+            done.synchronize()
+        for group, audio, lens in launched:
+            for j, (i, n) in enumerate(zip(group, lens, strict=True)):
+                out[i] = audio[j, : samples_for_codes(n)].numpy()
         if eager:  # what did not fit a graph: one eager batch per path
             for i, a in zip(eager, self.voc.synthesize_eager([items[i] for i in eager]), strict=True):
                 out[i] = a
         return [np.zeros(0, np.float32) if a is None else a for a in out]
 
-    def _replay(self, use_decoder: bool, xs: list[torch.Tensor]) -> list[np.ndarray] | None:
+    def _launch(self, use_decoder: bool, xs: list[torch.Tensor]) -> tuple[torch.Tensor, object] | None:
+        """One group's padded batch from its graph, enqueued: its audio [bucket, samples] on the host once the
+        returned event (None on the CPU) is done; None where the group is over the graphs' limits."""
         lens = [int(x.shape[0]) for x in xs]
         bb, tb = self.buckets(len(xs), max(lens))
         if bb * tb > CODEC_GRAPH_FRAMES or tb > CODEC_GRAPH_ITEM_FRAMES:
             return None
         key = ("decoder" if use_decoder else "dvae", bb, tb)
-        batch = xs[0].new_zeros((bb, tb) + tuple(xs[0].shape[1:]))
+        pinned = self.device.type == "cuda"  # built in pinned memory: the copy to the device is asynchronous
+        batch = torch.zeros((bb, tb) + tuple(xs[0].shape[1:]), dtype=xs[0].dtype, pin_memory=pinned)
         for i, x in enumerate(xs):
             batch[i, : x.shape[0]] = x
-        lengths = torch.ones(bb, dtype=torch.int64)
+        lengths = torch.ones(bb, dtype=torch.int64, pin_memory=pinned)
         lengths[: len(xs)] = torch.tensor(lens)
         static = self.inputs.get(key)
         if static is None:
             static = self.inputs[key] = (torch.zeros_like(batch, device=self.device),
                                          torch.ones_like(lengths, device=self.device))
         for buf, t in zip(static, (batch, lengths), strict=True):
-            buf.copy_(t.pin_memory() if self.device.type == "cuda" else t, non_blocking=True)
+            buf.copy_(t, non_blocking=True)
 
         def decode() -> torch.Tensor:
             return self.voc.decode(use_decoder, *static)
 
         run = self._graph(key, lambda: [decode() for _ in range(3)], decode)
-        audio = to_host(run() if run is not None else decode())
-        return [audio[i, : samples_for_codes(n)].numpy() for i, n in enumerate(lens)]
+        return to_host_async(run() if run is not None else decode())
