@@ -48,3 +48,20 @@ def test_ab_without_runs_says_what_it_needs(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "tools/gpu_session.sh"), "ab"], env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "AB_RUNS names the runs" in r.stderr
+
+
+def test_ab_refuses_an_entry_without_its_equals_sign_before_any_run(tmp_path):
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'name'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env_file = tmp_path / "env.sh"
+    env_file.write_text("")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), CHATTTS_ENV=str(env_file),
+               AB_RUNS="one=;two --instances 2")
+    r = subprocess.run(["bash", str(ROOT / "tools/gpu_session.sh"), "ab"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "'two --instances 2' has no '='" in r.stderr
+    assert not calls.exists()  # not even the first, well-formed entry ran

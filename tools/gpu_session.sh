@@ -38,6 +38,12 @@ for stage in "$@"; do
       python3 -m bench.run --assets build/assets-full --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     ab)
       IFS=';' read -ra runs <<< "${AB_RUNS:?ab: AB_RUNS names the runs, e.g. \"one=;two=--instances 2\"}"
+      for run in "${runs[@]}"; do  # refused up front: a run's mistake would only show in its own log, minutes on
+        case "$run" in
+          *=*) ;;
+          *) echo "ab: AB_RUNS entry '$run' has no '=': write NAME[@TREE]=FLAGS (FLAGS may be empty)" >&2; exit 2 ;;
+        esac
+      done
       for run in "${runs[@]}"; do
         head="${run%%=*}"; flags="${run#*=}"; name="${head%%@*}"; tree=.
         [ "$head" = "$name" ] || tree="${head#*@}"

@@ -491,7 +491,6 @@ class Engine(Runner, KvPages, WarmUp):
             else:
                 rows = self._h2d(torch.from_numpy(np.flatnonzero(sel)))
                 st, hm = rows + b0, h.index_select(0, rows)
-            self.n_dev.index_fill_(0, st, 0)
             want = self._h2d(torch.tensor([redraw[i] for i in np.flatnonzero(sel)], dtype=torch.bool))
             got = self.sample_first(st, self.row_params.select(st), hm, mode, want, MAX_EMPTY_RETRIES)
             if rows is None:

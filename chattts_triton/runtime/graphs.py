@@ -249,24 +249,24 @@ class CudaGraphs(GraphCache):
         kb = bucket(k, BATCH_STEP, e.max_slots)
         if b0 + kb > e.max_slots:
             return None
-        meta, hs = self._first_inputs(kb, h.shape[1])
+        meta, hs = self._first_inputs(kb)
         hs[:k].copy_(h)
         key = ("first", kb, attempts)
         host = torch.zeros(kb + 2, dtype=torch.int64)
         host[0] = b0
         if key not in self.graphs:  # captured with k = 0: its warm-up and capture runs touch no row's state
-            meta.copy_(e._h2d(host))
+            e._h2d_into(meta, host)
             self.first_graph(kb, attempts)
         host[1] = k
         host[2 : 2 + k] = torch.tensor(redraw, dtype=torch.int64)
-        meta.copy_(e._h2d(host))
+        e._h2d_into(meta, host)
         run = self.graphs[key]
         return self._first(kb, attempts) if run is None else run()
 
     def first_graph(self, kb: int, attempts: int) -> Callable[[], Tensor] | None:
         """The first-token graph of `kb` rows (captured now if new, over its inputs as they are: at
         start-up, slots 0.. with no row counted)."""
-        meta, hs = self._first_inputs(kb, self.e.hidden)
+        self._first_inputs(kb)
 
         def warm() -> None:
             for _ in range(3):
@@ -274,7 +274,7 @@ class CudaGraphs(GraphCache):
 
         return self._graph(("first", kb, attempts), warm, lambda: self._first(kb, attempts))
 
-    def _first_inputs(self, kb: int, hidden: int) -> tuple[Tensor, Tensor]:
+    def _first_inputs(self, kb: int) -> tuple[Tensor, Tensor]:
         """The static inputs of the first-token graphs of `kb` rows: meta [kb + 2] int64 (first slot, rows counted,
         then each row's redraw flag) and the hidden states [kb, hidden] (float)."""
         key = ("first", kb)
@@ -282,7 +282,7 @@ class CudaGraphs(GraphCache):
         if static is None:
             dev = self.e.device
             static = self.prefill_inputs[key] = (torch.zeros(kb + 2, dtype=torch.int64, device=dev),
-                                                 torch.zeros(kb, hidden, dtype=torch.float32, device=dev))
+                                                 torch.zeros(kb, self.e.hidden, dtype=torch.float32, device=dev))
         return static  # type: ignore[return-value]
 
     def _first(self, kb: int, attempts: int) -> Tensor:

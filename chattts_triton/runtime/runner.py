@@ -112,6 +112,10 @@ class Runner:
             return t.to(self.device)
         return t.pin_memory().to(self.device, non_blocking=True)  # a pageable copy would sync the stream
 
+    def _h2d_into(self, dst: Tensor, t: Tensor) -> None:
+        """`dst.copy_(t)` from host memory in one copy (through pinned memory on CUDA: no sync, no device temporary)."""
+        dst.copy_(t.pin_memory() if self.device.type == "cuda" else t, non_blocking=True)
+
     def _d2h(self, t: Tensor) -> Tensor:
         if self.device.type != "cuda":
             return t.clone()  # the slot's buffers are reused: hand out a copy
