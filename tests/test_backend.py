@@ -174,6 +174,37 @@ def test_finalize_waits_for_the_requests_in_flight(tiny_repo):
     t.join()
 
 
+class SlowStatsService(HeldService):
+    """stats() as slow as a CUDA memory-stats read that the process's teardown would interrupt; records when each
+    read ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def stats(self):
+        start = time.monotonic()
+        time.sleep(0.15)
+        self.reads.append((start, time.monotonic()))
+        return super().stats()
+
+
+def test_finalize_returns_after_the_metrics_threads_last_stats_read(tiny_repo):
+    """Teardown follows finalize: a stats read (torch.cuda's) still running then fails in a dying CUDA runtime and
+    crashed the stub, so that a SIGTERM'd server exited 1. finalize joins the metrics thread."""
+    pb, service = FakePb(), SlowStatsService()
+    model = _model(tiny_repo, pb, service)
+    assert wait_for(lambda: len(service.reads) >= 3, 5, 0.01)  # publishing every STATS_PERIOD_S
+    threads = [t for t in threading.enumerate() if t.name == "chattts-metrics"]
+    assert len(threads) == 1
+    model.finalize()
+    ended = time.monotonic()
+    assert not threads[0].is_alive()
+    n = len(service.reads)
+    time.sleep(2 * backend.STATS_PERIOD_S)
+    assert len(service.reads) == n and all(end <= ended for _, end in service.reads)
+
+
 @pytest.mark.parametrize("publish_s,poll_s,polls", [(backend.INFLIGHT_PUBLISH_S, 0.2, 3)])
 def test_the_drain_sees_a_request_before_it_calls_the_server_idle(publish_s, poll_s, polls):
     """serve.quiesce needs `polls` zero readings `poll_s` apart: a request admitted before the first

@@ -140,6 +140,7 @@ STATS_PERIOD_S = 0.25  # how often a service's stats() refresh its gauges
 # its IPC round trip to the server held the GIL twice per request (py-spy: a third of the stub's main
 # thread's GIL time on the CPU), time the engine thread waits for
 INFLIGHT_PUBLISH_S = 0.05
+STATS_JOIN_S = 10.0  # finalize waits this long for the metrics thread's last publish (a stats read, a gauge IPC)
 STAT_HELP = {
     "engine_active": "generations running in this instance's engine",
     "engine_waiting": "generations waiting for an engine slot",
@@ -256,8 +257,10 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):  # noqa: C901 
                 self.stat_gauges = {k: _gauge(pb_utils, f"chattts_{k}",
                                               STAT_HELP.get(k, f"{k} of this model instance"), self.ctx)
                                     for k in self._stats()}
+            self.publisher = None
             if self.gauge is not None or self.stat_gauges:
-                threading.Thread(target=self._publish, name="chattts-metrics", daemon=True).start()
+                self.publisher = threading.Thread(target=self._publish, name="chattts-metrics", daemon=True)
+                self.publisher.start()
 
         def _publish(self) -> None:
             """The gauges, from this thread only: the in-flight count when it changed (within
@@ -378,6 +381,11 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):  # noqa: C901 
             if close is not None:
                 close()
             self.closed.set()
+            # joined, not left to die with the stub: a stats read (torch.cuda's memory stats) still running while the
+            # process tears CUDA down fails ("driver shutting down") and crashed the stub, so that a SIGTERM'd
+            # server exited 1
+            if self.publisher is not None:
+                self.publisher.join(timeout=STATS_JOIN_S)
             with self.idle:
                 self.idle.wait_for(lambda: self.inflight <= 0, timeout=60)
 
