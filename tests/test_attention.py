@@ -186,6 +186,9 @@ def test_with_the_decode_kernel_one_graph_per_batch_bucket_serves_every_attentio
     eng = make_engine(ours, arch, max_slots=40, max_context=640, max_new_tokens=500, decode_kernel=True)
     try:
         eng.graphs = CudaGraphs(eng, capture=False)
+        # decode graphs only: prefill and first-token buckets are warm_graphs' own tests' (test_engine.py), and
+        # their eager stand-ins of up to 40 prompts took minutes of this test on a CPU
+        eng.prefill_graphs = False
         assert eng.graphs.buckets(3, 5) == eng.graphs.buckets(3, 600) == (4, LEN_STEP)
         eng.warm_graphs()
         decode = {k for k in eng.graphs.graphs if k[0] == "code"}
