@@ -652,11 +652,14 @@ def result_lengths(res: dict) -> Lengths:
 
 
 def _vocoder(r: dict) -> str:
-    """A served row's vocoder cells: "batch | queue ms" from Triton's statistics (empty where not recorded)."""
+    """A served row's vocoder cells from Triton's statistics: "batch | queue ms | ms per call | busy", busy the calls'
+    time over the window, summed over instances (empty where not recorded)."""
     v = (r.get("triton") or {}).get("chattts_vocoder")
     if not v:
-        return " | "
-    return f"{v['avg_batch']:.1f} | {v['queue_ms']:.0f}"
+        return " |  |  | "
+    call_ms = v["compute_input_ms"] + v["compute_infer_ms"] + v["compute_output_ms"]
+    busy = f"{v['execution_count'] * call_ms / (1000 * r['duration_s']):.0%}" if r.get("duration_s") else ""
+    return f"{v['avg_batch']:.1f} | {v['queue_ms']:.0f} | {call_ms:.1f} | {busy}"
 
 
 def to_markdown(res: dict) -> str:
@@ -734,8 +737,9 @@ def to_markdown(res: dict) -> str:
                                                   "| RTF p50 "
                 "| errors | GPU MiB "
                 "| GPT step ms | of it device ms | GPU clock ms | graph ms | prefill ms/step | ms per prefill "
-                "(prompts) | GIL wait ms | GPT batch | GPT busy | vocoder batch | vocoder queue ms |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "(prompts) | GIL wait ms | GPT batch | GPT busy | vocoder batch | vocoder queue ms "
+                "| vocoder ms per call | vocoder busy |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
 
             def f(k, s=".0f", r=r):
@@ -768,7 +772,9 @@ def to_markdown(res: dict) -> str:
                 "mean rows per step, GPT busy: share of the window the engine loops were stepping or prefilling; "
                 "vocoder batch, queue ms: chattts_vocoder's mean batch and its requests' mean wait in Triton's queue "
                 "(Triton's statistics over the window): a queue near a whole utterance's time, with batches at "
-                "max_batch_size, means the codec, not the GPT, bounds the rate."]
+                "max_batch_size, means the codec, not the GPT, bounds the rate; vocoder ms per call, busy: one call's "
+                "input, compute and output time, and the calls' share of the window (over 100 % with several "
+                "instances at once): near 100 % with one instance, the vocoder has no time left."]
     return "\n".join(out) + "\n"
 
 

@@ -49,8 +49,11 @@ def test_bench_serves_the_default_export_through_the_launcher(tiny_assets, tmp_p
     assert "drawn per utterance uniformly from 4–12 (seed 0; mean 8 frames" in md and "audio s/s" in md
     voc = out["served"][-1]["triton"]["chattts_vocoder"]  # the codec's share of the window, beside the GPT's
     row = [line for line in md.splitlines() if line.startswith(f"| {out['served'][-1]['concurrency']} | ")][-1]
-    assert "| vocoder batch | vocoder queue ms |" in md
-    assert row.endswith(f"| {voc['avg_batch']:.1f} | {voc['queue_ms']:.0f} |") and voc["avg_batch"] >= 1
+    assert "| vocoder batch | vocoder queue ms | vocoder ms per call | vocoder busy |" in md
+    call_ms = voc["compute_input_ms"] + voc["compute_infer_ms"] + voc["compute_output_ms"]
+    busy = voc["execution_count"] * call_ms / (1000 * out["served"][-1]["duration_s"])
+    assert row.endswith(f"| {voc['avg_batch']:.1f} | {voc['queue_ms']:.0f} | {call_ms:.1f} | {busy:.0%} |")
+    assert voc["avg_batch"] >= 1 and call_ms > 0 and 0 < busy < 1.5  # one instance: at most the window, and rounding
     failed = dict(out, perf_analyzer=[{"concurrency": 3, "error": "perf_analyzer at concurrency 3 failed (2): Failed "
                                        "to obtain stable measurement within 6 measurement windows for concurrency 3. "
                                        "Please try to increase the --measurement-interval.\n"
