@@ -42,3 +42,30 @@ def write_rows(a: argparse.Namespace, rows: list, **meta) -> None:
     a.out.write_text(json.dumps({"repo": str(a.repo), "device": a.device, **meta,
                                  "gpu": torch.cuda.get_device_name(a.gpu) if a.device == "cuda" else "cpu",
                                  "torch": torch.__version__, "command": " ".join(sys.argv), "rows": rows}, indent=1))
+
+
+def profile_kernels(fn, steps: int, cuda: bool, top: int = 12) -> dict:
+    """Kernels of `steps` calls of `fn` (after one unprofiled call): per call ("step"), how many and their summed ms,
+    and the `top` kernels by time (on a CPU: leaf operators, a proxy for what a GPU would launch)."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    want = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    kernels = [e for e in prof.events() if e.device_type == want and (cuda or not e.cpu_children)]
+    by_name = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by_name[e.name][0] += 1
+        by_name[e.name][1] += e.time_range.elapsed_us() / 1000
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels_per_step": round(len(kernels) / steps, 1),
+            "kernel_ms_per_step": round(sum(v[1] for v in by_name.values()) / steps, 4),
+            "top": [{"name": name[:120], "per_step": round(n / steps, 2), "ms_per_step": round(ms / steps, 4)}
+                    for name, (n, ms) in ranked]}

@@ -615,12 +615,17 @@ def test_codec_load_bench_times_each_batch_per_utterance(tiny_repo, tmp_path):
 
     out = tmp_path / "codec.json"
     assert codec_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--batches", "1,3", "--frames", "12",
-                            "--calls", "2", "--out", str(out)]) == 0
+                            "--calls", "2", "--profile", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["graphs"]) for r in rows] == [(1, False), (3, False)]
     for r in rows:
         assert r["wall_ms"] > 0 and r["wall_ms_per_utt"] == pytest.approx(r["wall_ms"] / r["batch"])
         assert "gpu_ms" not in r
+        prof = r["profile"]  # the decoder's and Vocos's operators (leaf ops on a CPU), the costliest first
+        assert prof["kernels_per_step"] > 20 and prof["kernel_ms_per_step"] > 0
+        ms = [k["ms_per_step"] for k in prof["top"]]
+        assert ms == sorted(ms, reverse=True), prof["top"]
+        assert "aten::gelu" in [k["name"] for k in prof["top"]]  # the ConvNeXt blocks' activation, a costly leaf
     with pytest.raises(SystemExit):
         codec_load.main(["--repo", str(tiny_repo), "--device", "cpu", "--batches", "0"])
 

@@ -1,12 +1,15 @@
 """What the decoder + Vocos cost per utterance by batch size: the GPU time the codec takes from the engine.
 
-    python -m bench.probes.codec_load --repo REPO [--batches 1,4,8,16,32,64] [--frames 150] [--calls 20] [--out FILE]
+    python -m bench.probes.codec_load --repo REPO [--batches 1,4,8,16,32,64] [--frames 150] [--calls 20]
+                                      [--profile N] [--out FILE]
 
 Builds `chattts_vocoder`'s service from an exported repository (its dtype and artifacts), then times
 `synthesize` on `--batches` items of `--frames` code frames each (the decoder path, as served by
 default): wall ms per call (host to audio on the host) and the span on the GPU's own clock (CUDA
 events), eager and from the codec's CUDA graphs. Per utterance, the GPU ms times the served rate is
-the share of the GPU the codec needs (e.g. 1 ms per utterance at 400 utt/s: 40 %).
+the share of the GPU the codec needs (e.g. 1 ms per utterance at 400 utt/s: 40 %). `--profile N`: also N eager
+calls per batch under torch.profiler (the graphs replay the same kernels): the kernels per call, their summed ms and
+the most expensive, i.e. which of the decoder's and Vocos's operations the codec's GPU time goes to.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 
 import torch
 
-from bench.common import add_device_args, cuda_missing, int_list, write_rows
+from bench.common import add_device_args, cuda_missing, int_list, profile_kernels, write_rows
 
 
 def time_calls(voc, items, calls: int, graphs: bool) -> dict:
@@ -52,13 +55,15 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,4,8,16,32,64")
     ap.add_argument("--frames", type=int, default=150, help="code frames per item")
     ap.add_argument("--calls", type=int, default=20, help="timed calls per batch (median)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile N eager calls per batch: kernels per call, their ms, the most expensive")
     add_device_args(ap)
     a = ap.parse_args(argv)
     if cuda_missing(a):
         return 2
     batches = int_list(ap, a.batches, "--batches")
-    if not batches or min(batches) < 1 or a.frames < 1 or a.calls < 1:
-        ap.error("--batches, --frames and --calls must be ≥ 1")
+    if not batches or min(batches) < 1 or a.frames < 1 or a.calls < 1 or a.profile < 0:
+        ap.error("--batches, --frames and --calls must be ≥ 1, --profile ≥ 0")
     from chattts_triton.config import VOCODER
     from chattts_triton.triton.backend import ModelContext, vocoder_service
 
@@ -77,6 +82,13 @@ def main(argv=None) -> int:
                        if "gpu_ms" in row else "")
                 print(f"[codec_load] batch {b} {'graphs' if graphs else 'eager '}: wall {row['wall_ms']:.2f} ms "
                       f"({row['wall_ms_per_utt']:.3f} per utterance){gpu}", flush=True)
+            if a.profile:
+                prof = profile_kernels(lambda items=items: voc.synthesize_eager(items), a.profile,
+                                       voc.device.type == "cuda")
+                rows[-1]["profile"] = prof
+                print(f"[codec_load] batch {b} profile: {prof['kernels_per_step']} kernels, "
+                      f"{prof['kernel_ms_per_step']:.3f} ms per call; most: "
+                      + "; ".join(f"{k['name'][:60]} {k['ms_per_step']:.3f} ms" for k in prof["top"][:4]), flush=True)
     write_rows(a, rows, frames=a.frames)
     return 0
 

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from bench.common import profile_kernels
+
 
 def _time_graph(fn, iters: int) -> float:
     """Median ms of `fn` replays (fn launches a captured graph)."""
@@ -89,33 +91,6 @@ def _forward_graph(engine, b: int, attn_len: int):
     with torch.cuda.graph(g):
         fwd()
     return g.replay
-
-
-def _profile(fn, steps: int, cuda: bool, top: int = 12) -> dict:
-    """Kernels of `steps` calls of `fn`: per step, how many and their summed ms, and the `top` kernels
-    by time (on a CPU: leaf operators, a proxy for what a GPU would launch)."""
-    from collections import defaultdict
-
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-    want = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    kernels = [e for e in prof.events() if e.device_type == want and (cuda or not e.cpu_children)]
-    by_name = defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        by_name[e.name][0] += 1
-        by_name[e.name][1] += e.time_range.elapsed_us() / 1000
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"kernels_per_step": round(len(kernels) / steps, 1),
-            "kernel_ms_per_step": round(sum(v[1] for v in by_name.values()) / steps, 4),
-            "top": [{"name": name[:120], "per_step": round(n / steps, 2), "ms_per_step": round(ms / steps, 4)}
-                    for name, (n, ms) in ranked]}
 
 
 def _set_positions(engine, b: int, attn_len: int, lengths: str) -> None:
@@ -244,8 +219,8 @@ def run_variant(variant: str, args, arch, dtype) -> dict:  # noqa: C901  a probe
             row.update(aoti_times(b))
             if args.profile:
                 with torch.inference_mode():
-                    row["profile"] = _profile(lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live),
-                                              args.profile, cuda)
+                    row["profile"] = profile_kernels(
+                        lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live), args.profile, cuda)
             out["batches"][b] = row
             print(f"[{variant}] batch {b:4d}: {row}", flush=True)
             continue
@@ -266,8 +241,8 @@ def run_variant(variant: str, args, arch, dtype) -> dict:  # noqa: C901  a probe
                 row.update(forward_ms=round(fwd_ms, 4), rest_ms=round(step_ms - fwd_ms, 4))
             if args.profile:  # the step's own launches, without the graph (the same kernels)
                 step = engine.graph_step or engine.step_core  # compiled variants: inductor's kernels
-                row["profile"] = _profile(lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live),
-                                          args.profile, cuda)
+                row["profile"] = profile_kernels(
+                    lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live), args.profile, cuda)
         out["batches"][b] = row
         print(f"[{variant}] batch {b:4d}: {row}", flush=True)
     out["prefill"] = {}
@@ -280,7 +255,7 @@ def run_variant(variant: str, args, arch, dtype) -> dict:  # noqa: C901  a probe
                 row["graph_ms"] = (round(_time_prefill(engine, k, t, True, max(3, args.iters // 4)), 3)
                                    if kb * tb <= PREFILL_GRAPH_TOKENS else None)
             if args.profile:  # its kernels, launched eagerly (the graph replays the same ones)
-                row["profile"] = _profile(_prefill_once(engine, k, t, False), args.profile, cuda)
+                row["profile"] = profile_kernels(_prefill_once(engine, k, t, False), args.profile, cuda)
             out["prefill"][shape] = row
             print(f"[{variant}] prefill {k} prompts x {t} tokens: {row}", flush=True)
     if args.loop_tokens:
