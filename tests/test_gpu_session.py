@@ -10,19 +10,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_ab_runs_each_entry_from_its_tree_with_the_common_flags_and_its_own(tmp_path):
+def _stand_ins(tmp_path: Path, record: str) -> tuple[dict, Path]:
+    """An environment whose python3 appends `record` (shell words) to calls.txt and whose nvidia-smi names a card,
+    with an empty bundle env file; and the calls file."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
     bin_dir.mkdir()
-    (bin_dir / "python3").write_text(f'#!/bin/sh\necho "$PWD|$PYTHONPATH|$*" >> {calls}\n')
+    (bin_dir / "python3").write_text(f'#!/bin/sh\necho "{record}" >> {calls}\n')
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'name'\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    old = tmp_path / "old"
-    old.mkdir()
     env_file = tmp_path / "env.sh"
     env_file.write_text("")
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), CHATTTS_ENV=str(env_file),
-               BENCH_ARGS="--skip-upstream --max-concurrency 8", AB_RUNS=f"new=;before@{old}=--instances 2 --mps")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), CHATTTS_ENV=str(env_file))
+    return env, calls
+
+
+def test_ab_runs_each_entry_from_its_tree_with_the_common_flags_and_its_own(tmp_path):
+    env, calls = _stand_ins(tmp_path, "$PWD|$PYTHONPATH|$*")
+    old = tmp_path / "old"
+    old.mkdir()
+    env.update(BENCH_ARGS="--skip-upstream --max-concurrency 8", AB_RUNS=f"new=;before@{old}=--instances 2 --mps")
     r = subprocess.run(["bash", str(ROOT / "tools/gpu_session.sh"), "ab"], env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
@@ -51,16 +58,8 @@ def test_ab_without_runs_says_what_it_needs(tmp_path):
 
 
 def test_ab_refuses_an_entry_without_its_equals_sign_before_any_run(tmp_path):
-    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'name'\n")
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
-    env_file = tmp_path / "env.sh"
-    env_file.write_text("")
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), CHATTTS_ENV=str(env_file),
-               AB_RUNS="one=;two --instances 2")
+    env, calls = _stand_ins(tmp_path, "$*")
+    env["AB_RUNS"] = "one=;two --instances 2"
     r = subprocess.run(["bash", str(ROOT / "tools/gpu_session.sh"), "ab"], env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "'two --instances 2' has no '='" in r.stderr
