@@ -793,6 +793,27 @@ def test_admin_key_comes_from_the_secret_by_environment():
         render({"server": {"restrictAdminApis": False}})
 
 
+def test_a_compile_cache_claim_holds_torch_compiles_caches_for_the_server_only():
+    """With compileCache.pvc.claimName, tritonserver's container (whose python stubs inherit its environment) finds
+    inductor's and Triton's caches on the claim; without one, neither the variables nor the volume appear."""
+    docs = render({"compileCache": {"pvc": {"claimName": "tts-compile"}, "mountPath": "/cache"}})
+    assert k8s_problems(docs) == []
+    dep = _one(docs, "Deployment")
+    c = _container(dep)
+    assert {"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/cache/inductor"} in c["env"]
+    assert {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"} in c["env"]
+    assert {"name": "compile-cache", "mountPath": "/cache"} in c["volumeMounts"]
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "compile-cache", "persistentVolumeClaim": {"claimName": "tts-compile"}} in pod["volumes"]
+    others = [x for x in pod["containers"] if x["name"] != c["name"]]
+    assert others and not any("compile-cache" in str(x.get("volumeMounts")) for x in others)
+    plain = _one(render(), "Deployment")
+    assert "CACHE_DIR" not in str(_container(plain).get("env"))
+    assert "compile-cache" not in str(plain["spec"]["template"]["spec"]["volumes"])
+    with pytest.raises(helm.HelmError, match="mountPath"):
+        render({"compileCache": {"pvc": {"claimName": "x"}, "mountPath": "relative/path"}})
+
+
 def test_server_extra_args_go_to_tritonserver():
     c = _container(_one(render(SCENARIOS["external-metric-all-extras"]), "Deployment"))
     flags, server = _split(c["args"])
