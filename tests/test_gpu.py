@@ -326,9 +326,11 @@ def test_stream_first_chunk_leaves_while_the_utterance_is_generated_on_gpu(tiny_
         svc.close()
 
 
-def test_stream_codec_on_its_own_cuda_stream_gives_the_offline_audio_on_gpu(tiny_repo):
+@pytest.mark.parametrize("switch", ["stream_codec_stream", "stream_engine_priority"])
+def test_stream_codec_and_engine_on_streams_of_their_own_give_the_offline_audio_on_gpu(tiny_repo, switch):
     """`--stream-codec-stream`: the codec thread launches on a CUDA stream of its own while the engine
-    steps on the default one; several streams at once still equal their non-streamed audio."""
+    steps on the default one; `--stream-engine-priority`: the engine steps on a stream of the highest priority
+    while the codec launches on the default one. Several streams at once still equal their non-streamed audio."""
     import numpy as np
 
     from chattts_triton.config import STREAM
@@ -339,9 +341,13 @@ def test_stream_codec_on_its_own_cuda_stream_gives_the_offline_audio_on_gpu(tiny
                                                 stream_chunk_frames=8,
                                                 stream_first_lookahead_frames=0, stream_fade_frames=4, stream_slots=4,
                                                 stream_max_pending=8,
-                                                stream_codec_stream=1))
+                                                **{switch: 1}))
     try:
-        assert svc.codec_stream is not None
+        launch = svc.gpt.engine.launch_stream
+        if switch == "stream_codec_stream":
+            assert svc.codec_stream is not None and launch is None
+        else:
+            assert svc.codec_stream is None and launch.priority == torch.cuda.Stream.priority_range()[1] < 0
         recs = [Recorder(contract(seed=40 + i, n=60 + 7 * i)) for i in range(4)]
         svc.execute([r.call for r in recs])
         for r in recs:  # all ended before the references: those use the same codec graphs on this thread

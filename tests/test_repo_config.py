@@ -118,6 +118,30 @@ def _switched_on_and_kept(tiny_repo, tmp_path, flag, model, key):
     return repo, param
 
 
+def test_configure_stream_engine_priority_reaches_the_stream_models_engine_only(tiny_repo, tmp_path, monkeypatch):
+    """--stream-engine-priority (opt-in) sets chattts_stream's parameter, kept by a re-configure that does not name
+    it; the stream model's GPT service gets high_priority and chattts_gpt's does not (nothing of its process shares
+    its GPU); a CPU engine has no CUDA stream to launch on whatever it says."""
+    from chattts_triton.runtime import gpt as gpt_runtime
+    from chattts_triton.triton.backend import ModelContext, gpt_service, stream_service
+
+    repo, _ = _switched_on_and_kept(tiny_repo, tmp_path, "--stream-engine-priority", STREAM, "stream_engine_priority")
+    assert "stream_engine_priority" not in rc.parse_pbtxt((repo / GPT / "config.pbtxt").read_text()).parameters
+    asked, real_init = [], gpt_runtime.GPTService.__init__
+
+    def init(self, *a, **kw):
+        asked.append(kw["high_priority"])
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(gpt_runtime.GPTService, "__init__", init)
+    gpt_service(ModelContext.from_repo(repo, GPT)).close()
+    svc = stream_service(ModelContext.from_repo(repo, STREAM))
+    try:
+        assert asked == [False, True] and svc.gpt.engine.launch_stream is None  # a CPU instance
+    finally:
+        svc.close()
+
+
 def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_the_service(tiny_repo, tmp_path,
                                                                                            monkeypatch):
     """chattts_vocoder's vocoder_graphs is on by default; --no-vocoder-graphs turns it off, a re-configure

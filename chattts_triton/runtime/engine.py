@@ -132,6 +132,7 @@ class Engine(Runner, KvPages, WarmUp):
         decode_kernel: bool | None = None,
         overlap: bool | None = None,
         packed_prefill: bool = True,
+        high_priority: bool = False,
         start: bool = True,
     ):
         """admit_batch / admit_wait_steps / max_prefill_tokens: the admission policy (`Scheduler`): while
@@ -151,13 +152,19 @@ class Engine(Runner, KvPages, WarmUp):
         synchronous: nothing to overlap, the logic is the same). May be changed between steps.
         packed_prefill: an admission's prompts are prefilled packed end to end, each position a row of the decode
         kernel (`Runner._packed_batch`), instead of padded to the longest; only where `decode_kernel` is on (else
-        ignored). May be changed between iterations."""
+        ignored). May be changed between iterations.
+        high_priority: on CUDA the engine's thread launches on a stream of the device's highest priority, so that
+        where other work of this process shares the GPU (the stream model's codec) the block scheduler gives the
+        step's blocks the SMs first, and a step no longer queues behind a whole codec call (CUDA graphs replay at
+        the priority of the stream they are launched into). A started engine's only; a CPU's ops have no streams."""
         check_model(model)
         self.model = model
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # the engine thread needs the index
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
+        self.launch_stream = (torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1])
+                              if high_priority and self.device.type == "cuda" else None)
         self._flight: _Flight | None = None  # overlap: the step launched and not yet read back
         self._first: _Flight | None = None  # overlap: the first tokens of an admission, not yet read back
         self._first_buf: Tensor | None = None  # overlap on CUDA: the pinned buffer their flags go to
@@ -363,14 +370,20 @@ class Engine(Runner, KvPages, WarmUp):
         try:
             if self.device.type == "cuda":  # the current device is per thread: graphs and streams use it
                 torch.cuda.set_device(self.device)
-            self._alloc()
+                if self.launch_stream is not None:
+                    # every tensor and graph of the engine is made and used on this thread, so on this stream;
+                    # what the constructor's thread queued (weights, compile set-up) is ordered before it
+                    self.launch_stream.wait_stream(torch.cuda.default_stream(self.device))
+            with torch.cuda.stream(self.launch_stream):  # None: a no-op
+                self._alloc()
         except BaseException as e:  # noqa: BLE001  e.g. out of memory at start: the constructor raises it
             self._alloc_error = e
             return
         finally:
             self._ready.set()
-        while self._run_once():
-            pass
+        with torch.cuda.stream(self.launch_stream):
+            while self._run_once():
+                pass
 
     def _run_once(self, block: bool = True) -> bool:
         """One iteration: admit (per the admission policy) with one batched prefill, then one decode

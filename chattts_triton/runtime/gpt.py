@@ -59,11 +59,12 @@ class GPTService:
                  max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int, max_pending: int = 0,
                  compile_step: bool = False, admit_batch: int = ADMIT_BATCH, admit_wait_steps: int = ADMIT_WAIT_STEPS,
                  compile_prefill: bool = False, cache_tokens: int | None = None, overlap: bool = True,
-                 packed_prefill: bool = True):
+                 packed_prefill: bool = True, high_priority: bool = False):
         """cache_tokens: positions of the engine's paged KV cache (None: max_slots × max_context).
         packed_prefill: the compiled engine prefills packed prompts (Engine packed_prefill; the TorchScript step
         has no decode kernel). overlap: the engine's host bookkeeping overlaps its next step (Engine overlap; CUDA
-        only: nothing to gain where the ops are synchronous)."""
+        only: nothing to gain where the ops are synchronous). high_priority: the engine's steps on a CUDA stream of
+        the highest priority (Engine high_priority)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if dtype in CPU_ONLY_PRECISIONS and device.type != "cpu":
@@ -95,6 +96,7 @@ class GPTService:
                 admit_wait_steps=admit_wait_steps,
                 max_pending=max_pending,
                 overlap=overlap and device.type == "cuda",
+                high_priority=high_priority,
             )
             # an experiment switch: a host sync that waits on an event instead of the stream
             # (bench/probes/stream_codec.py)

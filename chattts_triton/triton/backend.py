@@ -433,6 +433,7 @@ def gpt_service(ctx: ModelContext, version_dir: Path | None = None, params: Engi
         compile_prefill=p.gpt_compile_prefill,  # with compile_step only
         packed_prefill=p.gpt_packed_prefill,  # with compile_step only
         overlap=p.gpt_overlap,
+        high_priority=p.engine_priority,
         admit_batch=p.gpt_admit_batch,
         admit_wait_steps=p.gpt_admit_wait_steps,
     )

@@ -120,6 +120,10 @@ class EngineParams(Params):
         raise NotImplementedError
 
     @property
+    def engine_priority(self) -> bool:  # the engine's steps on a stream of the highest priority (Engine high_priority)
+        return False
+
+    @property
     def cache_tokens(self) -> int | None:  # None: on a GPU from its memory, on the CPU slots × context
         raise NotImplementedError
 
@@ -170,11 +174,13 @@ class StreamParams(EngineParams):
     stream_fade_frames: int = 0  # frames cross-faded at each seam (model/chunks.py)
     stream_codec_stream: bool = False  # the codec on a CUDA stream of its own, beside the engine's steps
     stream_first_chunks_first: bool = False  # new streams' first chunks in a codec call of their own, first
+    stream_engine_priority: bool = False  # the engine's steps on a CUDA stream of the highest priority
     voice_store: str = Deployment.voice_store  # where the named voices are kept, as chattts_preprocess reads them
 
     slots = property(lambda self: self.stream_slots)
     cache_tokens = property(lambda self: self.stream_cache_tokens)
     max_pending = property(lambda self: self.stream_max_pending)
+    engine_priority = property(lambda self: self.stream_engine_priority)
 
     def schedule(self, arch: Arch) -> dict[str, int]:
         """The ChunkPlanner arguments (model/chunks.py stream_schedule; ValueError if refused)."""
