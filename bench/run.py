@@ -697,6 +697,7 @@ def to_markdown(res: dict) -> str:
                  f"{res.get('stream_fade_frames', 0)} frames"
                  f"{'; codec on its own CUDA stream' if res.get('stream_codec_stream') else ''}"
                  f"{'; first chunks in a codec call of their own' if res.get('stream_first_chunks_first') else ''}"
+                 f"{'; engine on a CUDA stream of the highest priority' if res.get('stream_engine_priority') else ''}"
                  f"{f'; clients spread over up to {p} processes' if (p := res.get('stream_procs', 1)) > 1 else ''}")
         out += ["## streaming (`chattts_stream`, gRPC)", "", f"Schedule: {sched}.", "",
                 "| concurrency | first chunk p50 ms | first chunk p99 ms | "
