@@ -165,7 +165,7 @@ class Deployment:
         False,
         help="GPU chattts_stream engines launch their steps on a CUDA stream of the highest priority, so that the "
              "codec's kernels in the same process give the SMs to a step first instead of holding it for a whole "
-             "codec call (opt-in until measured: docs/streaming.md)")
+             "codec call (no gain measured at 64 streams: opt-in; docs/streaming.md)")
     stream_first_chunks_first: bool = setting(
         False,
         help="chattts_stream decodes new streams' first chunks in a codec call of their own, ahead of the running "
