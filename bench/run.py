@@ -670,6 +670,7 @@ def to_markdown(res: dict) -> str:
            f"{'compiled GPT step (requested)' if res.get('gpt_compile') else 'TorchScript GPT step'}"
            f"{' and prefills' if res.get('gpt_compile') and res.get('gpt_compile_prefill') else ''}"
            f"{_vocoder_graphs(res.get('vocoder_graphs'))}"
+           f"{', the codec networks through torch.compile' if res.get('codec_compile') else ''}"
            f"{_queue_delay(res.get('max_queue_delay_us'))}"
            f"{', under an MPS daemon' if res.get('mps') else ''}"
            f"{_switch_interval(res.get('gil_switch_interval_us'))}"

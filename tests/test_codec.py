@@ -30,6 +30,8 @@ from chattts_triton.model.codec import (
     CODEC_NAMES,
     CODEC_OUTPUTS,
     MIN_ENCODE_SAMPLES,
+    codec_eager_from_script,
+    depthwise_as_sum,
     encode_steps,
     load_codec,
     load_codecs,
@@ -333,6 +335,42 @@ def test_wrong_architecture_is_named(tiny_assets):
     wide = dataclasses.replace(TINY_ARCH, vocos=dataclasses.replace(TINY_ARCH.vocos, dim=96))
     with pytest.raises(AssetError, match=r"Vocos.safetensors: tensor 'backbone.*has shape"):
         load_codec("vocos", tiny_assets, wide)
+
+
+@pytest.mark.parametrize("taps,dilation,bias", [(7, 1, True), (7, 2, True), (3, 1, False)])
+def test_depthwise_as_sum_equals_the_depthwise_convolution(taps, dilation, bias):
+    """What torch.compile traces for a ConvNeXt block's depthwise convolution (a sum of shifted copies) equals the
+    convolution, edges (zero padding) included."""
+    g = torch.Generator().manual_seed(taps + dilation)
+    conv = torch.nn.Conv1d(16, 16, taps, padding=dilation * (taps // 2), dilation=dilation, groups=16, bias=bias)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=g))
+    x = torch.randn(3, 16, 23, generator=g)
+    with torch.no_grad():
+        assert (depthwise_as_sum(x, conv) - conv(x)).abs().max().item() <= 1e-5
+
+
+def test_codec_modules_from_the_exported_artifacts_hold_their_weights(tiny_assets, tmp_path):
+    """codec_eager_from_script (what --codec-compile traces) rebuilds each exported TorchScript codec as the plain
+    module with the artifact's own weights and buffers: the same output; an artifact of another architecture or of
+    another network is refused by name."""
+    paths = {n: tmp_path / n for n in ("decoder", "dvae_decode", "vocos")}
+    export_codecs(tiny_assets, TINY_ARCH, paths, formats=("torchscript",), progress=lambda m: None)
+    g = torch.Generator().manual_seed(3)
+    inputs = {"decoder": (torch.randn(2, 9, TINY_ARCH.gpt.hidden, generator=g), torch.tensor([9, 4])),
+              "dvae_decode": (torch.randint(0, 625, (2, 9, 4), generator=g), torch.tensor([9, 4])),
+              "vocos": (torch.randn(2, N_MELS, 18, generator=g), torch.tensor([18, 8]))}
+    for name, path in paths.items():
+        script = torch.jit.load(str(path / f"{name}.pt"))
+        eager = codec_eager_from_script(script, name, TINY_ARCH)
+        assert not isinstance(eager, torch.jit.ScriptModule)
+        with torch.no_grad():
+            assert torch.equal(eager(*inputs[name]), script(*inputs[name]))
+    with pytest.raises(AssetError, match="vocos artifact does not hold"):
+        codec_eager_from_script(torch.jit.load(str(paths["decoder"] / "decoder.pt")), "vocos", TINY_ARCH)
+    wide = dataclasses.replace(TINY_ARCH, vocos=dataclasses.replace(TINY_ARCH.vocos, dim=96))
+    with pytest.raises(AssetError, match="vocos artifact's .* has shape"):
+        codec_eager_from_script(torch.jit.load(str(paths["vocos"] / "vocos.pt")), "vocos", wide)
 
 
 def test_bad_tensors_raise_value_error(tiny_run):

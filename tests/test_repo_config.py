@@ -142,6 +142,32 @@ def test_configure_stream_engine_priority_reaches_the_stream_models_engine_only(
         svc.close()
 
 
+def test_configure_codec_compile_reaches_the_vocoder_and_the_stream_models_codec(tiny_repo, tmp_path, monkeypatch):
+    """--codec-compile (opt-in) sets chattts_vocoder's and chattts_stream's parameter, kept by a re-configure that does
+    not name it, and both services build their VocoderService with compile_codec; a CPU instance has no graphs, so
+    its calls stay on the artifacts whatever it says."""
+    from chattts_triton.runtime import vocoder as vocoder_runtime
+    from chattts_triton.triton.backend import ModelContext, stream_service, vocoder_service
+
+    repo, _ = _switched_on_and_kept(tiny_repo, tmp_path, "--codec-compile", VOCODER, "codec_compile")
+    assert rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters["codec_compile"].string_value == "1"
+    assert "codec_compile" not in rc.parse_pbtxt((repo / GPT / "config.pbtxt").read_text()).parameters
+    asked, real_init = [], vocoder_runtime.VocoderService.__init__
+
+    def init(self, *a, **kw):
+        asked.append(kw["compile_codec"])
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(vocoder_runtime.VocoderService, "__init__", init)
+    voc = vocoder_service(ModelContext.from_repo(repo, VOCODER))
+    assert voc.graphs is None and voc.graph_nets == (voc.decoder, voc.dvae, voc.vocos)  # a CPU instance
+    svc = stream_service(ModelContext.from_repo(repo, STREAM))
+    try:
+        assert asked == [True, True] and svc.voc.graph_nets[0] is svc.voc.decoder
+    finally:
+        svc.close()
+
+
 def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_the_service(tiny_repo, tmp_path,
                                                                                            monkeypatch):
     """chattts_vocoder's vocoder_graphs is on by default; --no-vocoder-graphs turns it off, a re-configure

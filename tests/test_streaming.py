@@ -48,6 +48,7 @@ def _vocoder(assets, layer_scale: float) -> VocoderService:
     voc = VocoderService.__new__(VocoderService)
     voc.arch, voc.device, voc.graphs = TINY_ARCH, torch.device("cpu"), None
     voc.decoder, voc.dvae, voc.vocos = _Net(nets["decoder"]), _Net(nets["dvae_decode"]), _Net(nets["vocos"])
+    voc.graph_nets = (voc.decoder, voc.dvae, voc.vocos)
     return voc
 
 
@@ -185,6 +186,34 @@ def test_codec_graph_buckets_give_each_item_its_eager_batch_audio(tiny_assets, m
     assert [a.shape for a in voc.synthesize(eager)] == [(samples_for_codes(40),), (samples_for_codes(3),)]
     assert [a.shape for a in voc.synthesize([item(3), item(0)])] == [(samples_for_codes(3),), (0,)]
     assert set(voc.graphs.graphs) == {key, (key[0], 1, 4)}  # the oversized group made none
+
+
+def test_codec_graphs_of_the_networks_through_torch_compile_give_the_artifacts_audio(tiny_assets, monkeypatch):
+    """--codec-compile: the graphs replay the artifacts' networks rebuilt as plain modules through torch.compile
+    (traced by dynamo with the "eager" backend, capture=False): every depthwise convolution is traced as
+    `depthwise_as_sum`, and each item of both paths gets the audio the artifacts give it."""
+    from chattts_triton.model import codec
+    from chattts_triton.runtime.vocoder import CodecGraphs, compiled_nets
+
+    traced = []
+    real_sum = codec.depthwise_as_sum
+    monkeypatch.setattr(codec, "depthwise_as_sum", lambda x, conv: traced.append(conv) or real_sum(x, conv))
+    torch._dynamo.reset()
+    voc = _vocoder(tiny_assets, 0.1)  # layer scales raised: the depthwise convolutions shape the audio
+    g = torch.Generator().manual_seed(9)
+    items = [(True, torch.randn(n, TINY_ARCH.gpt.hidden, generator=g) * 0.5) for n in (5, 17)]
+    items += [(False, torch.randint(0, TINY_ARCH.num_audio_tokens - 1, (n, NUM_VQ), generator=g)) for n in (4, 11)]
+    want = voc.synthesize_eager(items)
+    voc.graph_nets = compiled_nets(voc, backend="eager")
+    voc.graphs = CodecGraphs(voc, capture=False)
+    got = voc.synthesize(items)
+    blocks = [m for net in (voc.decoder, voc.dvae, voc.vocos) for m in net.module.modules()
+              if isinstance(m, ConvNeXtBlock)]
+    assert len({id(c) for c in traced}) == len(blocks) > 0  # no depthwise convolution left to the generic kernel
+    assert [a.shape for a in got] == [a.shape for a in want]
+    for a, b in zip(got, want, strict=True):
+        assert np.abs(a - b).max() <= 1e-5 * max(1.0, float(np.abs(b).max()))
+    torch._dynamo.reset()
 
 
 def test_a_codec_call_of_many_items_and_both_paths_replays_graphs_of_similar_lengths(tiny_assets):

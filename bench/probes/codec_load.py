@@ -1,7 +1,7 @@
 """What the decoder + Vocos cost per utterance by batch size: the GPU time the codec takes from the engine.
 
     python -m bench.probes.codec_load --repo REPO [--batches 1,4,8,16,32,64] [--frames 150] [--calls 20]
-                                      [--profile N] [--out FILE]
+                                      [--profile N] [--codec-compile] [--out FILE]
 
 Builds `chattts_vocoder`'s service from an exported repository (its dtype and artifacts), then times
 `synthesize` on `--batches` items of `--frames` code frames each (the decoder path, as served by
@@ -10,6 +10,8 @@ events), eager and from the codec's CUDA graphs. Per utterance, the GPU ms times
 the share of the GPU the codec needs (e.g. 1 ms per utterance at 400 utt/s: 40 %). `--profile N`: also N eager
 calls per batch under torch.profiler (the graphs replay the same kernels): the kernels per call, their summed ms and
 the most expensive, i.e. which of the decoder's and Vocos's operations the codec's GPU time goes to.
+`--codec-compile`: the graphs replay the networks through torch.compile (`Deployment.codec_compile`; compiled before
+the timed calls), the eager rows stay the artifacts'.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20, help="timed calls per batch (median)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile N eager calls per batch: kernels per call, their ms, the most expensive")
+    ap.add_argument("--codec-compile", action="store_true",
+                    help="the graphs replay the networks through torch.compile (as --codec-compile serves them)")
     add_device_args(ap)
     a = ap.parse_args(argv)
     if cuda_missing(a):
@@ -68,7 +72,7 @@ def main(argv=None) -> int:
     from chattts_triton.triton.backend import ModelContext, vocoder_service
 
     ctx = ModelContext.from_repo(a.repo, VOCODER, kind="GPU" if a.device == "cuda" else "CPU", device_id=a.gpu,
-                                 vocoder_graphs=int(a.device == "cuda"))
+                                 vocoder_graphs=int(a.device == "cuda"), codec_compile=int(a.codec_compile))
     voc = vocoder_service(ctx)
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -89,7 +93,7 @@ def main(argv=None) -> int:
                 print(f"[codec_load] batch {b} profile: {prof['kernels_per_step']} kernels, "
                       f"{prof['kernel_ms_per_step']:.3f} ms per call; most: "
                       + "; ".join(f"{k['name'][:60]} {k['ms_per_step']:.3f} ms" for k in prof["top"][:4]), flush=True)
-    write_rows(a, rows, frames=a.frames)
+    write_rows(a, rows, frames=a.frames, codec_compile=a.codec_compile)
     return 0
 
 

@@ -132,9 +132,29 @@ class ConvNeXtBlock(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-        y = self.dwconv(x.masked_fill(pad, 0.0)).transpose(1, 2)
+        y = self.depthwise(x.masked_fill(pad, 0.0)).transpose(1, 2)
         y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y))))
         return x + (y * self.weight).transpose(1, 2)
+
+    def depthwise(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.jit.is_scripting():  # (TorchScript does not compile this branch)
+            if torch.compiler.is_compiling():
+                return depthwise_as_sum(x, self.dwconv)
+        return self.dwconv(x)
+
+
+def depthwise_as_sum(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
+    """`conv(x)` for a depthwise `conv` (groups = channels, odd kernel, padding dilation × (kernel // 2)) as a sum of
+    the kernel's shifted, scaled copies of x: under torch.compile one fused pass over x (with the mask before it),
+    where the convolution is an opaque kernel (PyTorch's generic depthwise one on a GPU) and a pass of its own."""
+    taps, dilation, padding = conv.weight.shape[-1], conv.dilation[0], conv.padding[0]
+    steps = x.shape[-1]
+    xp = F.pad(x, (padding, padding))
+    w = conv.weight[:, 0, :].unsqueeze(-1)  # [C, taps, 1]
+    y = w[:, 0] * xp[:, :, :steps]
+    for k in range(1, taps):
+        y = y + w[:, k] * xp[:, :, k * dilation : k * dilation + steps]
+    return y if conv.bias is None else y + conv.bias.unsqueeze(-1)
 
 
 class ConvNet(nn.Module):
@@ -560,6 +580,25 @@ def load_codecs(
     """{name: module} for `names`, each file read once."""
     states: dict[str, dict[str, torch.Tensor]] = {}
     return {name: load_codec(name, assets_dir, arch, states) for name in names}
+
+
+def codec_eager_from_script(script, name: str, arch: Arch) -> nn.Module:
+    """The plain module holding an exported codec artifact's weights and buffers, as exported (dtype, device): what
+    torch.compile traces (it cannot trace TorchScript). AssetError where the artifact is not this architecture's."""
+    module = build_codec(name, arch)
+    sd = dict(script.state_dict())  # TorchScript keeps the non-persistent buffers in it too
+    targets = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    missing = sorted(set(module.state_dict()) - set(sd))
+    unexpected = sorted(set(sd) - set(targets))
+    if missing or unexpected:
+        raise AssetError(f"the {name} artifact does not hold this architecture's weights (missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]})")
+    for key, tensor in sd.items():
+        if tuple(tensor.shape) != tuple(targets[key].shape):
+            raise AssetError(f"the {name} artifact's {key!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(targets[key].shape)}")
+        targets[key].data = tensor.detach().clone()
+    return module.eval()
 
 
 def cast_codec(module: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..config import MEL_FRAMES_PER_CODE, NUM_VQ, USE_DECODER_DEFAULT, Arch, samples_for_codes
+from ..model.codec import codec_eager_from_script
 from ..model.text import InputError
 from .artifacts import Artifact
 from .graphs import GraphCache, bucket, to_host_async
@@ -29,21 +30,31 @@ CODEC_GRAPH_ITEM_FRAMES = 512  # ... and groups of items longer than this (bound
 class VocoderService:
     """Codes or hidden states → 24 kHz audio, batched across requests, each trimmed to its length.
     graphs (CUDA, TorchScript artifacts): groups that fit run from `CodecGraphs` (on for the stream
-    model's codec, whose windows come in a few sizes; for chattts_vocoder by default, `Deployment.vocoder_graphs`)."""
+    model's codec, whose windows come in a few sizes; for chattts_vocoder by default, `Deployment.vocoder_graphs`).
+    compile_codec (with graphs): what the graphs replay is the artifacts' networks through torch.compile
+    (`Deployment.codec_compile`), compiled at start-up; eager calls keep the artifacts."""
 
-    def __init__(self, version_dir: Path, arch: Arch, device: torch.device, artifact_format: str, graphs: bool = False):
+    def __init__(self, version_dir: Path, arch: Arch, device: torch.device, artifact_format: str, graphs: bool = False,
+                 compile_codec: bool = False):
         self.arch = arch
         self.device = device
         d = Path(version_dir)
         self.decoder = Artifact(d / "decoder", artifact_format, device)
         self.dvae = Artifact(d / "dvae_decode", artifact_format, device)
         self.vocos = Artifact(d / "vocos", artifact_format, device)
+        self.graph_nets: tuple = (self.decoder, self.dvae, self.vocos)  # what `decode` runs in the graphs
         self.graphs: CodecGraphs | None = None
         if graphs and device.type == "cuda" and artifact_format == "torchscript":
+            if compile_codec:
+                self.graph_nets = compiled_nets(self)
             self.graphs = CodecGraphs(self)
         for _ in range(2):  # warm-up, as for the GPT
             self.synthesize_eager([(True, torch.zeros(3, arch.gpt.hidden)),
                                    (False, torch.zeros(2, NUM_VQ, dtype=torch.int64))])
+        if self.graph_nets[0] is not self.decoder:  # compiled now, not in some client's call: both paths, one
+            for n in (1, 2):                       # item and several (torch.compile specialises a size of 1)
+                self.graphs.synthesize([(True, torch.zeros(3, arch.gpt.hidden))] * n
+                                       + [(False, torch.zeros(2, NUM_VQ, dtype=torch.int64))] * n)
 
     def execute(self, calls: Sequence[Call]) -> None:
         items = []
@@ -78,9 +89,10 @@ class VocoderService:
 
     def decode(self, use_decoder: bool, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One path's padded batch (hidden states [B, T, H] or codes [B, T, 4], lengths [B]) → audio
-        [B, samples of T frames], each item's zero past its own length."""
-        mel = (self.decoder if use_decoder else self.dvae)(x, lengths)
-        return self.vocos(mel, lengths * MEL_FRAMES_PER_CODE).float()
+        [B, samples of T frames], each item's zero past its own length, by `graph_nets` (what the graphs replay)."""
+        decoder, dvae, vocos = self.graph_nets
+        mel = (decoder if use_decoder else dvae)(x, lengths)
+        return vocos(mel, lengths * MEL_FRAMES_PER_CODE).float()
 
     def synthesize(self, items: list[tuple]) -> list[np.ndarray]:
         """(use_decoder, hidden states [T, H] or codes [T, 4]) per item → its audio."""
@@ -113,6 +125,22 @@ class VocoderService:
 
     def close(self) -> None:
         pass
+
+
+def compiled_nets(voc: VocoderService, backend: str = "inductor") -> tuple:
+    """The decoder, DVAE and Vocos artifacts' networks as plain modules through torch.compile (dynamic shapes: one
+    compile serves every graph bucket): the elementwise chains, norms and depthwise convolutions fused
+    (`model.codec.depthwise_as_sum`). backend: the CPU tests' "eager" has dynamo trace the same graphs."""
+    nets = []
+    for art, name in ((voc.decoder, "decoder"), (voc.dvae, "dvae_decode"), (voc.vocos, "vocos")):
+        module = codec_eager_from_script(art.module, name, voc.arch)
+        fn = torch.compile(module, dynamic=True, backend=backend)
+
+        def run(*args: torch.Tensor, fn=fn) -> torch.Tensor:
+            with torch.inference_mode():
+                return fn(*[a.to(voc.device) for a in args])
+        nets.append(run)
+    return tuple(nets)
 
 
 class CodecGraphs(GraphCache):

@@ -450,7 +450,7 @@ def set_switch_interval(us: int) -> None:
 
 
 def vocoder_service(ctx: ModelContext):
-    """`chattts_vocoder`: CUDA graphs of the codec as its parameter `vocoder_graphs` says."""
+    """`chattts_vocoder`: CUDA graphs of the codec as its parameters `vocoder_graphs` and `codec_compile` say."""
     from ..runtime.device import check_dtype_supported, device_for, limit_process_memory
     from ..runtime.vocoder import VocoderService
 
@@ -458,7 +458,8 @@ def vocoder_service(ctx: ModelContext):
     device = device_for(ctx.instance_kind, ctx.device_id)
     check_dtype_supported(device, p.dtype)
     limit_process_memory(device, VOCODER_BYTES, p.gpu_memory_gb)
-    return VocoderService(ctx.version_dir, ctx.arch, device, p.artifact_format, graphs=p.vocoder_graphs)
+    return VocoderService(ctx.version_dir, ctx.arch, device, p.artifact_format, graphs=p.vocoder_graphs,
+                          compile_codec=p.codec_compile)
 
 
 def stream_service(ctx: ModelContext):
@@ -485,7 +486,8 @@ def stream_service(ctx: ModelContext):
         check_dtype_supported(device, p.dtype)
         # the stream's codec windows come in a few sizes: always CUDA graphs of them (its memory is
         # within the engine's cap)
-        voc = VocoderService(ctx.repo_dir / VOCODER / "1", ctx.arch, device, p.artifact_format, graphs=True)
+        voc = VocoderService(ctx.repo_dir / VOCODER / "1", ctx.arch, device, p.artifact_format, graphs=True,
+                             compile_codec=p.codec_compile)
     return StreamService(
         pre, gpt, voc, **schedule,
         max_streams=gpt.max_pending, drain_file=os.environ.get(DRAIN_FILE_ENV, ""),

@@ -166,6 +166,11 @@ class Deployment:
         help="GPU chattts_stream engines launch their steps on a CUDA stream of the highest priority, so that the "
              "codec's kernels in the same process give the SMs to a step first instead of holding it for a whole "
              "codec call (no gain measured at 64 streams: opt-in; docs/streaming.md)")
+    codec_compile: bool = setting(
+        False,
+        help="GPU chattts_vocoder (with --vocoder-graphs) and chattts_stream instances replay the decoder, DVAE and "
+             "Vocos networks through torch.compile in their CUDA graphs: the elementwise chains, norms and depthwise "
+             "convolutions fused; compiled at start-up (opt-in until measured: docs/performance.md)")
     stream_first_chunks_first: bool = setting(
         False,
         help="chattts_stream decodes new streams' first chunks in a codec call of their own, ahead of the running "

@@ -175,6 +175,7 @@ class StreamParams(EngineParams):
     stream_codec_stream: bool = False  # the codec on a CUDA stream of its own, beside the engine's steps
     stream_first_chunks_first: bool = False  # new streams' first chunks in a codec call of their own, first
     stream_engine_priority: bool = False  # the engine's steps on a CUDA stream of the highest priority
+    codec_compile: bool = False  # the codec's graphs replay its networks through torch.compile
     voice_store: str = Deployment.voice_store  # where the named voices are kept, as chattts_preprocess reads them
 
     slots = property(lambda self: self.stream_slots)
@@ -197,4 +198,5 @@ class VocoderParams(Params):
     artifact_format: str = "torchscript"
     dtype: str = "fp32"
     vocoder_graphs: bool = False  # replay the codec from CUDA graphs (GPU, TorchScript artifacts)
+    codec_compile: bool = False  # ... of its networks through torch.compile (with vocoder_graphs)
     gpu_memory_gb: float | None = None
