@@ -191,7 +191,8 @@ def test_codec_graph_buckets_give_each_item_its_eager_batch_audio(tiny_assets, m
 def test_codec_graphs_of_the_networks_through_torch_compile_give_the_artifacts_audio(tiny_assets, monkeypatch):
     """--codec-compile: the graphs replay the artifacts' networks rebuilt as plain modules through torch.compile
     (traced by dynamo with the "eager" backend, capture=False): every depthwise convolution is traced as
-    `depthwise_as_sum`, and each item of both paths gets the audio the artifacts give it."""
+    `depthwise_as_sum`; after the start-up warm-up, calls of other batch and frame buckets compile nothing more;
+    each item of both paths gets the audio the artifacts give it."""
     from chattts_triton.model import codec
     from chattts_triton.runtime.vocoder import CodecGraphs, compiled_nets
 
@@ -206,7 +207,10 @@ def test_codec_graphs_of_the_networks_through_torch_compile_give_the_artifacts_a
     want = voc.synthesize_eager(items)
     voc.graph_nets = compiled_nets(voc, backend="eager")
     voc.graphs = CodecGraphs(voc, capture=False)
-    got = voc.synthesize(items)
+    voc.warm_compiled()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    got = voc.synthesize(items) + voc.synthesize(items[:1]) + voc.synthesize(items[1:2] * 9)
+    want += want[:1] + want[1:2] * 9
     blocks = [m for net in (voc.decoder, voc.dvae, voc.vocos) for m in net.module.modules()
               if isinstance(m, ConvNeXtBlock)]
     assert len({id(c) for c in traced}) == len(blocks) > 0  # no depthwise convolution left to the generic kernel

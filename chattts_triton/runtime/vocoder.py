@@ -51,10 +51,16 @@ class VocoderService:
         for _ in range(2):  # warm-up, as for the GPT
             self.synthesize_eager([(True, torch.zeros(3, arch.gpt.hidden)),
                                    (False, torch.zeros(2, NUM_VQ, dtype=torch.int64))])
-        if self.graph_nets[0] is not self.decoder:  # compiled now, not in some client's call: both paths, one
-            for n in (1, 2):                       # item and several (torch.compile specialises a size of 1)
-                self.graphs.synthesize([(True, torch.zeros(3, arch.gpt.hidden))] * n
-                                       + [(False, torch.zeros(2, NUM_VQ, dtype=torch.int64))] * n)
+        if self.graph_nets[0] is not self.decoder:
+            self.warm_compiled()
+
+    def warm_compiled(self) -> None:
+        """Compile now, not in some client's call: both paths with a batch and a frame bucket of 1 and of more, since
+        torch.compile specialises a size of 1 (one graph each) and makes a size dynamic once it has changed; later
+        buckets then replay without recompiling."""
+        for n, frames in ((1, 1), (1, 3), (2, 1), (2, 40)):
+            self.graphs.synthesize([(True, torch.zeros(frames, self.arch.gpt.hidden))] * n
+                                   + [(False, torch.zeros(frames, NUM_VQ, dtype=torch.int64))] * n)
 
     def execute(self, calls: Sequence[Call]) -> None:
         items = []
