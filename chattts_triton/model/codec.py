@@ -598,7 +598,7 @@ def codec_eager_from_script(script, name: str, arch: Arch) -> nn.Module:
             raise AssetError(f"the {name} artifact's {key!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(targets[key].shape)}")
         targets[key].data = tensor.detach().clone()
-    return module.eval()
+    return module.to(next(iter(sd.values())).device).eval()  # the device only: each tensor keeps its dtype
 
 
 def cast_codec(module: nn.Module, dtype: torch.dtype) -> nn.Module:
