@@ -118,6 +118,18 @@ def _switched_on_and_kept(tiny_repo, tmp_path, flag, model, key):
     return repo, param
 
 
+def _keyword_seen(monkeypatch, cls, key: str) -> list:
+    """The `key` keyword each construction of `cls` gets, in order (the construction itself unchanged)."""
+    seen, real_init = [], cls.__init__
+
+    def init(self, *a, **kw):
+        seen.append(kw[key])
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(cls, "__init__", init)
+    return seen
+
+
 def test_configure_stream_engine_priority_reaches_the_stream_models_engine_only(tiny_repo, tmp_path, monkeypatch):
     """--stream-engine-priority (opt-in) sets chattts_stream's parameter, kept by a re-configure that does not name
     it; the stream model's GPT service gets high_priority and chattts_gpt's does not (nothing of its process shares
@@ -127,13 +139,7 @@ def test_configure_stream_engine_priority_reaches_the_stream_models_engine_only(
 
     repo, _ = _switched_on_and_kept(tiny_repo, tmp_path, "--stream-engine-priority", STREAM, "stream_engine_priority")
     assert "stream_engine_priority" not in rc.parse_pbtxt((repo / GPT / "config.pbtxt").read_text()).parameters
-    asked, real_init = [], gpt_runtime.GPTService.__init__
-
-    def init(self, *a, **kw):
-        asked.append(kw["high_priority"])
-        real_init(self, *a, **kw)
-
-    monkeypatch.setattr(gpt_runtime.GPTService, "__init__", init)
+    asked = _keyword_seen(monkeypatch, gpt_runtime.GPTService, "high_priority")
     gpt_service(ModelContext.from_repo(repo, GPT)).close()
     svc = stream_service(ModelContext.from_repo(repo, STREAM))
     try:
@@ -152,13 +158,7 @@ def test_configure_codec_compile_reaches_the_vocoder_and_the_stream_models_codec
     repo, _ = _switched_on_and_kept(tiny_repo, tmp_path, "--codec-compile", VOCODER, "codec_compile")
     assert rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters["codec_compile"].string_value == "1"
     assert "codec_compile" not in rc.parse_pbtxt((repo / GPT / "config.pbtxt").read_text()).parameters
-    asked, real_init = [], vocoder_runtime.VocoderService.__init__
-
-    def init(self, *a, **kw):
-        asked.append(kw["compile_codec"])
-        real_init(self, *a, **kw)
-
-    monkeypatch.setattr(vocoder_runtime.VocoderService, "__init__", init)
+    asked = _keyword_seen(monkeypatch, vocoder_runtime.VocoderService, "compile_codec")
     voc = vocoder_service(ModelContext.from_repo(repo, VOCODER))
     assert voc.graphs is None and voc.graph_nets == (voc.decoder, voc.dvae, voc.vocos)  # a CPU instance
     svc = stream_service(ModelContext.from_repo(repo, STREAM))
