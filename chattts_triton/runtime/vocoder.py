@@ -133,10 +133,10 @@ class VocoderService:
         pass
 
 
-def compiled_nets(voc: VocoderService, backend: str = "inductor") -> tuple:
+def compiled_nets(voc: VocoderService, backend="inductor") -> tuple:
     """The decoder, DVAE and Vocos artifacts' networks as plain modules through torch.compile (dynamic shapes: one
     compile serves every graph bucket): the elementwise chains, norms and depthwise convolutions fused
-    (`model.codec.depthwise_as_sum`). backend: the CPU tests' "eager" has dynamo trace the same graphs."""
+    (`model.codec.depthwise_as_sum`). backend: torch.compile's (the CPU tests' records what dynamo traces)."""
     nets = []
     for art, name in ((voc.decoder, "decoder"), (voc.dvae, "dvae_decode"), (voc.vocos, "vocos")):
         module = codec_eager_from_script(art.module, name, voc.arch)
