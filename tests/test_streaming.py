@@ -193,8 +193,6 @@ def test_codec_graphs_of_the_networks_through_torch_compile_give_the_artifacts_a
     (traced by dynamo and run as traced here, capture=False): no depthwise (grouped) convolution is left in the
     traced graphs (`depthwise_as_sum` in its place); after the start-up warm-up, calls of other batch and frame
     buckets compile nothing more; each item of both paths gets the audio the artifacts give it."""
-    from chattts_triton.runtime.vocoder import CodecGraphs, compiled_nets
-
     traced = []
 
     def record(gm, example_inputs):  # a torch.compile backend: keep the graph, run it as traced
@@ -207,9 +205,7 @@ def test_codec_graphs_of_the_networks_through_torch_compile_give_the_artifacts_a
     items = [(True, torch.randn(n, TINY_ARCH.gpt.hidden, generator=g) * 0.5) for n in (5, 17)]
     items += [(False, torch.randint(0, TINY_ARCH.num_audio_tokens - 1, (n, NUM_VQ), generator=g)) for n in (4, 11)]
     want = voc.synthesize_eager(items)
-    voc.graph_nets = compiled_nets(voc, backend=record)
-    voc.graphs = CodecGraphs(voc, capture=False)
-    voc.warm_compiled()
+    voc.compile_graphs(backend=record, capture=False)
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     got = voc.synthesize(items) + voc.synthesize(items[:1]) + voc.synthesize(items[1:2] * 9)
     want += want[:1] + want[1:2] * 9
@@ -218,6 +214,20 @@ def test_codec_graphs_of_the_networks_through_torch_compile_give_the_artifacts_a
     assert [a.shape for a in got] == [a.shape for a in want]
     for a, b in zip(got, want, strict=True):
         assert np.abs(a - b).max() <= 1e-5 * max(1.0, float(np.abs(b).max()))
+    torch._dynamo.reset()
+
+
+def test_a_codec_compile_failing_at_start_up_names_the_setting(tiny_assets):
+    """A torch.compile that fails while the codec warms up (at start-up, not in a client's call) is refused
+    with an error naming codec_compile and its flag, the compiler's own error chained."""
+    def broken(gm, example_inputs):
+        raise NotImplementedError("no kernel for this op")
+
+    torch._dynamo.reset()
+    voc = _vocoder(tiny_assets, 0.1)
+    with pytest.raises(RuntimeError, match=r"(?s)codec_compile \(--codec-compile\).*no kernel for this op") as e:
+        voc.compile_graphs(backend=broken, capture=False)
+    assert e.value.__cause__ is not None
     torch._dynamo.reset()
 
 

@@ -44,15 +44,25 @@ class VocoderService:
         self.vocos = Artifact(d / "vocos", artifact_format, device)
         self.graph_nets: tuple = (self.decoder, self.dvae, self.vocos)  # what `decode` runs in the graphs
         self.graphs: CodecGraphs | None = None
-        if graphs and device.type == "cuda" and artifact_format == "torchscript":
-            if compile_codec:
-                self.graph_nets = compiled_nets(self)
-            self.graphs = CodecGraphs(self)
         for _ in range(2):  # warm-up, as for the GPT
             self.synthesize_eager([(True, torch.zeros(3, arch.gpt.hidden)),
                                    (False, torch.zeros(2, NUM_VQ, dtype=torch.int64))])
-        if self.graph_nets[0] is not self.decoder:
+        if graphs and device.type == "cuda" and artifact_format == "torchscript":
+            if compile_codec:
+                self.compile_graphs()
+            else:
+                self.graphs = CodecGraphs(self)
+
+    def compile_graphs(self, backend="inductor", capture: bool = True) -> None:
+        """The graphs replay `compiled_nets`, compiled now (`warm_compiled`); a failure names the setting, since
+        inductor's own error does not. backend, capture: the CPU tests' (a recording backend, no CUDA)."""
+        self.graph_nets = compiled_nets(self, backend)
+        self.graphs = CodecGraphs(self, capture=capture)
+        try:
             self.warm_compiled()
+        except Exception as e:
+            raise RuntimeError(f"codec_compile (--codec-compile): torch.compile of the codec failed at start-up "
+                               f"({type(e).__name__}: {e}); serve without --codec-compile") from e
 
     def warm_compiled(self) -> None:
         """Compile now, not in some client's call: both paths with a batch and a frame bucket of 1 and of more, since
