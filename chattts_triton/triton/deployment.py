@@ -170,8 +170,8 @@ class Deployment:
         False,
         help="GPU chattts_vocoder (with --vocoder-graphs) and chattts_stream instances replay the decoder, DVAE and "
              "Vocos networks through torch.compile in their CUDA graphs: the elementwise chains, norms and depthwise "
-             "convolutions fused; compiled at start-up. Faster alone at large batch but slower served on an H100 (mixed "
-             "lengths, small stream windows): opt-in; docs/performance.md")
+             "convolutions fused; compiled at start-up. Faster alone at large batch but slower served on an H100 "
+             "(mixed lengths, small stream windows): opt-in; docs/performance.md")
     stream_first_chunks_first: bool = setting(
         False,
         help="chattts_stream decodes new streams' first chunks in a codec call of their own, ahead of the running "
