@@ -320,6 +320,25 @@ def engine_slots(metrics_url: str) -> int:
                                                              GPT).values()))
 
 
+def engine_counters(metrics_url: str) -> dict:
+    from loadtest.sweep import fetch_metrics, parse_engine_counters
+
+    return parse_engine_counters(fetch_metrics(metrics_url))
+
+
+def burst_gaps(before: dict, after: dict, seconds: float) -> dict:
+    """The running rows' cadence through a burst (`engine_window`): the mean step gap and the worst one so far,
+    which on a fresh server is the burst's own."""
+    from loadtest.sweep import engine_window
+
+    w = engine_window(before, after, seconds)
+    row = {k: w[k] for k in ("engine_step_gap_ms", "engine_step_gap_max_ms")}
+    if row["engine_step_gap_max_ms"] is not None and row["engine_step_gap_ms"] is not None:
+        log(f"burst: the running rows' step gap {row['engine_step_gap_ms']:.2f} ms on average, the worst "
+            f"{row['engine_step_gap_max_ms']:.1f} ms")
+    return row
+
+
 def burst(url: str, n: int, tokens, seed0: int = 0) -> dict:
     """n requests sent at once from idle, as a load tool's clients start together, without retries: how many
     were served, every refusal's message, latency percentiles; `tokens`: N or a Lengths (drawn per request),
@@ -503,9 +522,11 @@ def bench_served(repo: Path, tokens, max_concurrency: int, step_s: float, start:
         out["gpt_slots"] = slots
         log(f"GPT engines: {slots} slots together")
         if burst_from_idle:
+            before = engine_counters(server.metrics_url)
             out["burst"] = burst(server.grpc_url, 2 * slots, tokens)
+            time.sleep(5.0)  # the counters as of the burst's end are published by then
+            out["burst"].update(burst_gaps(before, engine_counters(server.metrics_url), out["burst"]["wall_s"]))
             save(out)
-            time.sleep(5.0)
         if max_concurrency:
             forced = ({"max_new_tokens": tokens.low, "min_new_tokens": tokens.low} if tokens.fixed
                       else {"lengths": tokens})
@@ -550,6 +571,13 @@ def bench_served(repo: Path, tokens, max_concurrency: int, step_s: float, start:
             log("launcher's last lines:\n  " + "\n  ".join(server.output[-20:])
                 + "\ntritonserver's last lines:\n  " + "\n  ".join(server_tail))
     return out
+
+
+def _gaps(row: dict) -> str:
+    if row.get("engine_step_gap_ms") is None:
+        return ""
+    worst = row.get("engine_step_gap_max_ms")
+    return f"{row['engine_step_gap_ms']:.2f}" + ("" if worst is None else f" ({worst:.1f})")
 
 
 def _prefills(row: dict) -> str:
@@ -602,6 +630,9 @@ def _served_path(res: dict) -> list[str]:
                 f"{b['refused']} refused** in {b['wall_s']} s, latency p50 {_ms(b['latency_p50_ms'])} ms, p99 "
                 f"{_ms(b['latency_p99_ms'])} ms"
                 + (f", {b['audio_s']} s of audio" if b.get("audio_s") is not None else "")
+                + (f"; the running rows' step gap {b['engine_step_gap_ms']:.2f} ms on average, the worst "
+                   f"{b['engine_step_gap_max_ms']:.1f} ms" if b.get("engine_step_gap_ms") is not None
+                   and b.get("engine_step_gap_max_ms") is not None else "")
                 + (f"; **{b['frames_mismatched']} answers not of the forced length**"
                    if b.get("frames_mismatched") else "")
                 + (f"; refusals: {b['errors']}" if b["errors"] else "") + ".", ""]
@@ -739,9 +770,9 @@ def to_markdown(res: dict) -> str:
                                                   "| RTF p50 "
                 "| errors | GPU MiB "
                 "| GPT step ms | of it device ms | GPU clock ms | graph ms | prefill ms/step | ms per prefill "
-                "(prompts) | GIL wait ms | GPT batch | GPT busy | vocoder batch | vocoder queue ms "
-                "| vocoder ms per call | vocoder busy |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "(prompts) | GIL wait ms | step gap ms (worst so far) | GPT batch | GPT busy | vocoder batch "
+                "| vocoder queue ms | vocoder ms per call | vocoder busy |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
 
             def f(k, s=".0f", r=r):
@@ -754,7 +785,7 @@ def to_markdown(res: dict) -> str:
                        f"{f('engine_step_ms', '.2f')} | {f('engine_step_device_ms', '.2f')} | "
                        f"{f('engine_step_gpu_ms', '.2f')} | "
                        f"{f('engine_step_graph_ms', '.2f')} | {f('engine_prefill_ms_per_step', '.2f')} | "
-                       f"{_prefills(r)} | {f('engine_gil_wait_ms', '.3f')} | "
+                       f"{_prefills(r)} | {f('engine_gil_wait_ms', '.3f')} | {_gaps(r)} | "
                        f"{f('engine_batch', '.1f')} | {f('engine_busy', '.0%')} | {_vocoder(r)} |")
         out += ["", "audio s/s: seconds of audio served per second (compares runs of different mean lengths); "
                 "GPT step ms: mean wall time of one decode step of the GPT engines (host work included); of it device "
@@ -770,7 +801,9 @@ def to_markdown(res: dict) -> str:
                 "prompts it "
                 "admitted; GIL wait ms: how long the engine thread took to get the GIL back after letting it go in a "
                 "time.sleep(0) (one step in 64; in 8 up to and including the eleventh session's runs; ≈ 0.07 ms with "
-                "no wait, Linux's timer slack); GPT batch: "
+                "no wait, Linux's timer slack); step gap ms (worst so far): the running rows' mean time from one "
+                "decode step's end to the next's (the GPU's clock), and the longest since the server's warm-up "
+                "(prefills, resumes and other processes between two steps lengthen it); GPT batch: "
                 "mean rows per step, GPT busy: share of the window the engine loops were stepping or prefilling; "
                 "vocoder batch, queue ms: chattts_vocoder's mean batch and its requests' mean wait in Triton's queue "
                 "(Triton's statistics over the window): a queue near a whole utterance's time, with batches at "

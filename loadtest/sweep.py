@@ -41,7 +41,8 @@ GPU_MEMORY_METRIC = "nv_gpu_memory_used_bytes"
 ENGINE_COUNTERS = ("engine_steps", "engine_step_rows", "engine_step_seconds", "engine_step_device_seconds",
                    "engine_step_gpu_seconds", "engine_step_gpu_samples", "engine_prefill_seconds",
                    "engine_gil_wait_seconds", "engine_gil_wait_samples", "engine_step_graph_seconds",
-                   "engine_step_graph_samples", "engine_prefills", "engine_prefill_rows")
+                   "engine_step_graph_samples", "engine_prefills", "engine_prefill_rows", "engine_step_gaps",
+                   "engine_step_gap_seconds", "engine_step_gap_max_seconds")
 ENGINE_MODEL = GPT
 _COUNTER_LINE = re.compile(r"chattts_(\w+)\{([^}]*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -218,7 +219,8 @@ def engine_window(before: dict[str, dict[str, float]], after: dict[str, dict[str
         return {"engine_step_ms": None, "engine_step_device_ms": None, "engine_step_gpu_ms": None,
                 "engine_prefill_ms_per_step": None,
                 "engine_step_graph_ms": None, "engine_gil_wait_ms": None, "engine_prefill_ms": None,
-                "engine_prefill_prompts": None, "engine_batch": None, "engine_busy": None}
+                "engine_prefill_prompts": None, "engine_batch": None, "engine_busy": None, "engine_step_gap_ms": None,
+                "engine_step_gap_max_ms": None}
     d = {k: 0.0 for k in ENGINE_COUNTERS}
     d.update(counter_deltas(before, after))
     steps = d["engine_steps"]
@@ -243,6 +245,12 @@ def engine_window(before: dict[str, dict[str, float]], after: dict[str, dict[str
         "engine_gil_wait_ms": 1000.0 * d["engine_gil_wait_seconds"] / d["engine_gil_wait_samples"]
         if d["engine_gil_wait_samples"] else None,
         "engine_batch": d["engine_step_rows"] / steps if steps else None,
+        # the running rows' cadence: mean time from one step's end to the next's in the window, and the longest
+        # so far (a cumulative maximum, since the warm-up: a burst on a fresh server is its worst)
+        "engine_step_gap_ms": 1000.0 * d["engine_step_gap_seconds"] / d["engine_step_gaps"]
+        if d["engine_step_gaps"] else None,
+        "engine_step_gap_max_ms": 1000.0 * max(c["engine_step_gap_max_seconds"] for c in after.values())
+        if all("engine_step_gap_max_seconds" in c for c in after.values()) else None,
         "engine_busy": (d["engine_step_seconds"] + d["engine_prefill_seconds"]) / (seconds * len(after)),
     }
 
@@ -433,6 +441,9 @@ async def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                       if row.get("engine_prefill_ms") is not None else "")
                    + (f", GIL wait {row['engine_gil_wait_ms']:.3f}"
                       if row.get("engine_gil_wait_ms") is not None else "")
+                   + (f", step gap {row['engine_step_gap_ms']:.2f}, worst so far {row['engine_step_gap_max_ms']:.1f}"
+                      if row.get("engine_step_gap_ms") is not None and row.get("engine_step_gap_max_ms") is not None
+                      else "")
                    + f") batch {_f(row['engine_batch'], '.1f')} "
                    f"busy {_f(row['engine_busy'], '.0%')}" if row.get("engine_step_ms") is not None else "")
                 + ("" if row["stable"] else "  (unstable)")
@@ -471,6 +482,8 @@ MAIN_COLUMNS = [
     ("engine_prefill_ms", "ms per prefill", ".2f"),
     ("engine_prefill_prompts", "prompts per prefill", ".1f"),
     ("engine_gil_wait_ms", "GIL wait ms", ".3f"),
+    ("engine_step_gap_ms", "step gap ms", ".2f"),
+    ("engine_step_gap_max_ms", "worst gap so far ms", ".1f"),
     ("engine_batch", "GPT batch", ".1f"),
     ("engine_busy", "GPT busy", ".0%"),
     ("stable", "stable", ""),

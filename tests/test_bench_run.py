@@ -41,11 +41,15 @@ def test_bench_serves_the_default_export_through_the_launcher(tiny_assets, tmp_p
     drawn = lengths.draw(16, "burst", 0)
     assert out["burst"]["frames_mismatched"] == 0 and len(set(drawn)) > 3
     assert out["burst"]["audio_s"] == round(sum(map(samples_for_codes, drawn)) / SAMPLE_RATE, 2)
+    # 16 over 8 slots: the second half's prefills come between the first half's steps
+    assert 0 < out["burst"]["engine_step_gap_ms"] <= out["burst"]["engine_step_gap_max_ms"]
+    assert all(r["engine_step_gap_ms"] > 0 for r in out["served"])
     for r in out["served"]:  # the sweep's: each answer as long as its request forced, lengths of the range
         assert r["frames_mismatched"] == 0 and 4 <= r["frames_mean"] <= 12 and r["audio_s_per_s"] > 0
     assert out["perf_analyzer"][0]["audio_s_per_s"] > 0
     md = to_markdown({"date": "d", "device_name": "cpu", "tokens": "4-12", "dtype": "fp32", **out})
     assert "**0 launcher restarts**" in md and "16 served, 0 refused" in md and "perf_analyzer" in md
+    assert f"the worst {out['burst']['engine_step_gap_max_ms']:.1f} ms" in md
     assert "drawn per utterance uniformly from 4–12 (seed 0; mean 8 frames" in md and "audio s/s" in md
     voc = out["served"][-1]["triton"]["chattts_vocoder"]  # the codec's share of the window, beside the GPT's
     row = [line for line in md.splitlines() if line.startswith(f"| {out['served'][-1]['concurrency']} | ")][-1]

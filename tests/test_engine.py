@@ -814,6 +814,38 @@ def test_engine_counts_its_steps_rows_and_busy_time(tiny, overlap):
     assert s["engine_step_gpu_seconds"] == s["engine_step_gpu_samples"] == 0  # CPU: no GPU clock to read
     assert s["engine_step_graph_seconds"] == s["engine_step_graph_samples"] == 0
     assert s["engine_gil_wait_samples"] == 1 and s["engine_gil_wait_seconds"] >= 0  # step 0 of 19 (one in 64)
+    # the first step follows a prefill from idle, every later one ran on rows of the one before
+    assert s["engine_step_gaps"] == 18 and 0 < s["engine_step_gap_max_seconds"] <= s["engine_step_gap_seconds"]
+
+
+@OVERLAP
+def test_a_prefill_between_two_steps_of_running_rows_is_inside_their_step_gap(tiny, overlap):
+    """EngineStats.step_gaps, the running rows' cadence: a request's long prompt prefilled while another runs
+    lengthens that one's gap between two steps by at least the prefill's time, and the largest gap says so; a
+    step after an idle engine's admission is no running row's gap; `restart_step_gaps` (after start-up's
+    warm-up) starts the largest afresh and keeps the counts."""
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, start=False, overlap=overlap)
+    drive(eng, [dict(ids=torch.arange(1, 9), params=greedy(12, 12, seed=0))])
+    c = eng.counters
+    assert c.step_gaps == c.steps - 1 == 10 and c.step_gap_max_seconds > 0
+    eng.restart_step_gaps()
+    assert c.step_gap_max_seconds == 0 and c.step_gaps == 10
+    prefills = []  # (whether rows were running, its time)
+    real = eng._prefill
+
+    def timed(reqs):
+        running, t0 = bool(eng.rows), time.perf_counter()
+        real(reqs)
+        prefills.append((running, time.perf_counter() - t0))
+
+    eng._prefill = timed
+    drive(eng, [dict(ids=torch.arange(1, 9), params=greedy(30, 30, seed=1)),
+                dict(ids=torch.arange(1, 61), params=greedy(5, 5, seed=2))], join=[0, 3])
+    assert [r for r, _ in prefills] == [False, True]
+    assert c.step_gaps == c.steps - 2  # after each idle admission, one step not counted
+    assert c.step_gap_max_seconds >= prefills[1][1] > 0
+    assert c.step_gap_seconds / c.step_gaps < c.step_gap_max_seconds
 
 
 def test_the_gil_probe_reads_the_wait_another_python_thread_causes(tiny, monkeypatch):

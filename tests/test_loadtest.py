@@ -430,6 +430,9 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
                      f'chattts_engine_gil_wait_seconds{{instance="{inst}",model="chattts_gpt"}} {step_s / 100}',
                      f'chattts_engine_prefills{{instance="{inst}",model="chattts_gpt"}} {steps // 4}',
                      f'chattts_engine_prefill_rows{{instance="{inst}",model="chattts_gpt"}} {steps}',
+                     f'chattts_engine_step_gaps{{instance="{inst}",model="chattts_gpt"}} {steps - 1}',
+                     f'chattts_engine_step_gap_seconds{{instance="{inst}",model="chattts_gpt"}} {step_s + prefill_s}',
+                     f'chattts_engine_step_gap_max_seconds{{instance="{inst}",model="chattts_gpt"}} {step_s / 50}',
                      f'chattts_engine_gil_wait_samples{{instance="{inst}",model="chattts_gpt"}} {steps // 8}',
                      f'chattts_engine_step_graph_seconds{{model="chattts_gpt",instance="{inst}"}} '
                      f'{step_s / 16 if gpu else 0}',
@@ -473,6 +476,12 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     assert engine_window(before, old, 2.0)["engine_prefill_ms"] is None  # a server from before the prefill counts
     old = {i: {k: v for k, v in c.items() if not k.startswith("engine_gil")} for i, c in after.items()}
     assert engine_window(before, old, 2.0)["engine_gil_wait_ms"] is None  # ... or before the GIL probe
+    # the running rows' cadence: (0.8 + 0.2) s of gaps per instance over 200 each; the worst so far, a's 1.3 / 50 s
+    assert w["engine_step_gap_ms"] == pytest.approx(1000 * (1.0 + 1.0) / (200 + 200))
+    assert w["engine_step_gap_max_ms"] == pytest.approx(1000 * 1.3 / 50)
+    old = {i: {k: v for k, v in c.items() if not k.startswith("engine_step_gap")} for i, c in after.items()}
+    assert engine_window(before, old, 2.0)["engine_step_gap_ms"] is None  # ... or before the step gaps
+    assert engine_window(before, old, 2.0)["engine_step_gap_max_ms"] is None
 
 
 def test_stream_stand_in_splits_a_first_chunk_into_its_way_in_the_schedule_and_its_way_out():
@@ -574,10 +583,12 @@ def test_bench_table_puts_each_engine_figure_under_its_header():
            "engine_step_ms": 6.85, "engine_step_device_ms": 6.2, "engine_step_gpu_ms": 6.15,
            "engine_step_graph_ms": 3.3,
            "engine_prefill_ms_per_step": 2.28, "engine_prefill_ms": 9.12, "engine_prefill_prompts": 13.04,
-           "engine_gil_wait_ms": 0.092, "engine_batch": 485.6, "engine_busy": 0.96}
+           "engine_gil_wait_ms": 0.092, "engine_step_gap_ms": 7.21, "engine_step_gap_max_ms": 41.26,
+           "engine_batch": 485.6, "engine_busy": 0.96}
     older = {k: v for k, v in row.items() if k not in ("engine_step_graph_ms", "engine_prefill_ms",
                                                        "engine_prefill_prompts",
-                                                      "engine_gil_wait_ms")}
+                                                      "engine_gil_wait_ms", "engine_step_gap_ms",
+                                                      "engine_step_gap_max_ms")}
     md = to_markdown({"date": "d", "device_name": "H200", "tokens": 150, "dtype": "bf16", "served": [row, older]})
     lines = md.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("| concurrency | p50 ms"))
@@ -588,6 +599,7 @@ def test_bench_table_puts_each_engine_figure_under_its_header():
     assert (cells[0]["GPU clock ms"], cells[0]["graph ms"], cells[0]["prefill ms/step"]) == ("6.15", "3.30", "2.28")
     assert (cells[0]["ms per prefill (prompts)"], cells[0]["GIL wait ms"],
             cells[0]["GPT batch"]) == ("9.12 (13.0)", "0.092", "485.6")
+    assert (cells[0]["step gap ms (worst so far)"], cells[1]["step gap ms (worst so far)"]) == ("7.21 (41.3)", "")
     assert (cells[1]["graph ms"], cells[1]["ms per prefill (prompts)"], cells[1]["GIL wait ms"]) == ("", "", "")
     assert cells[1]["GPT busy"] == "96%"
 

@@ -82,7 +82,7 @@ class _Flight:
     """A decode step launched (or an admission's first tokens drawn: step -1), its bookkeeping still to do
     (`Engine._land`)."""
 
-    __slots__ = ("step", "b", "hit", "events", "inner", "slot_of", "host", "ready", "launch_seconds")
+    __slots__ = ("step", "b", "hit", "events", "inner", "slot_of", "host", "ready", "launch_seconds", "end", "carried")
 
     def __init__(self, step: int, b: int, hit: Tensor, events, inner, slots: int):
         self.step = step  # its index (the steps counter at its launch)
@@ -95,6 +95,8 @@ class _Flight:
         self.host: np.ndarray | None = None  # overlap: its flags on the host (valid once `ready` is done)
         self.ready = None  # overlap on CUDA: the event after the flags' copy
         self.launch_seconds = 0.0
+        self.end = None  # when it ended: a CUDA event recorded after it, or the host's clock (`EngineStats.step_gaps`)
+        self.carried = False  # rows of the decode step before it run on in it (a gap between the two counts)
 
 
 class Engine(Runner, KvPages, WarmUp):
@@ -210,6 +212,10 @@ class Engine(Runner, KvPages, WarmUp):
         self.counters = EngineStats()  # cumulative, for metrics: Engine.stats()
         self._graph_timing_failed = False
         self._step_events: tuple[Any, Any] | None = None
+        # CUDA: the events after the last decode steps, in turn (a step lands after the next one's launch: the one
+        # before it, itself and the next are in use), and the end of the last step landed (`EngineStats.step_gaps`)
+        self._end_events: list[Any] = []
+        self._last_end: tuple[int, Any] | None = None
         # when the last few decode steps began: a cancelled row's release counts the steps begun since its cancel
         self._step_starts: collections.deque[float] = collections.deque(maxlen=4)
         self.cache_dtype = cache_dtype
@@ -393,6 +399,7 @@ class Engine(Runner, KvPages, WarmUp):
                 self.cv.wait()
             tasks, self._tasks = self._tasks, []
             stop = self.stopping and not self.scheduler.pending and not self.rows
+            carried = bool(self.rows)  # this iteration's step runs on rows of the last one (its gap counts)
             admitted = None if stop else self._take_admissions()
         if tasks:  # a task (a graph capture) meets no step in flight
             with torch.inference_mode():
@@ -415,7 +422,7 @@ class Engine(Runner, KvPages, WarmUp):
                     self.counters.prefill_rows += len(fresh)
                 if self.rows:
                     t0 = time.perf_counter()
-                    self._decode_step()
+                    self._decode_step(carried)
                     self.counters.step_seconds += time.perf_counter() - t0
         except Exception as e:  # fail the requests in flight, keep serving the next ones
             log.exception("engine step failed")
@@ -520,7 +527,7 @@ class Engine(Runner, KvPages, WarmUp):
             self._land(f)
 
     # -- decode ---------------------------------------------------------------------------------
-    def _decode_step(self) -> None:
+    def _decode_step(self, carried: bool = False) -> None:
         """One decode step of every running row. Without overlap: launch it, read its EOS flags back (the
         step's one host sync), then the bookkeeping (`_land`). With overlap: launch step n+1, then read step n's
         flags (done by now, or soon: the GPU runs n+1 meanwhile) and do its bookkeeping, one step late. Step
@@ -529,9 +536,9 @@ class Engine(Runner, KvPages, WarmUp):
         (results copy its first n tokens), and its slot is freed by the bookkeeping as before."""
         if not self.overlap:
             self._drain()  # switched off with a step in flight
-            self._land(self._launch())
+            self._land(self._launch(carried))
             return
-        launched = self._launch()  # may land the step in flight first (`_drain`)
+        launched = self._launch(carried)  # may land the step in flight first (`_drain`)
         prev, self._flight = self._flight, launched
         if prev is not None:
             self._land(prev)
@@ -559,7 +566,7 @@ class Engine(Runner, KvPages, WarmUp):
         """The steps launched and not yet read back (overlap): a decode step, an admission's first tokens."""
         return [f for f in (self._flight, self._first) if f is not None]
 
-    def _launch(self) -> _Flight | None:
+    def _launch(self, carried: bool = False) -> _Flight | None:
         """Enqueue one decode step of rows 0..B-1 (pages granted, tables synced first). With a step in flight
         the host's counts lag by it: pages and the attention length are taken one position further for the
         rows it runs. None: nothing launched (the rows all end with the step in flight, which was landed)."""
@@ -612,6 +619,7 @@ class Engine(Runner, KvPages, WarmUp):
             events[1].record()
         f = _Flight(c.steps, b, hit[:b], events, inner, self.max_slots)
         f.slot_of[:b] = np.arange(b)
+        self._mark_end(f, carried)
         if self.overlap:
             # the flags to the host now: a graph's replay returns the same buffer, which the next step overwrites
             if self.device.type == "cuda":
@@ -628,6 +636,36 @@ class Engine(Runner, KvPages, WarmUp):
         c.steps += 1
         c.step_rows += b - int(done_either_way.sum())  # rows that step for a token someone reads
         return f
+
+    def _mark_end(self, f: _Flight, carried: bool) -> None:
+        """When the step just launched ends: an event after it (CUDA), or now (the CPU's ops are synchronous)."""
+        f.carried = carried
+        if self.device.type == "cuda":
+            if not self._end_events:
+                self._end_events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            f.end = self._end_events[f.step % 4]
+            f.end.record()
+        else:
+            f.end = time.perf_counter()
+
+    def _count_gap(self, f: _Flight) -> None:
+        """The gap from the decode step landed last to this one (both done by now), where this one ran on rows of
+        that one (`EngineStats.step_gaps`)."""
+        last, self._last_end = self._last_end, (f.step, f.end)
+        if last is None or last[0] != f.step - 1 or not f.carried:
+            return
+        gap = (last[1].elapsed_time(f.end) / 1000 if self.device.type == "cuda" else f.end - last[1])
+        c = self.counters
+        c.step_gaps += 1
+        c.step_gap_seconds += gap
+        c.step_gap_max_seconds = max(c.step_gap_max_seconds, gap)
+
+    def restart_step_gaps(self, timeout: float = 60.0) -> None:
+        """The largest gap from now on (on the engine's thread): start-up's warm-up steps compile and capture
+        between steps, which no client meets."""
+        def restart() -> None:
+            self.counters.step_gap_max_seconds = 0.0
+        self._on_engine_thread(restart, time.monotonic() + timeout)
 
     def _land(self, f: _Flight) -> None:
         """A launched step's flags on the host (its one host sync, or the wait for its copy), its timings, then
@@ -655,6 +693,8 @@ class Engine(Runner, KvPages, WarmUp):
                 except Exception:
                     log.exception("reading a decode graph's own timing events failed; no more graph timings")
                     self._graph_timing_failed = True
+        if f.step >= 0:
+            self._count_gap(f)
         if f.step >= 0 and f.step % GIL_PROBE_EVERY == 0:
             t1 = time.perf_counter()
             time.sleep(0)  # lets the GIL go and takes it back: the wait a release costs now

@@ -115,6 +115,7 @@ class GPTService:
                              time.perf_counter() - t1)
             except Exception:
                 log.exception("capturing the remaining CUDA graphs at start-up failed; they are captured on first use")
+            engine.restart_step_gaps()
             log.info("GPT engine warm (%s) in %.1f s", "compiled step" if compiled else "TorchScript",
                      time.perf_counter() - t0)
             return engine

@@ -38,6 +38,14 @@ class EngineStats:
     # each time. A GPU clock read through events recorded from Python includes such waits too
     gil_wait_seconds: float = 0.0
     gil_wait_samples: int = 0
+    # running rows' cadence: from one decode step's end to the next's, where rows of the first run on into the
+    # second (not after an idle wait, nor from a step whose rows all ended). On CUDA on the GPU's clock (an event
+    # after every step), on the CPU on the host's (its ops are synchronous). What runs between two steps (a prefill,
+    # a resume, the host's bookkeeping, other processes' time slices) lengthens it; the largest is the worst stall
+    # a running stream or utterance met (since start-up's warm-up, `Engine.restart_step_gaps`)
+    step_gaps: int = 0
+    step_gap_seconds: float = 0.0
+    step_gap_max_seconds: float = 0.0
     # batched prefills run, the prompts they admitted and their wall time
     prefill_seconds: float = 0.0
     prefills: int = 0

@@ -159,6 +159,12 @@ STAT_HELP = {
     "engine_prefill_seconds": "wall time in prefills (cumulative); with engine_step_seconds, the engine's busy time",
     "engine_prefills": "batched prefills (cumulative)",
     "engine_prefill_rows": "prompts those prefills admitted (cumulative); / engine_prefills = prompts per prefill",
+    "engine_step_gaps": "CUDA: decode steps timed from the end of the step before them on the GPU's clock (the "
+                        "CPU: the host's), where rows of that one ran on in them (cumulative)",
+    "engine_step_gap_seconds": "summed time of those gaps (cumulative; / engine_step_gaps = the running rows' mean "
+                               "time per step: a prefill, resume or other process between two steps lengthens it)",
+    "engine_step_gap_max_seconds": "the longest of those gaps since the warm-up: the worst stall a running "
+                                   "generation met so far",
     "engine_gil_wait_seconds": "summed time of the engine thread to get the GIL back after a time.sleep(0) "
                                "(cumulative; sampled steps; ≈ 0.07 ms each with no wait)",
     "engine_gil_wait_samples": "GIL waits sampled (one decode step in 64; cumulative)",
