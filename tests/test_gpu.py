@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 import warnings
 from unittest import mock
 
@@ -443,13 +444,21 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets, overlap):
             assert [done.get(timeout=300).wait().finish_reason for _ in range(4)] == ["max_tokens"] * 4
 
         wave()  # graph captures happen here: a sampled step holding one would dwarf the others
+        eng.restart_step_gaps()
         s0 = eng.stats()
+        t0 = time.perf_counter()
         wave()
+        wall = time.perf_counter() - t0
         s1 = eng.stats()
         s = {k: s1[k] - s0[k] for k in ("engine_steps", "engine_step_gpu_samples", "engine_step_gpu_seconds",
                                         "engine_step_device_seconds", "engine_step_seconds",
                                         "engine_step_graph_samples",
-                                        "engine_step_graph_seconds")}
+                                        "engine_step_graph_seconds", "engine_step_gaps", "engine_step_gap_seconds")}
+        # every step's gap on the GPU's clock but the wave's first (after an idle engine's admission): inside the
+        # wave's wall time, and the worst of this wave at least their mean
+        assert s["engine_step_gaps"] == s["engine_steps"] - 1
+        assert 0 < s["engine_step_gap_seconds"] <= wall
+        assert s1["engine_step_gap_max_seconds"] >= s["engine_step_gap_seconds"] / s["engine_step_gaps"]
         assert abs(s["engine_step_gpu_samples"] - s["engine_steps"] / GPU_TIMING_EVERY) <= 1
         assert s["engine_step_gpu_samples"] >= 10
         gpu_ms = 1000 * s["engine_step_gpu_seconds"] / s["engine_step_gpu_samples"]
