@@ -687,6 +687,45 @@ def test_frozen_compiled_step_runs_an_unwarmed_bucket_plainly_instead_of_compili
     check_same_as_alone(expected, got)
 
 
+def test_with_gemv_the_compiled_step_of_one_row_sums_products_instead_of_gemms_and_gives_the_same_tokens(tiny):
+    """--gpt-gemv: the decode step compiled for one row traces no GEMM (linear, einsum) but products summed over the
+    input (`gemv_linear`); the step compiled for more rows keeps its GEMMs; eager calls never take it. A request that
+    runs alone, then beside another, then alone again gets the same tokens and, to float rounding, the same hidden
+    states as from the plain step."""
+    import torch.nn.functional as F
+
+    from chattts_triton.runtime.engine import CudaGraphs
+
+    arch, _, _, ours = tiny
+    specs = [dict(ids=torch.arange(1, 12), params=SamplingParams(0.3, 0.7, 20, 1.05, 14, 14, seed=8)),
+             dict(ids=torch.arange(3, 9), params=SamplingParams(0.3, 0.7, 20, 1.05, 20, 20, seed=9))]
+    plain = make_engine(ours, arch, start=False)
+    plain.graphs = CudaGraphs(plain, capture=False)
+    expected = drive(plain, specs, join=[0, 6])
+    traced = []
+
+    def record(gm, example_inputs):  # a torch.compile backend: keep the graph, run it as traced
+        traced.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        eng = make_engine(ours, arch, start=False)
+        eng.graphs = CudaGraphs(eng, capture=False)
+        eng.compile_step(backend=record, gemv=True)
+        got = drive(eng, specs, join=[0, 6])
+        gemms = [sum(n.target in (F.linear, torch._C._nn.linear, torch.einsum, torch.functional.einsum)
+                     for n in gm.graph.nodes) for gm in traced]
+        sums = [sum(n.target == "sum" or n.target is torch.sum for n in gm.graph.nodes) for gm in traced]
+        assert len(traced) >= 2 and 0 in gemms and max(gemms) > 0, gemms  # one row's graph; more rows'
+        assert all(s >= arch.gpt.layers * 3 for s, g in zip(sums, gemms, strict=True) if g == 0), sums
+        check_same_as_alone(expected, got, hidden_atol=1e-5)
+        assert [r.tokens.shape for r in (e.result for e in got)] == [(14, 4), (20, 4)]
+    finally:
+        ours.set_gemv(False)
+        torch._dynamo.reset()
+
+
 def test_padding_row_over_a_slot_left_by_refine_text(tiny):
     """A free slot that held text-vocabulary tokens pads a code-only bucket: its lookups stay in
     range and the live rows are unaffected."""

@@ -43,10 +43,11 @@ def _without_a_host_sync(fn, *args):
     return out
 
 
-@pytest.mark.parametrize("compiled", [False, True, "prefill", "packed"])
+@pytest.mark.parametrize("compiled", [False, True, "prefill", "packed", "gemv"])
 def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets, compiled):
     """TorchScript graphs, or the step compiled by inductor (`--gpt-compile`; "prefill": the prefills
-    too, `--gpt-compile-prefill`; "packed": prompts prefilled packed, `--gpt-packed-prefill`), against upstream."""
+    too, `--gpt-compile-prefill`; "packed": prompts prefilled packed, `--gpt-packed-prefill`; "gemv": each request
+    alone, so every step of one row with its projections as inductor's reductions, `--gpt-gemv`), against upstream."""
     from tests.engine_util import upstream_generate, upstream_gpt
 
     arch, emb, g = upstream_gpt(full_assets)
@@ -54,7 +55,7 @@ def test_cuda_graph_engine_equals_upstream_greedy_on_gpu(full_assets, compiled):
     g.device = g.device_gpt = torch.device("cuda")
     model = load_gpt(full_assets, arch).cuda()
     eng = _engine(model if compiled else torch.jit.script(model), arch, graphs=True, compile_step=bool(compiled),
-                  compile_prefill=compiled == "prefill", packed_prefill=compiled == "packed")
+                  compile_prefill=compiled == "prefill", packed_prefill=compiled == "packed", gemv=compiled == "gemv")
     gen = torch.Generator().manual_seed(11)  # the same prompts whatever ran before
     try:
         if compiled:

@@ -188,6 +188,8 @@ def test_step_bench_times_steps_and_prefills_of_each_variant_on_cpu(tiny_assets,
     assert ops["script"] < ops["script_unfused"], ops
     with pytest.raises(SystemExit, match="on a CPU"):  # inductor's step is a GPU variant
         step.main([a if a != "script,script_unfused" else "compile" for a in args])
+    with pytest.raises(SystemExit, match="unknown variant script_gemv"):  # one row's reductions: compiled steps only
+        step.main([a if a != "script,script_unfused" else "script_gemv" for a in args])
 
 
 def test_host_cost_probe_times_an_admissions_inputs_and_a_finish_with_its_aten_calls(tiny_assets, tmp_path, capsys):

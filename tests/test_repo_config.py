@@ -168,6 +168,25 @@ def test_configure_codec_compile_reaches_the_vocoder_and_the_stream_models_codec
         svc.close()
 
 
+def test_configure_gpt_gemv_reaches_both_engine_models(tiny_repo, tmp_path, monkeypatch):
+    """--gpt-gemv (opt-in) sets chattts_gpt's and chattts_stream's parameter, kept by a re-configure that does not
+    name it, and both GPT services get gemv; a CPU instance serves the TorchScript step, whose model has no such
+    switch, whatever it says."""
+    from chattts_triton.runtime import gpt as gpt_runtime
+    from chattts_triton.triton.backend import ModelContext, gpt_service, stream_service
+
+    repo, _ = _switched_on_and_kept(tiny_repo, tmp_path, "--gpt-gemv", GPT, "gpt_gemv")
+    assert rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters["gpt_gemv"].string_value == "1"
+    assert "gpt_gemv" not in rc.parse_pbtxt((repo / VOCODER / "config.pbtxt").read_text()).parameters
+    asked = _keyword_seen(monkeypatch, gpt_runtime.GPTService, "gemv")
+    gpt_service(ModelContext.from_repo(repo, GPT)).close()
+    svc = stream_service(ModelContext.from_repo(repo, STREAM))
+    try:
+        assert asked == [True, True] and svc.gpt.engine.graph_step is None  # a CPU instance: no compiled step
+    finally:
+        svc.close()
+
+
 def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_the_service(tiny_repo, tmp_path,
                                                                                            monkeypatch):
     """chattts_vocoder's vocoder_graphs is on by default; --no-vocoder-graphs turns it off, a re-configure

@@ -13,7 +13,9 @@ Variants: `script` = the exported TorchScript (what `chattts_gpt` serves by defa
 the same module unscripted, `compile` = the engine step compiled by torch.compile (inductor), one
 compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all buckets; each with
 `_unfused` appended: q/k/v and gate/up as five GEMMs per layer (the model before `fuse_projections`);
-`_sdpa` (eager/compile): the dense masked attention over `--attn-len` instead of each row's own keys.
+`_sdpa` (eager/compile): the dense masked attention over `--attn-len` instead of each row's own keys;
+`_gemv` (compile): a step of one row computes its projections and code heads as inductor's reductions, not cuBLAS
+GEMMs (`--gpt-gemv`, `ChatTTSGPT.set_gemv`; more rows unchanged).
 `aoti` / `aoti_traced`: the step from AOTInductor packages, one per bucket (`bench/probes/aoti.py`; the decode
 attention through its custom operator, or its Triton kernel compiled into the package): the export users
 would ship instead of TorchScript + torch.compile at start-up; `build_s` is a package's export + compile,
@@ -177,11 +179,13 @@ def run_variant(variant: str, args, arch, dtype) -> dict:  # noqa: C901  a probe
     # "_unfused": q/k/v and gate/up as five GEMMs, as before fusing; "_sdpa": the dense masked attention
     # over the step's attention length instead of each row's own keys (`attention.decode_attention`)
     sdpa = "_sdpa" in variant
-    base = variant.replace("_sdpa", "").removesuffix("_unfused")
+    gemv = "_gemv" in variant
+    base = variant.replace("_sdpa", "").replace("_gemv", "").removesuffix("_unfused")
     fused = "_unfused" not in variant
     cuda = args.device == "cuda"
+    compiled = base.startswith("compile")
     if base not in ("script", "eager", "compile", "compile_dynamic", "aoti",
-                    "aoti_traced") or (base.startswith("compile") and not cuda):
+                    "aoti_traced") or (compiled and not cuda) or (gemv and not compiled):
         raise SystemExit(f"unknown variant {variant}" + ("" if cuda else " on a CPU (script, eager, aoti, *_unfused)"))
     model = load_gpt(args.assets, arch, fused=fused).to(dtype).to(args.device).eval()
     if base == "script":
@@ -191,7 +195,7 @@ def run_variant(variant: str, args, arch, dtype) -> dict:  # noqa: C901  a probe
                     hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=args.device, cache_dtype=dtype,
                     compute_dtype=dtype, start=False, decode_kernel=False if sdpa or base == "script" else None)
     if base.startswith("compile"):
-        engine.compile_step(dynamic=base == "compile_dynamic", prefill=args.compile_prefill)
+        engine.compile_step(dynamic=base == "compile_dynamic", prefill=args.compile_prefill, gemv=gemv)
     aoti = None
     if base.startswith("aoti"):  # the step from AOTInductor packages, one per bucket (bench/probes/aoti.py)
         from bench.probes.aoti import AotiStep

@@ -39,9 +39,18 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def gemv_linear(h: Tensor, weight: Tensor) -> Tensor:
+    """`F.linear(h, weight)` without bias, as products summed over the input features in fp32 (as a GEMM accumulates).
+    For one row under torch.compile, inductor makes it a reduction kernel of its own that reads the weight once,
+    fused with the casts and elementwise work around it, where cuBLAS launches a GEMM whose time for one row is its
+    launch, not its bytes. Eager, it would materialise every product: compiled graphs only (`ChatTTSGPT.set_gemv`)."""
+    return (h.unsqueeze(-2).float() * weight.float()).sum(-1).to(h.dtype)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, d: GPTDims):
         super().__init__()
+        self.gemv = False  # one row's projections as `gemv_linear` under torch.compile (`ChatTTSGPT.set_gemv`)
         self.heads = d.heads
         self.kv_heads = d.kv_heads
         self.head_dim = d.head_dim
@@ -87,8 +96,8 @@ class DecoderLayer(nn.Module):
         b, t, _ = x.shape
         h = self.input_layernorm(x)
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(h).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                                              self.kv_heads * self.head_dim], dim=-1)
+            q, k, v = self._linear(h, self.qkv_proj.weight).split(
+                [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
         else:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
@@ -115,7 +124,7 @@ class DecoderLayer(nn.Module):
             if lengths is not None:  # a decode step reading each row's own keys only
                 attn = decode_attention(q.select(1, 0).contiguous(), k_cache.select(0, layer), v_cache.select(0, layer),
                                         tables, lengths)
-                x = x + self.o_proj(attn.reshape(b, t, self.heads * self.head_dim))
+                x = x + self._linear(attn.reshape(b, t, self.heads * self.head_dim), self.o_proj.weight)
                 return self._mlp(x)
         if fresh:  # a prefill from position 0: its own keys are all it attends (as the cache would give them)
             keys = k.view(b, t, self.kv_heads, self.head_dim).to(q.dtype)
@@ -132,17 +141,25 @@ class DecoderLayer(nn.Module):
         attn = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
         )
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        x = x + self._linear(attn.transpose(1, 2).reshape(b, t, self.heads * self.head_dim), self.o_proj.weight)
         return self._mlp(x)
 
     def _mlp(self, x: Tensor) -> Tensor:
         h = self.post_attention_layernorm(x)
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+            gate, up = self._linear(h, self.gate_up_proj.weight).chunk(2, dim=-1)
         else:
             assert self.gate_proj is not None and self.up_proj is not None
             gate, up = self.gate_proj(h), self.up_proj(h)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self._linear(F.silu(gate) * up, self.down_proj.weight)
+
+    def _linear(self, h: Tensor, weight: Tensor) -> Tensor:
+        """A projection of h [B, T, in]: `gemv_linear` where `gemv` is set, torch.compile traces it and it is one
+        row; else the GEMM (nn.Linear's own call)."""
+        if not torch.jit.is_scripting():  # (TorchScript does not compile this branch)
+            if self.gemv and torch.compiler.is_compiling() and h.shape[0] * h.shape[1] == 1:
+                return gemv_linear(h, weight)
+        return F.linear(h, weight)
 
 
 def _concat_linear(parts: list[nn.Linear | None]) -> nn.Linear:
@@ -175,6 +192,7 @@ class ChatTTSGPT(nn.Module):
         self.num_vq = arch.num_vq
         self.num_audio_tokens = arch.num_audio_tokens
         self.layers_n = d.layers
+        self.gemv = False  # one row's code heads as `gemv_linear` under torch.compile (`set_gemv`)
         # decode steps through `attention.decode_attention` (each row's own keys); set by the engine for the
         # eager module (torch.compile or eager on a GPU), never in TorchScript
         self.decode_kernel = False
@@ -200,6 +218,16 @@ class ChatTTSGPT(nn.Module):
             layer.fuse()
         return self
 
+    @torch.jit.ignore
+    def set_gemv(self, on: bool) -> ChatTTSGPT:
+        """Decode steps of one row traced by torch.compile compute their projections and code heads as products
+        summed in fp32 (`gemv_linear`), which inductor fuses into reductions of its own, instead of cuBLAS GEMMs;
+        eager calls and more rows keep the GEMMs."""
+        self.gemv = bool(on)
+        for layer in self.layers:
+            layer.gemv = self.gemv
+        return self
+
     @torch.jit.export
     def embed_text(self, ids: Tensor) -> Tensor:
         """ids [...] → [..., hidden]"""
@@ -214,6 +242,10 @@ class ChatTTSGPT(nn.Module):
     @torch.jit.export
     def logits_code(self, h: Tensor) -> Tensor:
         """h [B, hidden] → float logits [B, num_vq, num_audio_tokens]"""
+        if not torch.jit.is_scripting():  # (TorchScript does not compile this branch)
+            if self.gemv and torch.compiler.is_compiling() and h.shape[0] == 1:
+                table = self.head_code.to(h.dtype).view(self.num_vq * self.num_audio_tokens, self.hidden)
+                return gemv_linear(h, table).view(1, self.num_vq, self.num_audio_tokens).float()
         return torch.einsum("bh,qah->bqa", h, self.head_code.to(h.dtype)).float()
 
     @torch.jit.export

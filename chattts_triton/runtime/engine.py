@@ -131,6 +131,7 @@ class Engine(Runner, KvPages, WarmUp):
         max_pending: int = 0,
         compile_step: bool = False,
         compile_prefill: bool = False,
+        gemv: bool = False,
         decode_kernel: bool | None = None,
         overlap: bool | None = None,
         packed_prefill: bool = True,
@@ -143,7 +144,7 @@ class Engine(Runner, KvPages, WarmUp):
         oldest has waited `admit_wait_steps` decode steps; an idle engine admits at once.
         max_pending: running + waiting requests at which `full()` says yes (0: never); the engine itself
         accepts every submit, its callers refuse.
-        compile_step, compile_prefill: see `compile_step` (the model must be the eager module).
+        compile_step, compile_prefill, gemv: see `compile_step` (the model must be the eager module).
         decode_kernel: decode steps of the eager module read each row's own keys only
         (`attention.decode_attention`); None: where its GPU kernel runs (True elsewhere: its dense PyTorch
         reference, for tests). TorchScript models: never.
@@ -243,7 +244,7 @@ class Engine(Runner, KvPages, WarmUp):
         self._results_thread: threading.Thread | None = None
         self._tasks: list[Callable[[], None]] = []  # run by the engine thread between steps (graph captures)
         if compile_step:
-            self.compile_step(prefill=compile_prefill)
+            self.compile_step(prefill=compile_prefill, gemv=gemv)
         if start:
             self.start()
             self._ready.wait()

@@ -59,12 +59,13 @@ class GPTService:
                  max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int, max_pending: int = 0,
                  compile_step: bool = False, admit_batch: int = ADMIT_BATCH, admit_wait_steps: int = ADMIT_WAIT_STEPS,
                  compile_prefill: bool = False, cache_tokens: int | None = None, overlap: bool = True,
-                 packed_prefill: bool = True, high_priority: bool = False):
+                 packed_prefill: bool = True, high_priority: bool = False, gemv: bool = False):
         """cache_tokens: positions of the engine's paged KV cache (None: max_slots × max_context).
         packed_prefill: the compiled engine prefills packed prompts (Engine packed_prefill; the TorchScript step
         has no decode kernel). overlap: the engine's host bookkeeping overlaps its next step (Engine overlap; CUDA
         only: nothing to gain where the ops are synchronous). high_priority: the engine's steps on a CUDA stream of
-        the highest priority (Engine high_priority)."""
+        the highest priority (Engine high_priority). gemv: the compiled step of one row computes its projections as
+        reductions of inductor's own (Engine gemv; with compile_step only)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if dtype in CPU_ONLY_PRECISIONS and device.type != "cpu":
@@ -91,6 +92,7 @@ class GPTService:
                 hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=DTYPES[dtype],
                 cache_tokens=cache_tokens,
                 compute_dtype=DTYPES[dtype], compile_step=compiled, compile_prefill=compiled and compile_prefill,
+                gemv=compiled and gemv,
                 packed_prefill=compiled and packed_prefill,
                 admit_batch=admit_batch,
                 admit_wait_steps=admit_wait_steps,

@@ -73,7 +73,8 @@ class Runner:
         self.n_live = torch.zeros((), dtype=torch.int64, device=dev)  # rows ≥ this in a graph bucket are padding
         self.graphs = CudaGraphs(self) if (self.cuda_graphs and self.device.type == "cuda") else None
 
-    def compile_step(self, dynamic: bool = True, backend: str = "inductor", prefill: bool = False) -> None:
+    def compile_step(self, dynamic: bool = True, backend: str = "inductor", prefill: bool = False,
+                     gemv: bool = False) -> None:
         """Graph buckets run the decode step compiled by torch.compile (inductor: fused norm, RoPE
         and sampling kernels, still replayed from CUDA graphs: faster than the TorchScript step, bench/probes/step.py
         measures both); audio-code steps only. Needs the eager module, not TorchScript.
@@ -82,7 +83,8 @@ class Runner:
         runs the plain step instead of stalling every running request for the tens of seconds a
         compile takes. prefill: prefills (graphed or not) run `prefill_core` compiled too, with dynamic
         shapes (opt-in: faster alone from its graph, but it makes a served start-up minutes longer;
-        docs/performance.md)."""
+        docs/performance.md). gemv: the compiled step of one row computes its projections and code heads as
+        reductions inductor generates and fuses, not cuBLAS GEMMs (`ChatTTSGPT.set_gemv`; eager calls unchanged)."""
         if isinstance(self.model, torch.jit.ScriptModule):
             raise EngineError("compile_step needs the eager GPT module (chattts_triton.model.gpt), not TorchScript")
         import torch._dynamo as dynamo
@@ -96,6 +98,8 @@ class Runner:
         # autotuning a kernel that writes in place clones its arguments per tried config: for the
         # KV-cache writes that is the whole multi-GB cache (minutes, and no result)
         inductor_config.triton.autotune_pointwise = False
+        if gemv:
+            self.model.set_gemv(True)
         self.graph_step = torch.compile(self.step_core, dynamic=dynamic, backend=backend)
         self.graph_prefill = torch.compile(self.prefill_core, dynamic=True, backend=backend) if prefill else None
 

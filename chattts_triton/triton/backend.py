@@ -442,6 +442,7 @@ def gpt_service(ctx: ModelContext, version_dir: Path | None = None, params: Engi
         high_priority=p.engine_priority,
         admit_batch=p.gpt_admit_batch,
         admit_wait_steps=p.gpt_admit_wait_steps,
+        gemv=p.gpt_gemv,  # with compile_step only
     )
 
 

@@ -149,6 +149,12 @@ class Deployment:
         True,
         help="with --gpt-compile: GPU engines prefill an admission's prompts packed end to end, each position a row "
              "of the decode kernel, instead of padded to the longest prompt (docs/engine.md)")
+    gpt_gemv: bool = setting(
+        False,
+        help="with --gpt-compile: a decode step of one row (concurrency 1, a lone stream) computes its projections "
+             "and code heads as products summed by reductions inductor generates and fuses with the work around "
+             "them, instead of cuBLAS GEMMs whose time for one row is their launch (not yet measured on a GPU: "
+             "opt-in; docs/performance.md)")
     gpt_overlap: bool = setting(
         True,
         help="GPU engines launch each decode step before reading the previous one's EOS flags back, so that the "
