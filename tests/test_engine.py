@@ -857,6 +857,24 @@ def test_engine_counts_its_steps_rows_and_busy_time(tiny, overlap):
     assert s["engine_step_gaps"] == 18 and 0 < s["engine_step_gap_max_seconds"] <= s["engine_step_gap_seconds"]
 
 
+def test_a_step_gap_that_cannot_be_read_stops_the_gap_counts_not_the_requests(tiny, caplog):
+    """A measurement must never fail the requests in flight: where the end of a step cannot be read (on CUDA an
+    event), the engine logs it once and counts no more gaps; every request finishes as without it."""
+    arch, _, _, ours = tiny
+    eng = make_engine(ours, arch, start=False)
+    real = eng._mark_end
+
+    def unreadable(f, carried):
+        real(f, carried)
+        f.end = object()  # no clock reading: subtracting it raises
+
+    eng._mark_end = unreadable
+    recs = drive(eng, [dict(ids=torch.arange(1, 9), params=greedy(12, 12, seed=0))])
+    assert recs[0].result.finish_reason == "max_tokens" and recs[0].result.tokens.shape[0] == 12
+    assert eng.counters.step_gaps == 0 and eng._gap_timing_failed
+    assert sum("no more step gaps" in r.getMessage() for r in caplog.records) == 1
+
+
 @OVERLAP
 def test_a_prefill_between_two_steps_of_running_rows_is_inside_their_step_gap(tiny, overlap):
     """EngineStats.step_gaps, the running rows' cadence: a request's long prompt prefilled while another runs

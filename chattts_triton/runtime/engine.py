@@ -216,6 +216,7 @@ class Engine(Runner, KvPages, WarmUp):
         # CUDA: the events after the last decode steps, in turn (a step lands after the next one's launch: the one
         # before it, itself and the next are in use), and the end of the last step landed (`EngineStats.step_gaps`)
         self._end_events: list[Any] = []
+        self._gap_timing_failed = False
         self._last_end: tuple[int, Any] | None = None
         # when the last few decode steps began: a cancelled row's release counts the steps begun since its cancel
         self._step_starts: collections.deque[float] = collections.deque(maxlen=4)
@@ -653,9 +654,14 @@ class Engine(Runner, KvPages, WarmUp):
         """The gap from the decode step landed last to this one (both done by now), where this one ran on rows of
         that one (`EngineStats.step_gaps`)."""
         last, self._last_end = self._last_end, (f.step, f.end)
-        if last is None or last[0] != f.step - 1 or not f.carried:
+        if last is None or last[0] != f.step - 1 or not f.carried or self._gap_timing_failed:
             return
-        gap = (last[1].elapsed_time(f.end) / 1000 if self.device.type == "cuda" else f.end - last[1])
+        try:  # both events came before the flags this step's landing has waited for
+            gap = (last[1].elapsed_time(f.end) / 1000 if self.device.type == "cuda" else f.end - last[1])
+        except Exception:  # a measurement must never fail the requests in flight
+            log.exception("reading the decode steps' end events failed; no more step gaps")
+            self._gap_timing_failed = True
+            return
         c = self.counters
         c.step_gaps += 1
         c.step_gap_seconds += gap
