@@ -225,7 +225,7 @@ def test_sweep_reports(tmp_path):
     paths = sweep.write_outputs(tmp_path, rows, cfg)
     md = paths["md"].read_text()
     assert ("| 2 | 110 | 132 | n/a | 18.18 | 4.00 | n/a | 0.300 | 0.400 | 20 | 0.0% "
-            "| n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | yes |") in md
+            "| n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | yes |") in md
     assert "| 4 | chattts | 40 | 10 | 4.00 | 1.0 | 20.0 | 4×10 |" in md
     with paths["csv"].open() as f:
         table = list(csv.DictReader(f))

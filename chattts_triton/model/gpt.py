@@ -47,10 +47,23 @@ def gemv_linear(h: Tensor, weight: Tensor) -> Tensor:
     return (h.unsqueeze(-2).float() * weight.float()).sum(-1).to(h.dtype)
 
 
+class GemvLinear(nn.Linear):
+    """nn.Linear whose calls of one row traced by torch.compile are `gemv_linear`; every other call is nn.Linear's
+    (`ChatTTSGPT.set_gemv` swaps a projection's class: the same parameters, only this forward differs)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
+            y = gemv_linear(x, self.weight)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, d: GPTDims):
         super().__init__()
-        self.gemv = False  # one row's projections as `gemv_linear` under torch.compile (`ChatTTSGPT.set_gemv`)
         self.heads = d.heads
         self.kv_heads = d.kv_heads
         self.head_dim = d.head_dim
@@ -96,8 +109,8 @@ class DecoderLayer(nn.Module):
         b, t, _ = x.shape
         h = self.input_layernorm(x)
         if self.qkv_proj is not None:
-            q, k, v = self._linear(h, self.qkv_proj.weight).split(
-                [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+            q, k, v = self.qkv_proj(h).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                              self.kv_heads * self.head_dim], dim=-1)
         else:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
@@ -124,7 +137,7 @@ class DecoderLayer(nn.Module):
             if lengths is not None:  # a decode step reading each row's own keys only
                 attn = decode_attention(q.select(1, 0).contiguous(), k_cache.select(0, layer), v_cache.select(0, layer),
                                         tables, lengths)
-                x = x + self._linear(attn.reshape(b, t, self.heads * self.head_dim), self.o_proj.weight)
+                x = x + self.o_proj(attn.reshape(b, t, self.heads * self.head_dim))
                 return self._mlp(x)
         if fresh:  # a prefill from position 0: its own keys are all it attends (as the cache would give them)
             keys = k.view(b, t, self.kv_heads, self.head_dim).to(q.dtype)
@@ -141,25 +154,17 @@ class DecoderLayer(nn.Module):
         attn = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
         )
-        x = x + self._linear(attn.transpose(1, 2).reshape(b, t, self.heads * self.head_dim), self.o_proj.weight)
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
         return self._mlp(x)
 
     def _mlp(self, x: Tensor) -> Tensor:
         h = self.post_attention_layernorm(x)
         if self.gate_up_proj is not None:
-            gate, up = self._linear(h, self.gate_up_proj.weight).chunk(2, dim=-1)
+            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         else:
             assert self.gate_proj is not None and self.up_proj is not None
             gate, up = self.gate_proj(h), self.up_proj(h)
-        return x + self._linear(F.silu(gate) * up, self.down_proj.weight)
-
-    def _linear(self, h: Tensor, weight: Tensor) -> Tensor:
-        """A projection of h [B, T, in]: `gemv_linear` where `gemv` is set, torch.compile traces it and it is one
-        row; else the GEMM (nn.Linear's own call)."""
-        if not torch.jit.is_scripting():  # (TorchScript does not compile this branch)
-            if self.gemv and torch.compiler.is_compiling() and h.shape[0] * h.shape[1] == 1:
-                return gemv_linear(h, weight)
-        return F.linear(h, weight)
+        return x + self.down_proj(F.silu(gate) * up)
 
 
 def _concat_linear(parts: list[nn.Linear | None]) -> nn.Linear:
@@ -225,7 +230,10 @@ class ChatTTSGPT(nn.Module):
         eager calls and more rows keep the GEMMs."""
         self.gemv = bool(on)
         for layer in self.layers:
-            layer.gemv = self.gemv
+            for name in PROJECTIONS:
+                m = getattr(layer, name)
+                if type(m) in (nn.Linear, GemvLinear):  # not an int8 model's quantized linears
+                    m.__class__ = GemvLinear if self.gemv else nn.Linear
         return self
 
     @torch.jit.export
