@@ -333,10 +333,16 @@ def burst_gaps(before: dict, after: dict, seconds: float) -> dict:
 
     w = engine_window(before, after, seconds)
     row = {k: w[k] for k in ("engine_step_gap_ms", "engine_step_gap_max_ms")}
-    if row["engine_step_gap_max_ms"] is not None and row["engine_step_gap_ms"] is not None:
-        log(f"burst: the running rows' step gap {row['engine_step_gap_ms']:.2f} ms on average, the worst "
-            f"{row['engine_step_gap_max_ms']:.1f} ms")
+    if _burst_gaps_text(row):
+        log(f"burst: {_burst_gaps_text(row)}")
     return row
+
+
+def _burst_gaps_text(row: dict) -> str:
+    if row.get("engine_step_gap_ms") is None or row.get("engine_step_gap_max_ms") is None:
+        return ""
+    return (f"the running rows' step gap {row['engine_step_gap_ms']:.2f} ms on average, the worst "
+            f"{row['engine_step_gap_max_ms']:.1f} ms")
 
 
 def burst(url: str, n: int, tokens, seed0: int = 0) -> dict:
@@ -630,9 +636,7 @@ def _served_path(res: dict) -> list[str]:
                 f"{b['refused']} refused** in {b['wall_s']} s, latency p50 {_ms(b['latency_p50_ms'])} ms, p99 "
                 f"{_ms(b['latency_p99_ms'])} ms"
                 + (f", {b['audio_s']} s of audio" if b.get("audio_s") is not None else "")
-                + (f"; the running rows' step gap {b['engine_step_gap_ms']:.2f} ms on average, the worst "
-                   f"{b['engine_step_gap_max_ms']:.1f} ms" if b.get("engine_step_gap_ms") is not None
-                   and b.get("engine_step_gap_max_ms") is not None else "")
+                + (f"; {_burst_gaps_text(b)}" if _burst_gaps_text(b) else "")
                 + (f"; **{b['frames_mismatched']} answers not of the forced length**"
                    if b.get("frames_mismatched") else "")
                 + (f"; refusals: {b['errors']}" if b["errors"] else "") + ".", ""]

@@ -5,7 +5,7 @@ its chunks."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +53,7 @@ class VocoderService:
             else:
                 self.graphs = CodecGraphs(self)
 
-    def compile_graphs(self, backend="inductor", capture: bool = True) -> None:
+    def compile_graphs(self, backend: str | Callable = "inductor", capture: bool = True) -> None:
         """The graphs replay `compiled_nets`, compiled now (`warm_compiled`); a failure names the setting, since
         inductor's own error does not. backend, capture: the CPU tests' (a recording backend, no CUDA)."""
         self.graph_nets = compiled_nets(self, backend)
@@ -143,7 +143,7 @@ class VocoderService:
         pass
 
 
-def compiled_nets(voc: VocoderService, backend="inductor") -> tuple:
+def compiled_nets(voc: VocoderService, backend: str | Callable = "inductor") -> tuple:
     """The decoder, DVAE and Vocos artifacts' networks as plain modules through torch.compile (dynamic shapes: one
     compile serves every graph bucket): the elementwise chains, norms and depthwise convolutions fused
     (`model.codec.depthwise_as_sum`). backend: torch.compile's (the CPU tests' records what dynamo traces)."""
