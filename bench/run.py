@@ -804,7 +804,7 @@ def to_markdown(res: dict) -> str:
                 "prefill wall time per decode step; ms per prefill (prompts): one batched prefill's wall time and the "
                 "prompts it "
                 "admitted; GIL wait ms: how long the engine thread took to get the GIL back after letting it go in a "
-                "time.sleep(0) (one step in 64; in 8 up to and including the eleventh session's runs; ≈ 0.07 ms with "
+                "time.sleep(0) (one step in 64; ≈ 0.07 ms with "
                 "no wait, Linux's timer slack); step gap ms (worst so far): the running rows' mean time from one "
                 "decode step's end to the next's (the GPU's clock), and the longest since the server's warm-up "
                 "(prefills, resumes and other processes between two steps lengthen it); GPT batch: "
