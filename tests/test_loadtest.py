@@ -678,6 +678,8 @@ def test_engine_load_bench_keeps_requests_in_flight_on_the_served_engine(tiny_re
         assert 0 < r["latency_p50_ms"] <= r["latency_p99_ms"] and r["engine_step_ms"] > 0
         assert r["engine_step_gpu_ms"] is None  # no GPU clock on a CPU
         assert r["prefill"] == "padded"  # gpt_packed_prefill is off (and a CPU's TorchScript has no kernel)
+        # the running rows' worst gap of the window alone and of the level's first wave (the host's clock here)
+        assert 0 < r["engine_step_gap_ms"] <= r["engine_step_gap_max_ms"] and r["first_wave_step_gap_max_ms"] > 0
     # one request in flight: one row per step (the window's counters are read while the engine runs, so
     # its edge may fall between a step's count and its rows: one step's worth of slack)
     assert rows[0]["engine_batch"] == pytest.approx(1.0, abs=0.01)

@@ -211,3 +211,18 @@ def test_host_cost_probe_times_an_admissions_inputs_and_a_finish_with_its_aten_c
     with pytest.raises(SystemExit):
         host_cost.main(["--assets", str(tiny_assets), "--prompts", "0"])
     assert "--prompts must be ≥ 1" in capsys.readouterr().err
+
+
+def test_step_bench_times_prefills_again_and_again_with_the_engines_overlap(tiny):
+    """bench.probes.step's prefill timing with the engine's overlap on (CUDA's default): each admission's first
+    tokens are read back before the next one (an unread admission is an engine error), and every slot is free
+    again after each."""
+    from bench.probes.step import _prefill_once
+
+    arch, _, _, model = tiny
+    engine = make_engine(model, arch, start=False, overlap=True)
+    once = _prefill_once(engine, 3, 8, False)
+    with torch.inference_mode():
+        for _ in range(3):
+            once()
+            assert engine._first is None and not engine.rows

@@ -168,15 +168,25 @@ def test_configure_codec_compile_reaches_the_vocoder_and_the_stream_models_codec
         svc.close()
 
 
-def test_configure_gpt_gemv_reaches_both_engine_models(tiny_repo, tmp_path, monkeypatch):
-    """--gpt-gemv (opt-in) sets chattts_gpt's and chattts_stream's parameter, kept by a re-configure that does not
-    name it, and both GPT services get gemv; a CPU instance serves the TorchScript step, whose model has no such
-    switch, whatever it says."""
+def test_configure_gpt_gemv_on_by_default_off_when_told_kept_and_read_by_both_engine_models(tiny_repo, tmp_path,
+                                                                                            monkeypatch):
+    """chattts_gpt's and chattts_stream's gpt_gemv is on by default and both GPT services get it; --no-gpt-gemv
+    turns it off in both, a re-configure that does not name it keeps that; a repository exported before the
+    option keeps its GEMMs. A CPU instance serves the TorchScript step, whose model has no such switch, whatever
+    it says."""
+    import shutil
+
     from chattts_triton.runtime import gpt as gpt_runtime
     from chattts_triton.triton.backend import ModelContext, gpt_service, stream_service
 
-    repo, _ = _switched_on_and_kept(tiny_repo, tmp_path, "--gpt-gemv", GPT, "gpt_gemv")
-    assert rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters["gpt_gemv"].string_value == "1"
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def params() -> list[str]:
+        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters["gpt_gemv"].string_value
+                for m in (GPT, STREAM)]
+
+    assert params() == ["1", "1"]
     assert "gpt_gemv" not in rc.parse_pbtxt((repo / VOCODER / "config.pbtxt").read_text()).parameters
     asked = _keyword_seen(monkeypatch, gpt_runtime.GPTService, "gemv")
     gpt_service(ModelContext.from_repo(repo, GPT)).close()
@@ -185,6 +195,18 @@ def test_configure_gpt_gemv_reaches_both_engine_models(tiny_repo, tmp_path, monk
         assert asked == [True, True] and svc.gpt.engine.graph_step is None  # a CPU instance: no compiled step
     finally:
         svc.close()
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--no-gpt-gemv"]) == 0
+    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0  # kept unless told
+    assert params() == ["0", "0"] and rc.read_manifest(repo)["deployment"]["gpt_gemv"] is False
+    gpt_service(ModelContext.from_repo(repo, GPT)).close()
+    assert asked == [True, True, False]
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-gemv"]) == 0
+    assert params() == ["1", "1"]
+    man = json.loads((repo / MANIFEST).read_text())  # exported before the option: its GEMMs kept
+    del man["deployment"]["gpt_gemv"]
+    (repo / MANIFEST).write_text(json.dumps(man))
+    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0
+    assert params() == ["0", "0"]
 
 
 def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_the_service(tiny_repo, tmp_path,

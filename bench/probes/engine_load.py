@@ -13,6 +13,9 @@ concurrency this splits a served step into the engine's own GPU time and what th
 processes (vocoder, stream codec) take from it on a shared GPU. `--think-ms T`: each client waits
 uniformly 0..2T ms between a result and its next request, as a served request's vocoder, Triton and
 gRPC time spread the arrivals (the engine's admissions, so its prefills, follow the arrivals).
+Each row's `engine_step_gap_max_ms` is the running rows' worst gap between two decode steps in its window, and
+`first_wave_step_gap_max_ms` the worst while the level's first wave was admitted (the settle): beside a served run's,
+what the engine's own admissions cost the running rows and what the other processes on the GPU add.
 `--sync-debug` (CUDA): each level once more, its window counting the synchronizing CUDA calls by the engine line
 that made them (a row with `syncs`; the counting's own cost is in that row's figures, not the plain one's).
 `--timeline`: each level once more under torch.profiler, the engine's parts (step launch, prefill with its inputs and
@@ -259,8 +262,11 @@ def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, s
     from loadtest.tts_stats import percentile
 
     load = ClosedLoop(service, prompts, tokens, concurrency, seed=concurrency, think_s=think_s)
+    service.engine.restart_step_gaps()  # the worst gap of the first wave's admissions, then of the window alone
     load.start()
     time.sleep(settle_s)  # admissions of the first wave, then a steady mix
+    first_wave_gap = service.engine.stats()["engine_step_gap_max_seconds"]
+    service.engine.restart_step_gaps()
     syncs = SyncCounter() if sync_debug else contextlib.nullcontext()
     trace = Timeline(service.engine, trace_path) if timeline else contextlib.nullcontext()
     with syncs, trace:
@@ -277,6 +283,7 @@ def run_level(service, prompts, tokens: int, concurrency: int, seconds: float, s
            "latency_p99_ms": percentile(lat_ms, 99) if lat_ms else None,
            "not_max_tokens": sum(1 for _, why in window if why != "max_tokens")}
     row.update(engine_window(before, after, t1 - t0))
+    row["first_wave_step_gap_max_ms"] = 1000 * first_wave_gap
     if sync_debug:
         row["syncs"] = dict(syncs.counts.most_common(20))
     if timeline:
@@ -390,7 +397,9 @@ def main(argv=None) -> int:
                   f"{fmt('engine_step_gpu_ms')}, graph {fmt('engine_step_graph_ms')}, prefill/step "
                   f"{fmt('engine_prefill_ms_per_step')} "
                   f"({fmt('engine_prefill_ms')} ms per prefill of {fmt('engine_prefill_prompts', '.1f')}), GIL wait "
-                  f"{fmt('engine_gil_wait_ms', '.3f')}), "
+                  f"{fmt('engine_gil_wait_ms', '.3f')}, step gap {fmt('engine_step_gap_ms')}, the worst "
+                  f"{fmt('engine_step_gap_max_ms', '.1f')}, in the first wave "
+                  f"{fmt('first_wave_step_gap_max_ms', '.1f')}), "
                   f"rows {fmt('engine_batch', '.1f')}", flush=True)
             if "syncs" in row:
                 print(f"[engine_load] host syncs in the window: {row['syncs']}", flush=True)

@@ -148,8 +148,9 @@ def _loop(engine, b: int, tokens: int, overlap: bool) -> dict:
 
 
 def _prefill_once(engine, k: int, t: int, graphed: bool):
-    """A callable admitting k prompts of t tokens into an idle engine (`Engine._prefill`, which ends in
-    the first-token draw's host sync), then freeing their slots."""
+    """A callable admitting k prompts of t tokens into an idle engine (`Engine._prefill`), reading their first
+    tokens back (the draw's host sync; with the engine's overlap, CUDA's default, `_land_first` reads them, as the
+    next decode step would), then freeing their slots."""
     from chattts_triton.runtime.engine import GenRequest, SamplingParams
 
     g = torch.Generator().manual_seed(k * 1000 + t)
@@ -159,6 +160,7 @@ def _prefill_once(engine, k: int, t: int, graphed: bool):
     def once() -> None:
         engine.prefill_graphs = graphed
         engine._prefill(reqs)
+        engine._land_first()  # no-op without overlap: `_prefill` read them itself
         for i in range(k):
             engine._release(i)
         engine.rows.clear()
