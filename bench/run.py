@@ -509,12 +509,14 @@ def bench_served(repo: Path, tokens, max_concurrency: int, step_s: float, start:
     tokens = Lengths.of(tokens)
     out: dict[str, object] = {}
     args = ["--mps"] if mps else []
-    server = Launched(repo, repo.parent / "bench-tritonserver.log", args=args, ready_timeout_s=900)
+    # beside the run's results: a stall or a failed load is traced from the server's own lines
+    server_log = (out_dir or repo.parent) / f"{repo.name}-tritonserver.log"
+    server = Launched(repo, server_log, args=args, ready_timeout_s=900)
     t_start = time.monotonic()
     server.start()
     ready = time.monotonic()
     out["launcher"] = {"command": f"python -m chattts_triton.serve --repo {repo} " + " ".join(args),
-                       "ready_s": round(ready - t_start, 1)}
+                       "ready_s": round(ready - t_start, 1), "server_log": server_log.name}
     log(f"launcher ready in {ready - t_start:.0f} s: tritonserver pid {server.server_pid}, {server.grpc_url}")
 
     def launcher_state() -> dict:
@@ -957,7 +959,7 @@ def main(argv=None) -> int:
                               a.stream_seconds, a.hold_concurrency, a.hold_seconds, mps=a.mps,
                               stream_procs=a.stream_procs,
                               burst_from_idle=a.burst, perf_levels=perf_levels, soak_s=a.soak_seconds,
-                              save=save_served)
+                              out_dir=a.out, save=save_served)
         save_served(served)
     plot(res, a.out / f"{stem}.png")
     batches = [int(b) for b in a.upstream_batches.split(",") if b]

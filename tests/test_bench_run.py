@@ -32,6 +32,7 @@ def test_bench_serves_the_default_export_through_the_launcher(tiny_assets, tmp_p
     la = out["launcher"]
     assert la["restarts"] == 0 and la["exits"] == [] and la["exit_status_on_sigterm"] == 0
     assert la["command"].startswith("python -m chattts_triton.serve --repo")
+    assert "successfully loaded 'chattts_gpt'" in (repo.parent / la["server_log"]).read_text()  # kept beside it
     assert out["gpt_slots"] == 8  # the CPU default, read from the engine's own gauge
     assert out["burst"]["requests"] == 16 and out["burst"]["refused"] == 0 and out["burst"]["served"] == 16
     assert [r["concurrency"] for r in out["served"]] == [1, 2] and all(r["error_rate"] == 0 for r in out["served"])
