@@ -332,7 +332,7 @@ def burst_gaps(before: dict, after: dict, seconds: float) -> dict:
     from loadtest.sweep import engine_window
 
     w = engine_window(before, after, seconds)
-    row = {k: w[k] for k in ("engine_step_gap_ms", "engine_step_gap_max_ms")}
+    row = {k: w[k] for k in ("engine_step_gap_ms", "engine_step_gap_max_ms", "gc_pause_max_ms")}
     if _burst_gaps_text(row):
         log(f"burst: {_burst_gaps_text(row)}")
     return row
@@ -341,8 +341,10 @@ def burst_gaps(before: dict, after: dict, seconds: float) -> dict:
 def _burst_gaps_text(row: dict) -> str:
     if row.get("engine_step_gap_ms") is None or row.get("engine_step_gap_max_ms") is None:
         return ""
+    gc_text = "" if row.get("gc_pause_max_ms") is None else \
+        f" (the GPT process's longest garbage collection since start-up {row['gc_pause_max_ms']:.1f} ms)"
     return (f"the running rows' step gap {row['engine_step_gap_ms']:.2f} ms on average, the worst "
-            f"{row['engine_step_gap_max_ms']:.1f} ms")
+            f"{row['engine_step_gap_max_ms']:.1f} ms{gc_text}")
 
 
 def burst(url: str, n: int, tokens, seed0: int = 0) -> dict:

@@ -42,7 +42,7 @@ ENGINE_COUNTERS = ("engine_steps", "engine_step_rows", "engine_step_seconds", "e
                    "engine_step_gpu_seconds", "engine_step_gpu_samples", "engine_prefill_seconds",
                    "engine_gil_wait_seconds", "engine_gil_wait_samples", "engine_step_graph_seconds",
                    "engine_step_graph_samples", "engine_prefills", "engine_prefill_rows", "engine_step_gaps",
-                   "engine_step_gap_seconds", "engine_step_gap_max_seconds")
+                   "engine_step_gap_seconds", "engine_step_gap_max_seconds", "gc_pause_max_seconds")
 ENGINE_MODEL = GPT
 _COUNTER_LINE = re.compile(r"chattts_(\w+)\{([^}]*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -220,7 +220,7 @@ def engine_window(before: dict[str, dict[str, float]], after: dict[str, dict[str
                 "engine_prefill_ms_per_step": None,
                 "engine_step_graph_ms": None, "engine_gil_wait_ms": None, "engine_prefill_ms": None,
                 "engine_prefill_prompts": None, "engine_batch": None, "engine_busy": None, "engine_step_gap_ms": None,
-                "engine_step_gap_max_ms": None}
+                "engine_step_gap_max_ms": None, "gc_pause_max_ms": None}
     d = {k: 0.0 for k in ENGINE_COUNTERS}
     d.update(counter_deltas(before, after))
     steps = d["engine_steps"]
@@ -251,6 +251,10 @@ def engine_window(before: dict[str, dict[str, float]], after: dict[str, dict[str
         if d["engine_step_gaps"] else None,
         "engine_step_gap_max_ms": 1000.0 * max(c["engine_step_gap_max_seconds"] for c in after.values())
         if all("engine_step_gap_max_seconds" in c for c in after.values()) else None,
+        # the GPT processes' longest garbage collection since start-up (a stall between two steps; servers from
+        # before this gauge: n/a)
+        "gc_pause_max_ms": 1000.0 * max(c["gc_pause_max_seconds"] for c in after.values())
+        if all("gc_pause_max_seconds" in c for c in after.values()) else None,
         "engine_busy": (d["engine_step_seconds"] + d["engine_prefill_seconds"]) / (seconds * len(after)),
     }
 
@@ -444,6 +448,8 @@ async def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                    + (f", step gap {row['engine_step_gap_ms']:.2f}, worst so far {row['engine_step_gap_max_ms']:.1f}"
                       if row.get("engine_step_gap_ms") is not None and row.get("engine_step_gap_max_ms") is not None
                       else "")
+                   + (f", GC pause worst so far {row['gc_pause_max_ms']:.1f}"
+                      if row.get("gc_pause_max_ms") is not None else "")
                    + f") batch {_f(row['engine_batch'], '.1f')} "
                    f"busy {_f(row['engine_busy'], '.0%')}" if row.get("engine_step_ms") is not None else "")
                 + ("" if row["stable"] else "  (unstable)")

@@ -3,6 +3,7 @@ what the real stub would see, without a server."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -97,6 +98,16 @@ class HeldService:
     def stats(self):
         with self.lock:
             return {"engine_active": len(self.calls)}
+
+
+@pytest.fixture(autouse=True)
+def _collector_as_before():
+    """An instance's initialize freezes the process's objects and counts its collections: in a Triton stub that is
+    the process's start-up; here it is pytest's process, which gets its collector back after each test."""
+    yield
+    gc.unfreeze()
+    if backend.GC_PAUSES in gc.callbacks:
+        gc.callbacks.remove(backend.GC_PAUSES)
 
 
 def _model(tiny_repo, pb, service):
@@ -253,3 +264,25 @@ def test_package_logs_reach_tritons_log_at_their_level():
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+
+
+def test_start_up_objects_are_frozen_and_the_collectors_pauses_published(tiny_repo):
+    """After its service is built, an instance freezes the objects alive (compiled graphs and captured CUDA graphs
+    live as long as the process: a full collection would scan them all, stalling the engine) and publishes the
+    collector's pauses from then on: their count, summed and longest time."""
+    gc.unfreeze()
+    pb, service = FakePb(), HeldService()
+    model = _model(tiny_repo, pb, service)
+    try:
+        assert gc.get_freeze_count() > 1000  # pytest's own objects at least
+        assert backend.GC_PAUSES in gc.callbacks
+        before = model._stats()["gc_pauses"]
+        gc.collect()
+        s = model._stats()
+        assert s["gc_pauses"] >= before + 1 and s["gc_pause_max_seconds"] > 0
+        assert s["gc_pause_seconds"] >= s["gc_pause_max_seconds"]
+        assert wait_for(lambda: any(n == "chattts_gc_pause_max_seconds" and v > 0 for n, v, _ in pb.writes), 5,
+                        0.01)
+        assert all(k in backend.STAT_HELP for k in ("gc_pauses", "gc_pause_seconds", "gc_pause_max_seconds"))
+    finally:
+        model.finalize()

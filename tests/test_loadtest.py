@@ -438,6 +438,7 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
                      f'{step_s / 16 if gpu else 0}',
                      f'chattts_engine_step_graph_samples{{model="chattts_gpt",instance="{inst}"}} '
                      f'{steps // 8 if gpu else 0}',
+                     f'chattts_gc_pause_max_seconds{{instance="{inst}",model="chattts_gpt"}} {prefill_s / 10}',
                      f'chattts_engine_active{{instance="{inst}",model="chattts_gpt"}} 7']
         rows.append('chattts_engine_steps{instance="chattts_stream_0_0",model="chattts_stream"} 999')
         return "# HELP chattts_engine_steps x\n" + "\n".join(rows) + "\n"
@@ -482,6 +483,10 @@ def test_engine_counters_are_read_per_instance_and_summarised_over_a_window():
     old = {i: {k: v for k, v in c.items() if not k.startswith("engine_step_gap")} for i, c in after.items()}
     assert engine_window(before, old, 2.0)["engine_step_gap_ms"] is None  # ... or before the step gaps
     assert engine_window(before, old, 2.0)["engine_step_gap_max_ms"] is None
+    # the GPT processes' longest garbage collection so far: the larger of a's and b's (0.3 / 10 s)
+    assert w["gc_pause_max_ms"] == pytest.approx(1000 * 0.3 / 10)
+    old = {i: {k: v for k, v in c.items() if not k.startswith("gc_")} for i, c in after.items()}
+    assert engine_window(before, old, 2.0)["gc_pause_max_ms"] is None  # a server from before the GC gauges
 
 
 def test_stream_stand_in_splits_a_first_chunk_into_its_way_in_the_schedule_and_its_way_out():

@@ -334,7 +334,7 @@ def main(argv=None) -> int:
     if cuda_missing(a):
         return 2
     from chattts_triton.config import GPT
-    from chattts_triton.triton.backend import ModelContext, gpt_service
+    from chattts_triton.triton.backend import ModelContext, freeze_start_up_objects, gpt_service
     from chattts_triton.triton.params import GPTParams
 
     levels = int_list(ap, a.concurrency, "--concurrency")
@@ -359,6 +359,7 @@ def main(argv=None) -> int:
         print(f"note: concurrency above the model's gpt_slots ({slots}) waits in the engine's queue", file=sys.stderr)
     t0 = time.perf_counter()
     service = gpt_service(ctx)
+    freeze_start_up_objects()  # as Triton's instance does after its service is built
     print(f"[engine_load] engine ready in {time.perf_counter() - t0:.1f} s "
           f"({'compiled step' if service.engine.graph_step is not None else 'TorchScript step'}"
           f"{' and prefill' if service.engine.graph_prefill is not None else ''}, "
