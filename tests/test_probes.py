@@ -226,3 +226,25 @@ def test_step_bench_times_prefills_again_and_again_with_the_engines_overlap(tiny
         for _ in range(3):
             once()
             assert engine._first is None and not engine.rows
+
+
+def test_gc_pause_probe_times_a_full_collection_before_and_after_freezing(tiny_assets, tmp_path):
+    """bench.probes.gc_pause with dynamo alone (quick): the compile leaves the process more objects than it started
+    with; a full collection over them takes time, and after `freeze_start_up_objects` it skips them."""
+    import gc
+    import json
+
+    from bench.probes import gc_pause
+    from chattts_triton.triton import backend
+
+    out = tmp_path / "gc.json"
+    try:
+        assert gc_pause.main(["--assets", str(tiny_assets), "--backend", "eager", "--batches", "1,2",
+                              "--out", str(out)]) == 0
+    finally:
+        if backend.GC_PAUSES in gc.callbacks:
+            gc.callbacks.remove(backend.GC_PAUSES)
+    res = json.loads(out.read_text())
+    assert res["objects_after_compile"] > res["objects_at_start"] and res["frozen"] >= res["objects_alive"] > 0
+    assert gc.get_freeze_count() == 0  # the probe gives pytest's process its collector back
+    assert res["full_collect_ms"] > 0 and res["full_collect_frozen_ms"] < res["full_collect_ms"] / 4

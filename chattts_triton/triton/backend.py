@@ -244,10 +244,10 @@ GC_PAUSES = GCPauses()
 
 def freeze_start_up_objects() -> None:
     """Collect once, then move every object alive into the collector's permanent generation, and count its pauses
-    from here on (`GC_PAUSES`). After torch.compile and the CUDA graphs' capture a process holds over a million
-    objects (compiled graphs, guards, caches) that live as long as it does; each full collection scanned them all, a
-    pause of the whole process (≈ 0.7 s on a 2-core CPU) that running generations met between two steps. Frozen,
-    they are never scanned again; what requests allocate later is collected as before."""
+    from here on (`GC_PAUSES`). After torch.compile and the CUDA graphs' capture a process holds hundreds of thousands
+    of objects (compiled graphs, guards, caches) that live as long as it does; each full collection scanned them all, a
+    pause of the whole process (0.67 s on a 2-core CPU, `bench.probes.gc_pause`) that running generations met between
+    two steps. Frozen, they are never scanned again; what requests allocate later is collected as before."""
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()
