@@ -94,6 +94,14 @@ def test_step_bench_records_a_variant_that_fails_and_runs_the_next(tiny_assets, 
     assert step.main(args) == 1
     assert json.loads((tmp_path / "step-aoti.json").read_text())["error"] == "RuntimeError: no C++ compiler"
     assert json.loads((tmp_path / "step-script.json").read_text())["batches"]["1"]["step_ms"] > 0
+    # a variant that fails after its steps were timed (its prefills, say) keeps the step figures beside the error
+    def no_prefill(*a, **kw):
+        raise AssertionError("two admissions' first tokens unread")
+
+    monkeypatch.setattr(step, "_time_prefill", no_prefill)
+    assert step.main([a if a != "aoti,script" else "script" for a in args[:-2]] + ["--prefill", "1x8"]) == 1
+    res = json.loads((tmp_path / "step-script.json").read_text())
+    assert res["error"].startswith("AssertionError: two admissions") and res["batches"]["1"]["step_ms"] > 0
 
 
 def test_a_package_is_loaded_in_a_fresh_process_first_and_a_crash_there_is_an_error(tiny, tmp_path, monkeypatch):
@@ -245,6 +253,7 @@ def test_gc_pause_probe_times_a_full_collection_before_and_after_freezing(tiny_a
         if backend.GC_PAUSES in gc.callbacks:
             gc.callbacks.remove(backend.GC_PAUSES)
     res = json.loads(out.read_text())
-    assert res["objects_after_compile"] > res["objects_at_start"] and res["frozen"] >= res["objects_alive"] > 0
+    # frozen: the objects alive, less what the freeze's own collection still found
+    assert res["objects_after_compile"] > res["objects_at_start"] and res["frozen"] >= 0.99 * res["objects_alive"] > 0
     assert gc.get_freeze_count() == 0  # the probe gives pytest's process its collector back
     assert res["full_collect_ms"] > 0 and res["full_collect_frozen_ms"] < res["full_collect_ms"] / 4

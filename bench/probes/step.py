@@ -174,7 +174,7 @@ def _time_prefill(engine, k: int, t: int, graphed: bool, iters: int) -> float:
     return _time_wall(_prefill_once(engine, k, t, graphed), iters)
 
 
-def run_variant(variant: str, args, arch, dtype) -> dict:  # noqa: C901  a probe's script: every variant's branches in one run, read top to bottom
+def run_variant(variant: str, args, arch, dtype, out: dict) -> dict:  # noqa: C901  a probe's script: every variant's branches in one run, read top to bottom
     from chattts_triton.model.gpt import load_gpt
     from chattts_triton.runtime.engine import PREFILL_GRAPH_TOKENS, Engine
 
@@ -209,9 +209,9 @@ def run_variant(variant: str, args, arch, dtype) -> dict:  # noqa: C901  a probe
             return {}
         key = (b, args.attn_len)
         return {"build_s": round(aoti.build_s[key], 2), "load_s": round(aoti.load_s[key], 3)}
-    out = {"variant": variant, "attn_len": args.attn_len, "lengths": args.lengths, "dtype": str(dtype),
-           "compiled_prefill": engine.graph_prefill is not None,
-           "decode_kernel": engine.decode_kernel, "batches": {}}
+    out.update({"variant": variant, "attn_len": args.attn_len, "lengths": args.lengths, "dtype": str(dtype),
+                "compiled_prefill": engine.graph_prefill is not None,
+                "decode_kernel": engine.decode_kernel, "batches": {}})
     for b in args.batches:
         _set_positions(engine, b, args.attn_len, args.lengths)
         if not cuda:  # the step as the CPU engine runs it: eager, every row padding
@@ -324,12 +324,13 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for v in args.variants.split(","):
+        res: dict = {"variant": v}  # filled as it goes: what a variant measured before it failed is kept
         try:
-            res = run_variant(v, args, arch, dtype)
+            run_variant(v, args, arch, dtype, res)
         except Exception as e:  # noqa: BLE001  one variant that cannot run (say, no compiler for AOTInductor) spoils no other
             log_exc = f"{type(e).__name__}: {e}"
             print(f"[{v}] failed: {log_exc}", file=sys.stderr, flush=True)
-            res, failed = {"variant": v, "error": log_exc[:2000]}, failed + 1
+            res["error"], failed = log_exc[:2000], failed + 1
         res.update(gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
                    command=" ".join(sys.argv))
         (args.out / f"step-{v}.json").write_text(json.dumps(res, indent=1))
