@@ -60,10 +60,7 @@ def test_configure_gpt_compile_reaches_both_engine_models_and_persists(tiny_repo
     assert compile_params() == ["0", "0"]
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-compile"]) == 0
     assert compile_params() == ["1", "1"]
-    man = json.loads((repo / MANIFEST).read_text())  # exported before the option: TorchScript step kept
-    del man["deployment"]["gpt_compile"]
-    (repo / MANIFEST).write_text(json.dumps(man))
-    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0
+    _reconfigured_as_exported_before(repo, "gpt_compile")  # exported before the option: TorchScript step kept
     assert compile_params() == ["0", "0"]
 
 
@@ -116,6 +113,14 @@ def _switched_on_and_kept(tiny_repo, tmp_path, flag, model, key):
     assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0  # kept unless told
     assert param() == "1"
     return repo, param
+
+
+def _reconfigured_as_exported_before(repo: Path, key: str) -> None:
+    """Re-configure `repo` (naming no setting) as if it had been exported before the setting `key` existed."""
+    man = json.loads((repo / MANIFEST).read_text())
+    del man["deployment"][key]
+    (repo / MANIFEST).write_text(json.dumps(man))
+    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0
 
 
 def _keyword_seen(monkeypatch, cls, key: str) -> list:
@@ -202,10 +207,7 @@ def test_configure_gpt_gemv_on_by_default_off_when_told_kept_and_read_by_both_en
     assert asked == [True, True, False]
     assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-gemv"]) == 0
     assert params() == ["1", "1"]
-    man = json.loads((repo / MANIFEST).read_text())  # exported before the option: its GEMMs kept
-    del man["deployment"]["gpt_gemv"]
-    (repo / MANIFEST).write_text(json.dumps(man))
-    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0
+    _reconfigured_as_exported_before(repo, "gpt_gemv")  # exported before the option: its GEMMs kept
     assert params() == ["0", "0"]
 
 
@@ -240,10 +242,7 @@ def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_t
     assert graphs_param() == "1"
     assert vocoder_service(ModelContext.from_repo(repo, VOCODER)).graphs is None  # a CPU instance
     assert rc.parse_pbtxt((repo / STREAM / "config.pbtxt").read_text()).parameters.get("vocoder_graphs") is None
-    man = json.loads((repo / MANIFEST).read_text())  # exported before the option: eager vocoder kept
-    del man["deployment"]["vocoder_graphs"]
-    (repo / MANIFEST).write_text(json.dumps(man))
-    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0
+    _reconfigured_as_exported_before(repo, "vocoder_graphs")  # exported before the option: eager vocoder kept
     assert graphs_param() == "0"
 
 
