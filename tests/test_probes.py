@@ -225,11 +225,11 @@ def test_step_bench_times_prefills_again_and_again_with_the_engines_overlap(tiny
     """bench.probes.step's prefill timing with the engine's overlap on (CUDA's default): each admission's first
     tokens are read back before the next one (an unread admission is an engine error), and every slot is free
     again after each."""
-    from bench.probes.step import _prefill_once
+    from bench.probes.step import prefill_once
 
     arch, _, _, model = tiny
     engine = make_engine(model, arch, start=False, overlap=True)
-    once = _prefill_once(engine, 3, 8, False)
+    once = prefill_once(engine, 3, 8, False)
     with torch.inference_mode():
         for _ in range(3):
             once()

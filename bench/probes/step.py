@@ -147,7 +147,7 @@ def _loop(engine, b: int, tokens: int, overlap: bool) -> dict:
             "total_s": round(wall, 3)}
 
 
-def _prefill_once(engine, k: int, t: int, graphed: bool):
+def prefill_once(engine, k: int, t: int, graphed: bool):
     """A callable admitting k prompts of t tokens into an idle engine (`Engine._prefill`), reading their first
     tokens back (the draw's host sync; with the engine's overlap, CUDA's default, `_land_first` reads them, as the
     next decode step would), then freeing their slots."""
@@ -171,7 +171,7 @@ def _prefill_once(engine, k: int, t: int, graphed: bool):
 
 def _time_prefill(engine, k: int, t: int, graphed: bool, iters: int) -> float:
     """Median wall ms of admitting k prompts of t tokens into an idle engine."""
-    return _time_wall(_prefill_once(engine, k, t, graphed), iters)
+    return _time_wall(prefill_once(engine, k, t, graphed), iters)
 
 
 def run_variant(variant: str, args, arch, dtype, out: dict) -> dict:  # noqa: C901  a probe's script: every variant's branches in one run, read top to bottom
@@ -261,7 +261,7 @@ def run_variant(variant: str, args, arch, dtype, out: dict) -> dict:  # noqa: C9
                 row["graph_ms"] = (round(_time_prefill(engine, k, t, True, max(3, args.iters // 4)), 3)
                                    if kb * tb <= PREFILL_GRAPH_TOKENS else None)
             if args.profile:  # its kernels, launched eagerly (the graph replays the same ones)
-                row["profile"] = profile_kernels(_prefill_once(engine, k, t, False), args.profile, cuda)
+                row["profile"] = profile_kernels(prefill_once(engine, k, t, False), args.profile, cuda)
             out["prefill"][shape] = row
             print(f"[{variant}] prefill {k} prompts x {t} tokens: {row}", flush=True)
     if args.loop_tokens:
