@@ -247,7 +247,8 @@ def freeze_start_up_objects() -> None:
     from here on (`GC_PAUSES`). After torch.compile and the CUDA graphs' capture a process holds hundreds of thousands
     of objects (compiled graphs, guards, caches) that live as long as it does; each full collection scanned them all, a
     pause of the whole process (0.67 s on a 2-core CPU, `bench.probes.gc_pause`) that running generations met between
-    two steps. Frozen, they are never scanned again; what requests allocate later is collected as before."""
+    two steps. Frozen, they are never scanned again; what requests allocate later is collected as before. (A frozen
+    object that later falls into an unreachable cycle is not freed: start-up's objects live as long as the process.)"""
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()

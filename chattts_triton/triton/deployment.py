@@ -195,9 +195,8 @@ class Deployment:
         """The deployment a repository was exported or configured with; one exported before the early
         first chunk keeps its exact chunks, one exported before the compiled step its TorchScript step, one
         exported before the vocoder's graphs its eager vocoder, one exported before the one-row reductions its
-        GEMMs. One written before the paged cache had every
-        queue at 256 by default (a burst was refused below the engine's bound): that default becomes the
-        engines' bound."""
+        GEMMs. One written before the paged cache had every queue at 256 by default (a burst was refused below
+        the engine's bound): that default becomes the engines' bound."""
         dep = dict(man["deployment"])
         if "gpt_cache_tokens" not in dep and dep.get("max_queue_size") == OLD_DEFAULT_QUEUE_SIZE:
             dep["max_queue_size"] = None
