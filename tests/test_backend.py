@@ -185,6 +185,30 @@ def test_finalize_waits_for_the_requests_in_flight(tiny_repo):
     t.join()
 
 
+class SlowCloseService(HeldService):
+    """close() as a drain that waits: the stream model's codec thread, a preprocess still running."""
+
+    def close(self):
+        stuck_in_the_drain()
+
+
+def stuck_in_the_drain():
+    time.sleep(0.8)
+
+
+def test_a_finalize_that_outlasts_its_bound_writes_every_threads_stack_to_the_log(tiny_repo, capfd, monkeypatch):
+    """A drain still running after FINALIZE_STACKS_S puts every thread's stack on stderr (the server's log), so that
+    the wait Triton's exit timeout cuts short has a place; a finalize within it writes nothing."""
+    monkeypatch.setattr(backend, "FINALIZE_STACKS_S", 0.3)
+    pb = FakePb()
+    _model(tiny_repo, pb, SlowCloseService()).finalize()
+    err = capfd.readouterr().err
+    assert "most recent call first" in err and "stuck_in_the_drain" in err, err[-3000:]
+    _model(tiny_repo, pb, HeldService()).finalize()
+    time.sleep(0.5)  # past the bound: a watchdog left armed would write now
+    assert "most recent call first" not in capfd.readouterr().err
+
+
 class SlowStatsService(HeldService):
     """stats() as slow as a CUDA memory-stats read that the process's teardown would interrupt; records when each
     read ran."""

@@ -726,6 +726,37 @@ def test_with_gemv_the_compiled_step_of_one_row_sums_products_instead_of_gemms_a
         torch._dynamo.reset()
 
 
+def test_with_gemv_the_one_row_bucket_runs_a_compile_of_its_own_that_inductor_tunes_when_asked(tiny, monkeypatch):
+    """--gpt-gemv: the one-row bucket runs its own compile of the step (`compiled_step(1)`), with inductor's
+    coordinate-descent tuning (`tuning.ONE_ROW_OPTIONS`) under --gpt-gemv-tune; buckets of more rows run the shared
+    dynamic compile, untuned. Without gemv every bucket runs the shared one."""
+    calls = []
+
+    def compile_recorded(fn, **kw):  # stands in for torch.compile: what it was asked, the function itself
+        calls.append(kw)
+        return lambda *a, **k: fn(*a, **k)
+
+    arch, _, _, ours = tiny
+    monkeypatch.setattr(torch, "compile", compile_recorded)
+    try:
+        eng = make_engine(ours, arch, start=False)
+        eng.compile_step(gemv=True, gemv_tune=True)
+        assert [c.get("options") for c in calls] == [None, {"coordinate_descent_tuning": True}]
+        assert all(c["backend"] == "inductor" and c["dynamic"] for c in calls)
+        assert eng.compiled_step(1) is eng.graph_step_one and eng.graph_step_one is not eng.graph_step
+        assert eng.compiled_step(2) is eng.compiled_step(64) is eng.graph_step
+        calls.clear()
+        untuned = make_engine(ours, arch, start=False)
+        untuned.compile_step(gemv=True)  # its own compile, with the heuristic's launch configurations
+        assert [c.get("options") for c in calls] == [None, None] and untuned.compiled_step(1) is untuned.graph_step_one
+        calls.clear()
+        plain = make_engine(ours, arch, start=False)
+        plain.compile_step(gemv=False)
+        assert len(calls) == 1 and plain.graph_step_one is None and plain.compiled_step(1) is plain.graph_step
+    finally:
+        ours.set_gemv(False)
+
+
 def test_padding_row_over_a_slot_left_by_refine_text(tiny):
     """A free slot that held text-vocabulary tokens pads a code-only bucket: its lookups stay in
     range and the live rows are unaffected."""

@@ -211,6 +211,35 @@ def test_configure_gpt_gemv_on_by_default_off_when_told_kept_and_read_by_both_en
     assert params() == ["0", "0"]
 
 
+def test_configure_gpt_gemv_tune_off_by_default_on_when_told_kept_and_off_for_a_repository_exported_before(
+        tiny_repo, tmp_path, monkeypatch):
+    """chattts_gpt's and chattts_stream's gpt_gemv_tune is off by default; --gpt-gemv-tune turns it on in both and
+    both GPT services get it, a re-configure that does not name it keeps it; a repository exported before the option
+    keeps its heuristic launch configurations."""
+    import shutil
+
+    from chattts_triton.runtime import gpt as gpt_runtime
+    from chattts_triton.triton.backend import ModelContext, gpt_service
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+
+    def params(name: str) -> list[str]:
+        return [rc.parse_pbtxt((repo / m / "config.pbtxt").read_text()).parameters[name].string_value
+                for m in (GPT, STREAM)]
+
+    assert params("gpt_gemv_tune") == ["0", "0"]
+    asked = _keyword_seen(monkeypatch, gpt_runtime.GPTService, "gemv_tune")
+    gpt_service(ModelContext.from_repo(repo, GPT)).close()
+    assert rc.main(["--repo", str(repo), "--gpus", "0", "--gpt-gemv-tune"]) == 0
+    assert rc.main(["--repo", str(repo), "--gpus", "0"]) == 0  # kept unless told
+    assert params("gpt_gemv_tune") == ["1", "1"] and params("gpt_gemv") == ["1", "1"]
+    gpt_service(ModelContext.from_repo(repo, GPT)).close()
+    assert asked == [False, True]
+    _reconfigured_as_exported_before(repo, "gpt_gemv_tune")
+    assert params("gpt_gemv_tune") == ["0", "0"]
+
+
 def test_configure_vocoder_graphs_on_by_default_off_when_told_kept_and_read_by_the_service(tiny_repo, tmp_path,
                                                                                            monkeypatch):
     """chattts_vocoder's vocoder_graphs is on by default; --no-vocoder-graphs turns it off, a re-configure

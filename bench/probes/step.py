@@ -15,7 +15,8 @@ compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all 
 `_unfused` appended: q/k/v and gate/up as five GEMMs per layer (the model before `fuse_projections`);
 `_sdpa` (eager/compile): the dense masked attention over `--attn-len` instead of each row's own keys;
 `_gemv` (compile): a step of one row computes its projections and code heads as inductor's reductions, not cuBLAS
-GEMMs (`--gpt-gemv`, `ChatTTSGPT.set_gemv`; more rows unchanged).
+GEMMs (`--gpt-gemv`, `ChatTTSGPT.set_gemv`; more rows unchanged); `_gemv_tune`: and their launch configurations
+tuned by inductor at the first run (`--gpt-gemv-tune`, runtime/tuning.py).
 `aoti` / `aoti_traced`: the step from AOTInductor packages, one per bucket (`bench/probes/aoti.py`; the decode
 attention through its custom operator, or its Triton kernel compiled into the package): the export users
 would ship instead of TorchScript + torch.compile at start-up; `build_s` is a package's export + compile,
@@ -182,12 +183,13 @@ def run_variant(variant: str, args, arch, dtype, out: dict) -> dict:  # noqa: C9
     # over the step's attention length instead of each row's own keys (`attention.decode_attention`)
     sdpa = "_sdpa" in variant
     gemv = "_gemv" in variant
-    base = variant.replace("_sdpa", "").replace("_gemv", "").removesuffix("_unfused")
+    tune = "_tune" in variant  # with _gemv: the one-row compile's launch configurations tuned (--gpt-gemv-tune)
+    base = variant.replace("_sdpa", "").replace("_gemv", "").replace("_tune", "").removesuffix("_unfused")
     fused = "_unfused" not in variant
     cuda = args.device == "cuda"
     compiled = base.startswith("compile")
     if base not in ("script", "eager", "compile", "compile_dynamic", "aoti",
-                    "aoti_traced") or (compiled and not cuda) or (gemv and not compiled):
+                    "aoti_traced") or (compiled and not cuda) or (gemv and not compiled) or (tune and not gemv):
         raise SystemExit(f"unknown variant {variant}" + ("" if cuda else " on a CPU (script, eager, aoti, *_unfused)"))
     model = load_gpt(args.assets, arch, fused=fused).to(dtype).to(args.device).eval()
     if base == "script":
@@ -197,7 +199,8 @@ def run_variant(variant: str, args, arch, dtype, out: dict) -> dict:  # noqa: C9
                     hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=args.device, cache_dtype=dtype,
                     compute_dtype=dtype, start=False, decode_kernel=False if sdpa or base == "script" else None)
     if base.startswith("compile"):
-        engine.compile_step(dynamic=base == "compile_dynamic", prefill=args.compile_prefill, gemv=gemv)
+        engine.compile_step(dynamic=base == "compile_dynamic", prefill=args.compile_prefill, gemv=gemv,
+                            gemv_tune=tune)
     aoti = None
     if base.startswith("aoti"):  # the step from AOTInductor packages, one per bucket (bench/probes/aoti.py)
         from bench.probes.aoti import AotiStep
@@ -215,7 +218,7 @@ def run_variant(variant: str, args, arch, dtype, out: dict) -> dict:  # noqa: C9
     for b in args.batches:
         _set_positions(engine, b, args.attn_len, args.lengths)
         if not cuda:  # the step as the CPU engine runs it: eager, every row padding
-            step = engine.graph_step or engine.step_core  # aoti: its package
+            step = engine.compiled_step(b) or engine.step_core  # aoti: its package
             with torch.inference_mode():
                 engine._set_live(0)
                 step_ms = _time_wall(lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live),
@@ -246,7 +249,7 @@ def run_variant(variant: str, args, arch, dtype, out: dict) -> dict:  # noqa: C9
                 fwd_ms = _time_graph(_forward_graph(engine, b, args.attn_len), args.iters)
                 row.update(forward_ms=round(fwd_ms, 4), rest_ms=round(step_ms - fwd_ms, 4))
             if args.profile:  # the step's own launches, without the graph (the same kernels)
-                step = engine.graph_step or engine.step_core  # compiled variants: inductor's kernels
+                step = engine.compiled_step(b) or engine.step_core  # compiled variants: inductor's kernels
                 row["profile"] = profile_kernels(
                     lambda step=step, b=b: step(0, b, args.attn_len, "code", engine.n_live), args.profile, cuda)
         out["batches"][b] = row

@@ -132,6 +132,7 @@ class Engine(Runner, KvPages, WarmUp):
         compile_step: bool = False,
         compile_prefill: bool = False,
         gemv: bool = False,
+        gemv_tune: bool = False,
         decode_kernel: bool | None = None,
         overlap: bool | None = None,
         packed_prefill: bool = True,
@@ -144,7 +145,7 @@ class Engine(Runner, KvPages, WarmUp):
         oldest has waited `admit_wait_steps` decode steps; an idle engine admits at once.
         max_pending: running + waiting requests at which `full()` says yes (0: never); the engine itself
         accepts every submit, its callers refuse.
-        compile_step, compile_prefill, gemv: see `compile_step` (the model must be the eager module).
+        compile_step, compile_prefill, gemv, gemv_tune: see `compile_step` (the model must be the eager module).
         decode_kernel: decode steps of the eager module read each row's own keys only
         (`attention.decode_attention`); None: where its GPU kernel runs (True elsewhere: its dense PyTorch
         reference, for tests). TorchScript models: never.
@@ -224,6 +225,7 @@ class Engine(Runner, KvPages, WarmUp):
         self.cuda_graphs = cuda_graphs
         self.graphs: CudaGraphs | None = None
         self.graph_step: Callable | None = None  # compile_step's compiled step_core for graph buckets
+        self.graph_step_one: Callable | None = None  # with gemv: the one-row bucket's own (`compiled_step`)
         self.graph_prefill: Callable | None = None  # compile_step(prefill=True)'s compiled prefill_core
         self.compiled_frozen = False
         self.allocated = False
@@ -245,7 +247,7 @@ class Engine(Runner, KvPages, WarmUp):
         self._results_thread: threading.Thread | None = None
         self._tasks: list[Callable[[], None]] = []  # run by the engine thread between steps (graph captures)
         if compile_step:
-            self.compile_step(prefill=compile_prefill, gemv=gemv)
+            self.compile_step(prefill=compile_prefill, gemv=gemv, gemv_tune=gemv_tune)
         if start:
             self.start()
             self._ready.wait()

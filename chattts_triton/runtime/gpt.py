@@ -59,13 +59,15 @@ class GPTService:
                  max_context: int, max_new_tokens: int, text_eos_id: int, spk_emb_id: int, max_pending: int = 0,
                  compile_step: bool = False, admit_batch: int = ADMIT_BATCH, admit_wait_steps: int = ADMIT_WAIT_STEPS,
                  compile_prefill: bool = False, cache_tokens: int | None = None, overlap: bool = True,
-                 packed_prefill: bool = True, high_priority: bool = False, gemv: bool = False):
+                 packed_prefill: bool = True, high_priority: bool = False, gemv: bool = False,
+                 gemv_tune: bool = False):
         """cache_tokens: positions of the engine's paged KV cache (None: max_slots × max_context).
         packed_prefill: the compiled engine prefills packed prompts (Engine packed_prefill; the TorchScript step
         has no decode kernel). overlap: the engine's host bookkeeping overlaps its next step (Engine overlap; CUDA
         only: nothing to gain where the ops are synchronous). high_priority: the engine's steps on a CUDA stream of
         the highest priority (Engine high_priority). gemv: the compiled step of one row computes its projections as
-        reductions of inductor's own (Engine gemv; with compile_step only)."""
+        reductions of inductor's own (Engine gemv; with compile_step only), gemv_tune: their launch configurations
+        tuned at the warm-up (Engine gemv_tune; with gemv only)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if dtype in CPU_ONLY_PRECISIONS and device.type != "cpu":
@@ -93,6 +95,7 @@ class GPTService:
                 cache_tokens=cache_tokens,
                 compute_dtype=DTYPES[dtype], compile_step=compiled, compile_prefill=compiled and compile_prefill,
                 gemv=compiled and gemv,
+                gemv_tune=compiled and gemv and gemv_tune,
                 packed_prefill=compiled and packed_prefill,
                 admit_batch=admit_batch,
                 admit_wait_steps=admit_wait_steps,

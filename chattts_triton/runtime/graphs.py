@@ -302,11 +302,12 @@ class CudaGraphs(GraphCache):
         e = self.e
         # text mode (refine text, rare) keeps the plain step: inductor 2.11 fails to generate its
         # top-P scan over the 21178-id text vocabulary at a dynamic batch
-        if e.graph_step is None or mode != "code":
+        step = e.compiled_step(bb)
+        if step is None or mode != "code":
             return e.step_core(0, bb, lb, mode, e.n_live)
         # frozen: a bucket the warm-up did not compile for runs the plain step (still in a graph)
         with torch.compiler.set_stance(e.compile_stance()):
-            return e.graph_step(0, bb, lb, mode, e.n_live)
+            return step(0, bb, lb, mode, e.n_live)
 
     def _warm(self, mode: str, bb: int, lb: int) -> None:
         # n_live = 0: every row is padding, so a live row only gets the writes (its KV at its current

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..config import REPETITION_WINDOW
 from ..model import sampling
+from . import tuning
 from .graphs import LEN_STEP, CudaGraphs, to_host
 from .request import EngineError, GenRequest
 from .row_params import RowParams
@@ -74,7 +75,7 @@ class Runner:
         self.graphs = CudaGraphs(self) if (self.cuda_graphs and self.device.type == "cuda") else None
 
     def compile_step(self, dynamic: bool = True, backend: str = "inductor", prefill: bool = False,
-                     gemv: bool = False) -> None:
+                     gemv: bool = False, gemv_tune: bool = False) -> None:
         """Graph buckets run the decode step compiled by torch.compile (inductor: fused norm, RoPE
         and sampling kernels, still replayed from CUDA graphs: faster than the TorchScript step, bench/probes/step.py
         measures both); audio-code steps only. Needs the eager module, not TorchScript.
@@ -84,7 +85,9 @@ class Runner:
         compile takes. prefill: prefills (graphed or not) run `prefill_core` compiled too, with dynamic
         shapes (opt-in: faster alone from its graph, but it makes a served start-up minutes longer;
         docs/performance.md). gemv: the compiled step of one row computes its projections and code heads as
-        reductions inductor generates and fuses, not cuBLAS GEMMs (`ChatTTSGPT.set_gemv`; eager calls unchanged)."""
+        reductions inductor generates and fuses, not cuBLAS GEMMs (`ChatTTSGPT.set_gemv`; eager calls unchanged),
+        compiled on its own. gemv_tune: with gemv, inductor tunes that compile's launch configurations at its first
+        run (`tuning.py`)."""
         if isinstance(self.model, torch.jit.ScriptModule):
             raise EngineError("compile_step needs the eager GPT module (chattts_triton.model.gpt), not TorchScript")
         import torch._dynamo as dynamo
@@ -101,7 +104,14 @@ class Runner:
         if gemv:
             self.model.set_gemv(True)
         self.graph_step = torch.compile(self.step_core, dynamic=dynamic, backend=backend)
+        self.graph_step_one = (torch.compile(self.step_core, dynamic=dynamic, backend=backend,
+                                             **(tuning.one_row_options(backend) if gemv_tune else {}))
+                               if gemv else None)
         self.graph_prefill = torch.compile(self.prefill_core, dynamic=True, backend=backend) if prefill else None
+
+    def compiled_step(self, rows: int) -> Callable | None:
+        """The compiled step that a graph bucket of `rows` rows runs (None: the plain `step_core`)."""
+        return self.graph_step_one if rows == 1 and self.graph_step_one is not None else self.graph_step
 
     def freeze_compiled(self) -> None:
         self.compiled_frozen = True

@@ -10,6 +10,7 @@ answer later from another thread, which is what lets the GPT engine batch in fli
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import json
 import logging
@@ -142,6 +143,9 @@ STATS_PERIOD_S = 0.25  # how often a service's stats() refresh its gauges
 # thread's GIL time on the CPU), time the engine thread waits for
 INFLIGHT_PUBLISH_S = 0.05
 STATS_JOIN_S = 10.0  # finalize waits this long for the metrics thread's last publish (a stats read, a gauge IPC)
+# a finalize (the drain) still running after this long writes every thread's stack to stderr, the server's log:
+# where a drain waits is then on record before Triton's exit timeout kills the stub
+FINALIZE_STACKS_S = 20.0
 STAT_HELP = {
     "engine_active": "generations running in this instance's engine",
     "engine_waiting": "generations waiting for an engine slot",
@@ -297,6 +301,16 @@ def forward_logs(pb_utils) -> None:
     log.setLevel(logging.DEBUG)
 
 
+def _dump_stacks_later(seconds: float) -> bool:
+    """faulthandler's watchdog: every thread's stack to stderr if not cancelled within `seconds` (C, no GIL or
+    IPC needed: it works while the drain's threads are stuck). False where the process has no stderr."""
+    try:
+        faulthandler.dump_traceback_later(seconds, exit=False, file=sys.__stderr__)
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no stderr file descriptor
+        return False
+    return True
+
+
 def make_model(pb_utils, factory: Callable[[ModelContext], Any]):  # noqa: C901  a class, not a function: its methods count in, each of them short
     """A TritonPythonModel class whose work is done by `factory(ctx)`'s service."""
 
@@ -437,7 +451,15 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):  # noqa: C901 
             return None
 
         def finalize(self):
-            # drain: every admitted request gets its answer before the model goes away
+            stacks = _dump_stacks_later(FINALIZE_STACKS_S)
+            try:
+                self._drain()
+            finally:
+                if stacks:
+                    faulthandler.cancel_dump_traceback_later()
+
+        def _drain(self) -> None:
+            # every admitted request gets its answer before the model goes away
             close = getattr(self.service, "close", None)
             if close is not None:
                 close()
@@ -498,6 +520,7 @@ def gpt_service(ctx: ModelContext, version_dir: Path | None = None, params: Engi
         admit_batch=p.gpt_admit_batch,
         admit_wait_steps=p.gpt_admit_wait_steps,
         gemv=p.gpt_gemv,  # with compile_step only
+        gemv_tune=p.gpt_gemv_tune,  # with gemv only
     )
 
 

@@ -155,6 +155,12 @@ class Deployment:
              "and code heads as products summed by reductions inductor generates and fuses with the work around "
              "them, instead of cuBLAS GEMMs whose time for one row is their launch (about a tenth off an utterance "
              "at concurrency 1; steps of more rows unchanged; docs/performance.md)")
+    gpt_gemv_tune: bool = setting(
+        False,
+        help="with --gpt-gemv: inductor tunes the launch configuration of the one-row step's kernels at the "
+             "warm-up by coordinate descent (kernels that write the KV cache or other large state in place keep its "
+             "heuristic's) and keeps its choices in its compile cache: about 5 % off a one-row step alone, not yet "
+             "shown served, at the price of a longer start without that cache (docs/performance.md)")
     gpt_overlap: bool = setting(
         True,
         help="GPU engines launch each decode step before reading the previous one's EOS flags back, so that the "
@@ -195,13 +201,15 @@ class Deployment:
         """The deployment a repository was exported or configured with; one exported before the early
         first chunk keeps its exact chunks, one exported before the compiled step its TorchScript step, one
         exported before the vocoder's graphs its eager vocoder, one exported before the one-row reductions its
-        GEMMs. One written before the paged cache had every queue at 256 by default (a burst was refused below
-        the engine's bound): that default becomes the engines' bound."""
+        GEMMs, one exported before their tuning its heuristic launch configurations. One written before the paged
+        cache had every queue at 256 by default (a burst was refused below the engine's bound): that default becomes
+        the engines' bound."""
         dep = dict(man["deployment"])
         if "gpt_cache_tokens" not in dep and dep.get("max_queue_size") == OLD_DEFAULT_QUEUE_SIZE:
             dep["max_queue_size"] = None
         return cls(**{"stream_first_lookahead_frames": 0, "stream_fade_frames": 0, "gpt_compile": False,
-                      "vocoder_graphs": False, "gpt_gemv": False, **dep})
+                      "vocoder_graphs": False, "gpt_gemv": False,
+                      "gpt_gemv_tune": False, **dep})
 
     def check(self) -> None:
         """ValueError naming the first field out of its bounds."""
