@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 from dataclasses import dataclass
 
 # --- audio -------------------------------------------------------------------------------------
@@ -211,6 +212,10 @@ LEXICON = "lexicon.json"  # the pronunciation lexicon (runtime/lexicon.py), read
 # drains before it signals Triton, which would fail in-flight ensemble requests at their next step
 DRAIN_FILE_ENV = "CHATTTS_DRAIN_FILE"
 INFLIGHT_METRIC = "chattts_inflight_requests"  # per model instance: requests admitted and not yet answered
+# every python model's process writes all its threads' stacks to stderr (the server's log) on this signal; the
+# launcher sends it to the stubs of a server whose drain outlasts half its exit timeout, so that a drain Triton's
+# exit timeout cuts short shows where it waited
+STACKS_SIGNAL = signal.SIGUSR1
 
 # --- the public contract of the `chattts` ensemble ---------------------------------------------
 # name -> (triton dtype, dims, required)

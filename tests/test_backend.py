@@ -209,6 +209,25 @@ def test_a_finalize_that_outlasts_its_bound_writes_every_threads_stack_to_the_lo
     assert "most recent call first" not in capfd.readouterr().err
 
 
+def test_every_model_process_writes_its_stacks_to_the_log_on_the_launchers_signal(tiny_repo, capfd):
+    """initialize registers STACKS_SIGNAL (the launcher sends it to the stubs of a drain that outlasts half its exit
+    timeout): the process's stacks reach stderr, the server's log."""
+    import faulthandler
+    import os
+
+    from chattts_triton.config import STACKS_SIGNAL
+
+    try:
+        model = _model(tiny_repo, FakePb(), HeldService())
+        os.kill(os.getpid(), STACKS_SIGNAL)
+        time.sleep(0.2)
+        err = capfd.readouterr().err
+        assert "most recent call first" in err and "test_every_model_process_writes_its_stacks" in err, err[-2000:]
+        model.finalize()
+    finally:
+        faulthandler.unregister(STACKS_SIGNAL)
+
+
 class SlowStatsService(HeldService):
     """stats() as slow as a CUDA memory-stats read that the process's teardown would interrupt; records when each
     read ran."""

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..config import DRAIN_FILE_ENV, ENSEMBLE, INFLIGHT_METRIC
+from ..config import DRAIN_FILE_ENV, ENSEMBLE, INFLIGHT_METRIC, STACKS_SIGNAL
 from .mps import MpsError, mps_daemon
 from .tritonserver import LOCALHOST, TritonServer, TritonServerError, python_stubs
 
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _watch(server: TritonServer, stubs: set[int], stopping: list[int], drain: Callable[[], None], drain_file: Path,
+def watch(server: TritonServer, stubs: set[int], stopping: list[int], drain: Callable[[], None], drain_file: Path,
            exit_timeout: float) -> list[int]:
     """Until tritonserver exits or is stopped: a signal drains it (waiting up to its exit timeout), a python backend
     stub that dies kills it. The stubs that died, or none."""
@@ -209,8 +209,12 @@ def _watch(server: TritonServer, stubs: set[int], stopping: list[int], drain: Ca
         if stopping:
             quiesce(server, drain_file, exit_timeout)
             drain()  # the signal may have come before the process existed
-            deadline = time.monotonic() + exit_timeout + 15
+            now = time.monotonic()
+            deadline, stacks_due = now + exit_timeout + 15, now + exit_timeout / 2
             while server.returncode is None and time.monotonic() < deadline:
+                if stacks_due is not None and time.monotonic() >= stacks_due:
+                    stacks_due = None
+                    ask_stubs_for_stacks(server, exit_timeout / 2)
                 time.sleep(0.1)
             return []
         dead = sorted(stubs - set(python_stubs(server.pid)))
@@ -222,6 +226,18 @@ def _watch(server: TritonServer, stubs: set[int], stopping: list[int], drain: Ca
             return dead
         time.sleep(0.2)
     return []
+
+
+def ask_stubs_for_stacks(server: TritonServer, waited_s: float) -> list[int]:
+    """STACKS_SIGNAL to every python stub of `server`: each writes its threads' stacks to the server's log (the
+    models' `dump_stacks_on_signal`). The stubs asked."""
+    pids = sorted(python_stubs(server.pid))
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone meanwhile
+            os.kill(pid, STACKS_SIGNAL)
+    print(f"tritonserver still draining {waited_s:.0f} s after the signal: its python stubs {pids} wrote their "
+          f"threads' stacks to the server log", file=sys.stderr, flush=True)
+    return pids
 
 
 def _serve(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
@@ -284,7 +300,7 @@ def _serve(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     serving.append(True)
     dead: list[int] = []
     try:
-        dead = _watch(server, stubs, stopping, drain, drain_file, args.exit_timeout)
+        dead = watch(server, stubs, stopping, drain, drain_file, args.exit_timeout)
     finally:
         code = server.stop()  # kills whatever is left (stubs, a server past its drain time)
         remove_shm_regions(regions)

@@ -32,6 +32,7 @@ from ..config import (
     MANIFEST,
     PENDING_PER_SLOT,
     PREPROCESS,
+    STACKS_SIGNAL,
     VOCODER,
     Arch,
     first_chunk_bucket,
@@ -301,6 +302,16 @@ def forward_logs(pb_utils) -> None:
     log.setLevel(logging.DEBUG)
 
 
+def dump_stacks_on_signal() -> bool:
+    """Every thread's stack to stderr (the server's log) on STACKS_SIGNAL, from faulthandler's C handler: it works
+    while the process's Python threads are stuck. False where the process has no stderr."""
+    try:
+        faulthandler.register(STACKS_SIGNAL, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no stderr file descriptor
+        return False
+    return True
+
+
 def _dump_stacks_later(seconds: float) -> bool:
     """faulthandler's watchdog: every thread's stack to stderr if not cancelled within `seconds` (C, no GIL or
     IPC needed: it works while the drain's threads are stuck). False where the process has no stderr."""
@@ -317,6 +328,7 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):  # noqa: C901 
     class TritonPythonModel:
         def initialize(self, args):
             forward_logs(pb_utils)
+            dump_stacks_on_signal()
             self.ctx = ModelContext(args, pb_utils)
             self.input_names = frozenset(i["name"] for i in self.ctx.config.get("input", []))
             self.output_names = [o["name"] for o in self.ctx.config.get("output", [])]
