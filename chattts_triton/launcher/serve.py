@@ -235,8 +235,8 @@ def ask_stubs_for_stacks(server: TritonServer, waited_s: float) -> list[int]:
     for pid in pids:
         with contextlib.suppress(OSError):  # gone meanwhile
             os.kill(pid, STACKS_SIGNAL)
-    print(f"tritonserver still draining {waited_s:.0f} s after the signal: its python stubs {pids} wrote their "
-          f"threads' stacks to the server log", file=sys.stderr, flush=True)
+    print(f"tritonserver still draining {waited_s:.0f} s after the signal: asked its python stubs {pids} to write "
+          f"their threads' stacks to the server log", file=sys.stderr, flush=True)
     return pids
 
 

@@ -302,24 +302,20 @@ def forward_logs(pb_utils) -> None:
     log.setLevel(logging.DEBUG)
 
 
+def _stacks_to_stderr(arm: Callable[..., Any], *args, **kwargs) -> bool:
+    """Arm one of faulthandler's dumps of every thread's stack to stderr, the server's log (its C handler needs no
+    GIL or IPC: it works while the process's Python threads are stuck). False where the process has no stderr."""
+    try:
+        arm(*args, file=sys.__stderr__, **kwargs)
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no stderr file descriptor
+        return False
+    return True
+
+
 def dump_stacks_on_signal() -> bool:
-    """Every thread's stack to stderr (the server's log) on STACKS_SIGNAL, from faulthandler's C handler: it works
-    while the process's Python threads are stuck. False where the process has no stderr."""
-    try:
-        faulthandler.register(STACKS_SIGNAL, file=sys.__stderr__, all_threads=True)
-    except (AttributeError, ValueError, OSError, RuntimeError):  # no stderr file descriptor
-        return False
-    return True
-
-
-def _dump_stacks_later(seconds: float) -> bool:
-    """faulthandler's watchdog: every thread's stack to stderr if not cancelled within `seconds` (C, no GIL or
-    IPC needed: it works while the drain's threads are stuck). False where the process has no stderr."""
-    try:
-        faulthandler.dump_traceback_later(seconds, exit=False, file=sys.__stderr__)
-    except (AttributeError, ValueError, OSError, RuntimeError):  # no stderr file descriptor
-        return False
-    return True
+    """Every thread's stack to stderr on STACKS_SIGNAL (the launcher's, to the stubs of a drain that outlasts half
+    its exit timeout)."""
+    return _stacks_to_stderr(faulthandler.register, STACKS_SIGNAL, all_threads=True)
 
 
 def make_model(pb_utils, factory: Callable[[ModelContext], Any]):  # noqa: C901  a class, not a function: its methods count in, each of them short
@@ -463,7 +459,7 @@ def make_model(pb_utils, factory: Callable[[ModelContext], Any]):  # noqa: C901 
             return None
 
         def finalize(self):
-            stacks = _dump_stacks_later(FINALIZE_STACKS_S)
+            stacks = _stacks_to_stderr(faulthandler.dump_traceback_later, FINALIZE_STACKS_S, exit=False)
             try:
                 self._drain()
             finally:
