@@ -712,7 +712,7 @@ def test_with_gemv_the_compiled_step_of_one_row_sums_products_instead_of_gemms_a
     try:
         eng = make_engine(ours, arch, start=False)
         eng.graphs = CudaGraphs(eng, capture=False)
-        eng.compile_step(backend=record, gemv=True)
+        eng.compile_step(backend=record, gemv=True, gemv_kernels=False)
         got = drive(eng, specs, join=[0, 6])
         gemms = [sum(n.target in (F.linear, torch._C._nn.linear, torch.einsum, torch.functional.einsum)
                      for n in gm.graph.nodes) for gm in traced]
@@ -724,6 +724,53 @@ def test_with_gemv_the_compiled_step_of_one_row_sums_products_instead_of_gemms_a
     finally:
         ours.set_gemv(False)
         torch._dynamo.reset()
+
+
+def test_with_gemv_kernels_the_one_row_step_runs_four_row_kernels_a_layer_and_gives_the_same_tokens(tiny, monkeypatch):
+    """--gpt-gemv with its row kernels (the default): the decode step compiled for one row calls
+    `chattts_triton::row_matvec` four times a layer (norm + q/k/v, o + skip, norm + gate/up, down + skip) and traces no
+    GEMM; the step of more rows keeps its GEMMs and never calls it. A request alone, then beside another, then alone
+    again gets the plain step's tokens and, to float rounding, its hidden states (on a CPU the operator computes
+    `rowops.reference`; the kernel itself: tests/test_rowops.py)."""
+    import torch.nn.functional as F
+
+    from chattts_triton.model import gpt as gpt_module
+    from chattts_triton.runtime.engine import CudaGraphs
+
+    # on a CPU row_matvec skips the operator: route it through, as on a GPU
+    monkeypatch.setattr(gpt_module, "row_matvec", lambda *a: torch.ops.chattts_triton.row_matvec(*a))
+    arch, _, _, ours = tiny
+    specs = [dict(ids=torch.arange(1, 12), params=SamplingParams(0.3, 0.7, 20, 1.05, 14, 14, seed=8)),
+             dict(ids=torch.arange(3, 9), params=SamplingParams(0.3, 0.7, 20, 1.05, 20, 20, seed=9))]
+    plain = make_engine(ours, arch, start=False, decode_kernel=True)  # as on a GPU
+    plain.graphs = CudaGraphs(plain, capture=False)
+    expected = drive(plain, specs, join=[0, 6])
+    traced = []
+
+    def record(gm, example_inputs):  # a torch.compile backend: keep the graph, run it as traced
+        traced.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        eng = make_engine(ours, arch, start=False, decode_kernel=True)
+        eng.graphs = CudaGraphs(eng, capture=False)
+        eng.compile_step(backend=record, gemv=True)
+        assert all(layer.row_kernels for layer in ours.layers)
+        got = drive(eng, specs, join=[0, 6])
+        op = torch.ops.chattts_triton.row_matvec
+        ops = [sum(n.target in (op, op.default) for n in gm.graph.nodes) for gm in traced]
+        # (the attention's stand-in on a CPU is an einsum: linears only)
+        gemms = [sum(n.target in (F.linear, torch._C._nn.linear) for n in gm.graph.nodes) for gm in traced]
+        assert len(traced) >= 2 and sorted(set(ops)) == [0, 4 * arch.gpt.layers], ops
+        assert all((o == 0) == (g > 0) for o, g in zip(ops, gemms, strict=True)), (ops, gemms)
+        check_same_as_alone(expected, got, hidden_atol=1e-5)
+        assert [r.tokens.shape for r in (e.result for e in got)] == [(14, 4), (20, 4)]
+    finally:
+        ours.set_gemv(False)
+        ours.decode_kernel = False
+        torch._dynamo.reset()
+    assert not any(layer.row_kernels for layer in ours.layers)
 
 
 def test_with_gemv_the_one_row_bucket_runs_a_compile_of_its_own_that_inductor_tunes_when_asked(tiny, monkeypatch):

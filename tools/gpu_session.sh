@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session on a GPU host without a package index (see tools/bundle.py):
-#   bash tools/gpu_session.sh STAGE...   stages: setup test bench ab detach collect wait step attention codec codecload gil engine aotiprobe clientcap gateway realtime httpclients
+#   bash tools/gpu_session.sh STAGE...   stages: setup test bench ab detach collect wait step attention rowops codec codecload gil engine aotiprobe clientcap gateway realtime httpclients
 # (detach: the stages in DETACH_STAGES (default `bench`) in a process session of their own, writing to DETACH_DIR
 #  (default build/detached), so that a run longer than one device call (a soak) goes on between calls; several
 #  detached runs side by side each have their own DETACH_DIR; collect [WAIT_S]: wait for DETACH_DIR's run to end,
@@ -77,6 +77,8 @@ for stage in "$@"; do
       done ;;
     attention)  # the decode-attention kernel alone by launch layout and rows (bench/probes/attention.py; ATTENTION_ARGS)
       python3 -m bench.probes.attention --out "$OUT/attention.json" ${ATTENTION_ARGS:-} 2>&1 | tee "$OUT/attention.log" ;;
+    rowops)  # one row's layer products alone by launch layout (bench/probes/rowops.py; ROWOPS_ARGS)
+      python3 -m bench.probes.rowops --out "$OUT/rowops.json" ${ROWOPS_ARGS:-} 2>&1 | tee "$OUT/rowops.log" ;;
     codec)
       export_repo build/codec-repo ${CODEC_EXPORT_ARGS:-}
       python3 -m bench.probes.stream_codec --repo build/codec-repo --out "$OUT/stream-codec.json" 2>&1 | tee "$OUT/stream_codec.log" ;;

@@ -15,8 +15,9 @@ compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all 
 `_unfused` appended: q/k/v and gate/up as five GEMMs per layer (the model before `fuse_projections`);
 `_sdpa` (eager/compile): the dense masked attention over `--attn-len` instead of each row's own keys;
 `_gemv` (compile): a step of one row computes its projections and code heads as inductor's reductions, not cuBLAS
-GEMMs (`--gpt-gemv`, `ChatTTSGPT.set_gemv`; more rows unchanged); `_gemv_tune`: and their launch configurations
-tuned by inductor at the first run (`--gpt-gemv-tune`, runtime/tuning.py).
+GEMMs (`--gpt-gemv`, `ChatTTSGPT.set_gemv`; more rows unchanged), its layers' projections as `rowops.row_matvec`
+kernels; `_gemv_inductor`: as inductor's reductions instead; `_tune` (after either): and the launch configurations of
+inductor's kernels tuned at the first run (`--gpt-gemv-tune`, runtime/tuning.py).
 `aoti` / `aoti_traced`: the step from AOTInductor packages, one per bucket (`bench/probes/aoti.py`; the decode
 attention through its custom operator, or its Triton kernel compiled into the package): the export users
 would ship instead of TorchScript + torch.compile at start-up; `build_s` is a package's export + compile,
@@ -184,12 +185,14 @@ def run_variant(variant: str, args, arch, dtype, out: dict) -> dict:  # noqa: C9
     sdpa = "_sdpa" in variant
     gemv = "_gemv" in variant
     tune = "_tune" in variant  # with _gemv: the one-row compile's launch configurations tuned (--gpt-gemv-tune)
-    base = variant.replace("_sdpa", "").replace("_gemv", "").replace("_tune", "").removesuffix("_unfused")
+    row_kernels = "_inductor" not in variant  # with _gemv: the layers' projections as rowops kernels
+    base = (variant.replace("_sdpa", "").replace("_gemv", "").replace("_tune", "").replace("_inductor", "")
+            .removesuffix("_unfused"))
     fused = "_unfused" not in variant
     cuda = args.device == "cuda"
     compiled = base.startswith("compile")
-    if base not in ("script", "eager", "compile", "compile_dynamic", "aoti",
-                    "aoti_traced") or (compiled and not cuda) or (gemv and not compiled) or (tune and not gemv):
+    if base not in ("script", "eager", "compile", "compile_dynamic", "aoti", "aoti_traced") or (
+            compiled and not cuda) or (gemv and not compiled) or ((tune or not row_kernels) and not gemv):
         raise SystemExit(f"unknown variant {variant}" + ("" if cuda else " on a CPU (script, eager, aoti, *_unfused)"))
     model = load_gpt(args.assets, arch, fused=fused).to(dtype).to(args.device).eval()
     if base == "script":
@@ -200,7 +203,7 @@ def run_variant(variant: str, args, arch, dtype, out: dict) -> dict:  # noqa: C9
                     compute_dtype=dtype, start=False, decode_kernel=False if sdpa or base == "script" else None)
     if base.startswith("compile"):
         engine.compile_step(dynamic=base == "compile_dynamic", prefill=args.compile_prefill, gemv=gemv,
-                            gemv_tune=tune)
+                            gemv_tune=tune, gemv_kernels=row_kernels)
     aoti = None
     if base.startswith("aoti"):  # the step from AOTInductor packages, one per bucket (bench/probes/aoti.py)
         from bench.probes.aoti import AotiStep

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ..config import PRECISIONS, Arch, GPTDims
 from .assets import AssetError, load_safetensors
 from .attention import decode_attention
+from .rowops import row_matvec
 
 # a precision's torch dtype (config.PRECISIONS names them without torch): the GPT's weights and its engine's
 # activations and KV cache
@@ -79,6 +80,9 @@ class DecoderLayer(nn.Module):
         # fuse(): q/k/v and gate/up as one GEMM each; the separate modules are then None
         self.qkv_proj = None
         self.gate_up_proj = None
+        # a compiled decode step of one row computes the projections with their norms, gate and skip connection as
+        # `rowops.row_matvec` kernels (`ChatTTSGPT.set_gemv`); fused projections only
+        self.row_kernels = False
 
     def fuse(self) -> None:
         """One GEMM for q/k/v and one for gate/up instead of five: each output is the same dot product
@@ -107,6 +111,9 @@ class DecoderLayer(nn.Module):
         lengths: Tensor | None,
     ) -> Tensor:
         b, t, _ = x.shape
+        if not torch.jit.is_scripting():  # (TorchScript does not compile this branch)
+            if self.row_kernels and lengths is not None and b * t == 1:
+                return self._row_step(x, cos, sin, k_cache, v_cache, layer, write_index, write_at, tables, lengths)
         h = self.input_layernorm(x)
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(h).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
@@ -114,25 +121,7 @@ class DecoderLayer(nn.Module):
         else:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        q = q.view(b, t, self.heads, self.head_dim)
-        k = k.view(b, t, self.kv_heads, self.head_dim)
-        v = v.view(b, t, self.kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        # write this step's keys/values into each request's pages, then attend over them
-        k = k.reshape(b * t, self.kv_heads, self.head_dim).to(k_cache.dtype)
-        v = v.reshape(b * t, self.kv_heads, self.head_dim).to(v_cache.dtype)
-        if torch.jit.is_scripting():  # the exported path: one index_copy_ into the layer's flat positions
-            n, page = k_cache.shape[1], k_cache.shape[2]
-            k_cache.select(0, layer).view(n * page, self.kv_heads, self.head_dim).index_copy_(0, write_index, k)
-            v_cache.select(0, layer).view(n * page, self.kv_heads, self.head_dim).index_copy_(0, write_index, v)
-        else:  # torch.compile: one index_put_ on the whole cache stays in place (through a view,
-            # the compiled step copied the whole cache every step)
-            layer_ids = write_at[0]
-            assert layer_ids is not None
-            at: list[Tensor | None] = [layer_ids.narrow(0, layer, 1), write_at[1], write_at[2]]
-            k_cache.index_put_(at, k)
-            v_cache.index_put_(at, v)
+        q, k, v = self._rope_write(q, k, v, cos, sin, k_cache, v_cache, layer, write_index, write_at)
         if not torch.jit.is_scripting():  # (TorchScript does not compile this branch)
             if lengths is not None:  # a decode step reading each row's own keys only
                 attn = decode_attention(q.select(1, 0).contiguous(), k_cache.select(0, layer), v_cache.select(0, layer),
@@ -156,6 +145,51 @@ class DecoderLayer(nn.Module):
         )
         x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
         return self._mlp(x)
+
+    def _rope_write(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    layer: int, write_index: Tensor, write_at: list[Tensor | None]) -> tuple[Tensor, Tensor, Tensor]:
+        """q/k/v [B, T, heads × head_dim] → q rotated [B, T, heads, head_dim], and k/v rotated and written into each
+        request's pages, [B × T, kv_heads, head_dim] in the cache's dtype."""
+        b, t = q.shape[0], q.shape[1]
+        q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        v = v.view(b, t, self.kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        # write this step's keys/values into each request's pages, then attend over them
+        k = k.reshape(b * t, self.kv_heads, self.head_dim).to(k_cache.dtype)
+        v = v.reshape(b * t, self.kv_heads, self.head_dim).to(v_cache.dtype)
+        if torch.jit.is_scripting():  # the exported path: one index_copy_ into the layer's flat positions
+            n, page = k_cache.shape[1], k_cache.shape[2]
+            k_cache.select(0, layer).view(n * page, self.kv_heads, self.head_dim).index_copy_(0, write_index, k)
+            v_cache.select(0, layer).view(n * page, self.kv_heads, self.head_dim).index_copy_(0, write_index, v)
+        else:  # torch.compile: one index_put_ on the whole cache stays in place (through a view,
+            # the compiled step copied the whole cache every step)
+            layer_ids = write_at[0]
+            assert layer_ids is not None
+            at: list[Tensor | None] = [layer_ids.narrow(0, layer, 1), write_at[1], write_at[2]]
+            k_cache.index_put_(at, k)
+            v_cache.index_put_(at, v)
+        return q, k, v
+
+    @torch.jit.ignore
+    def _row_step(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, layer: int,
+                  write_index: Tensor, write_at: list[Tensor | None], tables: Tensor, lengths: Tensor) -> Tensor:
+        """The decode step of one row (x [1, 1, hidden]) through four `row_matvec` kernels: norm + q/k/v; o + skip;
+        norm + gate/up + silu·up; down + skip. The same numbers as `forward` up to a sum's order."""
+        assert self.qkv_proj is not None and self.gate_up_proj is not None
+        eps = self.input_layernorm.eps
+        x1 = x.view(-1)
+        qkv = row_matvec(x1, self.qkv_proj.weight, self.input_layernorm.weight, None, eps, False).view(1, 1, -1)
+        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                             self.kv_heads * self.head_dim], dim=-1)
+        q, k, v = self._rope_write(q, k, v, cos, sin, k_cache, v_cache, layer, write_index, write_at)
+        attn = decode_attention(q.select(1, 0).contiguous(), k_cache.select(0, layer), v_cache.select(0, layer),
+                                tables, lengths)
+        x1 = row_matvec(attn.reshape(-1), self.o_proj.weight, None, x1, 0.0, False)
+        act = row_matvec(x1, self.gate_up_proj.weight, self.post_attention_layernorm.weight, None,
+                         self.post_attention_layernorm.eps, True)
+        return row_matvec(act, self.down_proj.weight, None, x1, 0.0, False).view(1, 1, -1)
 
     def _mlp(self, x: Tensor) -> Tensor:
         h = self.post_attention_layernorm(x)
@@ -224,16 +258,22 @@ class ChatTTSGPT(nn.Module):
         return self
 
     @torch.jit.ignore
-    def set_gemv(self, on: bool) -> ChatTTSGPT:
+    def set_gemv(self, on: bool, kernels: bool = False) -> ChatTTSGPT:
         """Decode steps of one row traced by torch.compile compute their projections and code heads as products
         summed in fp32 (`gemv_linear`), which inductor fuses into reductions of its own, instead of cuBLAS GEMMs;
-        eager calls and more rows keep the GEMMs."""
+        eager calls and more rows keep the GEMMs. kernels: with `on`, a decode step's layers of one row run their
+        projections as `rowops.row_matvec` kernels instead (each fused with its norm, gate or skip connection;
+        layers with fused, unquantized projections)."""
         self.gemv = bool(on)
         for layer in self.layers:
+            plain = True
             for name in PROJECTIONS:
                 m = getattr(layer, name)
                 if type(m) in (nn.Linear, GemvLinear):  # not an int8 model's quantized linears
                     m.__class__ = GemvLinear if self.gemv else nn.Linear
+                elif m is not None:
+                    plain = False
+            layer.row_kernels = self.gemv and kernels and plain and layer.qkv_proj is not None
         return self
 
     @torch.jit.export

@@ -75,7 +75,7 @@ class Runner:
         self.graphs = CudaGraphs(self) if (self.cuda_graphs and self.device.type == "cuda") else None
 
     def compile_step(self, dynamic: bool = True, backend: str = "inductor", prefill: bool = False,
-                     gemv: bool = False, gemv_tune: bool = False) -> None:
+                     gemv: bool = False, gemv_tune: bool = False, gemv_kernels: bool = True) -> None:
         """Graph buckets run the decode step compiled by torch.compile (inductor: fused norm, RoPE
         and sampling kernels, still replayed from CUDA graphs: faster than the TorchScript step, bench/probes/step.py
         measures both); audio-code steps only. Needs the eager module, not TorchScript.
@@ -86,8 +86,9 @@ class Runner:
         shapes (opt-in: faster alone from its graph, but it makes a served start-up minutes longer;
         docs/performance.md). gemv: the compiled step of one row computes its projections and code heads as
         reductions inductor generates and fuses, not cuBLAS GEMMs (`ChatTTSGPT.set_gemv`; eager calls unchanged),
-        compiled on its own. gemv_tune: with gemv, inductor tunes that compile's launch configurations at its first
-        run (`tuning.py`)."""
+        compiled on its own; gemv_kernels: its layers' projections are `rowops.row_matvec` kernels, each fused with
+        its norm, gate or skip connection (False: inductor's reductions). gemv_tune: with gemv, inductor tunes that
+        compile's launch configurations at its first run (`tuning.py`)."""
         if isinstance(self.model, torch.jit.ScriptModule):
             raise EngineError("compile_step needs the eager GPT module (chattts_triton.model.gpt), not TorchScript")
         import torch._dynamo as dynamo
@@ -102,7 +103,7 @@ class Runner:
         # KV-cache writes that is the whole multi-GB cache (minutes, and no result)
         inductor_config.triton.autotune_pointwise = False
         if gemv:
-            self.model.set_gemv(True)
+            self.model.set_gemv(True, kernels=gemv_kernels)
         self.graph_step = torch.compile(self.step_core, dynamic=dynamic, backend=backend)
         self.graph_step_one = (torch.compile(self.step_core, dynamic=dynamic, backend=backend,
                                              **(tuning.one_row_options(backend) if gemv_tune else {}))

@@ -1,0 +1,135 @@
+"""One row's decoder-layer projections as single Triton kernels: a norm, a matrix-vector product and its epilogue.
+
+A decode step of one row (concurrency 1, a lone stream) is a chain of small kernels whose time is their launches
+and latency, not their bytes: the weights of a layer are read in a few microseconds. `row_matvec` computes
+`weight @ x` for one row with what surrounds it in the layer fused into the same kernel:
+- `norm_weight`: x first goes through the layer's RMSNorm (each program recomputes the row's statistics: a few
+  hundred values, cheaper than a launch);
+- `gated`: the weight is gate and up stacked ([2N, K]); the result is `silu(gate) * up` [N];
+- `residual`: the result is `residual + weight @ x` (the layer's skip connection).
+Each program owns a block of outputs and reads its rows of the weight whole, accumulating in fp32 as a GEMM does;
+intermediate roundings follow the PyTorch layer (`reference`), so the two agree to a product's summation order.
+On a GPU with Triton it is the kernel (`torch.ops.chattts_triton.row_matvec`, opaque to torch.compile, as
+`attention.decode_attention` is); elsewhere `reference`, the same computation in PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:  # Triton ships with PyTorch's CUDA wheels; CPU-only installs have none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+# Launch layout per product: (outputs per program, weight columns per load, warps). Each program's loads cover its
+# rows' whole input (the loop over columns is unrolled), so that a program has all its bytes in flight at once.
+# `bench.probes.rowops` measures others.
+LAYOUT_SMALL_K = (16, 256, 4)  # K ≤ 1024: q/k/v (2304 × 768), o (768 × 768), gate/up (2 × 3072 × 768)
+LAYOUT_LARGE_K = (4, 1024, 4)  # down (768 × 3072)
+
+
+def kernel_available(device: torch.device) -> bool:
+    """Whether `row_matvec` runs the Triton kernel on this device (else `reference`)."""
+    return triton is not None and device.type == "cuda"
+
+
+def default_layout(k: int) -> tuple[int, int, int]:
+    return LAYOUT_SMALL_K if k <= 1024 else LAYOUT_LARGE_K
+
+
+def reference(x: Tensor, weight: Tensor, norm_weight: Tensor | None = None, residual: Tensor | None = None,
+              eps: float = 0.0, gated: bool = False) -> Tensor:
+    """x [K]; weight [N, K] ([2N, K] gated); norm_weight [K] or None; residual [N] or None → [N] in x's dtype:
+    what the decoder layer computes for one row (RMSNorm, nn.Linear, silu(gate) * up, the skip connection)."""
+    dtype = x.dtype
+    h = x
+    if norm_weight is not None:
+        f = x.float()
+        h = norm_weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    y = F.linear(h, weight)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
+
+
+def row_matvec(x: Tensor, weight: Tensor, norm_weight: Tensor | None = None, residual: Tensor | None = None,
+               eps: float = 0.0, gated: bool = False) -> Tensor:
+    """`reference`'s result; on a GPU with Triton one kernel."""
+    if not kernel_available(x.device):
+        return reference(x, weight, norm_weight, residual, eps, gated)
+    return torch.ops.chattts_triton.row_matvec(x, weight, norm_weight, residual, eps, gated)
+
+
+@torch.library.custom_op("chattts_triton::row_matvec", mutates_args=())
+def _row_matvec_op(x: Tensor, weight: Tensor, norm_weight: Tensor | None, residual: Tensor | None, eps: float,
+                   gated: bool) -> Tensor:
+    return run_kernel(x, weight, norm_weight, residual, eps, gated)
+
+
+@_row_matvec_op.register_fake
+def _(x: Tensor, weight: Tensor, norm_weight: Tensor | None, residual: Tensor | None, eps: float,
+      gated: bool) -> Tensor:
+    return x.new_empty(weight.shape[0] // (2 if gated else 1))
+
+
+def run_kernel(x: Tensor, weight: Tensor, norm_weight: Tensor | None = None, residual: Tensor | None = None,
+               eps: float = 0.0, gated: bool = False, layout: tuple[int, int, int] | None = None) -> Tensor:
+    """The operator's work: one launch of `_row_kernel` (`reference` where it cannot run, so the operator means the
+    same on every device). layout: (outputs per program, columns per load, warps); `default_layout`'s if None."""
+    if not kernel_available(x.device):
+        return reference(x, weight, norm_weight, residual, eps, gated).contiguous()
+    x = x.contiguous()
+    weight = weight if weight.stride(-1) == 1 and weight.stride(0) == weight.shape[1] else weight.contiguous()
+    k = x.shape[-1]
+    n = weight.shape[0] // (2 if gated else 1)
+    block_n, block_k, warps = default_layout(k) if layout is None else layout
+    y = x.new_empty(n)
+    _row_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, x if norm_weight is None else norm_weight.contiguous(),
+        y if residual is None else residual.contiguous(), y, n, float(eps),
+        K=k, KP=triton.next_power_of_2(k), NORM=norm_weight is not None, RES=residual is not None, GATED=gated,
+        BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=warps,
+    )
+    return y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _row_kernel(X, W, NW, R, Y, N, eps, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                    RES: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        dtype = Y.dtype.element_ty
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < N
+        if NORM:  # the row's RMS over all K inputs, recomputed by every program
+            allk = tl.arange(0, KP)
+            xa = tl.load(X + allk, mask=allk < K, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xa * xa, axis=0) / K + eps)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            inside = cols < K
+            a = tl.load(X + cols, mask=inside, other=0.0).to(tl.float32)
+            if NORM:  # as RMSNorm: normalised in fp32, cast, times the weight in the model's dtype
+                a = (a * rstd).to(dtype).to(tl.float32)
+                a = (tl.load(NW + cols, mask=inside, other=0.0).to(tl.float32) * a).to(dtype).to(tl.float32)
+            m = live[:, None] & inside[None, :]
+            w = tl.load(W + rows[:, None].to(tl.int64) * K + cols[None, :], mask=m, other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+            if GATED:
+                u = tl.load(W + (rows[:, None] + N).to(tl.int64) * K + cols[None, :], mask=m, other=0.0)
+                acc_up += u.to(tl.float32) * a[None, :]
+        y = tl.sum(acc, axis=1).to(dtype).to(tl.float32)
+        if GATED:  # silu(gate) * up, each rounded to the model's dtype as the eager layer's tensors are
+            up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+            y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up
+            y = y.to(dtype).to(tl.float32)
+        if RES:
+            y = tl.load(R + rows, mask=live, other=0.0).to(tl.float32) + y
+        tl.store(Y + rows, y.to(dtype), mask=live)
