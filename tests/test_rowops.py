@@ -49,7 +49,9 @@ def test_on_a_cpu_row_matvec_is_the_reference_and_the_fake_has_the_outputs_shape
 
 def test_each_product_gets_a_layout_by_its_inputs():
     assert rowops.default_layout(768) == rowops.LAYOUT_SMALL_K
+    assert rowops.default_layout(768, gated=True) == rowops.LAYOUT_GATED
     assert rowops.default_layout(3072) == rowops.LAYOUT_LARGE_K
+    assert not rowops.pdl_available(torch.device("cpu"))
 
 
 _INTERPRETED_KERNEL = """

@@ -7,7 +7,9 @@ norm + gate/up + silu·up, down + skip) on the served shapes, one weight per lay
 finds its weight in L2. Each way is launched once per layer inside one CUDA graph, replayed `--iters` times (CUDA
 events, median); per call: µs, the weight's bytes over that time (GB/s), and the largest difference to
 `rowops.reference` computed in fp32. `current` is `rowops.run_kernel` as the step launches it
-(`rowops.default_layout`); `N/K/W` the same kernel with N outputs per program, K columns per load and W warps;
+(`rowops.default_layout`, `rowops.PDL`); `N/K/W` the same kernel with N outputs per program, K columns per load and
+W warps; either with `/nopdl`: launched one after the other, not as programmatic dependents (in a chain of the same
+product, as here, each launch lets the next fetch its weights early: the step interleaves other kernels);
 `inductor` the reference compiled by torch.compile (what the step ran before the kernels: inductor's own
 reductions for a product summed in fp32 take `gemv_linear`'s place); `cublas` the reference eagerly (cuBLAS's GEMM and
 PyTorch's elementwise kernels around it).
@@ -28,18 +30,25 @@ from chattts_triton.config import Arch
 from chattts_triton.model import rowops
 from chattts_triton.model.gpt import gemv_linear
 
-DEFAULT_LAYOUTS = "current,16/256/4,8/256/4,32/256/8,16/1024/8,8/1024/4,4/1024/4,4/512/2,2/1024/2,8/512/4"
+DEFAULT_LAYOUTS = ("current,current/nopdl,8/1024/4,4/1024/2,4/1024/4,2/1024/2,2/1024/1,1/1024/1,16/1024/8,2/4096/2,"
+                   "4/4096/4,1/4096/1,2/512/1")
 
 
 def parse_layout(text: str) -> dict:
-    """`current`, `inductor`, `cublas` -> themselves; `N/K/W` -> run_kernel's layout (ValueError naming the text)."""
-    if text in ("current", "inductor", "cublas"):
+    """`inductor`, `cublas` -> themselves; `current` or `N/K/W`, either with `/nopdl` -> run_kernel's layout and
+    launch (ValueError naming the text)."""
+    if text in ("inductor", "cublas"):
         return {"way": text}
+    body = text.removesuffix("/nopdl")
+    pdl = {"pdl": False} if body != text else {}
+    if body == "current":
+        return {"way": "kernel", **pdl}
     try:
-        n, k, w = (int(v) for v in text.split("/"))
+        n, k, w = (int(v) for v in body.split("/"))
     except ValueError:
-        raise ValueError(f"layout {text!r}: want current, inductor, cublas or N/K/W") from None
-    return {"way": "kernel", "layout": (n, k, w)}
+        raise ValueError(f"layout {text!r}: want current, inductor, cublas or N/K/W, the first or last with /nopdl") \
+            from None
+    return {"way": "kernel", "layout": (n, k, w), **pdl}
 
 
 def products(arch: Arch) -> dict:
@@ -135,7 +144,7 @@ def main(argv=None) -> int:
             elif way["way"] == "cublas":
                 fn = rowops.reference
             else:
-                fn = functools.partial(rowops.run_kernel, layout=way.get("layout"))
+                fn = functools.partial(rowops.run_kernel, layout=way.get("layout"), pdl=way.get("pdl"))
             try:
                 err = (fn(*cases[0]).float() - ref).abs().max().item()
                 us = time_calls(fn, cases, a.iters)

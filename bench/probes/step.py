@@ -16,7 +16,8 @@ compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all 
 `_sdpa` (eager/compile): the dense masked attention over `--attn-len` instead of each row's own keys;
 `_gemv` (compile): a step of one row computes its projections and code heads as inductor's reductions, not cuBLAS
 GEMMs (`--gpt-gemv`, `ChatTTSGPT.set_gemv`; more rows unchanged), its layers' projections as `rowops.row_matvec`
-kernels; `_gemv_inductor`: as inductor's reductions instead; `_tune` (after either): and the launch configurations of
+kernels; `_gemv_inductor`: as inductor's reductions instead; `_gemv_nopdl`: the kernels launched one after the
+other, not as programmatic dependents (`rowops.PDL`); `_tune` (after either): and the launch configurations of
 inductor's kernels tuned at the first run (`--gpt-gemv-tune`, runtime/tuning.py).
 `aoti` / `aoti_traced`: the step from AOTInductor packages, one per bucket (`bench/probes/aoti.py`; the decode
 attention through its custom operator, or its Triton kernel compiled into the package): the export users
@@ -177,6 +178,7 @@ def _time_prefill(engine, k: int, t: int, graphed: bool, iters: int) -> float:
 
 
 def run_variant(variant: str, args, arch, dtype, out: dict) -> dict:  # noqa: C901  a probe's script: every variant's branches in one run, read top to bottom
+    from chattts_triton.model import rowops
     from chattts_triton.model.gpt import load_gpt
     from chattts_triton.runtime.engine import PREFILL_GRAPH_TOKENS, Engine
 
@@ -186,13 +188,15 @@ def run_variant(variant: str, args, arch, dtype, out: dict) -> dict:  # noqa: C9
     gemv = "_gemv" in variant
     tune = "_tune" in variant  # with _gemv: the one-row compile's launch configurations tuned (--gpt-gemv-tune)
     row_kernels = "_inductor" not in variant  # with _gemv: the layers' projections as rowops kernels
+    rowops.PDL = "_nopdl" not in variant  # with them: launched as programmatic dependents (Hopper)
     base = (variant.replace("_sdpa", "").replace("_gemv", "").replace("_tune", "").replace("_inductor", "")
-            .removesuffix("_unfused"))
+            .replace("_nopdl", "").removesuffix("_unfused"))
     fused = "_unfused" not in variant
     cuda = args.device == "cuda"
     compiled = base.startswith("compile")
+    gemv_only = tune or not row_kernels or not rowops.PDL
     if base not in ("script", "eager", "compile", "compile_dynamic", "aoti", "aoti_traced") or (
-            compiled and not cuda) or (gemv and not compiled) or ((tune or not row_kernels) and not gemv):
+            compiled and not cuda) or (gemv and not compiled) or (gemv_only and not gemv):
         raise SystemExit(f"unknown variant {variant}" + ("" if cuda else " on a CPU (script, eager, aoti, *_unfused)"))
     model = load_gpt(args.assets, arch, fused=fused).to(dtype).to(args.device).eval()
     if base == "script":

@@ -25,11 +25,16 @@ try:  # Triton ships with PyTorch's CUDA wheels; CPU-only installs have none
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-# Launch layout per product: (outputs per program, weight columns per load, warps). Each program's loads cover its
-# rows' whole input (the loop over columns is unrolled), so that a program has all its bytes in flight at once.
-# `bench.probes.rowops` measures others.
-LAYOUT_SMALL_K = (16, 256, 4)  # K ≤ 1024: q/k/v (2304 × 768), o (768 × 768), gate/up (2 × 3072 × 768)
-LAYOUT_LARGE_K = (4, 1024, 4)  # down (768 × 3072)
+# Launch layout per product, (outputs per program, weight columns per load, warps), measured on an H100 by
+# `bench.probes.rowops` (bench/results/2026-12-07-h100-row-kernels.md): few outputs per program, so that a product
+# spreads over several programs per SM, and a row's inputs in few loads.
+LAYOUT_SMALL_K = (8, 1024, 4)  # K ≤ 1024, not gated: q/k/v (2304 × 768), o (768 × 768)
+LAYOUT_GATED = (2, 1024, 2)  # gate/up (2 × 3072 × 768)
+LAYOUT_LARGE_K = (2, 1024, 2)  # down (768 × 3072)
+# Hopper's programmatic dependent launch: each kernel lets the next one start at once, and a kernel reads its
+# weights before it waits for the previous kernel's results (`griddepcontrol`), so that the weights of the next
+# product stream in while this one runs. Read before the wait: only the weights, which no kernel writes.
+PDL = True
 
 
 def kernel_available(device: torch.device) -> bool:
@@ -37,8 +42,15 @@ def kernel_available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
-def default_layout(k: int) -> tuple[int, int, int]:
+def default_layout(k: int, gated: bool = False) -> tuple[int, int, int]:
+    if gated:
+        return LAYOUT_GATED
     return LAYOUT_SMALL_K if k <= 1024 else LAYOUT_LARGE_K
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether the GPU launches a kernel before the previous one ends (Hopper and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def reference(x: Tensor, weight: Tensor, norm_weight: Tensor | None = None, residual: Tensor | None = None,
@@ -78,52 +90,72 @@ def _(x: Tensor, weight: Tensor, norm_weight: Tensor | None, residual: Tensor | 
 
 
 def run_kernel(x: Tensor, weight: Tensor, norm_weight: Tensor | None = None, residual: Tensor | None = None,
-               eps: float = 0.0, gated: bool = False, layout: tuple[int, int, int] | None = None) -> Tensor:
+               eps: float = 0.0, gated: bool = False, layout: tuple[int, int, int] | None = None,
+               pdl: bool | None = None) -> Tensor:
     """The operator's work: one launch of `_row_kernel` (`reference` where it cannot run, so the operator means the
-    same on every device). layout: (outputs per program, columns per load, warps); `default_layout`'s if None."""
+    same on every device). layout: (outputs per program, columns per load, warps); `default_layout`'s if None.
+    With a norm the columns per load cover all inputs (the statistics come from the one load). pdl: launched as a
+    programmatic dependent (`PDL` where the GPU has it, if None)."""
     if not kernel_available(x.device):
         return reference(x, weight, norm_weight, residual, eps, gated).contiguous()
     x = x.contiguous()
     weight = weight if weight.stride(-1) == 1 and weight.stride(0) == weight.shape[1] else weight.contiguous()
     k = x.shape[-1]
     n = weight.shape[0] // (2 if gated else 1)
-    block_n, block_k, warps = default_layout(k) if layout is None else layout
+    block_n, block_k, warps = default_layout(k, gated) if layout is None else layout
+    block_k = min(block_k, triton.next_power_of_2(k))
+    if norm_weight is not None:
+        block_k = triton.next_power_of_2(k)
+    pdl = (PDL if pdl is None else pdl) and pdl_available(x.device)
     y = x.new_empty(n)
     _row_kernel[(triton.cdiv(n, block_n),)](
         x, weight, x if norm_weight is None else norm_weight.contiguous(),
         y if residual is None else residual.contiguous(), y, n, float(eps),
-        K=k, KP=triton.next_power_of_2(k), NORM=norm_weight is not None, RES=residual is not None, GATED=gated,
-        BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=warps,
+        K=k, NORM=norm_weight is not None, RES=residual is not None, GATED=gated,
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return y
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def _row_kernel(X, W, NW, R, Y, N, eps, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                    RES: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _row_kernel(X, W, NW, R, Y, N, eps, K: tl.constexpr, NORM: tl.constexpr, RES: tl.constexpr,
+                    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         dtype = Y.dtype.element_ty
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         live = rows < N
-        if NORM:  # the row's RMS over all K inputs, recomputed by every program
-            allk = tl.arange(0, KP)
-            xa = tl.load(X + allk, mask=allk < K, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(xa * xa, axis=0) / K + eps)
+        w_rows = rows[:, None].to(tl.int64) * K
+        u_rows = (rows[:, None] + N).to(tl.int64) * K
+        if PDL:
+            gdc_launch_dependents()
+        # the first columns' weights before waiting for the previous kernel: nothing writes them
+        cols = tl.arange(0, BLOCK_K)
+        m = live[:, None] & (cols < K)[None, :]
+        w = tl.load(W + w_rows + cols[None, :], mask=m, other=0.0)
+        u = w
+        if GATED:
+            u = tl.load(W + u_rows + cols[None, :], mask=m, other=0.0)
+        if PDL:
+            gdc_wait()
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             inside = cols < K
+            if k0 > 0:
+                m = live[:, None] & inside[None, :]
+                w = tl.load(W + w_rows + cols[None, :], mask=m, other=0.0)
+                if GATED:
+                    u = tl.load(W + u_rows + cols[None, :], mask=m, other=0.0)
             a = tl.load(X + cols, mask=inside, other=0.0).to(tl.float32)
-            if NORM:  # as RMSNorm: normalised in fp32, cast, times the weight in the model's dtype
+            if NORM:  # one load holds all K inputs (run_kernel): the RMS of the row, then RMSNorm's roundings
+                rstd = tl.rsqrt(tl.sum(a * a, axis=0) / K + eps)
                 a = (a * rstd).to(dtype).to(tl.float32)
                 a = (tl.load(NW + cols, mask=inside, other=0.0).to(tl.float32) * a).to(dtype).to(tl.float32)
-            m = live[:, None] & inside[None, :]
-            w = tl.load(W + rows[:, None].to(tl.int64) * K + cols[None, :], mask=m, other=0.0)
             acc += w.to(tl.float32) * a[None, :]
             if GATED:
-                u = tl.load(W + (rows[:, None] + N).to(tl.int64) * K + cols[None, :], mask=m, other=0.0)
                 acc_up += u.to(tl.float32) * a[None, :]
         y = tl.sum(acc, axis=1).to(dtype).to(tl.float32)
         if GATED:  # silu(gate) * up, each rounded to the model's dtype as the eager layer's tensors are
