@@ -26,11 +26,11 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 # Launch layout per product, (outputs per program, weight columns per load, warps), measured on an H100 by
-# `bench.probes.rowops` (bench/results/2026-12-07-h100-row-kernels.md): few outputs per program, so that a product
-# spreads over several programs per SM, and a row's inputs in few loads.
-LAYOUT_SMALL_K = (8, 1024, 4)  # K ≤ 1024, not gated: q/k/v (2304 × 768), o (768 × 768)
-LAYOUT_GATED = (2, 1024, 2)  # gate/up (2 × 3072 × 768)
-LAYOUT_LARGE_K = (2, 1024, 2)  # down (768 × 3072)
+# `bench.probes.rowops` as a chain of launches of each product (bench/results/2026-12-07-h100-row-kernels.md): few
+# outputs and warps per program, so that a product spreads over several programs per SM.
+LAYOUT_SMALL_K = (2, 1024, 1)  # K ≤ 1024, not gated: q/k/v (2304 × 768: 2.93 µs), o (768 × 768: 1.49 µs)
+LAYOUT_GATED = (2, 1024, 1)  # gate/up (2 × 3072 × 768: 4.31 µs)
+LAYOUT_LARGE_K = (4, 1024, 4)  # down (768 × 3072: 3.46 µs)
 # Hopper's programmatic dependent launch: each kernel lets the next one start at once, and a kernel reads its
 # weights before it waits for the previous kernel's results (`griddepcontrol`), so that the weights of the next
 # product stream in while this one runs. Read before the wait: only the weights, which no kernel writes.
