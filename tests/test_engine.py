@@ -727,18 +727,21 @@ def test_with_gemv_the_compiled_step_of_one_row_sums_products_instead_of_gemms_a
 
 
 def test_with_gemv_kernels_the_one_row_step_runs_four_row_kernels_a_layer_and_gives_the_same_tokens(tiny, monkeypatch):
-    """--gpt-gemv with its row kernels (the default): the decode step compiled for one row calls
+    """--gpt-gemv with its row kernels (the default where they pay: Hopper's programmatic dependent launch): the decode
+    step compiled for one row calls
     `chattts_triton::row_matvec` four times a layer (norm + q/k/v, o + skip, norm + gate/up, down + skip) and traces no
     GEMM; the step of more rows keeps its GEMMs and never calls it. A request alone, then beside another, then alone
     again gets the plain step's tokens and, to float rounding, its hidden states (on a CPU the operator computes
-    `rowops.reference`; the kernel itself: tests/test_rowops.py)."""
+    `rowops.reference`; the kernel itself: tests/test_rowops.py). Where they do not pay, inductor's reductions."""
     import torch.nn.functional as F
 
     from chattts_triton.model import gpt as gpt_module
+    from chattts_triton.model import rowops
     from chattts_triton.runtime.engine import CudaGraphs
 
-    # on a CPU row_matvec skips the operator: route it through, as on a GPU
+    # on a CPU row_matvec skips the operator: route it through, and let the engine take it, as on an H100
     monkeypatch.setattr(gpt_module, "row_matvec", lambda *a: torch.ops.chattts_triton.row_matvec(*a))
+    monkeypatch.setattr(rowops, "kernels_pay", lambda device: True)
     arch, _, _, ours = tiny
     specs = [dict(ids=torch.arange(1, 12), params=SamplingParams(0.3, 0.7, 20, 1.05, 14, 14, seed=8)),
              dict(ids=torch.arange(3, 9), params=SamplingParams(0.3, 0.7, 20, 1.05, 20, 20, seed=9))]
@@ -771,6 +774,14 @@ def test_with_gemv_kernels_the_one_row_step_runs_four_row_kernels_a_layer_and_gi
         ours.decode_kernel = False
         torch._dynamo.reset()
     assert not any(layer.row_kernels for layer in ours.layers)
+    monkeypatch.setattr(rowops, "kernels_pay", lambda device: False)  # a GPU without programmatic dependent launch
+    try:
+        make_engine(ours, arch, start=False, decode_kernel=True).compile_step(backend=record, gemv=True)
+        assert ours.gemv and not any(layer.row_kernels for layer in ours.layers)
+    finally:
+        ours.set_gemv(False)
+        ours.decode_kernel = False
+        torch._dynamo.reset()
 
 
 def test_with_gemv_the_one_row_bucket_runs_a_compile_of_its_own_that_inductor_tunes_when_asked(tiny, monkeypatch):

@@ -207,7 +207,7 @@ def run_variant(variant: str, args, arch, dtype, out: dict) -> dict:  # noqa: C9
                     compute_dtype=dtype, start=False, decode_kernel=False if sdpa or base == "script" else None)
     if base.startswith("compile"):
         engine.compile_step(dynamic=base == "compile_dynamic", prefill=args.compile_prefill, gemv=gemv,
-                            gemv_tune=tune, gemv_kernels=row_kernels)
+                            gemv_tune=tune, gemv_kernels=gemv and row_kernels)
     aoti = None
     if base.startswith("aoti"):  # the step from AOTInductor packages, one per bucket (bench/probes/aoti.py)
         from bench.probes.aoti import AotiStep

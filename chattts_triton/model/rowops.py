@@ -53,6 +53,13 @@ def pdl_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def kernels_pay(device: torch.device) -> bool:
+    """Whether a one-row step gains by the kernels on this device: on an H100 they took the step from 0.812 to
+    0.630 ms as programmatic dependents, but launched one after the other 0.842 ms (bench/results/
+    2026-12-07-h100-row-kernels.md), so only where the GPU has programmatic dependent launch."""
+    return kernel_available(device) and PDL and pdl_available(device)
+
+
 def reference(x: Tensor, weight: Tensor, norm_weight: Tensor | None = None, residual: Tensor | None = None,
               eps: float = 0.0, gated: bool = False) -> Tensor:
     """x [K]; weight [N, K] ([2N, K] gated); norm_weight [K] or None; residual [N] or None → [N] in x's dtype:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..config import REPETITION_WINDOW
-from ..model import sampling
+from ..model import rowops, sampling
 from . import tuning
 from .graphs import LEN_STEP, CudaGraphs, to_host
 from .request import EngineError, GenRequest
@@ -75,7 +75,7 @@ class Runner:
         self.graphs = CudaGraphs(self) if (self.cuda_graphs and self.device.type == "cuda") else None
 
     def compile_step(self, dynamic: bool = True, backend: str = "inductor", prefill: bool = False,
-                     gemv: bool = False, gemv_tune: bool = False, gemv_kernels: bool = True) -> None:
+                     gemv: bool = False, gemv_tune: bool = False, gemv_kernels: bool | None = None) -> None:
         """Graph buckets run the decode step compiled by torch.compile (inductor: fused norm, RoPE
         and sampling kernels, still replayed from CUDA graphs: faster than the TorchScript step, bench/probes/step.py
         measures both); audio-code steps only. Needs the eager module, not TorchScript.
@@ -87,8 +87,9 @@ class Runner:
         docs/performance.md). gemv: the compiled step of one row computes its projections and code heads as
         reductions inductor generates and fuses, not cuBLAS GEMMs (`ChatTTSGPT.set_gemv`; eager calls unchanged),
         compiled on its own; gemv_kernels: its layers' projections are `rowops.row_matvec` kernels, each fused with
-        its norm, gate or skip connection (False: inductor's reductions). gemv_tune: with gemv, inductor tunes that
-        compile's launch configurations at its first run (`tuning.py`)."""
+        its norm, gate or skip connection (False: inductor's reductions; None: where they pay,
+        `rowops.kernels_pay`). gemv_tune: with gemv, inductor tunes that compile's launch configurations at its
+        first run (`tuning.py`)."""
         if isinstance(self.model, torch.jit.ScriptModule):
             raise EngineError("compile_step needs the eager GPT module (chattts_triton.model.gpt), not TorchScript")
         import torch._dynamo as dynamo
@@ -103,7 +104,7 @@ class Runner:
         # KV-cache writes that is the whole multi-GB cache (minutes, and no result)
         inductor_config.triton.autotune_pointwise = False
         if gemv:
-            self.model.set_gemv(True, kernels=gemv_kernels)
+            self.model.set_gemv(True, kernels=rowops.kernels_pay(self.device) if gemv_kernels is None else gemv_kernels)
         self.graph_step = torch.compile(self.step_core, dynamic=dynamic, backend=backend)
         self.graph_step_one = (torch.compile(self.step_core, dynamic=dynamic, backend=backend,
                                              **(tuning.one_row_options(backend) if gemv_tune else {}))
