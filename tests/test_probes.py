@@ -257,3 +257,23 @@ def test_gc_pause_probe_times_a_full_collection_before_and_after_freezing(tiny_a
     assert res["objects_after_compile"] > res["objects_at_start"] and res["frozen"] >= 0.99 * res["objects_alive"] > 0
     assert gc.get_freeze_count() == 0  # the probe gives pytest's process its collector back
     assert res["full_collect_ms"] > 0 and res["full_collect_frozen_ms"] < res["full_collect_ms"] / 4
+
+
+def test_the_row_kernel_probe_reads_its_layouts_and_refuses_bad_ones_by_name(tmp_path, capsys):
+    """bench.probes.rowops: `current`, `N/K/W` (either with /nopdl), `inductor`, `cublas`; a bad layout or product is
+    an argument error naming it; without a GPU it says so and exits 2."""
+    from bench.probes import rowops as probe
+
+    assert probe.parse_layout("current") == {"way": "kernel"}
+    assert probe.parse_layout("current/nopdl") == {"way": "kernel", "pdl": False}
+    assert probe.parse_layout("4/1024/2/nopdl") == {"way": "kernel", "layout": (4, 1024, 2), "pdl": False}
+    assert probe.parse_layout("inductor") == {"way": "inductor"}
+    with pytest.raises(ValueError, match="'8/x'"):
+        probe.parse_layout("8/x")
+    for bad, word in ((["--layouts", "8/x"], "--layouts"), (["--products", "qkv,lm"], "lm")):
+        with pytest.raises(SystemExit):
+            probe.main(["--out", str(tmp_path / "r.json"), *bad])
+        assert word in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert probe.main(["--out", str(tmp_path / "r.json")]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
