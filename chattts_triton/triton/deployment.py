@@ -152,9 +152,10 @@ class Deployment:
     gpt_gemv: bool = setting(
         True,
         help="with --gpt-compile: a decode step of one row (concurrency 1, a lone stream) computes its projections "
-             "and code heads as products summed by reductions inductor generates and fuses with the work around "
-             "them, instead of cuBLAS GEMMs whose time for one row is their launch (about a tenth off an utterance "
-             "at concurrency 1; steps of more rows unchanged; docs/performance.md)")
+             "without cuBLAS GEMMs, whose time for one row is their launch: on GPUs with programmatic dependent "
+             "launch (Hopper) as one Triton kernel per product fused with its norm, gate or skip connection, "
+             "elsewhere as reductions inductor generates; its code heads as inductor's reductions (about a fifth off "
+             "the step on an H100; steps of more rows unchanged; docs/performance.md)")
     gpt_gemv_tune: bool = setting(
         False,
         help="with --gpt-gemv: inductor tunes the launch configuration of the one-row step's kernels at the "
