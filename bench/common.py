@@ -69,3 +69,33 @@ def profile_kernels(fn, steps: int, cuda: bool, top: int = 12) -> dict:
             "kernel_ms_per_step": round(sum(v[1] for v in by_name.values()) / steps, 4),
             "top": [{"name": name[:120], "per_step": round(n / steps, 2), "ms_per_step": round(ms / steps, 4)}
                     for name, (n, ms) in ranked]}
+
+
+def graph_us_per_call(fn, cases: list[tuple], iters: int) -> float:
+    """Median µs per call of `fn(*case)`, each case launched once inside one CUDA graph replayed `iters` times (CUDA
+    events): the GPU time of a kernel launched back to back, as a step's graph launches it."""
+    import statistics
+
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for case in cases:
+            fn(*case)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for case in cases:
+            fn(*case)
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(cases))
+    return statistics.median(times)

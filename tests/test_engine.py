@@ -687,19 +687,15 @@ def test_frozen_compiled_step_runs_an_unwarmed_bucket_plainly_instead_of_compili
     check_same_as_alone(expected, got)
 
 
-def test_with_gemv_the_compiled_step_of_one_row_sums_products_instead_of_gemms_and_gives_the_same_tokens(tiny):
-    """--gpt-gemv: the decode step compiled for one row traces no GEMM (linear, einsum) but products summed over the
-    input (`gemv_linear`); the step compiled for more rows keeps its GEMMs; eager calls never take it. A request that
-    runs alone, then beside another, then alone again gets the same tokens and, to float rounding, the same hidden
-    states as from the plain step."""
-    import torch.nn.functional as F
-
+def _plain_and_gemv_runs(ours, arch, decode_kernel: bool | None = None, **compile_kw):
+    """Two requests (one alone, then beside the other, then alone again) through a plain engine, then through one whose
+    step is compiled with gemv by a backend that keeps each traced graph: (plain's, gemv's, the graphs). The caller
+    turns gemv off again (`ours.set_gemv(False)`)."""
     from chattts_triton.runtime.engine import CudaGraphs
 
-    arch, _, _, ours = tiny
     specs = [dict(ids=torch.arange(1, 12), params=SamplingParams(0.3, 0.7, 20, 1.05, 14, 14, seed=8)),
              dict(ids=torch.arange(3, 9), params=SamplingParams(0.3, 0.7, 20, 1.05, 20, 20, seed=9))]
-    plain = make_engine(ours, arch, start=False)
+    plain = make_engine(ours, arch, start=False, decode_kernel=decode_kernel)
     plain.graphs = CudaGraphs(plain, capture=False)
     expected = drive(plain, specs, join=[0, 6])
     traced = []
@@ -709,11 +705,22 @@ def test_with_gemv_the_compiled_step_of_one_row_sums_products_instead_of_gemms_a
         return gm.forward
 
     torch._dynamo.reset()
+    eng = make_engine(ours, arch, start=False, decode_kernel=decode_kernel)
+    eng.graphs = CudaGraphs(eng, capture=False)
+    eng.compile_step(backend=record, gemv=True, **compile_kw)
+    return expected, drive(eng, specs, join=[0, 6]), traced
+
+
+def test_with_gemv_the_compiled_step_of_one_row_sums_products_instead_of_gemms_and_gives_the_same_tokens(tiny):
+    """--gpt-gemv: the decode step compiled for one row traces no GEMM (linear, einsum) but products summed over the
+    input (`gemv_linear`); the step compiled for more rows keeps its GEMMs; eager calls never take it. A request that
+    runs alone, then beside another, then alone again gets the same tokens and, to float rounding, the same hidden
+    states as from the plain step."""
+    import torch.nn.functional as F
+
+    arch, _, _, ours = tiny
     try:
-        eng = make_engine(ours, arch, start=False)
-        eng.graphs = CudaGraphs(eng, capture=False)
-        eng.compile_step(backend=record, gemv=True, gemv_kernels=False)
-        got = drive(eng, specs, join=[0, 6])
+        expected, got, traced = _plain_and_gemv_runs(ours, arch, gemv_kernels=False)
         gemms = [sum(n.target in (F.linear, torch._C._nn.linear, torch.einsum, torch.functional.einsum)
                      for n in gm.graph.nodes) for gm in traced]
         sums = [sum(n.target == "sum" or n.target is torch.sum for n in gm.graph.nodes) for gm in traced]
@@ -737,30 +744,14 @@ def test_with_gemv_kernels_the_one_row_step_runs_four_row_kernels_a_layer_and_gi
 
     from chattts_triton.model import gpt as gpt_module
     from chattts_triton.model import rowops
-    from chattts_triton.runtime.engine import CudaGraphs
 
     # on a CPU row_matvec skips the operator: route it through, and let the engine take it, as on an H100
     monkeypatch.setattr(gpt_module, "row_matvec", lambda *a: torch.ops.chattts_triton.row_matvec(*a))
     monkeypatch.setattr(rowops, "kernels_pay", lambda device: True)
     arch, _, _, ours = tiny
-    specs = [dict(ids=torch.arange(1, 12), params=SamplingParams(0.3, 0.7, 20, 1.05, 14, 14, seed=8)),
-             dict(ids=torch.arange(3, 9), params=SamplingParams(0.3, 0.7, 20, 1.05, 20, 20, seed=9))]
-    plain = make_engine(ours, arch, start=False, decode_kernel=True)  # as on a GPU
-    plain.graphs = CudaGraphs(plain, capture=False)
-    expected = drive(plain, specs, join=[0, 6])
-    traced = []
-
-    def record(gm, example_inputs):  # a torch.compile backend: keep the graph, run it as traced
-        traced.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
     try:
-        eng = make_engine(ours, arch, start=False, decode_kernel=True)
-        eng.graphs = CudaGraphs(eng, capture=False)
-        eng.compile_step(backend=record, gemv=True)
+        expected, got, traced = _plain_and_gemv_runs(ours, arch, decode_kernel=True)  # as on a GPU
         assert all(layer.row_kernels for layer in ours.layers)
-        got = drive(eng, specs, join=[0, 6])
         op = torch.ops.chattts_triton.row_matvec
         ops = [sum(n.target in (op, op.default) for n in gm.graph.nodes) for gm in traced]
         # (the attention's stand-in on a CPU is an einsum: linears only)
@@ -776,7 +767,8 @@ def test_with_gemv_kernels_the_one_row_step_runs_four_row_kernels_a_layer_and_gi
     assert not any(layer.row_kernels for layer in ours.layers)
     monkeypatch.setattr(rowops, "kernels_pay", lambda device: False)  # a GPU without programmatic dependent launch
     try:
-        make_engine(ours, arch, start=False, decode_kernel=True).compile_step(backend=record, gemv=True)
+        make_engine(ours, arch, start=False, decode_kernel=True).compile_step(backend=lambda gm, _: gm.forward,
+                                                                             gemv=True)
         assert ours.gemv and not any(layer.row_kernels for layer in ours.layers)
     finally:
         ours.set_gemv(False)

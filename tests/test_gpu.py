@@ -589,3 +589,54 @@ def test_half_precision_engine_stays_finite_and_near_upstream_over_a_long_uttera
     print(f"{dtype}: {n / took:.0f} frames/s alone; relative error of the hidden states per 100 frames: "
           f"{' '.join(f'{e:.1e}' for e in errs)}; max |h| {h.abs().max().item():.1f}")
     assert max(errs) <= HALF_BOUNDS[dtype], errs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_kernels_equal_the_reference_on_the_served_shapes_plainly_as_dependents_and_from_a_graph(dtype):
+    """`rowops.row_matvec` on the GPU, each of the layer's four products on the served shapes: equal to
+    `rowops.reference` to a sum's order (fp32) or a few roundings (bf16), launched plainly and as
+    programmatic dependents; a chain of the four, the first reading the previous layer's result, captured in a CUDA
+    graph with dependent launches gives the eager chain's numbers, for inputs written after the capture."""
+    from chattts_triton.config import Arch
+    from chattts_triton.model import rowops
+
+    assert rowops.kernel_available(torch.device("cuda"))
+    d = Arch().gpt
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+    qkv_n = (d.heads + 2 * d.kv_heads) * d.head_dim
+    w = {"qkv": rand(qkv_n, d.hidden, scale=d.hidden ** -0.5), "o": rand(d.hidden, d.hidden, scale=d.hidden ** -0.5),
+         "gate_up": rand(2 * d.intermediate, d.hidden, scale=d.hidden ** -0.5),
+         "down": rand(d.hidden, d.intermediate, scale=d.intermediate ** -0.5)}
+    n1, n2 = rand(d.hidden).abs() + 0.5, rand(d.hidden).abs() + 0.5
+    eps = d.rms_eps
+    # relative to the largest value; bf16: a few of its steps, as the roundings of four products compound
+    tol = 1e-4 if dtype == torch.float32 else 2 ** -4
+
+    def chain(x, attn, run):
+        qkv = run(x, w["qkv"], n1, None, eps, False)
+        h = run(attn, w["o"], None, x, 0.0, False)
+        act = run(h, w["gate_up"], n2, None, eps, True)
+        return qkv, run(act, w["down"], None, h, 0.0, False)
+
+    x, attn = rand(d.hidden), rand(d.hidden)
+    want = chain(x, attn, rowops.reference)
+    for pdl in (False, True):
+        got = chain(x, attn, lambda *a, pdl=pdl: rowops.run_kernel(*a, pdl=pdl))
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == dtype and a.shape == b.shape
+            assert (a.float() - b.float()).abs().max().item() <= tol * b.float().abs().max().item(), pdl
+    xs, ats = x.clone(), attn.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(xs, ats, lambda *a: rowops.run_kernel(*a, pdl=True))
+    x2, a2 = rand(d.hidden), rand(d.hidden)
+    xs.copy_(x2)
+    ats.copy_(a2)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = chain(x2, a2, lambda *a: rowops.run_kernel(*a, pdl=True))
+    assert all(torch.equal(a, b) for a, b in zip(out, eager, strict=True))

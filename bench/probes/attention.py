@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from bench.common import int_list
+from bench.common import graph_us_per_call, int_list
 from chattts_triton.config import KV_PAGE_TOKENS
 from chattts_triton.model import attention
 
@@ -57,31 +56,6 @@ def make_case(rows: int, heads: int, head_dim: int, layers: int, lo: int, hi: in
               torch.randn(shape, device="cuda", dtype=dtype).to(kv_dtype)) for _ in range(layers)]
     q = torch.randn(rows, heads, head_dim, device="cuda", dtype=dtype)
     return q, pools, tables, lengths.cuda()
-
-
-def time_layout(fn, q, pools, tables, lengths, iters: int) -> float:
-    """Median µs per layer of `fn` launched once per pool inside one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for k, v in pools:
-            fn(q, k, v, tables, lengths)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for k, v in pools:
-            fn(q, k, v, tables, lengths)
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / len(pools))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -122,7 +96,7 @@ def main(argv=None) -> int:
             fn = functools.partial(attention.run_kernel, **kw)
             try:
                 err = (fn(q, *pools[0], tables, lengths).float() - ref).abs().max().item()
-                us = time_layout(fn, q, pools, tables, lengths, a.iters)
+                us = graph_us_per_call(fn, [(q, k, v, tables, lengths) for k, v in pools], a.iters)
             except Exception as e:  # noqa: BLE001  a layout the compiler refuses (registers, shared memory): said, not fatal
                 res[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 print(f"rows {b:5d} {name:14s} failed: {res[name]['error']}", flush=True)

@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+from bench.common import graph_us_per_call
 from chattts_triton.config import Arch
 from chattts_triton.model import rowops
 from chattts_triton.model.gpt import gemv_linear
@@ -72,31 +72,6 @@ def _inductor_reference(x, weight, norm_weight, residual, eps, gated):
         gate, up = y.chunk(2, dim=-1)
         y = torch.nn.functional.silu(gate) * up
     return y if residual is None else residual + y
-
-
-def time_calls(fn, cases: list[tuple], iters: int) -> float:
-    """Median µs per call of `fn(*case)`, each case launched once inside one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for case in cases:
-            fn(*case)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for case in cases:
-            fn(*case)
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / len(cases))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -147,7 +122,7 @@ def main(argv=None) -> int:
                 fn = functools.partial(rowops.run_kernel, layout=way.get("layout"), pdl=way.get("pdl"))
             try:
                 err = (fn(*cases[0]).float() - ref).abs().max().item()
-                us = time_calls(fn, cases, a.iters)
+                us = graph_us_per_call(fn, cases, a.iters)
             except Exception as e:  # noqa: BLE001  a layout the compiler refuses (registers, shared memory): said, not fatal
                 res_out[label] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 print(f"{name:8s} {label:12s} failed: {res_out[label]['error']}", flush=True)
