@@ -25,12 +25,12 @@ try:  # Triton ships with PyTorch's CUDA wheels; CPU-only installs have none
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-# Launch layout per product, (outputs per program, weight columns per load, warps), measured on an H100 by
-# `bench.probes.rowops` as a chain of launches of each product (bench/results/2026-12-07-h100-row-kernels.md): few
+# Launch layout per product, (outputs per program, weight columns per load, warps), each product's best on an H100 in
+# `bench.probes.rowops` as a chain of its own dependent launches (bench/results/2026-12-07-h100-row-kernels.md): few
 # outputs and warps per program, so that a product spreads over several programs per SM.
-LAYOUT_SMALL_K = (2, 1024, 1)  # K ≤ 1024, not gated: q/k/v (2304 × 768: 2.93 µs), o (768 × 768: 1.49 µs)
-LAYOUT_GATED = (2, 1024, 1)  # gate/up (2 × 3072 × 768: 4.31 µs)
-LAYOUT_LARGE_K = (4, 1024, 4)  # down (768 × 3072: 3.46 µs)
+LAYOUT_SMALL_K = (2, 1024, 1)  # K ≤ 1024, not gated: q/k/v (2304 × 768), o (768 × 768)
+LAYOUT_GATED = (2, 1024, 1)  # gate/up (2 × 3072 × 768)
+LAYOUT_LARGE_K = (4, 1024, 4)  # down (768 × 3072)
 # Hopper's programmatic dependent launch: each kernel lets the next one start at once, and a kernel reads its
 # weights before it waits for the previous kernel's results (`griddepcontrol`), so that the weights of the next
 # product stream in while this one runs. Read before the wait: only the weights, which no kernel writes.
@@ -54,9 +54,9 @@ def pdl_available(device: torch.device) -> bool:
 
 
 def kernels_pay(device: torch.device) -> bool:
-    """Whether a one-row step gains by the kernels on this device: on an H100 they took the step from 0.812 to
-    0.630 ms as programmatic dependents, but launched one after the other 0.842 ms (bench/results/
-    2026-12-07-h100-row-kernels.md), so only where the GPU has programmatic dependent launch."""
+    """Whether a one-row step gains by the kernels on this device: only where the GPU has programmatic dependent
+    launch. Their layouts suit it; launched one after the other, they made an H100's one-row step slower than
+    inductor's reductions (bench/results/2026-12-07-h100-row-kernels.md)."""
     return kernel_available(device) and PDL and pdl_available(device)
 
 
