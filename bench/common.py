@@ -99,3 +99,18 @@ def graph_us_per_call(fn, cases: list[tuple], iters: int) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) * 1000 / len(cases))
     return statistics.median(times)
+
+
+def time_launch_way(fn, cases: list[tuple], ref, nbytes: int, iters: int, tag: str) -> dict:
+    """One way of launching a kernel in a layout probe: its largest difference to `ref` on the first case and its µs
+    per call (`graph_us_per_call`), with the bandwidth of `nbytes` a call, printed after `tag`; a way the compiler
+    refuses (registers, shared memory) is said and recorded as {"error": ...}, not fatal."""
+    try:
+        err = (fn(*cases[0]).float() - ref).abs().max().item()
+        us = graph_us_per_call(fn, cases, iters)
+    except Exception as e:  # noqa: BLE001  said, not fatal: the other ways still run
+        row = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print(f"{tag} failed: {row['error']}", flush=True)
+        return row
+    print(f"{tag} {us:8.2f} µs  {nbytes / us / 1e3:7.1f} GB/s  err {err:.2e}", flush=True)
+    return {"us": round(us, 2), "gb_s": round(nbytes / us / 1e3, 1), "max_err": err}

@@ -277,3 +277,16 @@ def test_the_row_kernel_probe_reads_its_layouts_and_refuses_bad_ones_by_name(tmp
     if not torch.cuda.is_available():
         assert probe.main(["--out", str(tmp_path / "r.json")]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_launch_way_the_compiler_refuses_is_recorded_and_said_not_fatal(capsys):
+    """bench.common.time_launch_way (the layout probes' one way): a way that raises is a row with its error, printed
+    after its tag, and the probe goes on."""
+    from bench.common import time_launch_way
+
+    def refused(*_):
+        raise RuntimeError("out of resources: shared memory")
+
+    row = time_launch_way(refused, [(torch.zeros(2),)], torch.zeros(2), 8, 3, "qkv 64/4096/8")
+    assert row == {"error": "RuntimeError: out of resources: shared memory"}
+    assert "qkv 64/4096/8 failed: RuntimeError: out of resources" in capsys.readouterr().out

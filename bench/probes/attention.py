@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import graph_us_per_call, int_list
+from bench.common import int_list, time_launch_way
 from chattts_triton.config import KV_PAGE_TOKENS
 from chattts_triton.model import attention
 
@@ -94,15 +94,8 @@ def main(argv=None) -> int:
         res = {}
         for name, kw in configs.items():
             fn = functools.partial(attention.run_kernel, **kw)
-            try:
-                err = (fn(q, *pools[0], tables, lengths).float() - ref).abs().max().item()
-                us = graph_us_per_call(fn, [(q, k, v, tables, lengths) for k, v in pools], a.iters)
-            except Exception as e:  # noqa: BLE001  a layout the compiler refuses (registers, shared memory): said, not fatal
-                res[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                print(f"rows {b:5d} {name:14s} failed: {res[name]['error']}", flush=True)
-                continue
-            res[name] = {"us": round(us, 2), "gb_s": round(moved / us / 1e3, 1), "max_err": err}
-            print(f"rows {b:5d} {name:14s} {us:8.2f} µs  {moved / us / 1e3:7.1f} GB/s  err {err:.2e}", flush=True)
+            res[name] = time_launch_way(fn, [(q, k, v, tables, lengths) for k, v in pools], ref, moved, a.iters,
+                                        f"rows {b:5d} {name:14s}")
         best = min((n for n in res if "us" in res[n]), key=lambda n: res[n]["us"])
         out["rows"][b] = {"attended_mb": round(moved / 1e6, 2), "best": best, "configs": res}
         now = res.get("current", {}).get("us", "-")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import graph_us_per_call
+from bench.common import time_launch_way
 from chattts_triton.config import Arch
 from chattts_triton.model import rowops
 from chattts_triton.model.gpt import gemv_linear
@@ -120,15 +120,7 @@ def main(argv=None) -> int:
                 fn = rowops.reference
             else:
                 fn = functools.partial(rowops.run_kernel, layout=way.get("layout"), pdl=way.get("pdl"))
-            try:
-                err = (fn(*cases[0]).float() - ref).abs().max().item()
-                us = graph_us_per_call(fn, cases, a.iters)
-            except Exception as e:  # noqa: BLE001  a layout the compiler refuses (registers, shared memory): said, not fatal
-                res_out[label] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                print(f"{name:8s} {label:12s} failed: {res_out[label]['error']}", flush=True)
-                continue
-            res_out[label] = {"us": round(us, 2), "gb_s": round(weight_bytes / us / 1e3, 1), "max_err": err}
-            print(f"{name:8s} {label:12s} {us:8.2f} µs  {weight_bytes / us / 1e3:7.1f} GB/s  err {err:.2e}", flush=True)
+            res_out[label] = time_launch_way(fn, cases, ref, weight_bytes, a.iters, f"{name:8s} {label:12s}")
         timed = [t for t in res_out if "us" in res_out[t]]
         best = min(timed, key=lambda t: res_out[t]["us"]) if timed else None
         out["products"][name] = {"shape": [rows, k], "weight_mb": round(weight_bytes / 1e6, 2), "best": best,
