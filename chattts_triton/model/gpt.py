@@ -80,8 +80,9 @@ class DecoderLayer(nn.Module):
         # fuse(): q/k/v and gate/up as one GEMM each; the separate modules are then None
         self.qkv_proj = None
         self.gate_up_proj = None
-        # a compiled decode step of one row computes the projections with their norms, gate and skip connection as
-        # `rowops.row_matvec` kernels (`ChatTTSGPT.set_gemv`); fused projections only
+        # a decode step of one row (compiled or, where a shape was not warmed, eager) computes the projections with
+        # their norms, gate and skip connection as `rowops.row_matvec` kernels (`ChatTTSGPT.set_gemv`); fused
+        # projections only
         self.row_kernels = False
 
     def fuse(self) -> None:
@@ -261,9 +262,9 @@ class ChatTTSGPT(nn.Module):
     def set_gemv(self, on: bool, kernels: bool = False) -> ChatTTSGPT:
         """Decode steps of one row traced by torch.compile compute their projections and code heads as products
         summed in fp32 (`gemv_linear`), which inductor fuses into reductions of its own, instead of cuBLAS GEMMs;
-        eager calls and more rows keep the GEMMs. kernels: with `on`, a decode step's layers of one row run their
-        projections as `rowops.row_matvec` kernels instead (each fused with its norm, gate or skip connection;
-        layers with fused, unquantized projections)."""
+        eager calls and more rows keep the GEMMs. kernels: with `on`, the layers of a decode step of one row, compiled
+        or eager, run their projections as `rowops.row_matvec` kernels instead (each fused with its norm, gate or skip
+        connection; layers with fused, unquantized projections)."""
         self.gemv = bool(on)
         for layer in self.layers:
             plain = True
