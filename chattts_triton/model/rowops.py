@@ -49,8 +49,9 @@ def default_layout(k: int, gated: bool = False) -> tuple[int, int, int]:
 
 
 def pdl_available(device: torch.device) -> bool:
-    """Whether the GPU launches a kernel before the previous one ends (Hopper and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether the GPU launches a kernel before the previous one ends (NVIDIA's Hopper and later; ROCm's devices
+    also say "cuda" with capabilities of their own)."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def kernels_pay(device: torch.device) -> bool:
