@@ -712,7 +712,9 @@ def test_stream_counters_split_the_first_chunk_time_on_the_server(served_tiny):
     assert firsts == 1 and chunk_count == len(chunks)
     w = stream_window(before, after)
     assert 0 < w["server_first_tokens_ms"] <= w["server_first_chunk_ms"] and w["codec_call_ms"] > 0
-    assert w["chunks_per_codec_call"] == pytest.approx(1.0)  # one stream: one window per call
+    # one stream: each codec call decodes at least one of its windows, two or more where the codec fell behind the
+    # engine (a loaded CPU: its ready chunks then go in one call)
+    assert 1.0 <= w["chunks_per_codec_call"] <= chunk_count
     # its one first chunk counted in every bucket from the first bound at or above its time
     from chattts_triton.config import FIRST_CHUNK_BUCKETS_MS
     t = w["server_first_chunk_ms"]
