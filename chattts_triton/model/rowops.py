@@ -15,6 +15,8 @@ On a GPU with Triton it is the kernel (`torch.ops.chattts_triton.row_matvec`, op
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -48,9 +50,10 @@ def default_layout(k: int, gated: bool = False) -> tuple[int, int, int]:
     return LAYOUT_SMALL_K if k <= 1024 else LAYOUT_LARGE_K
 
 
+@functools.cache
 def pdl_available(device: torch.device) -> bool:
     """Whether the GPU launches a kernel before the previous one ends (NVIDIA's Hopper and later; ROCm's devices
-    also say "cuda" with capabilities of their own)."""
+    also say "cuda" with capabilities of their own). Cached: an eager step of one row asks at each of its launches."""
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
