@@ -172,6 +172,11 @@ class InferCodeParams(RefineTextParams):
 # weights. "int8": the GPT's linear weights are quantised dynamically to int8 (CPU only).
 PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}
 CPU_ONLY_PRECISIONS = ("int8",)
+# The engines' KV cache: "auto" holds keys and values in the engine's precision; "fp8" as float8 e4m3 (one byte a
+# value, saturated at its largest finite magnitude, no scale), which halves what a decode step's attention reads.
+# GPUs of compute capability 8.9 or later (the decode kernel converts e4m3 in registers) and the compiled step only.
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
+KV_CACHE_FP8_CAPABILITY = (8, 9)
 
 
 # --- the KV cache ------------------------------------------------------------------------------

@@ -52,6 +52,11 @@ def dtype_bytes(dtype: str) -> int:
     return {"fp32": 4, "int8": 4, "fp16": 2, "bf16": 2}[dtype]
 
 
+def kv_dtype_bytes(dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one cached key or value: the engine's precision's, or one for an fp8 cache (config.KV_CACHE_DTYPES)."""
+    return 1 if kv_cache_dtype == "fp8" else dtype_bytes(dtype)
+
+
 def kv_bytes_per_token(arch: Arch, nbytes: int) -> int:
     g = arch.gpt
     return g.layers * 2 * g.kv_heads * g.head_dim * nbytes
@@ -75,7 +80,7 @@ def _round_slots(n: int) -> int:
 
 def plan(budget_bytes: int, arch: Arch, dtype: str, max_context: int, max_new_tokens: int, vocoders: int = 1,
          stream: bool = True, slots: dict[str, int | None] | None = None,
-         cache_tokens: dict[str, int | None] | None = None) -> dict[str, EnginePlan]:
+         cache_tokens: dict[str, int | None] | None = None, kv_cache_dtype: str = "auto") -> dict[str, EnginePlan]:
     """The engines' plans on one GPU of `budget_bytes`. `slots` / `cache_tokens` pin a role's values (None:
     sized here). Raises MemoryPlanError when the budget cannot hold MIN_SLOTS slots of an engine."""
     slots, cache_tokens = dict(slots or {}), dict(cache_tokens or {})
@@ -86,7 +91,7 @@ def plan(budget_bytes: int, arch: Arch, dtype: str, max_context: int, max_new_to
     procs = len(roles) + vocoders
     left = budget_bytes - procs * PROCESS_CONTEXT_BYTES - vocoders * VOCODER_BYTES - sum(fixed[r] for r in roles)
     page = KV_PAGE_TOKENS
-    per_token = kv_bytes_per_token(arch, nbytes)
+    per_token = kv_bytes_per_token(arch, kv_dtype_bytes(dtype, kv_cache_dtype))
     state = slot_state_bytes(arch, nbytes, max_new_tokens)
     full = -(-max_context // page) * page  # positions of one request at the full context, whole pages
     shares = {"gpt": GPT_SHARE if stream else 1.0, "stream": 1.0 - GPT_SHARE}

@@ -100,6 +100,7 @@ from chattts_triton.model import attention as A
 g = torch.Generator().manual_seed(0)
 b, h, kvh, d, page, width = 5, 4, 2, 16, 16, 10
 keys, values = torch.randn(60, page, kvh, d, generator=g), torch.randn(60, page, kvh, d, generator=g)
+keys, values = keys.to(getattr(torch, CACHE)), values.to(getattr(torch, CACHE))
 tables = torch.randperm(59, generator=g)[: b * width].view(b, width) + 1
 lengths = torch.tensor([1, page, page + 1, 100, width * page])
 q = torch.randn(b, h, d, generator=g)
@@ -114,18 +115,20 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-def test_the_kernel_in_triton_s_interpreter_equals_the_reference_whole_and_split():
+@pytest.mark.parametrize("cache", ["float32", "float8_e4m3fn"])
+def test_the_kernel_in_triton_s_interpreter_equals_the_reference_whole_and_split(cache):
     """The Triton kernel itself (not its stand-in), run by Triton's CPU interpreter: one program per row and
     head, and a row's keys split over 2 and `SPLITS` programs merged by the second kernel, on grouped heads,
-    rows of 1 key, of a page, a page and one, and the table's full width (splits past a short row find no key)."""
+    rows of 1 key, of a page, a page and one, and the table's full width (splits past a short row find no key);
+    from an fp32 cache and from an fp8 one (kv_cache_dtype fp8: the kernel converts e4m3 as it loads)."""
     import json
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED_KERNEL], capture_output=True, text=True, env=env,
-                         timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    res = subprocess.run([sys.executable, "-c", f"CACHE = {cache!r}\n" + _INTERPRETED_KERNEL], capture_output=True,
+                         text=True, env=env, timeout=300, cwd=Path(__file__).resolve().parent.parent)
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert {"1", "2"} < set(got)  # and SPLITS

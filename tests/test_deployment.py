@@ -175,3 +175,23 @@ def test_from_args_reads_auto_as_none_and_configure_keeps_what_is_omitted():
 
 def test_docs_list_every_setting_as_the_fields_say():
     assert d.settings_table() in (ROOT / "docs/deployment.md").read_text(encoding="utf-8")
+
+
+def test_an_fp8_cache_is_configured_for_both_engines_and_only_where_the_compiled_step_runs(capsys):
+    """kv_cache_dtype: the GPT and stream engines read the same setting (one plan for every process on the GPU);
+    fp8 without GPUs or without --gpt-compile is refused naming the setting, and a value outside its choices at
+    the flag."""
+    from chattts_triton.config import GPT, STREAM
+
+    ap = argparse.ArgumentParser()
+    d.add_flags(ap, EXPORT)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--kv-cache-dtype", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+    for bad in (Deployment(kv_cache_dtype="fp8"), Deployment(kv_cache_dtype="fp8", gpus=[0], gpt_compile=False)):
+        with pytest.raises(ValueError, match="kv_cache_dtype fp8 needs GPUs .* and --gpt-compile"):
+            bad.check()
+    params = rc.model_params(Deployment(kv_cache_dtype="fp8", gpus=[0]))
+    assert params[GPT].kv_cache_dtype == params[STREAM].kv_cache_dtype == "fp8"
+    assert rc.model_params(Deployment(gpus=[0]))[GPT].kv_cache_dtype == "auto"
+    assert Deployment.from_manifest({"deployment": {"gpus": [0]}}).kv_cache_dtype == "auto"  # exported before it

@@ -267,19 +267,22 @@ def test_compaction_and_finish_order_leave_every_request_as_alone(tiny, graphs, 
 
 
 @OVERLAP
-@pytest.mark.parametrize("graphs", ["eager", "buckets"])
-def test_requests_suspended_for_want_of_pages_resume_exactly_where_they_stopped(tiny, graphs, overlap):
+@pytest.mark.parametrize("graphs,cache", [("eager", torch.float32), ("buckets", torch.float32),
+                                          ("eager", torch.float8_e4m3fn)])
+def test_requests_suspended_for_want_of_pages_resume_exactly_where_they_stopped(tiny, graphs, cache, overlap):
     """A page pool too small for the scenario's requests together (the smallest the context allows: one
     request of the full context): the newest are suspended mid-generation, their pages copied out, and
     resumed later. Each request's tokens, hidden states and stream chunks are still what it produces
-    alone, and every page comes back to the pool."""
+    alone, and every page comes back to the pool; an fp8 cache's pages too (moved as bytes)."""
     from chattts_triton.runtime.engine import CudaGraphs
 
     arch, _, _, ours = tiny
     specs = scenario_specs()
-    alone = [drive(make_engine(ours, arch, max_slots=8, start=False), [s])[0] for s in specs]
+    alone = [drive(make_engine(ours, arch, max_slots=8, start=False, cache_dtype=cache), [s])[0] for s in specs]
     longest = max(len(s["ids"]) + s["params"].max_new_tokens for s in specs)
-    eng = make_engine(ours, arch, max_slots=8, max_context=longest, cache_tokens=longest, start=False, overlap=overlap)
+    eng = make_engine(ours, arch, max_slots=8, max_context=longest, cache_tokens=longest, start=False, overlap=overlap,
+                      cache_dtype=cache)
+    assert eng.k_cache.dtype == cache
     assert eng.num_pages - 1 == -(-longest // KV_PAGE_TOKENS) == 5
     if graphs == "buckets":
         eng.graphs = CudaGraphs(eng, capture=False)

@@ -19,14 +19,16 @@ from chattts_triton.runtime.engine import Engine, GenRequest, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _engine(model, arch, graphs, dtype=torch.float32, slots=8, max_context=512, max_new_tokens=200, **kw):
+def _engine(model, arch, graphs, dtype=torch.float32, slots=8, max_context=512, max_new_tokens=200, cache_dtype=None,
+            **kw):
     if kw.get("compile_step"):
         # one compiled engine per process, as served: dynamo's caches from an earlier test's engine
         # make a second one fail its guards (torch 2.11: "sources must not be empty for symbol")
         torch._dynamo.reset()
     return Engine(model, max_slots=slots, max_context=max_context, max_new_tokens=max_new_tokens,
                   hidden=arch.gpt.hidden,
-                  num_vq=arch.num_vq, device="cuda", cache_dtype=dtype, compute_dtype=dtype, cuda_graphs=graphs, **kw)
+                  num_vq=arch.num_vq, device="cuda", cache_dtype=cache_dtype or dtype, compute_dtype=dtype,
+                  cuda_graphs=graphs, **kw)
 
 
 def _without_a_host_sync(fn, *args):
@@ -481,16 +483,18 @@ def test_sampled_steps_are_timed_on_the_gpu_clock(tiny_assets, overlap):
         eng.stop()
 
 
-@pytest.mark.parametrize("dtype,kv_heads", [(torch.float32, 12), (torch.bfloat16, 12), (torch.float16, 12),
-                                            (torch.float32, 4)])
-def test_decode_kernel_reads_each_rows_own_keys_as_the_reference_does(dtype, kv_heads):
+@pytest.mark.parametrize("dtype,kv_heads,kv", [(torch.float32, 12, None), (torch.bfloat16, 12, None),
+                                               (torch.float16, 12, None), (torch.float32, 4, None),
+                                               (torch.bfloat16, 12, torch.float8_e4m3fn)])
+def test_decode_kernel_reads_each_rows_own_keys_as_the_reference_does(dtype, kv_heads, kv):
     """The Triton decode attention against `attention.reference` on the page pool as the model passes it
     (one layer; block table rows from an offset, pages in shuffled order), lengths 1..context incl. block and
     page edges, grouped heads (12 query heads on 4 key/value heads), and CUDA graph replays that read the
-    lengths and block tables of their time."""
+    lengths and block tables of their time; from a cache of the queries' dtype and from an fp8 one
+    (kv_cache_dtype fp8, its own keys a loop)."""
     from chattts_triton.config import KV_PAGE_TOKENS as page
     from chattts_triton.model.attention import (
-        BLOCK_KEYS,
+        block_keys,
         decode_attention,
         kernel_available,
         launch_layout,
@@ -503,14 +507,15 @@ def test_decode_kernel_reads_each_rows_own_keys_as_the_reference_does(dtype, kv_
     layers, rows, width, heads, d = 3, 40, 19, 12, 64
     context = width * page  # 304 positions a row
     pages = rows * width + 1
-    cache = torch.randn(2, layers, pages, page, kv_heads, d, device="cuda", generator=g).to(dtype)
+    cache = torch.randn(2, layers, pages, page, kv_heads, d, device="cuda", generator=g).to(kv or dtype)
     all_tables = (torch.randperm(pages - 1, device="cuda", generator=g) + 1).view(rows, width)
     b, start = 33, 5
     tables = all_tables.narrow(0, start, b)
     keys, values = cache[0, 1], cache[1, 1]
     q = torch.randn(b, heads, d, device="cuda", generator=g).to(dtype)
     lengths = torch.randint(1, context + 1, (b,), device="cuda", generator=g)
-    lengths[:8] = torch.tensor([1, BLOCK_KEYS, BLOCK_KEYS + 1, context, 2 * BLOCK_KEYS, context - 1, page, page + 1])
+    blk = block_keys(keys.dtype)
+    lengths[:8] = torch.tensor([1, blk, blk + 1, context, 2 * blk, context - 1, page, page + 1])
     want = reference(q, keys, values, tables, lengths).float()
     got = decode_attention(q, keys, values, tables, lengths)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # half precision: the output's rounding
@@ -519,8 +524,11 @@ def test_decode_kernel_reads_each_rows_own_keys_as_the_reference_does(dtype, kv_
     for splits in (1, 2):
         whole = run_kernel(q, keys, values, tables, lengths, splits=splits)
         assert (whole.float() - want).abs().max().item() <= tol, splits
-    keys[tables[0, 1:]] = 1e4  # past row 0's one key: never read
-    keys[tables[0, 0], 1:] = 1e4
+    # past row 0's one key: never read (fp8: the bytes of e4m3's largest value, 448, since a cast makes NaN of 1e4,
+    # which the replays below, reading every key, would compare as NaN)
+    poison = keys.view(torch.uint8) if kv else keys
+    poison[tables[0, 1:]] = 0x7E if kv else 1e4
+    poison[tables[0, 0], 1:] = 0x7E if kv else 1e4
     assert torch.equal(decode_attention(q, keys, values, tables, lengths)[0], got[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -556,11 +564,13 @@ def test_suspended_requests_resume_exactly_with_captured_graphs_on_gpu(tiny_asse
 HALF_BOUNDS = {torch.bfloat16: 6e-2, torch.float16: 1e-2}  # hidden states' relative error, 2x the CPU prefill bounds
 
 
-@pytest.mark.parametrize("dtype", list(HALF_BOUNDS))
-def test_half_precision_engine_stays_finite_and_near_upstream_over_a_long_utterance(full_assets, dtype):
+@pytest.mark.parametrize("dtype,kv", [(torch.bfloat16, None), (torch.float16, None),
+                                      (torch.bfloat16, torch.float8_e4m3fn)])
+def test_half_precision_engine_stays_finite_and_near_upstream_over_a_long_utterance(full_assets, dtype, kv):
     """The served path (compiled step, CUDA graphs, decode kernel) in bf16 and fp16 (cards before Ampere
-    have no bf16) over a 1900-frame utterance: every hidden state finite, and near upstream fp32 fed the
-    same tokens (teacher-forced); prints the error by stretch and the engine's frames/s."""
+    have no bf16), and bf16 with an fp8 cache (kv_cache_dtype fp8, held to bf16's bound), over a 1900-frame
+    utterance: every hidden state finite, and near upstream fp32 fed the same tokens (teacher-forced); prints the
+    error by stretch and the engine's frames/s."""
     import time
 
     from tests.engine_util import upstream_gpt
@@ -569,9 +579,10 @@ def test_half_precision_engine_stays_finite_and_near_upstream_over_a_long_uttera
     emb, g = emb.cuda(), g.cuda()
     model = load_gpt(full_assets, arch).to(dtype).cuda()
     n = 1900
-    eng = _engine(model, arch, True, dtype, max_context=2048, max_new_tokens=n, compile_step=True)
+    eng = _engine(model, arch, True, dtype, max_context=2048, max_new_tokens=n, compile_step=True, cache_dtype=kv)
     try:
         eng.warm_up()
+        assert eng.k_cache.dtype == (kv or dtype)
         ids = torch.randint(0, 21000, (60,), generator=torch.Generator().manual_seed(4))
         t0 = time.perf_counter()
         r = eng.generate(GenRequest(ids, SamplingParams(0.3, 0.7, 20, 1.05, n, n, seed=3), None))
@@ -586,7 +597,8 @@ def test_half_precision_engine_stays_finite_and_near_upstream_over_a_long_uttera
         ref = g.gpt(inputs_embeds=x, use_cache=False).last_hidden_state[0, len(ids) - 1 :].float()
     assert ref.shape == h.shape
     errs = [((h[a:a + 100] - ref[a:a + 100]).norm() / ref[a:a + 100].norm()).item() for a in range(0, n, 100)]
-    print(f"{dtype}: {n / took:.0f} frames/s alone; relative error of the hidden states per 100 frames: "
+    print(f"{dtype}, cache {kv or dtype}: {n / took:.0f} frames/s alone; relative error of the hidden states per "
+          "100 frames: "
           f"{' '.join(f'{e:.1e}' for e in errs)}; max |h| {h.abs().max().item():.1f}")
     assert max(errs) <= HALF_BOUNDS[dtype], errs
 

@@ -88,3 +88,20 @@ def test_configure_flags_take_auto_and_refuse_nonsense(tiny_repo, tmp_path):
     for bad in (["--gpt-slots", "0"], ["--gpu-memory-gb", "-1"], ["--max-queue-size", "x"]):
         with pytest.raises(SystemExit):
             rc.main(["--repo", str(repo), "--gpus", "0", *bad])
+
+
+def test_an_fp8_cache_takes_one_byte_a_value_and_fits_more_slots_in_a_budget():
+    """kv_cache_dtype fp8: one byte a key or value, against the engine's precision's two: the same slots plan less
+    memory, by one byte a value for every position, and a budget sized from the card fits more slots."""
+    assert m.kv_dtype_bytes("bf16", "fp8") == 1 and m.kv_dtype_bytes("bf16") == 2 and m.kv_dtype_bytes("fp32") == 4
+    budget = m.budget(H200, 15)
+    half, fp8 = (m.plan(budget, FULL_ARCH, "bf16", 3072, 2048, slots={"gpt": 128, "stream": 40}, kv_cache_dtype=kv)
+                 for kv in ("auto", "fp8"))
+    assert fp8["gpt"].slots == half["gpt"].slots == 128
+    assert fp8["gpt"].cache_tokens >= half["gpt"].cache_tokens
+    assert planned_total(fp8) <= budget and fp8["gpt"].bytes < half["gpt"].bytes
+    # at 15 GiB the slots' average bounds bf16's cache: each position costs half as much
+    per_position = (half["gpt"].bytes - fp8["gpt"].bytes) / (half["gpt"].cache_tokens + KV_PAGE_TOKENS)
+    assert per_position == m.kv_bytes_per_token(FULL_ARCH, 1)
+    auto_slots = m.plan(m.budget(H200, 15), FULL_ARCH, "bf16", 3072, 2048)["gpt"].slots
+    assert m.plan(m.budget(H200, 15), FULL_ARCH, "bf16", 3072, 2048, kv_cache_dtype="fp8")["gpt"].slots > auto_slots

@@ -18,7 +18,8 @@ compile per bucket, `compile_dynamic` = one compile with dynamic shapes for all 
 GEMMs (`--gpt-gemv`, `ChatTTSGPT.set_gemv`; more rows unchanged), its layers' projections as `rowops.row_matvec`
 kernels; `_gemv_inductor`: as inductor's reductions instead; `_gemv_nopdl`: the kernels launched one after the
 other, not as programmatic dependents (`rowops.PDL`); `_tune` (after either): and the launch configurations of
-inductor's kernels tuned at the first run (`--gpt-gemv-tune`, runtime/tuning.py).
+inductor's kernels tuned at the first run (`--gpt-gemv-tune`, runtime/tuning.py); `_fp8` (compile): the KV cache
+in float8 e4m3 (`--kv-cache-dtype fp8`).
 `aoti` / `aoti_traced`: the step from AOTInductor packages, one per bucket (`bench/probes/aoti.py`; the decode
 attention through its custom operator, or its Triton kernel compiled into the package): the export users
 would ship instead of TorchScript + torch.compile at start-up; `build_s` is a package's export + compile,
@@ -187,23 +188,25 @@ def run_variant(variant: str, args, arch, dtype, out: dict) -> dict:  # noqa: C9
     sdpa = "_sdpa" in variant
     gemv = "_gemv" in variant
     tune = "_tune" in variant  # with _gemv: the one-row compile's launch configurations tuned (--gpt-gemv-tune)
+    fp8 = "_fp8" in variant  # the KV cache in float8 e4m3 (--kv-cache-dtype fp8)
     row_kernels = "_inductor" not in variant  # with _gemv: the layers' projections as rowops kernels
     rowops.PDL = "_nopdl" not in variant  # with them: launched as programmatic dependents (Hopper)
     base = (variant.replace("_sdpa", "").replace("_gemv", "").replace("_tune", "").replace("_inductor", "")
-            .replace("_nopdl", "").removesuffix("_unfused"))
+            .replace("_nopdl", "").replace("_fp8", "").removesuffix("_unfused"))
     fused = "_unfused" not in variant
     cuda = args.device == "cuda"
     compiled = base.startswith("compile")
     gemv_only = tune or not row_kernels or not rowops.PDL
     if base not in ("script", "eager", "compile", "compile_dynamic", "aoti", "aoti_traced") or (
-            compiled and not cuda) or (gemv and not compiled) or (gemv_only and not gemv):
+            compiled and not cuda) or (gemv and not compiled) or (gemv_only and not gemv) or (fp8 and not compiled):
         raise SystemExit(f"unknown variant {variant}" + ("" if cuda else " on a CPU (script, eager, aoti, *_unfused)"))
     model = load_gpt(args.assets, arch, fused=fused).to(dtype).to(args.device).eval()
     if base == "script":
         model = torch.jit.script(model)
     slots = max(args.batches + [int(shape.split("x")[0]) for shape in args.prefill])
     engine = Engine(model, max_slots=slots, max_context=args.context, max_new_tokens=args.max_new_tokens,
-                    hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=args.device, cache_dtype=dtype,
+                    hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=args.device,
+                    cache_dtype=torch.float8_e4m3fn if fp8 else dtype,
                     compute_dtype=dtype, start=False, decode_kernel=False if sdpa or base == "script" else None)
     if base.startswith("compile"):
         engine.compile_step(dynamic=base == "compile_dynamic", prefill=args.compile_prefill, gemv=gemv,

@@ -30,6 +30,10 @@ except ImportError:  # pragma: no cover - depends on the install
 # kernel, so that a few long rows do not walk their keys one block at a time (8 rows: 8.4 against 16.5 µs, 128
 # rows: 27.2 against 32.1 µs; from 256 rows up the splits lose).
 BLOCK_KEYS = 16
+# An fp8 cache (config.KV_CACHE_DTYPES) moves the same bytes a loop with twice the keys: at 16 keys its loads were
+# 64-byte pieces. 32 keys beat 16 at every row count measured; 64 keys with two warps was a few per cent faster from
+# 512 rows but is unmeasured with the split layout (bench/results/2026-12-08-h100-fp8-kv-cache.md)
+BLOCK_KEYS_FP8 = 32
 WARPS = 1
 SPLITS = 8
 SPLIT_ROW_HEADS = 1536
@@ -38,6 +42,11 @@ SPLIT_ROW_HEADS = 1536
 def launch_layout(rows: int, heads: int) -> int:
     """How many programs share one row's keys (1: one program per row and head)."""
     return SPLITS if rows * heads <= SPLIT_ROW_HEADS else 1
+
+
+def block_keys(cache_dtype: torch.dtype) -> int:
+    """Keys a program walks a loop: BLOCK_KEYS, or BLOCK_KEYS_FP8 from a cache of one byte a value."""
+    return BLOCK_KEYS_FP8 if cache_dtype.itemsize == 1 else BLOCK_KEYS
 
 
 def kernel_available(device: torch.device, head_dim: int) -> bool:
@@ -52,8 +61,9 @@ def reference(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: 
     b, h, d = q.shape
     page, kvh = keys.shape[1], keys.shape[2]
     c = tables.shape[1] * page
-    k = keys[tables].reshape(b, c, kvh, d).float().repeat_interleave(h // kvh, dim=2)  # [B, C, H, D]
-    v = values[tables].reshape(b, c, kvh, d).float().repeat_interleave(h // kvh, dim=2)
+    # (index_select: advanced indexing has no CPU kernel for fp8 caches)
+    k = keys.index_select(0, tables.reshape(-1)).reshape(b, c, kvh, d).float().repeat_interleave(h // kvh, dim=2)
+    v = values.index_select(0, tables.reshape(-1)).reshape(b, c, kvh, d).float().repeat_interleave(h // kvh, dim=2)
     s = torch.einsum("bhd,bchd->bhc", q.float(), k) / math.sqrt(d)
     n = lengths.clamp(1, c).to(torch.int64)
     s = s.masked_fill(torch.arange(c, device=q.device).view(1, 1, c) >= n.view(b, 1, 1), float("-inf"))
@@ -77,13 +87,14 @@ def _decode_attention_op(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor
 
 
 def run_kernel(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: Tensor,
-               traceable: bool = False, splits: int | None = None, block: int = BLOCK_KEYS,
+               traceable: bool = False, splits: int | None = None, block: int | None = None,
                warps: int = WARPS) -> Tensor:
     """The operator's work: the Triton kernel, launched with the real strides (`reference` where it
     cannot run, so the operator means the same on every device). Returns a new contiguous [B, H, D].
     traceable: launched through `torch.library.wrap_triton`, so that torch.export records the kernels
     themselves (bench/probes/aoti.py's `aoti_traced`; a plain launch there would read fake tensors' pointers).
-    splits / block / warps: the launch layout (default `launch_layout`'s; bench/probes/attention.py tries others)."""
+    splits / block / warps: the launch layout (default `launch_layout`'s and `block_keys`'; bench/probes/attention.py
+    tries others)."""
     if not kernel_available(q.device, q.shape[-1]) or keys.stride(-1) != 1 or values.stride(-1) != 1:
         # (the kernel reads a head's keys and values contiguously); contiguous as the fake says
         return reference(q, keys, values, tables, lengths).contiguous()
@@ -93,6 +104,7 @@ def run_kernel(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths:
     b, h, d = q.shape
     page, kvh = keys.shape[1], keys.shape[2]
     splits = launch_layout(b, h) if splits is None else splits
+    block = block_keys(keys.dtype) if block is None else block
     out = q.new_empty(q.shape)
     # a split's unnormalised sum [.., :D], its running max [.., D] and weight [.., D + 1], per row, split and head
     part = torch.empty(b, splits, h, d + 2, dtype=torch.float32, device=q.device) if splits > 1 else out

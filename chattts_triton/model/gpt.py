@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import PRECISIONS, Arch, GPTDims
+from ..config import KV_CACHE_DTYPES, PRECISIONS, Arch, GPTDims
 from .assets import AssetError, load_safetensors
 from .attention import decode_attention
 from .rowops import row_matvec
@@ -25,6 +25,15 @@ from .rowops import row_matvec
 # a precision's torch dtype (config.PRECISIONS names them without torch): the GPT's weights and its engine's
 # activations and KV cache
 DTYPES = {k: getattr(torch, v) for k, v in PRECISIONS.items()}
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def cache_dtype(dtype: str, kv_cache_dtype: str = "auto") -> torch.dtype:
+    """The KV cache's torch dtype: the precision's, or config.KV_CACHE_DTYPES's."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    name = KV_CACHE_DTYPES[kv_cache_dtype]
+    return DTYPES[dtype] if name is None else getattr(torch, name)
 
 
 class RMSNorm(nn.Module):
@@ -158,8 +167,12 @@ class DecoderLayer(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         # write this step's keys/values into each request's pages, then attend over them
-        k = k.reshape(b * t, self.kv_heads, self.head_dim).to(k_cache.dtype)
-        v = v.reshape(b * t, self.kv_heads, self.head_dim).to(v_cache.dtype)
+        k = k.reshape(b * t, self.kv_heads, self.head_dim)
+        v = v.reshape(b * t, self.kv_heads, self.head_dim)
+        if torch.jit.is_scripting():
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        else:  # (TorchScript does not compile this branch; its engines keep their precision's cache)
+            k, v = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)
         if torch.jit.is_scripting():  # the exported path: one index_copy_ into the layer's flat positions
             n, page = k_cache.shape[1], k_cache.shape[2]
             k_cache.select(0, layer).view(n * page, self.kv_heads, self.head_dim).index_copy_(0, write_index, k)
@@ -208,6 +221,14 @@ def _concat_linear(parts: list[nn.Linear | None]) -> nn.Linear:
     fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
     fused.weight = nn.Parameter(w, requires_grad=False)
     return fused
+
+
+def to_cache(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in the cache's dtype. An fp8 cache (config.KV_CACHE_DTYPES) saturates: a cast to e4m3 makes NaN of what
+    lies past its largest finite value, where a saturated key only sharpens its attention a little."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
 
 
 def _gather_pages(pool: Tensor, pages: Tensor, length: int) -> Tensor:

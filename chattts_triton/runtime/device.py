@@ -9,7 +9,7 @@ import os
 import torch
 
 from .. import memory
-from ..config import Arch
+from ..config import KV_CACHE_FP8_CAPABILITY, Arch
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,28 @@ def check_dtype_supported(device: torch.device, dtype: str) -> None:
                          f"--dtype fp16 (or --dtype auto on this machine)")
 
 
+def check_kv_cache_supported(device: torch.device, kv_cache_dtype: str, compiled: bool) -> None:
+    """An fp8 cache (config.KV_CACHE_DTYPES) needs a GPU that converts e4m3 and the compiled step (its decode kernel
+    reads the cache; the TorchScript step does not); say so at load, naming the setting."""
+    if kv_cache_dtype == "auto":
+        return
+    fix = "configure --kv-cache-dtype auto"
+    if device.type != "cuda":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} runs on GPUs only; this instance is on the {device.type}: "
+                         f"{fix}")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < KV_CACHE_FP8_CAPABILITY:
+        need, name = ".".join(map(str, KV_CACHE_FP8_CAPABILITY)), torch.cuda.get_device_name(device)
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} needs a GPU of compute capability {need} or later; "
+                         f"{name} has {'.'.join(map(str, cap))}: {fix}")
+    if not compiled:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} needs the compiled step (--gpt-compile), whose decode "
+                         f"kernel reads it: configure --gpt-compile, or {fix}")
+
+
 def engine_plan(device: torch.device, arch: Arch, dtype: str, role: str, slots: int | None, cache_tokens: int | None,
-                max_context: int, max_new_tokens: int, gpu_memory_gb: float | None, vocoders: int) -> memory.EnginePlan:
+                max_context: int, max_new_tokens: int, gpu_memory_gb: float | None, vocoders: int,
+                kv_cache_dtype: str = "auto") -> memory.EnginePlan:
     """An engine's slots and KV cache on `device`: what the configuration gives, the rest from the GPU's memory
     (memory.plan: every process on the GPU plans alike). On the CPU, memory.CPU_SLOTS unless configured, and a
     cache that holds them all at the full context (slots × context: a request is never suspended)."""
@@ -38,7 +58,8 @@ def engine_plan(device: torch.device, arch: Arch, dtype: str, role: str, slots: 
         return memory.EnginePlan(slots, tokens, 0)
     total = torch.cuda.get_device_properties(device).total_memory
     plan = memory.plan(memory.budget(total, gpu_memory_gb), arch, dtype, max_context, max_new_tokens, vocoders,
-                       stream=True, slots={role: slots}, cache_tokens={role: cache_tokens})[role]
+                       stream=True, slots={role: slots}, cache_tokens={role: cache_tokens},
+                       kv_cache_dtype=kv_cache_dtype)[role]
     log.info("%s engine on %s: %d slots, a KV cache of %d positions, %.2f GiB planned (GPU memory %s)", role,
              torch.cuda.get_device_name(device), plan.slots, plan.cache_tokens, plan.gib,
              f"{gpu_memory_gb:g} GiB as configured" if gpu_memory_gb else f"{total / memory.GIB:.1f} GiB, the card's")

@@ -26,9 +26,9 @@ from ..config import (
     InferCodeParams,
     RefineTextParams,
 )
-from ..model.gpt import DTYPES, eager_from_script
+from ..model.gpt import DTYPES, cache_dtype, eager_from_script
 from ..model.text import InputError
-from .device import check_dtype_supported
+from .device import check_dtype_supported, check_kv_cache_supported
 from .engine import Engine, GenRequest, GenResult, paged_interface
 from .inputs import Call, Outputs, Overloaded, Reply, get_bool, sampling_params
 
@@ -60,19 +60,23 @@ class GPTService:
                  compile_step: bool = False, admit_batch: int = ADMIT_BATCH, admit_wait_steps: int = ADMIT_WAIT_STEPS,
                  compile_prefill: bool = False, cache_tokens: int | None = None, overlap: bool = True,
                  packed_prefill: bool = True, high_priority: bool = False, gemv: bool = False,
-                 gemv_tune: bool = False):
+                 gemv_tune: bool = False, kv_cache_dtype: str = "auto"):
         """cache_tokens: positions of the engine's paged KV cache (None: max_slots × max_context).
         packed_prefill: the compiled engine prefills packed prompts (Engine packed_prefill; the TorchScript step
         has no decode kernel). overlap: the engine's host bookkeeping overlaps its next step (Engine overlap; CUDA
         only: nothing to gain where the ops are synchronous). high_priority: the engine's steps on a CUDA stream of
         the highest priority (Engine high_priority). gemv: the compiled step of one row computes its projections as
         reductions of inductor's own (Engine gemv; with compile_step only), gemv_tune: their launch configurations
-        tuned at the warm-up (Engine gemv_tune; with gemv only)."""
+        tuned at the warm-up (Engine gemv_tune; with gemv only). kv_cache_dtype: config.KV_CACHE_DTYPES ("fp8": GPUs
+        of compute capability 8.9 or later, with compile_step only; a step that fails to compile then fails the
+        load instead of falling back to the TorchScript step)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if dtype in CPU_ONLY_PRECISIONS and device.type != "cpu":
             raise ValueError(f"dtype {dtype} runs on CPU only; export fp32/fp16/bf16 for GPUs")
         check_dtype_supported(device, dtype)
+        check_kv_cache_supported(device, kv_cache_dtype, compile_step and compile_applies(device))
+        kv_dtype = cache_dtype(dtype, kv_cache_dtype)
         self.arch = arch
         self.text_eos_id = text_eos_id
         self.spk_emb_id = spk_emb_id
@@ -91,7 +95,7 @@ class GPTService:
             t0 = time.perf_counter()
             engine = Engine(
                 model, max_slots=max_slots, max_context=max_context, max_new_tokens=max_new_tokens,
-                hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=DTYPES[dtype],
+                hidden=arch.gpt.hidden, num_vq=arch.num_vq, device=device, cache_dtype=kv_dtype,
                 cache_tokens=cache_tokens,
                 compute_dtype=DTYPES[dtype], compile_step=compiled, compile_prefill=compiled and compile_prefill,
                 gemv=compiled and gemv,
@@ -131,7 +135,9 @@ class GPTService:
         elif compile_step:
             try:
                 engine = start(eager_from_script(script, arch), True)
-            except Exception:  # noqa: BLE001  e.g. no C compiler for inductor in the image: serve anyway
+            except Exception:  # e.g. no C compiler for inductor in the image: serve anyway
+                if kv_cache_dtype != "auto":  # ... except where the TorchScript step cannot read the cache
+                    raise
                 # the text, not exc_info: a record keeping the traceback would keep the failed engine alive
                 log.error("compiling the GPT decode step failed; serving the TorchScript step instead\n%s",
                           traceback.format_exc())

@@ -17,6 +17,11 @@ from .scheduler import Suspended
 log = logging.getLogger(__name__)
 
 
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache viewed as bytes for the page moves (their CPU kernels have no fp8); other caches as they are."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
 class KvPages:
     """`Engine`'s page pool, block tables and slot layout (state: `_alloc_pages`)."""
 
@@ -89,8 +94,8 @@ class KvPages:
             slot = self.rows[i]
             n, k = int(self.h_n[i]), int(self.h_pages[i])
             pages = self._h2d(torch.from_numpy(self.h_table[i, :k].copy()))
-            slot.saved = (self._d2h(self.k_cache.index_select(1, pages)),
-                          self._d2h(self.v_cache.index_select(1, pages)),
+            slot.saved = (self._d2h(_bytes(self.k_cache).index_select(1, pages)),
+                          self._d2h(_bytes(self.v_cache).index_select(1, pages)),
                           self._d2h(self.tokens[i, :n]), self._d2h(self.hiddens[i, :n]),
                           self.row_params.narrow(i, 1).map(self._d2h),
                           (n, int(self.h_plen[i]), int(self.h_max[i]), bool(self.h_text[i]), k))
@@ -108,8 +113,8 @@ class KvPages:
         i = len(self.rows)
         self._grant(i, k)
         pages = self._h2d(torch.from_numpy(self.h_table[i, :k].copy()))
-        self.k_cache.index_copy_(1, pages, self._h2d(k_saved))
-        self.v_cache.index_copy_(1, pages, self._h2d(v_saved))
+        _bytes(self.k_cache).index_copy_(1, pages, self._h2d(k_saved))
+        _bytes(self.v_cache).index_copy_(1, pages, self._h2d(v_saved))
         self.tokens[i, :n].copy_(self._h2d(toks))
         self.hiddens[i, :n].copy_(self._h2d(hids))
         self.row_params.narrow(i, 1).copy_(params.map(self._h2d))

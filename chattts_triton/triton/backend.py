@@ -508,7 +508,7 @@ def gpt_service(ctx: ModelContext, version_dir: Path | None = None, params: Engi
     set_switch_interval(p.gil_switch_interval_us)
     device = device_for(ctx.instance_kind, ctx.device_id)
     plan = engine_plan(device, ctx.arch, p.dtype, p.ROLE, p.slots, p.cache_tokens, p.gpt_context, p.max_new_tokens,
-                       p.gpu_memory_gb, p.instances)
+                       p.gpu_memory_gb, p.instances, p.kv_cache_dtype)
     limit_process_memory(device, plan.bytes + (VOCODER_BYTES if p.ROLE == "stream" else 0), p.gpu_memory_gb)
     return GPTService(
         (version_dir or ctx.version_dir) / "gpt.pt", ctx.arch, device,
@@ -529,6 +529,7 @@ def gpt_service(ctx: ModelContext, version_dir: Path | None = None, params: Engi
         admit_wait_steps=p.gpt_admit_wait_steps,
         gemv=p.gpt_gemv,  # with compile_step only
         gemv_tune=p.gpt_gemv_tune,  # with gemv only
+        kv_cache_dtype=p.kv_cache_dtype,
     )
 
 

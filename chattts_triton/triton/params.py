@@ -113,6 +113,7 @@ class EngineParams(Params):
     gpt_overlap: bool = True  # GPU engines: the host's bookkeeping of a step overlaps the next step
     gpt_gemv: bool = Deployment.gpt_gemv  # the compiled step of one row: projections as inductor's reductions
     gpt_gemv_tune: bool = Deployment.gpt_gemv_tune  # ... their launch configurations tuned at the warm-up
+    kv_cache_dtype: str = Deployment.kv_cache_dtype  # the engines' KV cache: the precision's, or fp8 (config)
     gpt_admit_batch: int = Deployment.gpt_admit_batch
     gpt_admit_wait_steps: int = Deployment.gpt_admit_wait_steps
     gil_switch_interval_us: int = Deployment.gil_switch_interval_us
