@@ -47,6 +47,26 @@ def test_ab_runs_each_entry_from_its_tree_with_the_common_flags_and_its_own(tmp_
     assert "ab before (tree " in (tmp_path / "out/ab.log").read_text()
 
 
+def test_ab_packs_each_runs_folder_into_one_file_beside_its_log(tmp_path):
+    """A device call brings back only a few files: each run's folder (JSON, md, plots, server log, perf CSVs) leaves
+    as one archive, $OUT/ab-NAME.tgz, beside $OUT/ab-NAME.log."""
+    import tarfile
+
+    env, _ = _stand_ins(tmp_path, "")
+    # python3 as bench.run: writes its files into --out (its 6th word)
+    (tmp_path / "bin/python3").write_text('#!/bin/sh\nmkdir -p "$6/perf" && touch "$6/run.json" "$6/perf/c1.csv"\n'
+                                          'echo done\n')
+    env.update(AB_RUNS="one=;two=--mps")
+    r = subprocess.run(["bash", str(ROOT / "tools/gpu_session.sh"), "ab"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["ab-one.log", "ab-one.tgz", "ab-two.log", "ab-two.tgz", "ab.log",
+                                                     "gpu.txt"]
+    with tarfile.open(out / "ab-two.tgz") as t:
+        assert sorted(t.getnames()) == ["ab-two", "ab-two/perf", "ab-two/perf/c1.csv", "ab-two/run.json"]
+
+
 def test_ab_without_runs_says_what_it_needs(tmp_path):
     env_file = tmp_path / "env.sh"
     env_file.write_text("")

@@ -10,7 +10,7 @@
 #  e.g. `git archive` of the commit before a change, measures the step before it)
 # (ab: one bench.run per entry of AB_RUNS, "NAME[@TREE]=FLAGS;…", each with BENCH_ARGS and its own FLAGS, from the
 #  checkout TREE (default `.`; e.g. `git archive` of the commit before a change): an A/B on one host, one after the
-#  other, into $OUT/ab-NAME/)
+#  other, each packed into $OUT/ab-NAME.tgz with its log beside it as $OUT/ab-NAME.log)
 # (test: PYTEST_ARGS picks the tests, default the whole GPU suite; quotes in it are kept, e.g. -k "a or b")
 # Writes logs and results under $OUT (or build/gpu-out).
 set -uo pipefail
@@ -52,6 +52,10 @@ for stage in "$@"; do
           --out "$OUT/ab-$name" --name "$name" --repo "$ROOT/build/repo-ab-$name" ${BENCH_ARGS:-} $flags) \
           > "$OUT/ab-$name.log" 2>&1
         tail -3 "$OUT/ab-$name.log" | tee -a "$OUT/ab.log"
+        # one file a run: a device call brings back only a few files, and a run's folder holds a dozen
+        if [ -d "$OUT/ab-$name" ]; then
+          tar czf "$OUT/ab-$name.tgz" -C "$OUT" "ab-$name" && rm -rf "${OUT:?}/ab-$name"
+        fi
       done ;;
     detach)
       dir="${DETACH_DIR:-build/detached}"; rm -rf "$dir" && mkdir -p "$dir"
