@@ -60,8 +60,9 @@ def engine_plan(device: torch.device, arch: Arch, dtype: str, role: str, slots: 
     plan = memory.plan(memory.budget(total, gpu_memory_gb), arch, dtype, max_context, max_new_tokens, vocoders,
                        stream=True, slots={role: slots}, cache_tokens={role: cache_tokens},
                        kv_cache_dtype=kv_cache_dtype)[role]
-    log.info("%s engine on %s: %d slots, a KV cache of %d positions, %.2f GiB planned (GPU memory %s)", role,
-             torch.cuda.get_device_name(device), plan.slots, plan.cache_tokens, plan.gib,
+    log.info("%s engine on %s: %d slots, a KV cache of %d positions (%s), %.2f GiB planned (GPU memory %s)", role,
+             torch.cuda.get_device_name(device), plan.slots, plan.cache_tokens,
+             dtype if kv_cache_dtype == "auto" else kv_cache_dtype, plan.gib,
              f"{gpu_memory_gb:g} GiB as configured" if gpu_memory_gb else f"{total / memory.GIB:.1f} GiB, the card's")
     return plan
 
