@@ -169,16 +169,15 @@ class DecoderLayer(nn.Module):
         # write this step's keys/values into each request's pages, then attend over them
         k = k.reshape(b * t, self.kv_heads, self.head_dim)
         v = v.reshape(b * t, self.kv_heads, self.head_dim)
-        if torch.jit.is_scripting():
+        if torch.jit.is_scripting():  # the exported path: one index_copy_ into the layer's flat positions (its
+            # engines keep their precision's cache)
             k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-        else:  # (TorchScript does not compile this branch; its engines keep their precision's cache)
-            k, v = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)
-        if torch.jit.is_scripting():  # the exported path: one index_copy_ into the layer's flat positions
             n, page = k_cache.shape[1], k_cache.shape[2]
             k_cache.select(0, layer).view(n * page, self.kv_heads, self.head_dim).index_copy_(0, write_index, k)
             v_cache.select(0, layer).view(n * page, self.kv_heads, self.head_dim).index_copy_(0, write_index, v)
         else:  # torch.compile: one index_put_ on the whole cache stays in place (through a view,
             # the compiled step copied the whole cache every step)
+            k, v = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)
             layer_ids = write_at[0]
             assert layer_ids is not None
             at: list[Tensor | None] = [layer_ids.narrow(0, layer, 1), write_at[1], write_at[2]]
